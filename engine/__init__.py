@@ -1,0 +1,1 @@
+"""kvferry.engine"""

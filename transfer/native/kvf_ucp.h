@@ -1,0 +1,61 @@
+/* Declarations shared by the cffi cdef and the C implementation (kvf_ucp.c).
+ * Kept free of UCX types so that cffi's parser sees only plain C. */
+typedef struct kvf_worker kvf_worker;
+
+/* Completion tracker for one batch: the Python side owns the memory and keeps it
+ * alive until `outstanding` reaches zero. `status` holds the first error (0 = OK). */
+typedef struct kvf_batch {
+    int64_t outstanding;
+    int32_t status;
+    int32_t stage;
+    int64_t posted;
+    int64_t direct;
+} kvf_batch;
+
+/* One received active message, copied out of UCX's buffer inside the callback. */
+typedef struct kvf_msg {
+    struct kvf_msg *next;
+    size_t length;
+    char *data;
+} kvf_msg;
+
+const char *kvf_status_string(int status);
+const char *kvf_version_string(void);
+const char *kvf_library_path(void);
+int kvf_worker_create(const char *tls, int64_t max_am_bytes, kvf_worker **out);
+void kvf_worker_destroy(kvf_worker *w);
+int kvf_worker_address(kvf_worker *w, void **addr, size_t *length);
+void kvf_worker_address_release(kvf_worker *w, void *addr);
+int kvf_worker_efd(kvf_worker *w, int *fd);
+int kvf_worker_arm(kvf_worker *w);
+unsigned kvf_worker_progress(kvf_worker *w);
+int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us);
+
+int kvf_ep_create(kvf_worker *w, const void *addr, void **ep);
+int kvf_ep_transports(void *ep, char *out, size_t cap);
+int kvf_ep_close(kvf_worker *w, void *ep, int force, int timeout_ms);
+
+int kvf_mem_map(kvf_worker *w, void *address, size_t length, int allocate,
+                void **memh, void **base, size_t *mapped_length);
+int kvf_mem_unmap(kvf_worker *w, void *memh);
+int kvf_rkey_pack(kvf_worker *w, void *memh, void **buffer, size_t *size);
+void kvf_rkey_buffer_release(void *buffer);
+int kvf_rkey_unpack(void *ep, const void *buffer, void **rkey);
+void kvf_rkey_destroy(void *rkey);
+int kvf_rkey_ptr(void *rkey, uint64_t remote_addr, void **local);
+
+int kvf_put_pages(void *ep, char *local_base, void *rkey, uint64_t remote_base,
+                  char *direct_base, const int64_t *triples, int64_t n, int flush,
+                  kvf_batch *batch);
+int kvf_get_pages(void *ep, char *local_base, void *rkey, uint64_t remote_base,
+                  char *direct_base, const int64_t *triples, int64_t n,
+                  kvf_batch *batch);
+int kvf_flush(void *ep, kvf_batch *batch);
+int kvf_flush_then_send(void *ep, uint16_t am_id, const void *payload, size_t length,
+                        kvf_batch *batch);
+int kvf_am_send(void *ep, uint16_t am_id, const void *payload, size_t length,
+                kvf_batch *batch);
+kvf_msg *kvf_am_pop(kvf_worker *w);
+void kvf_msg_free(kvf_msg *m);
+int64_t kvf_am_dropped(kvf_worker *w);
+int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t n);

@@ -1,0 +1,228 @@
+"""The paged KV pool: one contiguous tensor per rank.
+
+Layout: ``kv[pages, layers, 2, kv_heads, page_size, head_dim]`` where index 2 of the third
+axis is (0 = K, 1 = V). Heads-major inside a page means that a tensor-parallel shard of
+heads ``[head_lo, head_hi)`` occupies one contiguous run of bytes per (layer, K/V) in every
+page, so a prefill rank that computes only its heads writes whole runs.
+
+Upholds I3: :attr:`KVPool.capacity_tokens` is measured from the tensor that was really
+allocated (its shape and the bytes its storage holds), never from the configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+SUPPORTED_DTYPES = frozenset(DTYPES.values())
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bf16" | "fp16" | "fp32"`` (or a torch dtype among those) to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        if name not in SUPPORTED_DTYPES:
+            raise ValueError(f"unsupported KV dtype {name}; use one of {sorted(DTYPES)}")
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {name!r}; use one of {sorted(DTYPES)}") from None
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """What a rank asks for. The pool built from it reports what it really got."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim", "page_size", "num_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"PoolConfig.{name} must be a positive int, got {value!r}")
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+
+    @classmethod
+    def for_tokens(
+        cls,
+        pool_tokens: int,
+        *,
+        layers: int = 1,
+        kv_heads: int = 1,
+        head_dim: int = 8,
+        page_size: int = 16,
+        dtype: torch.dtype | str = torch.float32,
+        device: str = "cpu",
+    ) -> "PoolConfig":
+        """A config with ``pool_tokens // page_size`` pages (whole pages only)."""
+        if pool_tokens < page_size:
+            raise ValueError(f"pool of {pool_tokens} tokens is smaller than one page of {page_size}")
+        return cls(layers, kv_heads, head_dim, page_size, pool_tokens // page_size, parse_dtype(dtype), device)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        return (self.num_pages, self.layers, 2, self.kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def element_size(self) -> int:
+        return _element_size(self.dtype)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of KV one token occupies across all layers, K and V, all heads."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.element_size
+
+    @property
+    def page_bytes(self) -> int:
+        return self.token_bytes * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    @property
+    def declared_tokens(self) -> int:
+        """What the config asks for; compare with :attr:`KVPool.capacity_tokens`."""
+        return self.num_pages * self.page_size
+
+
+class PoolShapeError(ValueError):
+    """A buffer handed to :class:`KVPool` cannot hold the configured pool."""
+
+
+class KVPool:
+    """The rank's KV pages.
+
+    ``kv`` is ``[pages, layers, 2, kv_heads, page_size, head_dim]``, contiguous. It is
+    either allocated here (``torch.empty``: pages are never zeroed, like a real pool, so
+    stale KV stays until overwritten) or viewed over a caller's buffer (for instance
+    memory the transfer engine registered), see :meth:`from_buffer`.
+    """
+
+    def __init__(self, config: PoolConfig, storage: torch.Tensor | None = None, *, zero: bool = False) -> None:
+        self.config = config
+        if storage is None:
+            make = torch.zeros if zero else torch.empty
+            self.kv = make(config.shape, dtype=config.dtype, device=config.device)
+        else:
+            self.kv = self._view_storage(config, storage)
+            if zero:
+                self.kv.zero_()
+        if not self.kv.is_contiguous():
+            raise PoolShapeError("KV pool tensor must be contiguous")
+
+    @classmethod
+    def from_buffer(cls, config: PoolConfig, buffer: torch.Tensor) -> "KVPool":
+        """View a flat buffer (any dtype, typically uint8) as the pool tensor, without copying."""
+        return cls(config, storage=buffer)
+
+    @staticmethod
+    def _view_storage(config: PoolConfig, storage: torch.Tensor) -> torch.Tensor:
+        if not storage.is_contiguous():
+            raise PoolShapeError("pool storage must be contiguous")
+        if tuple(storage.shape) == config.shape and storage.dtype == config.dtype:
+            return storage
+        flat = storage.reshape(-1).view(torch.uint8)
+        if flat.numel() < config.total_bytes:
+            raise PoolShapeError(
+                f"buffer of {flat.numel()} bytes cannot hold {config.num_pages} pages of "
+                f"{config.page_bytes} bytes ({config.total_bytes} bytes)"
+            )
+        if flat.data_ptr() % config.element_size:
+            raise PoolShapeError(f"buffer is not aligned to {config.element_size} bytes")
+        return flat[: config.total_bytes].view(config.dtype).view(config.shape)
+
+    # --- measured figures (I3): from the tensor, not from the config -----------------
+    @property
+    def num_pages(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def layers(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[4]
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv.shape[5]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.kv.stride(0) * self.kv.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the allocated tensor can hold: whole pages backed by real storage."""
+        backed_bytes = self.kv.untyped_storage().nbytes() - self.kv.storage_offset() * self.kv.element_size()
+        backed_pages = min(self.num_pages, backed_bytes // self.page_bytes)
+        return backed_pages * self.page_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    # --- addressing -------------------------------------------------------------------
+    def page_view(self, page: int) -> torch.Tensor:
+        """``[layers, 2, kv_heads, page_size, head_dim]`` view of one page."""
+        self._check_page(page)
+        return self.kv[page]
+
+    def page_byte_range(self, page: int) -> tuple[int, int]:
+        """``(byte_offset, nbytes)`` of a whole page inside kv's storage."""
+        self._check_page(page)
+        base = self.kv.storage_offset() * self.kv.element_size()
+        return base + page * self.page_bytes, self.page_bytes
+
+    def head_slice_runs(self, page: int, head_lo: int, head_hi: int) -> list[tuple[int, int]]:
+        """Byte runs ``(offset, nbytes)`` inside kv's storage of heads ``[head_lo, head_hi)``
+        of one page: one run per (layer, K/V), in layer-major, K-then-V order."""
+        self._check_page(page)
+        if not 0 <= head_lo < head_hi <= self.kv_heads:
+            raise ValueError(f"head range [{head_lo}, {head_hi}) outside [0, {self.kv_heads})")
+        esize = self.kv.element_size()
+        s0, s1, s2, s3 = (self.kv.stride(i) * esize for i in range(4))
+        base = self.kv.storage_offset() * esize + page * s0 + head_lo * s3
+        nbytes = (head_hi - head_lo) * s3
+        return [(base + layer * s1 + kv_index * s2, nbytes) for layer in range(self.layers) for kv_index in range(2)]
+
+    def _check_page(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} outside pool of {self.num_pages} pages")
+
+    def __repr__(self) -> str:
+        return (
+            f"KVPool(pages={self.num_pages}, layers={self.layers}, kv_heads={self.kv_heads}, "
+            f"page_size={self.page_size}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"device={self.device}, capacity_tokens={self.capacity_tokens})"
+        )

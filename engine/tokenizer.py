@@ -1,0 +1,40 @@
+"""Byte-level tokenizer: token ids 0..255 are the bytes of UTF-8 text, plus a few specials.
+
+Prompts and answers stay readable, so a leaked page shows up as another request's text.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+BYTE_TOKENS = 256
+BOS = 256
+EOS = 257
+PAD = 258
+CONFLICT = 259  # the replay model's answer when heads or layers disagree
+VOCAB_SIZE = 260
+TOKEN_BITS = 9  # bits needed to write any token id
+SPECIAL_NAMES = {BOS: "<bos>", EOS: "<eos>", PAD: "<pad>", CONFLICT: "<conflict>"}
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode(tokens: Iterable[int], *, show_specials: bool = True) -> str:
+    """Bytes back to text (invalid UTF-8 replaced); specials rendered as ``<name>`` or dropped."""
+    out: list[str] = []
+    run = bytearray()
+    for token in tokens:
+        token = int(token)
+        if 0 <= token < BYTE_TOKENS:
+            run.append(token)
+            continue
+        if token not in SPECIAL_NAMES:
+            raise ValueError(f"token {token} outside vocabulary of {VOCAB_SIZE}")
+        out.append(run.decode("utf-8", errors="replace"))
+        run.clear()
+        if show_specials:
+            out.append(SPECIAL_NAMES[token])
+    out.append(run.decode("utf-8", errors="replace"))
+    return "".join(out)

@@ -1,1 +1,28 @@
-"""kvferry.transfer"""
+"""kvferry.transfer: one-sided page writes and reads between processes over UCX.
+
+Knows nothing about requests or models. See :mod:`kvferry.transfer.engine` for the API,
+its threading model and transport choices, and :mod:`kvferry.transfer.wire` for the
+versioned msgpack codec that control messages use.
+
+Quick tour::
+
+    eng = TransferEngine(TransferConfig(transports="shm", name="prefill0"))
+    seg = eng.register(np.zeros(1 << 20, np.uint8))        # or eng.allocate(nbytes)
+    peer = eng.connect(peer_address, name="decode0")        # the peer's eng.address
+    rseg = eng.open_segment(peer, SegmentDescriptor.unpack(desc_bytes))
+    eng.write(peer, seg, rseg, [[0, 4096, 4096]]).wait(5.0) # visible at the target
+    eng.notify(peer, b"done").wait(5.0)                     # arrives after the data
+"""
+from .batch import Batch, BatchStatus
+from .engine import (Peer, PeerState, TransferConfig, TransferCounters, TransferEngine)
+from .errors import (DeadlineExceeded, PeerFailedError, SegmentBoundsError,
+                     StaleIncarnationError, TransferError, UcxError, WireError, ucx_error)
+from .protocol import AddressInfo, IncomingMessage, decode_address
+from .segment import RemoteSegment, Segment, SegmentDescriptor
+
+__all__ = [
+    "TransferEngine", "TransferConfig", "TransferCounters", "Segment", "SegmentDescriptor",
+    "RemoteSegment", "Peer", "PeerState", "Batch", "BatchStatus", "TransferError",
+    "PeerFailedError", "DeadlineExceeded", "SegmentBoundsError", "StaleIncarnationError",
+    "WireError", "UcxError", "ucx_error", "AddressInfo", "IncomingMessage", "decode_address",
+]

@@ -49,7 +49,8 @@ def _from_wheel() -> tuple[list[str], list[str], str]:
     import libucx  # the libucx-cu12 wheel
 
     root = Path(libucx.__file__).resolve().parent
-    return [str(root / "include")], [str(root / "lib")], f"libucx wheel {root}"
+    version = getattr(libucx, "__version__", "?")
+    return [str(root / "include")], [str(root / "lib")], f"libucx wheel {version}"
 
 
 def locate_ucx() -> tuple[list[str], list[str], str]:

@@ -12,6 +12,7 @@
 #include <dlfcn.h>
 #include <poll.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -25,6 +26,7 @@ struct kvf_worker {
     kvf_msg *head;
     kvf_msg *tail;
     int64_t dropped;
+    char bad_option[128];
 };
 
 #define KVF_AM_ID 7
@@ -74,7 +76,7 @@ static ucs_status_t kvf_am_recv(void *arg, const void *header, size_t header_len
     return UCS_OK;
 }
 
-int kvf_worker_create(const char *tls, int64_t max_am_bytes, kvf_worker **out)
+int kvf_worker_create(const char *options, int64_t max_am_bytes, kvf_worker **out)
 {
     ucp_config_t *config;
     ucp_params_t params;
@@ -86,9 +88,30 @@ int kvf_worker_create(const char *tls, int64_t max_am_bytes, kvf_worker **out)
     w->max_am_bytes = max_am_bytes;
     st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK) goto err_free;
-    if (tls != NULL && tls[0] != '\0') {
-        st = ucp_config_modify(config, "TLS", tls);
-        if (st != UCS_OK) { ucp_config_release(config); goto err_free; }
+    /* options: "KEY=VALUE" lines applied with ucp_config_modify (keys without UCX_). */
+    if (options != NULL) {
+        const char *line = options;
+        char key[128], value[512];
+        while (*line != '\0') {
+            const char *eol = strchr(line, '\n');
+            const char *eq = strchr(line, '=');
+            size_t len = eol ? (size_t)(eol - line) : strlen(line);
+            if (eq != NULL && eq < line + len && (size_t)(eq - line) < sizeof(key) &&
+                len - (size_t)(eq - line) - 1 < sizeof(value)) {
+                memcpy(key, line, (size_t)(eq - line));
+                key[eq - line] = '\0';
+                memcpy(value, eq + 1, len - (size_t)(eq - line) - 1);
+                value[len - (size_t)(eq - line) - 1] = '\0';
+                st = ucp_config_modify(config, key, value);
+                if (st != UCS_OK) {
+                    snprintf(w->bad_option, sizeof(w->bad_option), "%s", key);
+                    *out = w;
+                    ucp_config_release(config);
+                    return st;
+                }
+            }
+            line += len + (eol ? 1 : 0);
+        }
     }
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
@@ -120,8 +143,14 @@ err_ctx:
     ucp_cleanup(w->context);
 err_free:
     free(w);
+    *out = NULL;
     return st;
 }
+
+const char *kvf_worker_bad_option(kvf_worker *w) { return w->bad_option; }
+
+/* Frees a worker whose creation failed on a config option (context never created). */
+void kvf_worker_free_failed(kvf_worker *w) { free(w); }
 
 void kvf_worker_destroy(kvf_worker *w)
 {

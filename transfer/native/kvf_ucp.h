@@ -22,8 +22,10 @@ typedef struct kvf_msg {
 const char *kvf_status_string(int status);
 const char *kvf_version_string(void);
 const char *kvf_library_path(void);
-int kvf_worker_create(const char *tls, int64_t max_am_bytes, kvf_worker **out);
+int kvf_worker_create(const char *options, int64_t max_am_bytes, kvf_worker **out);
 void kvf_worker_destroy(kvf_worker *w);
+const char *kvf_worker_bad_option(kvf_worker *w);
+void kvf_worker_free_failed(kvf_worker *w);
 int kvf_worker_address(kvf_worker *w, void **addr, size_t *length);
 void kvf_worker_address_release(kvf_worker *w, void *addr);
 int kvf_worker_efd(kvf_worker *w, int *fd);

@@ -1,0 +1,605 @@
+"""The transfer engine: one-sided page writes and reads between registered memory of
+processes, over UCX, with a Mooncake-like batch API.
+
+Upholds, for the layers above:
+
+- I4 (no release without proof): a completed ``write`` batch, ``quiesce`` and the data
+  before a ``notify`` are *flushed*: every earlier put to that peer is visible at the
+  target. ``close(peer, force=True)`` severs the endpoint. Registered memory is never
+  freed behind a peer's back (``deregister`` is explicit).
+- I5 (decode reads only what was written): page lists are bounds-checked against both
+  segments before anything is posted; descriptors of another incarnation are refused.
+- I6 (every fault is visible): failures raise named exceptions carrying the peer's name
+  and are counted; every wait is bounded by a deadline.
+
+Threading: an engine is single-threaded (``UCS_THREAD_MODE_SINGLE``). One thread owns it
+and makes every call; nothing runs in the background. Incoming messages are delivered from
+inside :meth:`progress` (also driven by ``Batch.wait``). For asyncio, ``add_reader`` on
+:meth:`fileno` and call ``progress(0)`` when it is readable.
+
+Transports (``TransferConfig.transports``):
+
+- ``"shm"``: UCX shared-memory transports (``sm``: posix, sysv, cma, plus xpmem/knem
+  where present) and ``self``. Writes into memory the target obtained with
+  :meth:`TransferEngine.allocate` (``UCP_MEM_MAP_ALLOCATE``: posix/sysv shared memory)
+  are copied directly by the initiator through ``ucp_rkey_ptr`` (one memcpy per page in C;
+  the target runs nothing). Writes into memory the target merely registered go through
+  ``ucp_put_nbx`` over cma (``process_vm_writev``), also one-sided. Prefer ``allocate``
+  for destinations: it is the fastest path.
+- ``"tcp"``: tcp and self. The target must call :meth:`progress` (UCX emulates RMA over
+  tcp in software). Keep-alive and ``TCP_USER_TIMEOUT`` are set so that a silently
+  partitioned peer fails within seconds.
+- ``None``: UCX's defaults (every transport it finds); any other string is used as
+  ``UCX_TLS`` as is.
+
+UCX's peer error-handling mode is deliberately left at its default: ``PEER`` mode breaks
+shared-memory endpoints and slows tcp/cma RMA to software emulation. Peer death is
+detected from request errors, from the peer's process (a pidfd, when it runs on this
+host) and by deadlines.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import secrets
+import select
+import socket
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+import numpy as np
+
+from ._native import ffi, lib
+from .batch import Batch, BatchStatus
+from .errors import (PeerFailedError, StaleIncarnationError, TransferError, WireError,
+                     ucx_error)
+from .pages import as_page_array, check_pages
+from .protocol import (ADDRESS, CODEC, ENVELOPE, MAX_PAYLOAD, AddressInfo, IncomingMessage,
+                       decode_address)
+from .segment import RemoteSegment, Segment, SegmentDescriptor
+
+log = logging.getLogger("kvferry.transfer")
+
+TRANSPORT_PRESETS = {"shm": "sm,self", "tcp": "tcp,self"}
+TCP_FAILURE_OPTIONS = {"TCP_KEEPIDLE": "1s", "TCP_KEEPINTVL": "1s", "TCP_KEEPCNT": "3",
+                       "TCP_USER_TIMEOUT": "4s"}
+MessageHandler = Callable[[bytes, bytes], None]
+
+
+@dataclass
+class TransferConfig:
+    """Engine settings. ``transports``: ``"shm"``, ``"tcp"``, ``None`` or a UCX_TLS list."""
+
+    transports: str | None = None
+    name: str = ""
+    direct_copy: bool = True          # copy pages directly into mapped remote memory
+    max_message_bytes: int = 256 << 10  # payload limit of notify/send (and of receipt)
+    spin_us: int = 50                 # busy-poll this long before sleeping on the event fd
+    liveness_interval_s: float = 0.005  # how often waits look at the peer's process
+    default_timeout_s: float = 30.0   # Batch.wait() without a timeout
+    close_timeout_s: float = 2.0      # bound on endpoint close
+    tcp_failure_detection: bool = True  # tcp keep-alive so a silent partition fails
+    ucx_options: dict[str, str] = field(default_factory=dict)  # extra ucp_config_modify keys
+    # Injected fault for tests that must show they can fail: skip page i of every write.
+    fault_skip_page: int | None = None
+
+    def resolved_ucx_options(self) -> dict[str, str]:
+        opts: dict[str, str] = {}
+        tls = TRANSPORT_PRESETS.get(self.transports or "", self.transports)
+        if tls:
+            opts["TLS"] = tls
+        if self.tcp_failure_detection and (tls is None or "tcp" in tls or tls == "all"):
+            opts.update(TCP_FAILURE_OPTIONS)
+        opts.update(self.ucx_options)
+        return opts
+
+
+@dataclass
+class TransferCounters:
+    bytes_written: int = 0
+    bytes_read: int = 0
+    batches: int = 0
+    pages_posted: int = 0
+    pages_direct: int = 0
+    completed: int = 0
+    failures: int = 0
+    timeouts: int = 0
+    notifies: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    malformed_messages: int = 0
+    dropped_messages: int = 0
+    handler_errors: int = 0
+    peers_failed: int = 0
+    bounds_refused: int = 0
+    stale_refused: int = 0
+
+
+class PeerState(Enum):
+    CONNECTED = "connected"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class Peer:
+    """A connected remote engine. ``name`` appears in every error about it."""
+
+    name: str
+    address: bytes
+    info: AddressInfo
+    ep: Any = field(repr=False)
+    state: PeerState = PeerState.CONNECTED
+    failure: str | None = None
+    pidfd: int | None = field(default=None, repr=False)
+    transports: str = ""
+    last_liveness_check: float = 0.0
+    rkeys: list = field(default_factory=list, repr=False)  # destroyed before the endpoint
+
+    @property
+    def incarnation(self) -> int:
+        return self.info.incarnation
+
+
+def _check(status: int, what: str, peer: str | None = None) -> None:
+    if status != 0:
+        raise ucx_error(int(status), what, peer)
+
+
+def _host_identity() -> tuple[str, str, int]:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = 0
+    return socket.gethostname(), boot_id, pidns
+
+
+def _buffer_pointer(buf: Any) -> tuple[int, int]:
+    """(address, nbytes) of a contiguous host buffer: numpy array, CPU torch tensor, or any
+    writable buffer-protocol object."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("register: numpy array must be C-contiguous")
+        return buf.ctypes.data, buf.nbytes
+    if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # torch.Tensor
+        if buf.device.type != "cpu":
+            raise ValueError(f"register: tensor on {buf.device} (only CPU memory here)")
+        if not buf.is_contiguous():
+            raise ValueError("register: tensor must be contiguous")
+        return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+    view = ffi.from_buffer(buf, require_writable=True)
+    return int(ffi.cast("uintptr_t", view)), len(view)
+
+
+class TransferEngine:
+    """See the module docstring. ``incarnation`` is random per engine; ``address`` is what
+    peers pass to :meth:`connect`."""
+
+    def __init__(self, config: TransferConfig | None = None):
+        self.config = config or TransferConfig()
+        self.incarnation = secrets.randbits(64) | 1
+        self.counters = TransferCounters()
+        self._options = self.config.resolved_ucx_options()
+        opt_text = "\n".join(f"{k}={v}" for k, v in self._options.items()).encode()
+        max_am = min(self.config.max_message_bytes, MAX_PAYLOAD) + (128 << 10)
+        out = ffi.new("kvf_worker **")
+        st = lib.kvf_worker_create(opt_text, max_am, out)
+        if st != 0:
+            bad = ""
+            if out[0] != ffi.NULL:
+                bad = ffi.string(lib.kvf_worker_bad_option(out[0])).decode()
+                lib.kvf_worker_free_failed(out[0])
+            raise ucx_error(int(st), "creating the UCX context/worker"
+                            + (f" (option {bad}={self._options.get(bad)!r})" if bad else ""))
+        self._worker = out[0]
+        addr, alen = ffi.new("void **"), ffi.new("size_t *")
+        _check(lib.kvf_worker_address(self._worker, addr, alen), "worker address")
+        ucx_address = bytes(ffi.buffer(addr[0], alen[0]))
+        lib.kvf_worker_address_release(self._worker, addr[0])
+        fd = ffi.new("int *")
+        lib.kvf_worker_efd(self._worker, fd)
+        self._efd = int(fd[0])
+        host, boot_id, pidns = _host_identity()
+        self._identity = (host, boot_id, pidns)
+        self.name = self.config.name or f"{host}:{os.getpid()}"
+        self.address: bytes = CODEC.encode(ADDRESS.make(
+            ucx=ucx_address, incarnation=self.incarnation, name=self.name, host=host,
+            boot_id=boot_id, pidns=pidns, pid=os.getpid()))
+        self._peers: dict[bytes, Peer] = {}
+        self._segments: list[Segment] = []
+        self._inflight: list[tuple[Any, Any]] = []   # (kvf_batch*, keep-alive refs)
+        self._handler: MessageHandler | None = None
+        self._inbox: deque[IncomingMessage] = deque()
+        self._seq = itertools.count(1)
+        self._closed = False
+        log.info("transfer engine %s: %s", self.name, self.describe())
+
+    # ----------------------------------------------------------------- description
+    def describe(self) -> dict:
+        """UCX version and library, build source, requested transports, and the
+        transports each connected peer's endpoint uses (like ``ucx_info``)."""
+        return {
+            "ucx_version": ffi.string(lib.kvf_version_string()).decode(),
+            "ucx_library": ffi.string(lib.kvf_library_path()).decode(),
+            "ucx_build": ffi.string(lib.kvf_ucx_source()).decode(),
+            "transports_requested": self._options.get("TLS", "all (UCX default)"),
+            "ucx_options": dict(self._options),
+            "incarnation": f"{self.incarnation:#018x}",
+            "name": self.name,
+            "peers": {p.name: {"state": p.state.value, "transports": p.transports}
+                      for p in self._peers.values()},
+        }
+
+    def fileno(self) -> int:
+        """UCX's event fd: readable when :meth:`progress` has work (arm first: progress
+        with a timeout does that)."""
+        return self._efd
+
+    # --------------------------------------------------------------------- memory
+    def register(self, buf: Any) -> Segment:
+        """Register a contiguous host buffer (numpy, CPU torch tensor, bytearray...)
+        zero-copy. The segment keeps a reference to ``buf``."""
+        self._require_open()
+        address, nbytes = _buffer_pointer(buf)
+        if nbytes <= 0:
+            raise ValueError("register: empty buffer")
+        return self._map(address, nbytes, allocate=False, owner=buf)
+
+    def allocate(self, nbytes: int, prefault: bool = True) -> Segment:
+        """UCX-allocated memory (``UCP_MEM_MAP_ALLOCATE``: shared memory that peers on this
+        host map and write directly). ``prefault`` touches every page once."""
+        self._require_open()
+        if nbytes <= 0:
+            raise ValueError(f"allocate: nbytes must be positive, got {nbytes}")
+        seg = self._map(0, nbytes, allocate=True, owner=None)
+        if prefault:
+            seg.as_numpy()[::4096] = 0
+        return seg
+
+    def _map(self, address: int, nbytes: int, allocate: bool, owner: Any) -> Segment:
+        memh, base, mlen = ffi.new("void **"), ffi.new("void **"), ffi.new("size_t *")
+        _check(lib.kvf_mem_map(self._worker, ffi.cast("void *", address), nbytes,
+                               int(allocate), memh, base, mlen), f"mapping {nbytes} bytes")
+        rbuf, rsize = ffi.new("void **"), ffi.new("size_t *")
+        st = lib.kvf_rkey_pack(self._worker, memh[0], rbuf, rsize)
+        if st != 0:
+            lib.kvf_mem_unmap(self._worker, memh[0])
+            _check(st, "packing an rkey")
+        rkey = bytes(ffi.buffer(rbuf[0], rsize[0]))
+        lib.kvf_rkey_buffer_release(rbuf[0])
+        length = nbytes if not allocate else min(nbytes, int(mlen[0]))
+        seg = Segment(base=int(ffi.cast("uintptr_t", base[0])), length=length, rkey=rkey,
+                      incarnation=self.incarnation, allocated=allocate, memh=memh[0],
+                      owner=owner)
+        self._segments.append(seg)
+        return seg
+
+    def deregister(self, seg: Segment) -> None:
+        """Unmap a segment. For allocated segments this releases the memory: only do it
+        once no peer can write it any more (I4); peers that mapped it keep their mapping."""
+        if seg.registered:
+            seg.registered = False
+            self._segments.remove(seg)
+            _check(lib.kvf_mem_unmap(self._worker, seg.memh), "unmapping a segment")
+
+    # ---------------------------------------------------------------------- peers
+    def connect(self, peer_address: bytes, name: str = "") -> Peer:
+        """Endpoint to the engine at ``peer_address`` (its :attr:`address`). Connecting
+        twice to the same live address returns the same peer."""
+        self._require_open()
+        existing = self._peers.get(peer_address)
+        if existing is not None and existing.state is PeerState.CONNECTED:
+            return existing
+        info = decode_address(peer_address)
+        name = name or info.name
+        ep = ffi.new("void **")
+        _check(lib.kvf_ep_create(self._worker, info.ucx, ep), "connecting", name)
+        peer = Peer(name=name, address=peer_address, info=info, ep=ep[0])
+        if (info.host, info.boot_id, info.pidns) == self._identity and info.pid != os.getpid():
+            try:
+                peer.pidfd = os.pidfd_open(info.pid)
+            except (OSError, AttributeError):
+                peer.pidfd = None
+                if not self._pid_exists(info.pid):
+                    peer.state, peer.failure = PeerState.FAILED, f"process {info.pid} is gone"
+        tbuf = ffi.new("char[512]")
+        if lib.kvf_ep_transports(peer.ep, tbuf, 512) == 0:
+            peer.transports = ffi.string(tbuf).decode()
+        self._peers[peer_address] = peer
+        log.info("connected to %s (incarnation %#x) over %s", name, info.incarnation,
+                 peer.transports or "?")
+        return peer
+
+    @staticmethod
+    def _pid_exists(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def _peer_alive(self, peer: Peer, force: bool = False) -> bool:
+        if peer.state is not PeerState.CONNECTED:
+            return False
+        if peer.pidfd is None:
+            return True
+        now = time.monotonic()
+        if not force and now - peer.last_liveness_check < self.config.liveness_interval_s:
+            return True
+        peer.last_liveness_check = now
+        readable, _, _ = select.select([peer.pidfd], [], [], 0)
+        if readable:
+            self._mark_peer_failed(peer, f"process {peer.info.pid} exited")
+            return False
+        return True
+
+    def _mark_peer_failed(self, peer: Peer, reason: str) -> None:
+        """Record the failure and sever the endpoint: pending requests complete with
+        UCS_ERR_CANCELED and nothing more is posted to this peer."""
+        if peer.state is not PeerState.CONNECTED:
+            return
+        peer.state, peer.failure = PeerState.FAILED, reason
+        self.counters.peers_failed += 1
+        log.warning("peer %s failed: %s; severing its endpoint", peer.name, reason)
+        self._release_rkeys(peer)
+        lib.kvf_ep_close(self._worker, peer.ep, 1, int(self.config.close_timeout_s * 1000))
+
+    @staticmethod
+    def _release_rkeys(peer: Peer) -> None:
+        for rkey in peer.rkeys:
+            lib.kvf_rkey_destroy(rkey)
+        peer.rkeys.clear()
+
+    def peer_alive(self, peer: Peer) -> bool:
+        """False once the peer failed or was closed (checks its process if local)."""
+        return self._peer_alive(peer, force=True)
+
+    def close(self, peer: Peer, force: bool = False) -> None:
+        """Close the endpoint. ``force=True`` severs it without flushing: requests in
+        flight complete with UCS_ERR_CANCELED (bytes already sent are not recalled)."""
+        if peer.state is PeerState.CLOSED:
+            return
+        was_connected = peer.state is PeerState.CONNECTED
+        peer.state = PeerState.CLOSED
+        peer.failure = peer.failure or ("severed" if force else "closed")
+        self._release_rkeys(peer)
+        if was_connected:
+            st = lib.kvf_ep_close(self._worker, peer.ep, int(force),
+                                  int(self.config.close_timeout_s * 1000))
+            if st != 0 and not force:
+                lib.kvf_ep_close(self._worker, peer.ep, 1,
+                                 int(self.config.close_timeout_s * 1000))
+        if peer.pidfd is not None:
+            os.close(peer.pidfd)
+            peer.pidfd = None
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+        self.progress(0)
+
+    def open_segment(self, peer: Peer, desc: SegmentDescriptor | bytes,
+                     expected_incarnation: int | None = None) -> RemoteSegment:
+        """Unpack a peer's segment descriptor. Refused (StaleIncarnationError) when its
+        incarnation is not ``expected_incarnation`` or not the peer's own."""
+        if isinstance(desc, (bytes, bytearray, memoryview)):
+            desc = SegmentDescriptor.unpack(bytes(desc))
+        self._require_peer(peer)
+        for what, expected in (("descriptor vs expected", expected_incarnation),
+                               (f"descriptor vs peer {peer.name}", peer.incarnation)):
+            if expected is not None and desc.incarnation != expected:
+                self.counters.stale_refused += 1
+                raise StaleIncarnationError(what, desc.incarnation, expected)
+        rkey = ffi.new("void **")
+        _check(lib.kvf_rkey_unpack(peer.ep, desc.rkey, rkey), "unpacking an rkey", peer.name)
+        rseg = RemoteSegment(peer=peer, descriptor=desc, rkey=rkey[0])
+        peer.rkeys.append(rkey[0])
+        if self.config.direct_copy:
+            local = ffi.new("void **")
+            if lib.kvf_rkey_ptr(rkey[0], desc.base, local) == 0:
+                rseg.direct = int(ffi.cast("uintptr_t", local[0]))
+        return rseg
+
+    # ------------------------------------------------------------------- batches
+    def write(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any) -> Batch:
+        """Put pages (local offset, remote offset, length) from ``seg`` into ``rseg``.
+        The batch completes once every page is visible at the target (flushed)."""
+        return self._rma(peer, seg, rseg, pages, write=True)
+
+    def read(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any) -> Batch:
+        """Get pages (local offset, remote offset, length) from ``rseg`` into ``seg``."""
+        return self._rma(peer, seg, rseg, pages, write=False)
+
+    def _rma(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any,
+             write: bool) -> Batch:
+        self._require_peer(peer)
+        if rseg.peer is not peer:
+            raise TransferError(f"remote segment belongs to {rseg.peer.name}, not {peer.name}")
+        if not seg.registered:
+            raise TransferError("local segment is not registered")
+        arr = as_page_array(pages)
+        try:
+            nbytes = check_pages(arr, seg.length, rseg.length)
+        except TransferError:
+            self.counters.bounds_refused += 1
+            raise
+        if write and self.config.fault_skip_page is not None and arr.shape[0] > 1:
+            arr = np.delete(arr, self.config.fault_skip_page % arr.shape[0], axis=0)
+        handle = ffi.new("kvf_batch *")
+        direct = ffi.cast("char *", rseg.direct) if rseg.direct is not None else ffi.NULL
+        triples = ffi.cast("int64_t *", arr.ctypes.data)
+        local = ffi.cast("char *", seg.base)
+        if write:
+            lib.kvf_put_pages(peer.ep, local, rseg.rkey, rseg.base, direct, triples,
+                              arr.shape[0], 1, handle)
+            self.counters.bytes_written += nbytes
+        else:
+            lib.kvf_get_pages(peer.ep, local, rseg.rkey, rseg.base, direct, triples,
+                              arr.shape[0], handle)
+            self.counters.bytes_read += nbytes
+        self.counters.pages_posted += int(handle.posted)
+        self.counters.pages_direct += int(handle.direct)
+        return self._track(peer, "write" if write else "read", nbytes, arr.shape[0], handle,
+                           (arr, seg, rseg))
+
+    def quiesce(self, peer: Peer) -> Batch:
+        """Completes when every earlier write to ``peer`` is visible at the target."""
+        self._require_peer(peer)
+        handle = ffi.new("kvf_batch *")
+        lib.kvf_flush(peer.ep, handle)
+        return self._track(peer, "quiesce", 0, 0, handle, None)
+
+    def notify(self, peer: Peer, payload: bytes) -> Batch:
+        """Flush, then send ``payload``: the target receives it only after every earlier
+        write on this peer is visible there."""
+        return self._message(peer, payload, flushed=True)
+
+    def send(self, peer: Peer, payload: bytes) -> Batch:
+        """Send ``payload`` as an active message, without flushing (control traffic)."""
+        return self._message(peer, payload, flushed=False)
+
+    def _message(self, peer: Peer, payload: bytes, flushed: bool) -> Batch:
+        self._require_peer(peer)
+        if len(payload) > self.config.max_message_bytes:
+            raise WireError(f"payload of {len(payload)} bytes exceeds max_message_bytes "
+                            f"{self.config.max_message_bytes}")
+        data = CODEC.encode(ENVELOPE.make(sender=self.address, incarnation=self.incarnation,
+                                          seq=next(self._seq), flushed=flushed,
+                                          payload=bytes(payload)))
+        return self._send_raw(peer, data, flushed)
+
+    def _send_raw(self, peer: Peer, data: bytes, flushed: bool = False) -> Batch:
+        """Post already-encoded bytes (the envelope is the caller's business)."""
+        handle = ffi.new("kvf_batch *")
+        if flushed:
+            lib.kvf_flush_then_send(peer.ep, 0, data, len(data), handle)
+            self.counters.notifies += 1
+        else:
+            lib.kvf_am_send(peer.ep, 0, data, len(data), handle)
+        self.counters.messages_sent += 1
+        return self._track(peer, "notify" if flushed else "send", len(data), 0, handle, None)
+
+    def _track(self, peer: Peer, op: str, nbytes: int, npages: int, handle: Any,
+               keep: Any) -> Batch:
+        self.counters.batches += 1
+        batch = Batch(self, peer, op, nbytes, npages, handle)
+        if handle.outstanding != 0:
+            self._inflight.append((handle, keep))
+            if len(self._inflight) > 256:
+                self._sweep()
+        batch._evaluate()
+        return batch
+
+    def _sweep(self) -> None:
+        self._inflight = [(h, k) for h, k in self._inflight if h.outstanding != 0]
+
+    def _batch_settled(self, batch: Batch) -> None:
+        if batch._final is BatchStatus.COMPLETED:
+            self.counters.completed += 1
+        elif batch._final is BatchStatus.TIMED_OUT:
+            self.counters.timeouts += 1
+        else:
+            self.counters.failures += 1
+
+    def _require_peer(self, peer: Peer) -> None:
+        self._require_open()
+        if peer.state is not PeerState.CONNECTED or not self._peer_alive(peer):
+            raise PeerFailedError(peer.name, peer.failure or peer.state.value)
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"engine {self.name} is shut down")
+
+    # ------------------------------------------------------------------ messages
+    def set_message_handler(self, fn: MessageHandler | None) -> None:
+        """``fn(sender_address, payload)`` is called from :meth:`progress` for every
+        incoming notify/send; ``sender_address`` can be passed to :meth:`connect` (and
+        :func:`decode_address` gives its incarnation). Without a handler, messages queue
+        for :meth:`take_messages`."""
+        self._handler = fn
+
+    def take_messages(self) -> list[IncomingMessage]:
+        """Messages received while no handler was set, oldest first."""
+        out = list(self._inbox)
+        self._inbox.clear()
+        return out
+
+    def progress(self, timeout_s: float = 0) -> int:
+        """Drive UCX and deliver incoming messages. With ``timeout_s > 0``, spins briefly,
+        then sleeps on the event fd for up to ``timeout_s`` if there is nothing to do."""
+        self._require_open()
+        if timeout_s <= 0:
+            n = lib.kvf_worker_progress(self._worker)
+        else:
+            n = lib.kvf_worker_wait(self._worker, max(1, math.ceil(timeout_s * 1000)),
+                                    self.config.spin_us)
+        self._drain_messages()
+        if self._inflight and len(self._inflight) > 64:
+            self._sweep()
+        return max(0, int(n))
+
+    def _drain_messages(self) -> None:
+        while True:
+            m = lib.kvf_am_pop(self._worker)
+            if m == ffi.NULL:
+                break
+            try:
+                data = bytes(ffi.buffer(m.data, m.length))
+            finally:
+                lib.kvf_msg_free(m)
+            try:
+                msg = CODEC.decode(data)
+                if msg.kind != "ENVELOPE":
+                    raise WireError(f"expected an ENVELOPE, got {msg.kind}")
+                sender = decode_address(msg.sender)
+                if sender.incarnation != msg.incarnation:
+                    raise WireError("envelope incarnation differs from its sender address")
+            except WireError as exc:
+                self.counters.malformed_messages += 1
+                log.warning("engine %s: refused a malformed message of %d bytes: %s",
+                            self.name, len(data), exc)
+                continue
+            self.counters.messages_received += 1
+            incoming = IncomingMessage(msg.sender, sender.name, sender.incarnation, msg.seq,
+                                       msg.flushed, msg.payload)
+            if self._handler is None:
+                self._inbox.append(incoming)
+                continue
+            try:
+                self._handler(incoming.sender_address, incoming.payload)
+            except Exception:
+                self.counters.handler_errors += 1
+                log.exception("engine %s: message handler failed", self.name)
+        self.counters.dropped_messages = int(lib.kvf_am_dropped(self._worker))
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        """Sever every endpoint, unmap every segment, destroy the worker."""
+        if self._closed:
+            return
+        for peer in list(self._peers.values()):
+            self.close(peer, force=True)
+        for seg in list(self._segments):
+            self.deregister(seg)
+        self._closed = True
+        lib.kvf_worker_destroy(self._worker)
+        self._inflight.clear()
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def counters_dict(self) -> dict:
+        return asdict(self.counters)

@@ -1,0 +1,83 @@
+"""The transfer engine's own wire schemas (codec ``kvf.transfer`` version 1).
+
+- ``ADDRESS``: what :attr:`TransferEngine.address` holds: the UCX worker address plus the
+  engine's incarnation, name and process identity (host, boot id, pid namespace, pid) so
+  that a peer on the same host can watch the process for death.
+- ``SEGMENT``: a segment descriptor (base, length, packed rkey, owner incarnation).
+- ``ENVELOPE``: every active message: the sender's address and incarnation, a sequence
+  number, whether it was flush-ordered (notify) and the payload.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .wire import Codec, Field, FieldType
+
+MAX_UCX_ADDRESS = 64 << 10
+MAX_RKEY = 16 << 10
+MAX_PAYLOAD = 4 << 20
+
+CODEC = Codec("kvf.transfer", version=1, max_bytes=MAX_PAYLOAD + 2 * MAX_UCX_ADDRESS)
+
+ADDRESS = CODEC.kind(
+    "ADDRESS",
+    ucx=Field(FieldType.BYTES, max_len=MAX_UCX_ADDRESS),
+    incarnation=Field(FieldType.UINT64),
+    name=Field(FieldType.STR, max_len=256),
+    host=Field(FieldType.STR, max_len=256),
+    boot_id=Field(FieldType.STR, max_len=64),
+    pidns=Field(FieldType.UINT64),
+    pid=Field(FieldType.INT),
+)
+
+SEGMENT = CODEC.kind(
+    "SEGMENT",
+    base=Field(FieldType.UINT64),
+    length=Field(FieldType.UINT64),
+    rkey=Field(FieldType.BYTES, max_len=MAX_RKEY),
+    incarnation=Field(FieldType.UINT64),
+    allocated=Field(FieldType.BOOL),
+)
+
+ENVELOPE = CODEC.kind(
+    "ENVELOPE",
+    sender=Field(FieldType.BYTES, max_len=MAX_UCX_ADDRESS + 1024),
+    incarnation=Field(FieldType.UINT64),
+    seq=Field(FieldType.UINT64),
+    flushed=Field(FieldType.BOOL),
+    payload=Field(FieldType.BYTES, max_len=MAX_PAYLOAD),
+)
+
+
+@dataclass(frozen=True)
+class AddressInfo:
+    """A decoded engine address."""
+
+    ucx: bytes
+    incarnation: int
+    name: str
+    host: str
+    boot_id: str
+    pidns: int
+    pid: int
+
+
+def decode_address(address: bytes) -> AddressInfo:
+    """Decode :attr:`TransferEngine.address` bytes (raises WireError if malformed)."""
+    msg = CODEC.decode(address)
+    if msg.kind != "ADDRESS":
+        from .errors import WireError
+        raise WireError(f"expected an ADDRESS, got {msg.kind}")
+    return AddressInfo(**msg.fields)
+
+
+@dataclass(frozen=True)
+class IncomingMessage:
+    """An active message as delivered to the engine's message handler."""
+
+    sender_address: bytes
+    sender_name: str
+    sender_incarnation: int
+    seq: int
+    flushed: bool
+    payload: bytes

@@ -1,0 +1,217 @@
+"""A small versioned msgpack codec with explicit schemas for control messages.
+
+A :class:`Codec` has a protocol name, a version and a size limit; message kinds are
+declared on it with typed, bounded fields. On the wire a message is the msgpack array
+``[protocol, version, kind, {field: value}]``. :meth:`Codec.decode` rejects anything
+malformed, of another protocol or version, of unknown kind, with missing, extra,
+mistyped or oversized fields, or bigger than the codec's limit, by raising
+:class:`WireError`; it never raises anything else, so a receiving worker keeps running.
+
+Example::
+
+    codec = Codec("kvf.cluster", version=1, max_bytes=64 << 10)
+    ABORT = codec.kind("ABORT", request_id=Field(FieldType.STR, max_len=128),
+                       seq=Field(FieldType.UINT64))
+    data = codec.encode(ABORT.make(request_id="r1", seq=3))
+    msg = codec.decode(data)          # Message(kind="ABORT", fields={...})
+    msg.request_id, msg["seq"]
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import msgpack
+
+from .errors import WireError
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+UINT64_MAX = (1 << 64) - 1
+
+
+class FieldType(enum.Enum):
+    INT = "int"            # signed 64-bit
+    UINT64 = "uint64"      # unsigned 64-bit (incarnations, sequence numbers)
+    BOOL = "bool"
+    FLOAT = "float"        # finite float
+    STR = "str"            # max_len in characters
+    BYTES = "bytes"        # max_len in bytes
+    INT_LIST = "int_list"  # list of signed 64-bit ints, max_len items
+    STR_LIST = "str_list"  # list of str (each at most 1024 chars), max_len items
+
+
+_DEFAULT_MAX_LEN = {FieldType.STR: 1024, FieldType.BYTES: 64 << 10,
+                    FieldType.INT_LIST: 1 << 16, FieldType.STR_LIST: 1024}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One typed field. ``max_len`` bounds str/bytes/list sizes; ``optional`` fields may be
+    absent or None (decoded as None)."""
+
+    type: FieldType
+    max_len: int | None = None
+    optional: bool = False
+
+    def limit(self) -> int:
+        return self.max_len if self.max_len is not None else _DEFAULT_MAX_LEN.get(self.type, 0)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_value(kind: str, name: str, spec: Field, value: Any) -> None:
+    """Raise WireError unless value fits spec exactly."""
+    t = spec.type
+
+    def bad(why: str) -> WireError:
+        return WireError(f"{kind}.{name}: {why}")
+
+    if t is FieldType.INT:
+        if not _is_int(value) or not INT64_MIN <= value <= INT64_MAX:
+            raise bad(f"expected int64, got {type(value).__name__}")
+    elif t is FieldType.UINT64:
+        if not _is_int(value) or not 0 <= value <= UINT64_MAX:
+            raise bad(f"expected uint64, got {type(value).__name__} {value!r:.40}")
+    elif t is FieldType.BOOL:
+        if not isinstance(value, bool):
+            raise bad(f"expected bool, got {type(value).__name__}")
+    elif t is FieldType.FLOAT:
+        if not isinstance(value, float) or not math.isfinite(value):
+            raise bad(f"expected finite float, got {type(value).__name__}")
+    elif t is FieldType.STR:
+        if not isinstance(value, str):
+            raise bad(f"expected str, got {type(value).__name__}")
+        if len(value) > spec.limit():
+            raise bad(f"{len(value)} characters exceed the limit {spec.limit()}")
+    elif t is FieldType.BYTES:
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise bad(f"expected bytes, got {type(value).__name__}")
+        if len(value) > spec.limit():
+            raise bad(f"{len(value)} bytes exceed the limit {spec.limit()}")
+    elif t is FieldType.INT_LIST:
+        if not isinstance(value, (list, tuple)):
+            raise bad(f"expected a list of int, got {type(value).__name__}")
+        if len(value) > spec.limit():
+            raise bad(f"{len(value)} items exceed the limit {spec.limit()}")
+        if not all(_is_int(v) and INT64_MIN <= v <= INT64_MAX for v in value):
+            raise bad("expected every item to be an int64")
+    elif t is FieldType.STR_LIST:
+        if not isinstance(value, (list, tuple)):
+            raise bad(f"expected a list of str, got {type(value).__name__}")
+        if len(value) > spec.limit():
+            raise bad(f"{len(value)} items exceed the limit {spec.limit()}")
+        if not all(isinstance(v, str) and len(v) <= 1024 for v in value):
+            raise bad("expected every item to be a str of at most 1024 characters")
+    else:  # pragma: no cover - the enum is closed
+        raise bad(f"unsupported field type {t}")
+
+
+@dataclass(frozen=True)
+class Message:
+    """A decoded (or to-be-encoded) message: its kind and its field values."""
+
+    kind: str
+    fields: Mapping[str, Any]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["fields"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+@dataclass(frozen=True)
+class MessageKind:
+    """A declared message kind of one codec."""
+
+    name: str
+    fields: Mapping[str, Field]
+
+    def validate(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        extra = set(values) - set(self.fields)
+        if extra:
+            raise WireError(f"{self.name}: unknown field(s) {sorted(map(str, extra))[:5]}")
+        out: dict[str, Any] = {}
+        for name, spec in self.fields.items():
+            value = values.get(name)
+            if value is None:
+                if not spec.optional:
+                    raise WireError(f"{self.name}.{name}: required field missing")
+                out[name] = None
+                continue
+            _check_value(self.name, name, spec, value)
+            out[name] = bytes(value) if spec.type is FieldType.BYTES else (
+                list(value) if spec.type in (FieldType.INT_LIST, FieldType.STR_LIST) else value)
+        return out
+
+    def make(self, /, **values: Any) -> Message:
+        return Message(self.name, self.validate(values))
+
+
+@dataclass
+class Codec:
+    """A protocol: a name, a version, a size limit and its declared kinds."""
+
+    protocol: str
+    version: int
+    max_bytes: int = 1 << 20
+    kinds: dict[str, MessageKind] = field(default_factory=dict)
+
+    def kind(self, kind_name: str, /, **fields: Field) -> MessageKind:
+        if kind_name in self.kinds:
+            raise ValueError(f"message kind {kind_name!r} already declared in {self.protocol}")
+        mk = MessageKind(kind_name, dict(fields))
+        self.kinds[kind_name] = mk
+        return mk
+
+    def encode(self, msg: Message) -> bytes:
+        mk = self.kinds.get(msg.kind)
+        if mk is None:
+            raise WireError(f"{self.protocol}: cannot encode unknown kind {msg.kind!r}")
+        values = mk.validate(msg.fields)
+        data = msgpack.packb([self.protocol, self.version, msg.kind, values], use_bin_type=True)
+        if len(data) > self.max_bytes:
+            raise WireError(f"{self.protocol}.{msg.kind}: {len(data)} bytes exceed the "
+                            f"limit {self.max_bytes}")
+        return data
+
+    def decode(self, data: bytes | bytearray | memoryview) -> Message:
+        try:
+            return self._decode(data)
+        except WireError:
+            raise
+        except Exception as exc:  # any decoder failure becomes a WireError
+            raise WireError(f"{self.protocol}: undecodable message ({type(exc).__name__}: "
+                            f"{str(exc)[:120]})") from None
+
+    def _decode(self, data: bytes | bytearray | memoryview) -> Message:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise WireError(f"{self.protocol}: expected bytes, got {type(data).__name__}")
+        n = len(data)
+        if n > self.max_bytes:
+            raise WireError(f"{self.protocol}: {n} bytes exceed the limit {self.max_bytes}")
+        try:
+            obj = msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True,
+                                  max_bin_len=self.max_bytes, max_str_len=self.max_bytes,
+                                  max_array_len=1 << 16, max_map_len=256, max_ext_len=0)
+        except Exception as exc:
+            raise WireError(f"{self.protocol}: malformed msgpack ({type(exc).__name__})") from None
+        if not isinstance(obj, list) or len(obj) != 4:
+            raise WireError(f"{self.protocol}: expected a 4-item envelope")
+        protocol, version, kind, values = obj
+        if protocol != self.protocol:
+            raise WireError(f"{self.protocol}: message of protocol {str(protocol)[:40]!r}")
+        if not _is_int(version) or version != self.version:
+            raise WireError(f"{self.protocol}: version {str(version)[:20]} is not {self.version}")
+        if not isinstance(kind, str) or kind not in self.kinds:
+            raise WireError(f"{self.protocol}: unknown kind {str(kind)[:40]!r}")
+        if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+            raise WireError(f"{self.protocol}.{kind}: fields must be a map with str keys")
+        return Message(kind, self.kinds[kind].validate(values))

@@ -1,0 +1,64 @@
+"""Batched greedy decode over pages, shared by the monolithic engine and a decode rank.
+
+A :class:`DecodeSlot` is everything decode keeps per request: its page list, its prompt
+length, the input token and its position for the next step, and the tokens emitted so far.
+It starts from pages alone (``DecodeSlot.start``): the prefill side contributes nothing
+but the pages, the prompt length and the last prompt token. Callers verify the pages
+(I5) before creating slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .models import PagedModel
+
+
+@dataclass
+class DecodeSlot:
+    request_id: str
+    page_row: list[int]
+    prompt_len: int
+    max_tokens: int
+    position: int  # where ``token``'s K/V goes at the next step
+    token: int
+    output: list[int] = field(default_factory=list)
+    stopped: bool = False
+
+    @classmethod
+    def start(cls, request_id: str, page_row: Sequence[int], prompt_len: int, last_prompt_token: int, max_tokens: int) -> "DecodeSlot":
+        return cls(request_id, list(page_row), prompt_len, max_tokens, prompt_len - 1, int(last_prompt_token))
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or len(self.output) >= self.max_tokens
+
+
+def decode_step(model: PagedModel, kv: torch.Tensor, slots: Sequence[DecodeSlot]) -> None:
+    """One greedy step for every slot not done; appends to ``output`` and advances."""
+    active = [s for s in slots if not s.done]
+    if not active:
+        return
+    page_size = kv.shape[4]
+    for slot in active:
+        if slot.position // page_size >= len(slot.page_row):
+            raise IndexError(
+                f"request {slot.request_id!r}: position {slot.position} beyond its {len(slot.page_row)} pages"
+            )
+    width = max(len(s.page_row) for s in active)
+    table = torch.zeros(len(active), width, dtype=torch.int32)
+    for i, slot in enumerate(active):
+        table[i, : len(slot.page_row)] = torch.tensor(slot.page_row, dtype=torch.int32)
+    positions = torch.tensor([s.position for s in active], dtype=torch.int64)
+    tokens = torch.tensor([s.token for s in active], dtype=torch.int64)
+    prompt_lens = torch.tensor([s.prompt_len for s in active], dtype=torch.int64)
+    emitted = model.decode_step(kv, table.to(kv.device), positions, tokens, prompt_lens).tolist()
+    for slot, token in zip(active, emitted):
+        slot.output.append(int(token))
+        slot.position += 1
+        slot.token = int(token)
+        if model.stop_token is not None and token == model.stop_token:
+            slot.stopped = True

@@ -1,0 +1,51 @@
+"""What the engine needs from a model, and the two models it ships.
+
+A model writes a prompt's K/V into pool pages (``prefill``) and produces next tokens from
+pages alone (``decode_step``). Decode convention, shared by both models: a step takes, per
+sequence, an input ``token`` at ``position``; it (re)writes that token's K/V at
+``position`` and attends over positions ``0 .. position``. Decode starting from pages that
+another rank wrote therefore needs only: the page table, the prompt length, and the last
+prompt token (at position ``prompt_len - 1``, whose K/V the prefill already wrote; the
+first step rewrites it with the same values).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from .llama import LlamaConfig, LlamaModel
+from .pool import PoolConfig
+from .replay import ReplayConfig, ReplayModel
+
+
+@runtime_checkable
+class PagedModel(Protocol):
+    layers: int
+    kv_heads: int
+    head_dim: int
+    stop_token: int | None
+
+    def pool_config(self, page_size: int, num_pages: int, dtype: torch.dtype = ..., device: str = ...) -> PoolConfig: ...
+
+    def prefill(
+        self,
+        kv: torch.Tensor,
+        tokens: Sequence[int] | torch.Tensor,
+        page_row: Sequence[int] | torch.Tensor,
+        *,
+        head_range: tuple[int, int] | None = None,
+    ) -> None: ...
+
+    def decode_step(
+        self,
+        kv: torch.Tensor,
+        page_table: torch.Tensor,
+        positions: torch.Tensor,
+        tokens: torch.Tensor,
+        prompt_lens: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+__all__ = ["PagedModel", "ReplayConfig", "ReplayModel", "LlamaConfig", "LlamaModel"]

@@ -1,0 +1,163 @@
+"""The replay model: hand-built, deterministic weights whose answer is its own prompt.
+
+Keys encode positions, values encode tokens, and decode step ``t`` queries position ``t``
+of the context through :func:`paged_decode_attention` (softmax and all), so a request with
+``max_tokens == len(prompt)`` answers with its prompt, and longer answers cycle through it
+again (position ``L + i`` holds the token emitted at step ``i``, which is ``prompt[i]``).
+Any page decode reads that this request did not write shows up as foreign text.
+
+Codes. The key of position ``p`` is the sign code of its binary digits: dimension ``i``
+holds ``+1`` if bit ``i`` of ``p`` is set, else ``-1`` (dimensions past the position bits
+are 0). The query for target ``t`` is the code of ``t``, and attention runs with a scale
+``s``. Then ``q . k_p = nbits - 2 * hamming(t, p)``: the target scores ``s * nbits`` and
+every other position at least ``2s`` less, exactly, in any pool dtype (the entries are
++-1, 0, exact in bf16/fp16/fp32, and the sums are small integers in fp32). With ``N``
+positions the softmax weight left for all wrong positions is below ``N * exp(-2s)``; the
+model picks ``s = (ln(max_positions) + 24) / 2`` so that weight stays below ``e^-24``
+(about 4e-11) for every context up to ``max_positions`` (default 2^20; a 64k context needs
+16 position bits and a scale of about 17.5). Separability therefore does not erode with
+length: it is a fixed margin in the logits, not a resolution of angles.
+
+Values hold the 9 bits of the token id as +-1 in their first dimensions. The output's
+signs give the token back; every layer and query head must agree, and any disagreement or
+ambiguous sign (|x| < 0.5) gives the special ``CONFLICT`` token, so a page whose heads
+were partly overwritten is visible too.
+
+Decode needs only the pages, the prompt length, and the input token at its position (see
+:mod:`.models`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .attention import paged_decode_attention, write_kv_pages, write_kv_tokens
+from .pool import PoolConfig
+from .tokenizer import CONFLICT, TOKEN_BITS, VOCAB_SIZE
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    layers: int = 1
+    kv_heads: int = 1
+    q_per_kv: int = 1
+    head_dim: int = 32
+    max_positions: int = 1 << 20
+
+    @property
+    def position_bits(self) -> int:
+        return max(1, (self.max_positions - 1).bit_length())
+
+
+def sign_code(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """``[n, dim]`` fp32: +1/-1 for each of the low ``bits`` bits of ``values``, 0 after."""
+    values = values.to(torch.int64)
+    shifts = torch.arange(bits, device=values.device)
+    bit = (values[:, None] >> shifts) & 1
+    code = torch.zeros(values.numel(), dim, dtype=torch.float32, device=values.device)
+    code[:, :bits] = bit.float() * 2 - 1
+    return code
+
+
+class ReplayModel:
+    stop_token: int | None = None
+
+    def __init__(self, config: ReplayConfig = ReplayConfig()) -> None:
+        if config.head_dim < max(config.position_bits, TOKEN_BITS):
+            raise ValueError(
+                f"head_dim {config.head_dim} cannot hold {config.position_bits} position bits "
+                f"and {TOKEN_BITS} token bits"
+            )
+        self.config = config
+        self.layers = config.layers
+        self.kv_heads = config.kv_heads
+        self.q_heads = config.kv_heads * config.q_per_kv
+        self.head_dim = config.head_dim
+        self.scale = (math.log(config.max_positions) + 24.0) / 2.0
+
+    def pool_config(self, page_size: int, num_pages: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PoolConfig:
+        return PoolConfig(self.layers, self.kv_heads, self.head_dim, page_size, num_pages, dtype, device)
+
+    # --- codes ----------------------------------------------------------------------
+    def key_codes(self, positions: torch.Tensor) -> torch.Tensor:
+        if positions.numel() and int(positions.max()) >= self.config.max_positions:
+            raise ValueError(f"position {int(positions.max())} beyond max_positions {self.config.max_positions}")
+        return sign_code(positions, self.config.position_bits, self.head_dim)
+
+    def value_codes(self, tokens: torch.Tensor) -> torch.Tensor:
+        return sign_code(tokens, TOKEN_BITS, self.head_dim)
+
+    def _check_pool(self, kv: torch.Tensor) -> None:
+        if (kv.shape[1], kv.shape[3], kv.shape[5]) != (self.layers, self.kv_heads, self.head_dim):
+            raise ValueError(
+                f"pool (layers, kv_heads, head_dim) = {(kv.shape[1], kv.shape[3], kv.shape[5])}, "
+                f"model needs {(self.layers, self.kv_heads, self.head_dim)}"
+            )
+
+    # --- prefill ----------------------------------------------------------------------
+    def prefill(
+        self,
+        kv: torch.Tensor,
+        tokens: Sequence[int] | torch.Tensor,
+        page_row: Sequence[int] | torch.Tensor,
+        *,
+        head_range: tuple[int, int] | None = None,
+        start_pos: int = 0,
+    ) -> None:
+        """Write K/V of ``tokens`` at positions ``start_pos ..`` into the pages of ``page_row``,
+        for KV heads ``head_range`` (default all)."""
+        self._check_pool(kv)
+        tokens = torch.as_tensor(tokens, dtype=torch.int64, device=kv.device).reshape(-1)
+        lo, hi = head_range or (0, self.kv_heads)
+        positions = torch.arange(start_pos, start_pos + tokens.numel(), device=kv.device)
+        k = self.key_codes(positions)[:, None, :].expand(-1, hi - lo, -1)
+        v = self.value_codes(tokens)[:, None, :].expand(-1, hi - lo, -1)
+        for layer in range(self.layers):
+            write_kv_pages(kv, layer, k, v, page_row, start_pos, head_lo=lo)
+
+    # --- decode -----------------------------------------------------------------------
+    def read_positions(self, kv: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Token stored at ``targets[b]`` of each sequence, read by attention alone: ``[batch]``."""
+        self._check_pool(kv)
+        q = self.key_codes(targets.to(kv.device))[:, None, :].expand(-1, self.q_heads, -1).contiguous()
+        votes = []
+        for layer in range(self.layers):
+            out = paged_decode_attention(q, kv, layer, page_table, seq_lens, scale=self.scale)  # [B, qh, d]
+            votes.append(out[..., :TOKEN_BITS])
+        bits = torch.stack(votes)  # [layers, B, qh, TOKEN_BITS]
+        weights = (1 << torch.arange(TOKEN_BITS, device=bits.device))
+        per_head = ((bits > 0).long() * weights).sum(-1)  # [layers, B, qh]
+        first = per_head[0, :, 0]
+        agree = (per_head == first[None, :, None]).all(dim=2).all(dim=0)
+        clear = (bits.abs() >= 0.5).all(dim=-1).all(dim=-1).all(dim=0)
+        ok = agree & clear & (first < VOCAB_SIZE)
+        return torch.where(ok, first, torch.full_like(first, CONFLICT))
+
+    def decode_step(
+        self,
+        kv: torch.Tensor,
+        page_table: torch.Tensor,
+        positions: torch.Tensor,
+        tokens: torch.Tensor,
+        prompt_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write each input token's K/V at its position, then emit the token stored at
+        ``position - (prompt_len - 1)``. Returns ``[batch]`` int64 on kv's device."""
+        self._check_pool(kv)
+        device = kv.device
+        positions = positions.to(device=device, dtype=torch.int64)
+        tokens = tokens.to(device=device, dtype=torch.int64)
+        table = page_table.to(device)
+        page_size = kv.shape[4]
+        pages = table.gather(1, (positions // page_size)[:, None]).squeeze(1)
+        slots = positions % page_size
+        k = self.key_codes(positions)[:, None, :].expand(-1, self.kv_heads, -1)
+        v = self.value_codes(tokens)[:, None, :].expand(-1, self.kv_heads, -1)
+        for layer in range(self.layers):
+            write_kv_tokens(kv, layer, k, v, pages, slots)
+        targets = positions - (prompt_lens.to(device=device, dtype=torch.int64) - 1)
+        return self.read_positions(kv, table, (positions + 1).to(torch.int32), targets)

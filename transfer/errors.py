@@ -114,7 +114,7 @@ class UcsEndpointFailureError(UcxError):
 
 
 # Statuses that mean "the path to the peer is gone" rather than a local mistake.
-PEER_FAILURE_STATUSES = frozenset({-3, -6, -16, -20, -24, -25, *_LINK_FAILURE, *_ENDPOINT_FAILURE})
+PEER_FAILURE_STATUSES = frozenset({-3, -6, -16, -17, -20, -24, -25, *_LINK_FAILURE, *_ENDPOINT_FAILURE})
 
 
 def ucx_error(status: int, message: str, peer: str | None = None) -> UcxError:

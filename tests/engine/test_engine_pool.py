@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from kvferry.engine import KVPool, PoolConfig, PoolShapeError
+
+
+def test_pool_shape_and_capacity_come_from_the_tensor():
+    config = PoolConfig(layers=2, kv_heads=4, head_dim=8, page_size=16, num_pages=10, dtype=torch.bfloat16)
+    pool = KVPool(config)
+    assert tuple(pool.kv.shape) == (10, 2, 2, 4, 16, 8)
+    assert pool.kv.is_contiguous() and pool.kv.dtype == torch.bfloat16
+    assert pool.capacity_tokens == 160
+    assert pool.page_bytes == config.page_bytes == 2 * 2 * 4 * 16 * 8 * 2
+
+
+def test_capacity_is_measured_not_declared():
+    """Capacity follows the tensor that exists, not the config that asked for it."""
+    config = PoolConfig(layers=1, kv_heads=1, head_dim=4, page_size=4, num_pages=8)
+    pool = KVPool(config)
+    pool.kv = pool.kv[:3]  # what an allocation that came up short would look like
+    assert pool.capacity_tokens == 3 * 4 < config.declared_tokens
+
+
+def test_for_tokens_uses_whole_pages():
+    config = PoolConfig.for_tokens(681280, page_size=16)
+    assert config.num_pages == 42580 and config.declared_tokens == 681280
+    assert PoolConfig.for_tokens(100, page_size=16).declared_tokens == 96
+    with pytest.raises(ValueError):
+        PoolConfig.for_tokens(8, page_size=16)
+
+
+@pytest.mark.parametrize("bad", [dict(layers=0), dict(page_size=-1), dict(dtype=torch.int32)])
+def test_config_rejects_bad_values(bad):
+    args = dict(layers=1, kv_heads=1, head_dim=4, page_size=4, num_pages=2) | bad
+    with pytest.raises(ValueError):
+        PoolConfig(**args)
+
+
+def test_from_buffer_views_without_copy():
+    config = PoolConfig(layers=2, kv_heads=2, head_dim=4, page_size=4, num_pages=3, dtype=torch.float16)
+    buffer = torch.zeros(config.total_bytes + 64, dtype=torch.uint8)
+    pool = KVPool.from_buffer(config, buffer)
+    pool.kv[1, 0, 1, 1, 2, 3] = 1.5
+    assert pool.kv.data_ptr() == buffer.data_ptr()
+    assert buffer.count_nonzero() > 0
+    with pytest.raises(PoolShapeError):
+        KVPool.from_buffer(config, torch.zeros(config.total_bytes - 1, dtype=torch.uint8))
+
+
+def test_head_slice_runs_cover_exactly_the_heads():
+    config = PoolConfig(layers=3, kv_heads=4, head_dim=4, page_size=2, num_pages=5, dtype=torch.bfloat16)
+    pool = KVPool(config, zero=True)
+    page, lo, hi = 3, 1, 3
+    pool.kv[page, :, :, lo:hi] = 1.0
+    raw = pool.kv.view(-1).view(torch.uint8)
+    runs = pool.head_slice_runs(page, lo, hi)
+    assert len(runs) == 3 * 2
+    marked = torch.zeros_like(raw, dtype=torch.bool)
+    for offset, nbytes in runs:
+        marked[offset : offset + nbytes] = True
+    # every non-zero byte is inside a run, and every run is all written data
+    assert bool((raw[~marked] == 0).all())
+    for offset, nbytes in runs:
+        assert bool((raw[offset : offset + nbytes].view(torch.bfloat16) == 1.0).all())
+    assert sum(n for _, n in runs) == 3 * 2 * 2 * 2 * 4 * 2
+
+
+def test_page_view_and_bounds():
+    pool = KVPool(PoolConfig(layers=1, kv_heads=1, head_dim=4, page_size=4, num_pages=2))
+    assert tuple(pool.page_view(1).shape) == (1, 2, 1, 4, 4)
+    assert pool.page_byte_range(1) == (pool.page_bytes, pool.page_bytes)
+    with pytest.raises(IndexError):
+        pool.page_view(2)

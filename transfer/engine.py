@@ -52,13 +52,14 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
+import msgpack
 import numpy as np
 
 from ._native import ffi, lib
 from .batch import Batch, BatchStatus
 from .errors import (PeerFailedError, StaleIncarnationError, TransferError, WireError,
                      ucx_error)
-from .pages import as_page_array, check_pages
+from .pages import as_page_array, check_pages_fast
 from .protocol import (ADDRESS, CODEC, ENVELOPE, MAX_PAYLOAD, AddressInfo, IncomingMessage,
                        decode_address)
 from .segment import RemoteSegment, Segment, SegmentDescriptor
@@ -218,7 +219,9 @@ class TransferEngine:
         self._peers: dict[bytes, Peer] = {}
         self._segments: list[Segment] = []
         self._inflight: list[tuple[Any, Any]] = []   # (kvf_batch*, keep-alive refs)
+        self._sweep_at = 256
         self._handler: MessageHandler | None = None
+        self._senders: dict[bytes, AddressInfo] = {}
         self._inbox: deque[IncomingMessage] = deque()
         self._seq = itertools.count(1)
         self._closed = False
@@ -429,7 +432,7 @@ class TransferEngine:
             raise TransferError("local segment is not registered")
         arr = as_page_array(pages)
         try:
-            nbytes = check_pages(arr, seg.length, rseg.length)
+            nbytes = check_pages_fast(arr, seg.length, rseg.length)
         except TransferError:
             self.counters.bounds_refused += 1
             raise
@@ -473,9 +476,11 @@ class TransferEngine:
         if len(payload) > self.config.max_message_bytes:
             raise WireError(f"payload of {len(payload)} bytes exceeds max_message_bytes "
                             f"{self.config.max_message_bytes}")
-        data = CODEC.encode(ENVELOPE.make(sender=self.address, incarnation=self.incarnation,
-                                          seq=next(self._seq), flushed=flushed,
-                                          payload=bytes(payload)))
+        # Our own envelope's fields are valid by construction: pack without re-validating.
+        data = msgpack.packb([CODEC.protocol, CODEC.version, "ENVELOPE",
+                              {"sender": self.address, "incarnation": self.incarnation,
+                               "seq": next(self._seq), "flushed": flushed,
+                               "payload": bytes(payload)}], use_bin_type=True)
         return self._send_raw(peer, data, flushed)
 
     def _send_raw(self, peer: Peer, data: bytes, flushed: bool = False) -> Batch:
@@ -495,13 +500,15 @@ class TransferEngine:
         batch = Batch(self, peer, op, nbytes, npages, handle)
         if handle.outstanding != 0:
             self._inflight.append((handle, keep))
-            if len(self._inflight) > 256:
+            if len(self._inflight) > self._sweep_at:
                 self._sweep()
         batch._evaluate()
         return batch
 
     def _sweep(self) -> None:
+        """Drop finished handles; the next sweep waits for twice as many (amortised O(1))."""
         self._inflight = [(h, k) for h, k in self._inflight if h.outstanding != 0]
+        self._sweep_at = max(256, 2 * len(self._inflight))
 
     def _batch_settled(self, batch: Batch) -> None:
         if batch._final is BatchStatus.COMPLETED:
@@ -544,7 +551,7 @@ class TransferEngine:
             n = lib.kvf_worker_wait(self._worker, max(1, math.ceil(timeout_s * 1000)),
                                     self.config.spin_us)
         self._drain_messages()
-        if self._inflight and len(self._inflight) > 64:
+        if len(self._inflight) > self._sweep_at:
             self._sweep()
         return max(0, int(n))
 
@@ -561,7 +568,12 @@ class TransferEngine:
                 msg = CODEC.decode(data)
                 if msg.kind != "ENVELOPE":
                     raise WireError(f"expected an ENVELOPE, got {msg.kind}")
-                sender = decode_address(msg.sender)
+                sender = self._senders.get(msg.sender)
+                if sender is None:
+                    sender = decode_address(msg.sender)
+                    if len(self._senders) > 4096:
+                        self._senders.clear()
+                    self._senders[msg.sender] = sender
                 if sender.incarnation != msg.incarnation:
                     raise WireError("envelope incarnation differs from its sender address")
             except WireError as exc:

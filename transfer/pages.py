@@ -15,6 +15,9 @@ LOCAL, REMOTE, LENGTH = 0, 1, 2
 
 def as_page_array(pages: object) -> np.ndarray:
     """The page list as a C-contiguous int64 array of shape [n, 3] (copied if needed)."""
+    if (type(pages) is np.ndarray and pages.dtype == np.int64 and pages.ndim == 2
+            and pages.shape[1] == 3 and pages.flags.c_contiguous):
+        return pages
     arr = np.asarray(pages)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"pages must be integers, got dtype {arr.dtype}")
@@ -23,6 +26,20 @@ def as_page_array(pages: object) -> np.ndarray:
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise ValueError("page offsets exceed int64")
     return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def check_pages_fast(pages: np.ndarray, local_len: int, remote_len: int) -> int:
+    """Same contract as :func:`check_pages`, one native loop (the hot path); on a bad page
+    it defers to :func:`check_pages` for the error with its numbers."""
+    from ._native import ffi, lib
+
+    total = ffi.new("int64_t *")
+    bad = lib.kvf_check_pages(ffi.cast("int64_t *", pages.ctypes.data), pages.shape[0],
+                              local_len, remote_len, total)
+    if bad < 0:
+        return int(total[0])
+    check_pages(pages, local_len, remote_len)
+    raise AssertionError(f"native and numpy bounds checks disagree on page {bad}")
 
 
 def check_pages(pages: np.ndarray, local_len: int, remote_len: int) -> int:

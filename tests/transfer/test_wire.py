@@ -60,7 +60,7 @@ def test_mutated_messages_never_crash(msg, data):
 
 
 json_like = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10)
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=10)
     | st.binary(max_size=10),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner,
                                                                 max_size=4), max_leaves=12)

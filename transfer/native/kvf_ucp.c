@@ -523,3 +523,21 @@ int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t
     }
     return 0;
 }
+
+/* Index of the first page outside [0, local_len) / [0, remote_len) or with a non-positive
+ * length, or -1 when all are in bounds; *total gets the byte count. Overflow-safe. */
+int64_t kvf_check_pages(const int64_t *triples, int64_t n, int64_t local_len,
+                        int64_t remote_len, int64_t *total)
+{
+    int64_t i, sum = 0;
+    for (i = 0; i < n; ++i) {
+        const int64_t lo = triples[3 * i], ro = triples[3 * i + 1], ln = triples[3 * i + 2];
+        if (ln <= 0 || lo < 0 || ro < 0 || ln > local_len || ln > remote_len ||
+            lo > local_len - ln || ro > remote_len - ln) {
+            return i;
+        }
+        sum += ln;
+    }
+    *total = sum;
+    return -1;
+}

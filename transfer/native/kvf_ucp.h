@@ -61,3 +61,5 @@ kvf_msg *kvf_am_pop(kvf_worker *w);
 void kvf_msg_free(kvf_msg *m);
 int64_t kvf_am_dropped(kvf_worker *w);
 int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t n);
+int64_t kvf_check_pages(const int64_t *triples, int64_t n, int64_t local_len,
+                        int64_t remote_len, int64_t *total);

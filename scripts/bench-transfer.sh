@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Transfer benchmark: two processes on this host over shared memory and tcp; prints one
+# JSON line per result (engine, transport, op, pages, page_bytes, gbps; p50_us/p99_us for
+# the write+notify latency; a memcpy ceiling line; the idle target's CPU use).
+#   scripts/bench-transfer.sh                    everything
+#   scripts/bench-transfer.sh --transports shm   extra arguments go to scripts/bench_transfer.py
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+    sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'
+    echo
+    source "$(dirname "$0")/_env.sh"
+    exec python "$KVFERRY_ROOT/scripts/bench_transfer.py" --help
+fi
+source "$(dirname "$0")/_env.sh"
+cd "$KVFERRY_ROOT"
+exec python scripts/bench_transfer.py "$@"

@@ -1,0 +1,221 @@
+"""Transfer benchmark: two processes on this host, one JSON line per result.
+
+Workloads (per transport, shm and tcp): 256 x 256 KiB and 4096 x 16 KiB scattered writes
+(64 MiB per batch; gbps is the median over --batches batches after --warmup), and
+8 x 16 KiB write + notice latency (p50/p99 of the time from posting the write to the
+target's handler seeing the notice; both processes read the same CLOCK_MONOTONIC).
+In the same run: a memcpy of the same pages into pre-faulted memory (the ceiling), and
+the idle target's CPU use. All buffers are pre-faulted before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+
+from kvferry.transfer import SegmentDescriptor, TransferConfig, TransferEngine
+from kvferry.transfer._native import ffi, lib
+
+MiB = 1 << 20
+
+
+def emit(**rec) -> None:
+    print(json.dumps(rec), flush=True)
+
+
+def scattered(n: int, page: int, src_len: int, dst_len: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    out = np.empty((n, 3), dtype=np.int64)
+    out[:, 0] = rng.permutation(src_len // page)[:n] * page
+    out[:, 1] = rng.permutation(dst_len // page)[:n] * page
+    out[:, 2] = page
+    return out
+
+
+# --------------------------------------------------------------------------- target
+def run_target(args) -> int:
+    eng = TransferEngine(TransferConfig(transports=args.transport, name="bench-target",
+                                        spin_us=args.spin_us))
+    if args.dest == "allocate":
+        seg = eng.allocate(args.size)
+    else:
+        buf = np.ones(args.size, dtype=np.uint8)
+        seg = eng.register(buf)
+    seg.as_numpy()[:] = 0
+    state = {"exit": False}
+    peers = {}
+
+    def handle(sender: bytes, payload: bytes) -> None:
+        t = time.monotonic_ns()
+        cmd = msgpack.unpackb(payload)
+        if cmd["op"] == "exit":
+            state["exit"] = True
+            return
+        peer = peers.get(sender) or peers.setdefault(sender, eng.connect(sender))
+        eng.send(peer, msgpack.packb({"t": t, "i": cmd.get("i", 0)}))
+
+    eng.set_message_handler(handle)
+    print(json.dumps({"address": eng.address.hex(), "segment": seg.descriptor().pack().hex(),
+                      "describe": eng.describe()}), flush=True)
+    deadline = time.monotonic() + args.lifetime
+    parent = os.getppid()
+    while not state["exit"] and time.monotonic() < deadline and os.getppid() == parent:
+        eng.progress(0.05)
+    eng.shutdown()
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------------ initiator
+class Bench:
+    def __init__(self, args, transport: str, dest: str):
+        self.args, self.transport, self.dest = args, transport, dest
+        cmd = [sys.executable, __file__, "--role", "target", "--transport", transport,
+               "--dest", dest, "--size", str(args.dst_mib * MiB), "--spin-us",
+               str(args.spin_us)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
+        if not ready:
+            self.proc.kill()
+            raise TimeoutError("target did not start within 60 s")
+        hello = json.loads(self.proc.stdout.readline())
+        self.eng = TransferEngine(TransferConfig(transports=transport, name="bench-initiator",
+                                                 spin_us=args.spin_us))
+        self.replies: list = []
+        self.eng.set_message_handler(lambda s, p: self.replies.append(msgpack.unpackb(p)))
+        self.peer = self.eng.connect(bytes.fromhex(hello["address"]), name="bench-target")
+        self.rseg = self.eng.open_segment(
+            self.peer, SegmentDescriptor.unpack(bytes.fromhex(hello["segment"])))
+        self.src = self.eng.register(np.full(args.src_mib * MiB, 0x5A, dtype=np.uint8))
+        self.path = "direct" if self.rseg.direct is not None else "ucp_put"
+        self.transports_used = self.eng.describe()["peers"]["bench-target"]["transports"]
+
+    def base(self, **rec) -> dict:
+        return {"engine": "kvferry", "transport": self.transport, "dest": self.dest,
+                "path": self.path, "ucx_transports": self.transports_used, **rec}
+
+    def throughput(self, npages: int, page: int) -> None:
+        times = []
+        pages = [scattered(npages, page, self.src.length, self.rseg.length, seed=s)
+                 for s in range(4)]
+        for i in range(self.args.warmup + self.args.batches):
+            t0 = time.perf_counter()
+            self.eng.write(self.peer, self.src, self.rseg, pages[i % 4]).wait(60.0)
+            dt = time.perf_counter() - t0
+            if i >= self.args.warmup:
+                times.append(dt)
+        nbytes = npages * page
+        rates = sorted(nbytes / t / 1e9 for t in times)
+        emit(**self.base(op="write", pages=npages, page_bytes=page, batch_bytes=nbytes,
+                         gbps=round(statistics.median(rates), 3),
+                         gbps_min=round(rates[0], 3), gbps_max=round(rates[-1], 3),
+                         batches=len(times)))
+
+    def latency(self, npages: int = 8, page: int = 16 << 10) -> None:
+        lat = []
+        for i in range(self.args.latency_warmup + self.args.latency_iters):
+            pages = scattered(npages, page, self.src.length, self.rseg.length, seed=i % 16)
+            n = len(self.replies)
+            t0 = time.monotonic_ns()
+            self.eng.write(self.peer, self.src, self.rseg, pages)
+            self.eng.notify(self.peer, msgpack.packb({"op": "lat", "i": i}))
+            deadline = time.monotonic() + 10
+            while len(self.replies) <= n:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("latency reply missing")
+                self.eng.progress(0.01)
+            if i >= self.args.latency_warmup:
+                lat.append((self.replies[n]["t"] - t0) / 1e3)
+        lat.sort()
+        emit(**self.base(op="write+notify", pages=npages, page_bytes=page,
+                         p50_us=round(lat[len(lat) // 2], 1),
+                         p99_us=round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
+                         iters=len(lat),
+                         gbps=round(npages * page / (lat[len(lat) // 2] * 1e3), 3)))
+
+    def idle_cpu(self, seconds: float = 1.0) -> None:
+        c0, t0 = cpu_seconds(self.proc.pid), time.monotonic()
+        time.sleep(seconds)
+        pct = 100 * (cpu_seconds(self.proc.pid) - c0) / (time.monotonic() - t0)
+        emit(**self.base(op="idle_target_cpu", cpu_pct=round(pct, 1)))
+
+    def close(self) -> None:
+        try:
+            self.eng.send(self.peer, msgpack.packb({"op": "exit"})).wait(5)
+            self.proc.wait(10)
+        except Exception:
+            self.proc.kill()
+        self.eng.shutdown()
+
+
+def memcpy_ceiling(args, npages: int, page: int) -> None:
+    src = np.full(args.src_mib * MiB, 0x5A, dtype=np.uint8)
+    dst = np.zeros(args.dst_mib * MiB, dtype=np.uint8)
+    dst[:] = 1  # pre-fault
+    times = []
+    for i in range(args.warmup + args.batches):
+        pages = scattered(npages, page, src.size, dst.size, seed=i % 4)
+        t0 = time.perf_counter()
+        lib.kvf_memcpy_pages(ffi.cast("char *", dst.ctypes.data),
+                             ffi.cast("char *", src.ctypes.data),
+                             ffi.cast("int64_t *", pages.ctypes.data), npages)
+        dt = time.perf_counter() - t0
+        if i >= args.warmup:
+            times.append(dt)
+    rates = sorted(npages * page / t / 1e9 for t in times)
+    emit(engine="memcpy", transport="local", op="memcpy", pages=npages, page_bytes=page,
+         gbps=round(statistics.median(rates), 3))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=["initiator", "target"], default="initiator")
+    ap.add_argument("--transport", default="shm", help="target role: shm or tcp")
+    ap.add_argument("--transports", default="shm,tcp", help="initiator: which to run")
+    ap.add_argument("--dest", default="allocate", choices=["allocate", "register"])
+    ap.add_argument("--dests", default="allocate,register",
+                    help="initiator: destination kinds on shm (tcp uses allocate)")
+    ap.add_argument("--size", type=int, default=256 * MiB)
+    ap.add_argument("--src-mib", type=int, default=256)
+    ap.add_argument("--dst-mib", type=int, default=256)
+    ap.add_argument("--batches", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--latency-iters", type=int, default=400)
+    ap.add_argument("--latency-warmup", type=int, default=50)
+    ap.add_argument("--spin-us", type=int, default=100)
+    ap.add_argument("--lifetime", type=float, default=900.0)
+    args = ap.parse_args(argv)
+    if args.role == "target":
+        return run_target(args)
+    workloads = [(256, 256 << 10), (4096, 16 << 10)]
+    for npages, page in workloads:
+        memcpy_ceiling(args, npages, page)
+    for transport in args.transports.split(","):
+        dests = args.dests.split(",") if transport == "shm" else ["allocate"]
+        for dest in dests:
+            b = Bench(args, transport, dest)
+            try:
+                for npages, page in workloads:
+                    b.throughput(npages, page)
+                b.latency()
+                b.idle_cpu()
+            finally:
+                b.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

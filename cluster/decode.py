@@ -1,0 +1,362 @@
+"""The decode rank: the owner of the abort protocol.
+
+Allocates a request's pages, tells every writer where to write, and treats the pages as
+the request's own only after a completion notice from every writer (each sent after that
+writer's flush). Then it verifies and decodes.
+
+Upholds:
+- I2: terminal request ids are tombstoned; a late ASSIGN or NOTICE never reaches decode.
+- I4, owner side: at an abort the pages of a request whose writers have not all finished
+  are quarantined, not freed. They are released when every writer in the request's writer
+  set has acked (or noticed: a notice also follows a flush), or, at the abort deadline,
+  once every writer that did not ack is severed (see :meth:`RankRuntime.sever` for what
+  counts as proof per transport). Quarantined pages count as used (the router's ledger
+  keeps them reserved until RELEASED).
+- I5: before decoding, the transferred length of every writer equals the prompt length,
+  the pages and generations each writer names are this request's, the canary table agrees,
+  and each writer's checksums match the bytes that landed. Any mismatch fails the request;
+  it never produces tokens.
+- I6: every failure is counted, logged with the request id and reported to the router.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvferry.engine.admission import pages_needed
+from kvferry.engine.allocator import OutOfPages, PageAllocator, PageGrant
+from kvferry.engine.integrity import (CanaryTable, IntegrityError, check_transferred_length,
+                                      expected_canaries, page_checksums)
+from kvferry.engine.pool import KVPool
+from kvferry.transfer.wire import Message
+
+from . import messages as m
+from .runtime import RankRuntime
+
+log = logging.getLogger("kvferry.cluster")
+
+
+class OwnerState(enum.Enum):
+    AWAITING = "awaiting"          # pages allocated, plan sent, waiting for every notice
+    DECODING = "decoding"          # every writer noticed, pages verified
+    QUARANTINED = "quarantined"    # aborted while a writer may still write
+    CLOSED = "closed"              # pages freed or released
+
+
+OWNER_TRANSITIONS: dict[OwnerState, frozenset[OwnerState]] = {
+    OwnerState.AWAITING: frozenset({OwnerState.DECODING, OwnerState.QUARANTINED, OwnerState.CLOSED}),
+    OwnerState.DECODING: frozenset({OwnerState.CLOSED}),
+    OwnerState.QUARANTINED: frozenset({OwnerState.CLOSED}),
+    OwnerState.CLOSED: frozenset(),
+}
+
+
+@dataclass
+class OwnedRequest:
+    rid: str
+    prompt_len: int
+    max_tokens: int
+    writers: list[int]
+    last_token: int
+    grants: list[PageGrant]
+    state: OwnerState = OwnerState.AWAITING
+    notices: dict[int, Message] = field(default_factory=dict)
+    acked: set[int] = field(default_factory=set)
+    generated: list[int] = field(default_factory=list)
+    unsent: list[int] = field(default_factory=list)
+    planned_at: float = field(default_factory=time.monotonic)
+    timer: object | None = None
+    abort_started: float = 0.0
+    transfer_ms: float | None = None
+
+    def move(self, new: OwnerState) -> None:
+        if new not in OWNER_TRANSITIONS[self.state]:
+            raise RuntimeError(f"request {self.rid}: owner cannot go from {self.state.value} "
+                               f"to {new.value}")
+        self.state = new
+
+    @property
+    def pages(self) -> list[int]:
+        return [g.page for g in self.grants]
+
+    def writers_done(self) -> bool:
+        """Every writer either noticed (after its flush) or acked an abort (after its flush)."""
+        return set(self.writers) <= (set(self.notices) | self.acked)
+
+
+TOKEN_FLUSH = 16
+TOMBSTONE_S = 600.0
+
+
+class DecodeRank:
+    def __init__(self, runtime: RankRuntime, model, pool: KVPool, router: int, *,
+                 transfer_timeout_s: float, abort_deadline_s: float, integrity: bool = True,
+                 unsafe: bool = False, max_batch: int = 64) -> None:
+        self.rt = runtime
+        self.model = model
+        self.pool = pool
+        self.router = router
+        self.transfer_timeout_s = transfer_timeout_s
+        self.abort_deadline_s = abort_deadline_s
+        self.integrity = integrity and not unsafe
+        self.unsafe = unsafe
+        self.max_batch = max_batch
+        self.allocator = PageAllocator(pool.num_pages, unsafe=unsafe)
+        self.canaries = CanaryTable(pool.num_pages)
+        self.reqs: dict[str, OwnedRequest] = {}
+        self.tombstones: dict[str, float] = {}
+        self.integrity_failures = 0
+        self.head_ranges: dict[int, tuple[int, int]] = {}
+        runtime.set_handler(self.on_message)
+
+    # -------------------------------------------------------------- messages
+    def on_message(self, msg: Message) -> None:
+        handler = {"ASSIGN": self._on_assign, "NOTICE": self._on_notice,
+                   "ABORT": self._on_abort, "ABORT_ACK": self._on_ack}.get(msg.kind)
+        if handler is None:
+            log.warning("decode rank %d: unexpected %s from rank %d", self.rt.rank, msg.kind, msg.src)
+            return
+        handler(msg)
+
+    def _on_assign(self, msg: Message) -> None:
+        rid = msg.rid
+        if rid in self.tombstones or rid in self.reqs:
+            return
+        need = pages_needed(msg.prompt_len, msg.max_tokens, self.pool.page_size)
+        try:
+            grants = self.allocator.allocate(rid, need)
+        except OutOfPages as exc:
+            self.tombstones[rid] = time.monotonic()
+            self._done(rid, "failed", f"decode pool of rank {self.rt.rank} out of pages: {exc}")
+            for w in msg.writers:
+                self.rt.send(w, m.ABORT, rid=rid, owner=self.rt.rank, writers=list(msg.writers),
+                             source="decode", reason="no decode pages")
+            self.rt.send(self.router, m.RELEASED, rid=rid, pages=0, how="freed")
+            return
+        req = OwnedRequest(rid, msg.prompt_len, msg.max_tokens, list(msg.writers),
+                           msg.last_token, grants)
+        self.reqs[rid] = req
+        self.canaries.stamp(req.pages, expected_canaries(rid, grants))
+        for w in req.writers:
+            self.rt.send(w, m.PLAN, rid=rid, pages=req.pages,
+                         generations=[g.generation for g in grants])
+        req.timer = self.rt.call_later(self.transfer_timeout_s, lambda: self._transfer_timeout(req))
+
+    def _on_notice(self, msg: Message) -> None:
+        req = self.reqs.get(msg.rid)
+        if req is None:
+            return
+        if msg.src not in req.writers:
+            log.warning("request %s: notice from rank %d, which is not one of its writers %s",
+                        req.rid, msg.src, req.writers)
+            return
+        req.notices[msg.src] = msg
+        if req.state is OwnerState.QUARANTINED:
+            self._maybe_release(req, "acked")
+        elif req.state is OwnerState.AWAITING and set(req.writers) <= set(req.notices):
+            if req.timer is not None:
+                req.timer.cancel()
+            req.transfer_ms = 1e3 * (time.monotonic() - req.planned_at)
+            self._verify_and_start(req)
+
+    def _verify_and_start(self, req: OwnedRequest) -> None:
+        try:
+            if self.integrity:
+                self._verify(req)
+        except IntegrityError as exc:
+            self.integrity_failures += 1
+            log.error("request %s: integrity check failed on rank %d: %s", req.rid, self.rt.rank, exc)
+            self._done(req.rid, "failed", f"integrity: {exc}")
+            self._close(req, "freed")   # every writer noticed: nothing more can land
+            return
+        req.move(OwnerState.DECODING)
+
+    def _verify(self, req: OwnedRequest) -> None:
+        for w in req.writers:
+            notice = req.notices[w]
+            check_transferred_length(req.rid, req.prompt_len, notice.tokens)
+            n = len(notice.pages)
+            mine = req.grants[:n]
+            if (list(notice.pages) != [g.page for g in mine]
+                    or list(notice.generations) != [g.generation for g in mine]):
+                raise IntegrityError(req.rid, f"writer rank {w} wrote pages {list(notice.pages)[:8]} "
+                                              f"generations {list(notice.generations)[:8]}, expected "
+                                              f"{[(g.page, g.generation) for g in mine][:8]}")
+            bad = self.canaries.mismatched(notice.pages, expected_canaries(req.rid, mine))
+            if bad:
+                raise IntegrityError(req.rid, f"canary mismatch on pages {bad[:8]}")
+            lo, hi = self._head_range(w, req.writers)
+            got = page_checksums(self.pool.kv[:, :, :, lo:hi], notice.pages).tolist()
+            bad = [p for p, a, b in zip(notice.pages, got, notice.checksums) if a != b]
+            if bad or len(got) != len(notice.checksums):
+                raise IntegrityError(req.rid, f"checksum mismatch on {len(bad)} of {n} pages "
+                                              f"written by rank {w} (first: {bad[:4]})")
+
+    def _head_range(self, writer: int, writers: list[int]) -> tuple[int, int]:
+        t = len(writers)
+        i = writers.index(writer)
+        per = self.pool.kv_heads // t
+        return i * per, (i + 1) * per
+
+    # -------------------------------------------------------------- decoding
+    def step(self) -> bool:
+        """One decode step for up to ``max_batch`` decoding requests; False if none."""
+        batch = [r for r in self.reqs.values() if r.state is OwnerState.DECODING][:self.max_batch]
+        if not batch:
+            return False
+        device = self.pool.kv.device
+        width = max(len(r.grants) for r in batch)
+        table = torch.empty(len(batch), width, dtype=torch.int32)
+        for i, r in enumerate(batch):
+            pages = r.pages
+            table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            table[i, len(pages):] = pages[0]
+        positions = torch.tensor([r.prompt_len - 1 + len(r.generated) for r in batch])
+        inputs = torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch])
+        prompt_lens = torch.tensor([r.prompt_len for r in batch])
+        with torch.no_grad():
+            out = self.model.decode_step(self.pool.kv, table.to(device), positions, inputs,
+                                         prompt_lens).tolist()
+        for r, tok in zip(batch, out):
+            r.generated.append(int(tok))
+            r.unsent.append(int(tok))
+            finished = len(r.generated) >= r.max_tokens or (
+                self.model.stop_token is not None and tok == self.model.stop_token)
+            if finished or len(r.unsent) >= TOKEN_FLUSH or len(r.generated) == 1:
+                self.rt.send(self.router, m.TOKENS, rid=r.rid, tokens=r.unsent)
+                r.unsent = []
+            if finished:
+                self._done(r.rid, "finished", None, count=len(r.generated),
+                           transfer_ms=r.transfer_ms)
+                self._close(r, "freed")
+        return True
+
+    # -------------------------------------------------------------- abort
+    def _transfer_timeout(self, req: OwnedRequest) -> None:
+        if req.state is not OwnerState.AWAITING:
+            return
+        missing = sorted(set(req.writers) - set(req.notices))
+        reason = (f"no completion notice from writer ranks {missing} within "
+                  f"{self.transfer_timeout_s:.1f} s")
+        self._done(req.rid, "failed", f"transfer timeout: {reason}")
+        self._abort(req, "transfer", reason)
+
+    def _on_abort(self, msg: Message) -> None:
+        req = self.reqs.get(msg.rid)
+        if req is None:
+            self.tombstones.setdefault(msg.rid, time.monotonic())
+            return
+        self._abort(req, msg.source, msg.reason)
+
+    def _abort(self, req: OwnedRequest, source: str, reason: str) -> None:
+        if req.state in (OwnerState.QUARANTINED, OwnerState.CLOSED):
+            return
+        self.tombstones[req.rid] = time.monotonic()
+        if req.timer is not None:
+            req.timer.cancel()
+        if req.state is OwnerState.DECODING or req.writers_done():
+            log.info("request %s aborted (%s: %s) after every writer finished; pages freed",
+                     req.rid, source, reason)
+            self._close(req, "freed")
+            return
+        if self.unsafe:
+            log.error("UNSAFE: request %s aborted (%s); freeing %d pages without waiting for "
+                      "writers %s", req.rid, source, len(req.grants), req.writers)
+            self._close(req, "unsafe")
+            return
+        self.allocator.quarantine(req.rid)
+        req.move(OwnerState.QUARANTINED)
+        req.abort_started = time.monotonic()
+        log.info("request %s aborted (%s: %s); %d pages quarantined until writers %s ack",
+                 req.rid, source, reason, len(req.grants), self._pending_writers(req))
+        self._ask_for_acks(req, source, reason)
+        req.timer = self.rt.call_later(self.abort_deadline_s, lambda: self._abort_deadline(req))
+
+    def _pending_writers(self, req: OwnedRequest) -> list[int]:
+        return sorted(set(req.writers) - set(req.notices) - req.acked)
+
+    def _ask_for_acks(self, req: OwnedRequest, source: str, reason: str) -> None:
+        """(Re-)send ABORT to every writer that has not acked; repeats until released, so a
+        lost ABORT or ABORT_ACK costs a retry, not the deadline."""
+        if req.state is not OwnerState.QUARANTINED:
+            return
+        for w in self._pending_writers(req):
+            self.rt.send(w, m.ABORT, rid=req.rid, owner=self.rt.rank, writers=req.writers,
+                         source=source, reason=reason)
+        self.rt.call_later(max(0.05, self.abort_deadline_s / 8),
+                           lambda: self._ask_for_acks(req, source, reason))
+
+    def _on_ack(self, msg: Message) -> None:
+        req = self.reqs.get(msg.rid)
+        if req is None or msg.src not in req.writers:
+            return
+        req.acked.add(msg.src)
+        if req.state is OwnerState.QUARANTINED:
+            self._maybe_release(req, "acked")
+
+    def _maybe_release(self, req: OwnedRequest, how: str) -> None:
+        if req.writers_done():
+            self._close(req, how)
+
+    def _abort_deadline(self, req: OwnedRequest) -> None:
+        if req.state is not OwnerState.QUARANTINED:
+            return
+        pending = self._pending_writers(req)
+        log.warning("request %s: writers %s did not ack within %.1f s; severing them",
+                    req.rid, pending, self.abort_deadline_s)
+        for w in pending:
+            self.rt.sever(w, f"no ABORT_ACK for request {req.rid}")
+        self._await_proof(req, pending)
+
+    def _await_proof(self, req: OwnedRequest, severed: list[int]) -> None:
+        """Release once severing is proven for every severed writer (I4)."""
+        if req.state is not OwnerState.QUARANTINED:
+            return
+        if all(self.rt.sever_proven(w) for w in severed):
+            self._close(req, "severed")
+        else:
+            self.rt.call_later(0.01, lambda: self._await_proof(req, severed))
+
+    # -------------------------------------------------------------- release
+    def _close(self, req: OwnedRequest, how: str) -> None:
+        if req.state is OwnerState.CLOSED:
+            return
+        if req.timer is not None:
+            req.timer.cancel()
+        if req.state is OwnerState.QUARANTINED:
+            pages = self.allocator.release(req.rid)
+        else:
+            pages = self.allocator.free(req.rid)
+        req.state = OwnerState.CLOSED
+        self.reqs.pop(req.rid, None)
+        self.tombstones[req.rid] = time.monotonic()
+        if req.abort_started:
+            log.info("request %s: %d pages released (%s) %.1f ms after the abort", req.rid,
+                     len(pages), how, 1e3 * (time.monotonic() - req.abort_started))
+        self.rt.send(self.router, m.RELEASED, rid=req.rid, pages=len(pages), how=how)
+
+    def _done(self, rid: str, outcome: str, error: str | None, count: int | None = None,
+              transfer_ms: float | None = None) -> None:
+        self.rt.send(self.router, m.DONE, rid=rid, outcome=outcome, error=error, count=count,
+                     transfer_ms=transfer_ms)
+
+    # -------------------------------------------------------------- housekeeping
+    def busy(self) -> bool:
+        return any(r.state is OwnerState.DECODING for r in self.reqs.values())
+
+    def sweep(self) -> None:
+        cutoff = time.monotonic() - TOMBSTONE_S
+        for rid in [r for r, t in self.tombstones.items() if t < cutoff]:
+            del self.tombstones[rid]
+
+    def stats(self) -> dict:
+        counts = self.allocator.counts()
+        return dict(free=counts["free"], owned=counts["owned"],
+                    quarantined=counts["quarantined"],
+                    capacity_tokens=self.pool.capacity_tokens,
+                    integrity_failures=self.integrity_failures)

@@ -1,0 +1,104 @@
+"""Fault hooks at the control-plane and transfer seams, off unless a test enables them.
+
+Each hook is one ``--fault`` string; a rank applies the hooks that name its role or none:
+
+    drop:KIND[:PROB]          drop outgoing messages of KIND (e.g. ABORT_ACK) with probability PROB
+    dup:KIND                  send every outgoing KIND twice
+    delay:KIND:SECONDS        hold outgoing KIND this long before sending
+    reorder:KIND              hold one outgoing KIND back and send it after the next one
+    corrupt-page:MARKER       a writer flips one byte of a source page of any request whose
+                              prompt contains MARKER, after computing its checksums
+    stall-write:MARKER:SECONDS  a writer waits this long before posting the pages of a
+                              request whose prompt contains MARKER
+
+The hooks sit where messages leave a rank (:meth:`FaultPlan.on_send`), where they are
+delivered (:meth:`FaultPlan.on_receive`) and where a writer posts pages; the protocol
+logic never looks at them.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+log = logging.getLogger("kvferry.cluster")
+
+
+class FaultSpecError(ValueError):
+    """A --fault string that does not parse."""
+
+
+@dataclass
+class FaultPlan:
+    drop: dict[str, float] = field(default_factory=dict)
+    duplicate: set[str] = field(default_factory=set)
+    delay: dict[str, float] = field(default_factory=dict)
+    reorder: set[str] = field(default_factory=set)
+    corrupt_marker: str | None = None
+    stall_marker: str | None = None
+    stall_s: float = 0.0
+    seed: int = 0
+    _held: dict[str, tuple[bytes, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    @classmethod
+    def parse(cls, specs: list[str], seed: int = 0) -> "FaultPlan":
+        plan = cls(seed=seed)
+        for spec in specs:
+            parts = spec.split(":")
+            try:
+                what = parts[0]
+                if what == "drop":
+                    plan.drop[parts[1]] = float(parts[2]) if len(parts) > 2 else 1.0
+                elif what == "dup":
+                    plan.duplicate.add(parts[1])
+                elif what == "delay":
+                    plan.delay[parts[1]] = float(parts[2])
+                elif what == "reorder":
+                    plan.reorder.add(parts[1])
+                elif what == "corrupt-page":
+                    plan.corrupt_marker = parts[1]
+                elif what == "stall-write":
+                    plan.stall_marker, plan.stall_s = parts[1], float(parts[2])
+                else:
+                    raise FaultSpecError(f"unknown fault {what!r} in {spec!r}")
+            except (IndexError, ValueError) as exc:
+                raise FaultSpecError(f"bad fault spec {spec!r}: {exc}") from None
+        if specs:
+            log.warning("FAULT INJECTION ENABLED: %s", specs)
+        return plan
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.drop or self.duplicate or self.delay or self.reorder
+                    or self.corrupt_marker or self.stall_marker)
+
+    def on_send(self, kind: str, rank: int, payload: bytes) -> list[tuple[bytes, float]]:
+        """What to actually send for one outgoing message: [(payload, delay_s)]."""
+        if not self.enabled:
+            return [(payload, 0.0)]
+        if kind in self.drop and self._rng.random() < self.drop[kind]:
+            log.warning("fault: dropped %s to rank %d", kind, rank)
+            return []
+        out = [(payload, self.delay.get(kind, 0.0))]
+        if kind in self.duplicate:
+            out.append((payload, self.delay.get(kind, 0.0)))
+        if kind in self.reorder:
+            held = self._held.pop(kind, None)
+            if held is None:
+                self._held[kind] = (payload, 0.0)
+                return []
+            out.append(held)
+        return out
+
+    def on_receive(self, msg):
+        return [msg]
+
+    def corrupts(self, text: str) -> bool:
+        return self.corrupt_marker is not None and self.corrupt_marker in text
+
+    def stall_for(self, text: str) -> float:
+        return self.stall_s if self.stall_marker is not None and self.stall_marker in text else 0.0

@@ -1,0 +1,227 @@
+"""One rank of a kvferry cluster, started by torchrun:
+
+    torchrun --standalone --nproc-per-node 3 -m kvferry.cluster.launch [serve options]
+
+Rank 0 is the router and front door, then prefill ranks, then decode ranks (see
+:mod:`.topology`). Each rank builds its transfer engine and pool, checks the pool's
+measured capacity against the context length (I3), publishes its card, reads everyone
+else's, and serves until SIGTERM/SIGINT or a SHUTDOWN from the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kvferry.engine.capacity import CapacityError, enforce_startup_capacity
+from kvferry.engine.pool import KVPool
+from kvferry.transfer import TransferConfig, TransferEngine
+
+from . import messages as m
+from .config import ServeConfig, add_serve_arguments, config_from_args
+from .decode import DecodeRank
+from .faults import FaultPlan
+from .frontdoor import FrontDoor
+from .metrics import ClusterMetrics
+from .models import build_model, pool_config
+from .prefill import PrefillRank
+from .rendezvous import RankCard, RendezvousError, gather, publish, publish_failure
+from .router import Router
+from .runtime import RankRuntime
+from .topology import Role, Topology
+
+log = logging.getLogger("kvferry.cluster")
+
+STATS_INTERVAL_S = 0.5
+RENDEZVOUS_TIMEOUT_S = 120.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvferry serve",
+        description="Serve a disaggregated cluster: run under torchrun; rank 0 is the router "
+                    "(HTTP front door), then prefill ranks, then decode ranks.")
+    add_serve_arguments(parser)
+    parser.add_argument("--log-level", default=os.environ.get("KVFERRY_LOG", "INFO"))
+    return parser
+
+
+def setup_logging(level: str, rank: int, role: Role) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+        format=f"%(asctime)s rank{rank}/{role.value} %(levelname)s %(name)s: %(message)s")
+
+
+def init_distributed() -> tuple[int, int, object]:
+    """torch.distributed (gloo) from torchrun's environment; returns rank, world, store."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    store = dist.distributed_c10d._get_default_store()
+    return dist.get_rank(), dist.get_world_size(), store
+
+
+class StopFlag:
+    def __init__(self) -> None:
+        self.stop = False
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        if not self.stop:
+            self.stop, self.reason = True, reason
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args)
+    rank, world, store = init_distributed()
+    topology = Topology.for_world(world, cfg.prefill, cfg.tp)
+    role = topology.role(rank)
+    setup_logging(args.log_level, rank, role)
+    if cfg.unsafe_free_on_abort:
+        log.error("UNSAFE MODE: pages are freed at abort without quarantine and integrity "
+                  "checks are off; answers can contain other requests' data")
+    faults = FaultPlan.parse(cfg.fault, seed=rank)
+    engine = TransferEngine(TransferConfig(transports=cfg.transports, name=f"rank{rank}/{role.value}",
+                                           max_message_bytes=4 << 20))
+    log.info("UCX: %s", {k: v for k, v in engine.describe().items() if k != "peers"})
+    pool = segment = model = None
+    context_length = cfg.context_length
+    try:
+        if role is not Role.ROUTER:
+            model = build_model(cfg)
+            if model.kv_heads % cfg.tp:
+                raise ValueError(f"kv_heads {model.kv_heads} is not divisible by tp {cfg.tp}")
+            pcfg = pool_config(cfg, model)
+            segment = engine.allocate(pcfg.total_bytes)
+            pool = KVPool.from_buffer(pcfg, segment.as_torch())
+            lowered = min(cfg.context_length, pool.capacity_tokens) if cfg.lower_context_length else None
+            context_length = enforce_startup_capacity(pool, cfg.context_length, lowered)
+            log.info("pool: %s; serving context length %d", pool, context_length)
+    except (CapacityError, ValueError) as exc:
+        log.error("refusing to start: %s", exc)
+        publish_failure(store, rank, str(exc))
+        engine.shutdown()
+        return 3
+    card = RankCard(rank=rank, role=role.value, address=engine.address,
+                    incarnation=engine.incarnation,
+                    segment=segment.descriptor().pack() if segment is not None else None,
+                    num_pages=pool.num_pages if pool is not None else 0,
+                    page_size=cfg.page_size,
+                    capacity_tokens=pool.capacity_tokens if pool is not None else 0,
+                    context_length=context_length, host=socket.gethostname(), pid=os.getpid())
+    publish(store, card)
+    try:
+        cards = gather(store, world, RENDEZVOUS_TIMEOUT_S)
+    except RendezvousError as exc:
+        log.error("rendezvous failed: %s", exc)
+        engine.shutdown()
+        return 3
+    runtime = RankRuntime(rank, engine, cards, faults, transports=cfg.transports)
+    stop = StopFlag()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: stop.set(signal.Signals(s).name))
+    try:
+        if role is Role.ROUTER:
+            return asyncio.run(serve_router(runtime, topology, cards, cfg, stop))
+        return serve_worker(runtime, role, topology, cfg, model, pool, segment, stop)
+    finally:
+        engine.shutdown()
+
+
+def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int):
+    def send() -> None:
+        s = worker.stats()
+        c = runtime.engine.counters
+        d = runtime.dropped()
+        runtime.send(router, m.STATS, free=s["free"], owned=s["owned"],
+                     quarantined=s["quarantined"], capacity_tokens=s["capacity_tokens"],
+                     context_length=context_length, bytes_written=c.bytes_written,
+                     batches=c.batches, integrity_failures=s["integrity_failures"],
+                     severed=runtime.counters.severed, dropped_duplicate=d["duplicate"],
+                     dropped_stale=d["stale"], dropped_malformed=d["malformed"])
+        worker.sweep()
+        runtime.call_later(STATS_INTERVAL_S, send)
+    return send
+
+
+def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: ServeConfig,
+                 model, pool: KVPool, segment, stop: StopFlag) -> int:
+    router = topology.router_rank
+    if role is Role.PREFILL:
+        _, index = topology.group_of(runtime.rank)
+        per = model.kv_heads // cfg.tp
+        worker = PrefillRank(runtime, model, pool, segment, (index * per, (index + 1) * per),
+                             router, unsafe=cfg.unsafe_free_on_abort)
+    else:
+        worker = DecodeRank(runtime, model, pool, router,
+                            transfer_timeout_s=cfg.transfer_timeout_s,
+                            abort_deadline_s=cfg.abort_deadline_s, integrity=cfg.integrity,
+                            unsafe=cfg.unsafe_free_on_abort)
+    handler = worker.on_message
+
+    def on_message(msg) -> None:
+        if msg.kind == "SHUTDOWN":
+            stop.set("SHUTDOWN from the router")
+        else:
+            handler(msg)
+    runtime.set_handler(on_message)
+    _stats_sender(runtime, worker, router, cards_context(runtime))()
+    log.info("%s rank %d ready", role.value, runtime.rank)
+    while not stop.stop:
+        busy = role is Role.DECODE and worker.busy()
+        wait = 0.0 if busy else min(0.05, runtime.next_timer_in() or 0.05)
+        runtime.pump(wait)
+        if busy:
+            worker.step()
+    log.info("rank %d stopping: %s", runtime.rank, stop.reason)
+    return 0
+
+
+def cards_context(runtime: RankRuntime) -> int:
+    return runtime.cards[runtime.rank].context_length
+
+
+async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int, RankCard],
+                       cfg: ServeConfig, stop: StopFlag) -> int:
+    from aiohttp import web
+
+    metrics = ClusterMetrics()
+    router = Router(runtime, topology, cards, context_length=cfg.context_length,
+                    request_timeout_s=cfg.request_timeout_s,
+                    admission_wait_s=cfg.admission_wait_s, metrics=metrics)
+    for row in router.capacity_table():
+        metrics.capacity.labels(str(row["rank"]), row["role"]).set(row["capacity_tokens"])
+    door = FrontDoor(router)
+    runner = web.AppRunner(door.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    log.info("kvferry: serving on http://%s:%d (prefill groups %s, decode ranks %s, context "
+             "length %d)", cfg.host, cfg.port, topology.prefill_groups, topology.decode_ranks,
+             router.context_length)
+    try:
+        while not stop.stop:
+            runtime.pump(0)
+            await asyncio.sleep(0.0005 if router.requests else 0.005)
+    finally:
+        log.info("router stopping: %s", stop.reason)
+        for rank in range(1, topology.world_size):
+            runtime.send(rank, m.SHUTDOWN)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            runtime.pump(0.01)
+        await runner.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

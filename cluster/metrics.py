@@ -1,0 +1,62 @@
+"""Cluster-wide metrics, exported by the router in Prometheus text format (I6).
+
+prometheus_client provides the registry, the text exposition and the histogram buckets, so
+the output is what Prometheus scrapers expect without code of our own. Per-rank figures
+(pages by state, bytes moved) arrive in STATS messages and are set as labelled gauges, so
+one scrape of the router shows the whole cluster.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+OUTCOMES = ("ok", "rejected", "unavailable", "aborted", "failed")
+
+
+class ClusterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvferry_requests", "Requests by outcome", ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.aborts = Counter("kvferry_aborts", "Aborts by source", ["source"], registry=r)
+        self.pages = Gauge("kvferry_pages", "KV pool pages by state", ["rank", "role", "state"],
+                           registry=r)
+        self.capacity = Gauge("kvferry_pool_capacity_tokens", "Measured pool capacity",
+                              ["rank", "role"], registry=r)
+        self.context_length = Gauge("kvferry_context_length_tokens",
+                                    "Context length the cluster serves", registry=r)
+        self.bytes_moved = Gauge("kvferry_transfer_bytes", "Bytes written one-sided, per rank",
+                                 ["rank"], registry=r)
+        self.batches = Gauge("kvferry_transfer_batches", "Write batches posted, per rank",
+                             ["rank"], registry=r)
+        self.integrity_failures = Gauge("kvferry_integrity_failures",
+                                        "Pages that failed checksum, canary or length checks",
+                                        ["rank"], registry=r)
+        self.severed = Gauge("kvferry_severed_peers", "Peers severed after an abort deadline",
+                             ["rank"], registry=r)
+        self.dropped_messages = Gauge("kvferry_dropped_messages",
+                                      "Control messages dropped (duplicate, stale, malformed)",
+                                      ["rank", "reason"], registry=r)
+        self.transfer_latency = Histogram(
+            "kvferry_transfer_seconds", "From write plan to the last writer's notice",
+            registry=r, buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))
+        self.ttft = Histogram("kvferry_time_to_first_token_seconds", "Time to first token",
+                              registry=r, buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30))
+
+    def set_rank_stats(self, rank: int, role: str, stats: dict) -> None:
+        labels = str(rank)
+        for state in ("free", "owned", "quarantined"):
+            self.pages.labels(labels, role, state).set(stats.get(state, 0))
+        self.capacity.labels(labels, role).set(stats.get("capacity_tokens", 0))
+        self.bytes_moved.labels(labels).set(stats.get("bytes_written", 0))
+        self.batches.labels(labels).set(stats.get("batches", 0))
+        self.integrity_failures.labels(labels).set(stats.get("integrity_failures", 0))
+        self.severed.labels(labels).set(stats.get("severed", 0))
+        for reason, count in stats.get("dropped", {}).items():
+            self.dropped_messages.labels(labels, reason).set(count)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

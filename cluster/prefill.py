@@ -1,0 +1,283 @@
+"""The prefill rank: a writer of the abort protocol.
+
+Computes a prompt's KV (its share of the heads, under tensor parallelism) into its own
+pool pages, writes them one-sided into the pages the decode owner planned, then sends the
+completion notice with ``notify`` (flush first, so the notice arrives only after every
+byte is visible at the owner).
+
+Upholds:
+- I2: a request id that reached a terminal state here is tombstoned; a late PREFILL or
+  PLAN for it is ignored, so it never reaches transfer.
+- I4, writer side: on ABORT it stops posting, then sends ABORT_ACK with ``notify`` (flush,
+  then send), and holds its own source pages until that flush. A writer that never
+  started, or already finished, acks at once.
+- I6: a failure here aborts the request towards the owner and the router, with the reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvferry.engine.allocator import OutOfPages, PageAllocator
+from kvferry.engine.integrity import page_checksums
+from kvferry.engine.pool import KVPool
+from kvferry.engine.tokenizer import decode as detokenize
+from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
+from kvferry.transfer.wire import Message
+
+from . import messages as m
+from .runtime import RankRuntime
+
+log = logging.getLogger("kvferry.cluster")
+
+
+class WriterState(enum.Enum):
+    WAITING = "waiting"        # has PREFILL or PLAN, not both
+    WRITING = "writing"        # pages posted
+    NOTIFYING = "notifying"    # notice posted (flush, then send)
+    DONE = "done"              # notice flushed; source pages freed
+    ABORTING = "aborting"      # ack posted after a flush
+    ABORTED = "aborted"        # ack flushed; source pages freed
+
+
+WRITER_TRANSITIONS: dict[WriterState, frozenset[WriterState]] = {
+    WriterState.WAITING: frozenset({WriterState.WRITING, WriterState.ABORTING}),
+    WriterState.WRITING: frozenset({WriterState.NOTIFYING, WriterState.ABORTING}),
+    WriterState.NOTIFYING: frozenset({WriterState.DONE, WriterState.ABORTING}),
+    WriterState.DONE: frozenset({WriterState.ABORTING}),   # a late abort is acked at once
+    WriterState.ABORTING: frozenset({WriterState.ABORTED}),
+    WriterState.ABORTED: frozenset(),
+}
+
+
+@dataclass
+class WriteJob:
+    rid: str
+    owner: int = -1
+    owner_inc: int = 0
+    tokens: np.ndarray | None = None       # int32 prompt tokens
+    src_pages: list[int] = field(default_factory=list)
+    dst_pages: list[int] | None = None
+    dst_generations: list[int] | None = None
+    checksums: list[int] = field(default_factory=list)
+    state: WriterState = WriterState.WAITING
+    posted_bytes: int = 0
+    stall_timer: object | None = None
+
+    def move(self, new: WriterState) -> None:
+        if new not in WRITER_TRANSITIONS[self.state]:
+            raise RuntimeError(f"request {self.rid}: writer cannot go from {self.state.value} "
+                               f"to {new.value}")
+        self.state = new
+
+
+TOMBSTONE_S = 600.0
+
+
+class PrefillRank:
+    def __init__(self, runtime: RankRuntime, model, pool: KVPool, segment: Segment,
+                 head_range: tuple[int, int], router: int, unsafe: bool = False) -> None:
+        self.rt = runtime
+        self.model = model
+        self.pool = pool
+        self.segment = segment
+        self.heads = head_range
+        self.router = router
+        self.unsafe = unsafe
+        self.allocator = PageAllocator(pool.num_pages)
+        self.jobs: dict[str, WriteJob] = {}
+        self.tombstones: dict[str, float] = {}
+        self.integrity_failures = 0
+        runs = pool.head_slice_runs(0, *head_range)
+        self._run_offsets = np.array([off for off, _ in runs], dtype=np.int64)
+        self._run_lengths = np.array([n for _, n in runs], dtype=np.int64)
+        runtime.set_handler(self.on_message)
+
+    # -------------------------------------------------------------- messages
+    def on_message(self, msg: Message) -> None:
+        handler = {"PREFILL": self._on_prefill, "PLAN": self._on_plan,
+                   "ABORT": self._on_abort}.get(msg.kind)
+        if handler is None:
+            log.warning("prefill rank %d: unexpected %s from rank %d", self.rt.rank, msg.kind, msg.src)
+            return
+        handler(msg)
+
+    def _job(self, rid: str) -> WriteJob | None:
+        if rid in self.tombstones:
+            return None
+        return self.jobs.setdefault(rid, WriteJob(rid))
+
+    def _on_prefill(self, msg: Message) -> None:
+        job = self._job(msg.rid)
+        if job is None or job.tokens is not None:
+            return
+        job.owner, job.owner_inc = msg.owner, msg.owner_inc
+        tokens = np.frombuffer(msg.tokens, dtype="<i4")
+        need = -(-len(tokens) // self.pool.page_size)
+        try:
+            grants = self.allocator.allocate(job.rid, need)
+        except OutOfPages as exc:
+            self._fail(job, "prefill", f"prefill pool out of pages: {exc}")
+            return
+        job.tokens = tokens
+        job.src_pages = [g.page for g in grants]
+        with torch.no_grad():
+            self.model.prefill(self.pool.kv, torch.from_numpy(tokens.astype(np.int64)),
+                               job.src_pages, head_range=self.heads)
+        lo, hi = self.heads
+        job.checksums = page_checksums(self.pool.kv[:, :, :, lo:hi], job.src_pages).tolist()
+        self._maybe_write(job)
+
+    def _on_plan(self, msg: Message) -> None:
+        job = self._job(msg.rid)
+        if job is None or job.dst_pages is not None:
+            return
+        if job.owner < 0:
+            job.owner = msg.src
+        elif job.owner != msg.src:
+            log.warning("request %s: PLAN from rank %d, but its owner is rank %d; ignored",
+                        msg.rid, msg.src, job.owner)
+            return
+        job.dst_pages, job.dst_generations = list(msg.pages), list(msg.generations)
+        self._maybe_write(job)
+
+    # -------------------------------------------------------------- writing
+    def _maybe_write(self, job: WriteJob) -> None:
+        if job.state is not WriterState.WAITING or job.tokens is None or job.dst_pages is None:
+            return
+        if len(job.dst_pages) < len(job.src_pages):
+            self._fail(job, "prefill", f"plan holds {len(job.dst_pages)} pages but the prompt "
+                                       f"of {len(job.tokens)} tokens needs {len(job.src_pages)}")
+            return
+        text = detokenize(job.tokens.tolist())
+        stall = self.rt.faults.stall_for(text)
+        if stall > 0:
+            log.warning("fault: request %s: stalling its writes for %.2f s", job.rid, stall)
+            job.stall_timer = self.rt.call_later(stall, lambda: self._post_writes(job))
+            return
+        self._post_writes(job)
+
+    def _post_writes(self, job: WriteJob) -> None:
+        job.stall_timer = None
+        if job.state is not WriterState.WAITING:
+            return
+        pb = self.pool.page_bytes
+        src = np.asarray(job.src_pages, dtype=np.int64)
+        dst = np.asarray(job.dst_pages[:len(job.src_pages)], dtype=np.int64)
+        local = (src[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
+        remote = (dst[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
+        lengths = np.broadcast_to(self._run_lengths, (len(src), len(self._run_lengths))).reshape(-1)
+        triples = np.stack([local, remote, lengths], axis=1)
+        if self.rt.faults.corrupts(detokenize(job.tokens.tolist())):
+            flat = self.pool.kv.view(-1).view(torch.uint8)
+            flat[int(local[0]) + 1] ^= 0x5A
+            log.warning("fault: request %s: corrupted byte %d of its first source page",
+                        job.rid, int(local[0]) + 1)
+        try:
+            batch = self.rt.write(job.owner, self.segment, triples)
+        except TransferError as exc:
+            self._fail(job, "transfer", f"write to rank {job.owner} refused: {exc}")
+            return
+        job.posted_bytes = int(lengths.sum())
+        job.move(WriterState.WRITING)
+        self.rt.watch(batch, lambda b: self._on_written(job, b))
+
+    def _on_written(self, job: WriteJob, batch: Batch) -> None:
+        if job.state is not WriterState.WRITING:
+            return
+        if batch.status() is not BatchStatus.COMPLETED:
+            self._fail(job, "transfer", f"write to rank {job.owner} failed: {batch.error}")
+            return
+        notice = self.rt.notify(
+            job.owner, m.NOTICE, rid=job.rid, tokens=len(job.tokens),
+            pages=job.dst_pages[:len(job.src_pages)],
+            generations=job.dst_generations[:len(job.src_pages)],
+            checksums=job.checksums, first_token=-1, bytes=job.posted_bytes)
+        if notice is None:
+            self._fail(job, "transfer", f"notice to rank {job.owner} could not be sent")
+            return
+        job.move(WriterState.NOTIFYING)
+        self.rt.watch(notice, lambda b: self._on_notified(job, b))
+
+    def _on_notified(self, job: WriteJob, batch: Batch) -> None:
+        if job.state is not WriterState.NOTIFYING:
+            return
+        job.move(WriterState.DONE)
+        self._free_source(job, "freed")
+
+    # -------------------------------------------------------------- abort
+    def _on_abort(self, msg: Message) -> None:
+        job = self.jobs.get(msg.rid)
+        owner = msg.owner if msg.owner >= 0 else (job.owner if job else -1)
+        if job is None:
+            # Never started (or long finished): tombstone, ack at once.
+            self.tombstones[msg.rid] = time.monotonic()
+            if owner >= 0:
+                self.rt.notify(owner, m.ABORT_ACK, rid=msg.rid)
+            return
+        if job.owner < 0:
+            job.owner = owner
+        self._abort(job, f"{msg.source}: {msg.reason}")
+
+    def _abort(self, job: WriteJob, reason: str) -> None:
+        """Stop posting, flush towards the owner, ack; free source pages after the flush."""
+        if job.state is WriterState.ABORTED:
+            if job.owner >= 0:   # the owner asks again: our ack may have been lost
+                self.rt.notify(job.owner, m.ABORT_ACK, rid=job.rid)
+            return
+        if job.state is WriterState.ABORTING:
+            return
+        if job.stall_timer is not None:
+            job.stall_timer.cancel()
+            job.stall_timer = None
+        was_done = job.state is WriterState.DONE
+        job.move(WriterState.ABORTING)
+        self.tombstones[job.rid] = time.monotonic()
+        log.info("request %s: writer rank %d aborting (%s)", job.rid, self.rt.rank, reason)
+        ack = self.rt.notify(job.owner, m.ABORT_ACK, rid=job.rid) if job.owner >= 0 else None
+        if ack is None:
+            job.move(WriterState.ABORTED)
+            if not was_done:
+                self._free_source(job, "aborted")
+            return
+        self.rt.watch(ack, lambda b: self._on_acked(job, was_done))
+
+    def _on_acked(self, job: WriteJob, was_done: bool) -> None:
+        job.move(WriterState.ABORTED)
+        if not was_done:
+            self._free_source(job, "aborted")
+
+    def _fail(self, job: WriteJob, source: str, reason: str) -> None:
+        log.error("request %s: prefill rank %d failed: %s", job.rid, self.rt.rank, reason)
+        for rank in {self.router, job.owner} - {-1}:
+            self.rt.send(rank, m.ABORT, rid=job.rid, owner=job.owner, writers=[self.rt.rank],
+                         source=source, reason=reason)
+        self._abort(job, reason)
+
+    def _free_source(self, job: WriteJob, how: str) -> None:
+        freed = self.allocator.free(job.rid) if job.src_pages else []
+        self.jobs.pop(job.rid, None)
+        self.tombstones[job.rid] = time.monotonic()
+        self.rt.send(self.router, m.RELEASED, rid=job.rid, pages=len(freed), how=how)
+
+    # -------------------------------------------------------------- housekeeping
+    def idle(self) -> bool:
+        return not self.jobs
+
+    def sweep(self) -> None:
+        cutoff = time.monotonic() - TOMBSTONE_S
+        for rid in [r for r, t in self.tombstones.items() if t < cutoff]:
+            del self.tombstones[rid]
+
+    def stats(self) -> dict:
+        counts = self.allocator.counts()
+        return dict(free=counts["free"], owned=counts["owned"],
+                    quarantined=counts["quarantined"],
+                    capacity_tokens=self.pool.capacity_tokens,
+                    integrity_failures=self.integrity_failures)

@@ -1,0 +1,345 @@
+"""The router: admission, placement, and the request's fate as the client sees it.
+
+Upholds:
+- I1: a request that can never fit (context length, or the smallest pool it will touch,
+  quarantined pages counted as used) is rejected before anything is sent to a rank. The
+  router keeps a ledger of pages reserved per rank; a reservation ends only when that rank
+  reports RELEASED, so pages quarantined on a decode rank stay counted until released.
+- I2: the request's life cycle is ``engine.lifecycle.Request``; once terminal, later
+  TOKENS or DONE for it are ignored, and nothing is sent for it but ABORT.
+- I6: every outcome is counted; a request is reported ok only after DONE(finished) with
+  every token it announced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvferry.engine.admission import AdmissionRejected, admit, pages_needed
+from kvferry.engine.lifecycle import Request, RequestState
+from kvferry.engine.tokenizer import decode as detokenize, encode as tokenize
+from kvferry.transfer.wire import Message
+
+from . import messages as m
+from .metrics import ClusterMetrics
+from .rendezvous import RankCard
+from .runtime import RankRuntime
+from .topology import Topology
+
+log = logging.getLogger("kvferry.cluster")
+
+S = RequestState
+HEARTBEAT_TIMEOUT_S = 5.0
+
+
+class Unavailable(Exception):
+    """No capacity or no healthy rank right now (HTTP 503)."""
+
+    http_status = 503
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id}: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+@dataclass
+class RoutedRequest:
+    req: Request
+    owner: int
+    writers: list[int]
+    submitted_at: float
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token_at: float | None = None
+    outcome: str | None = None          # ok, aborted, failed
+    error: str | None = None
+    transfer_ms: float | None = None
+    deadline_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.req.request_id
+
+    @property
+    def text(self) -> str:
+        return detokenize(self.req.output_tokens)
+
+
+class Ledger:
+    """Pages reserved per rank, per request, until the rank reports them released."""
+
+    def __init__(self, totals: dict[int, int]) -> None:
+        self.totals = dict(totals)
+        self.held: dict[int, dict[str, int]] = {r: {} for r in totals}
+        self.orphaned: dict[int, set[str]] = {r: set() for r in totals}  # held by terminal requests
+
+    def free(self, rank: int) -> int:
+        return self.totals[rank] - sum(self.held[rank].values())
+
+    def reusable(self, rank: int) -> int:
+        """Pages that will be free once every live request ends: all but quarantined ones."""
+        return self.totals[rank] - sum(self.held[rank][rid] for rid in self.orphaned[rank])
+
+    def reserve(self, rank: int, rid: str, pages: int) -> None:
+        self.held[rank][rid] = pages
+
+    def end(self, rid: str, ranks: list[int]) -> None:
+        """The request is terminal: what it still holds counts as quarantined."""
+        for r in ranks:
+            if rid in self.held[r]:
+                self.orphaned[r].add(rid)
+
+    def release(self, rank: int, rid: str) -> bool:
+        self.orphaned[rank].discard(rid)
+        return self.held[rank].pop(rid, None) is not None
+
+    def outstanding(self) -> dict[int, int]:
+        return {r: sum(h.values()) for r, h in self.held.items()}
+
+
+class Router:
+    def __init__(self, runtime: RankRuntime, topology: Topology, cards: dict[int, RankCard],
+                 *, context_length: int, request_timeout_s: float, admission_wait_s: float,
+                 metrics: ClusterMetrics) -> None:
+        self.rt = runtime
+        self.topology = topology
+        self.cards = cards
+        self.context_length = min([context_length] + [c.context_length for c in cards.values()
+                                                      if c.role != "router"])
+        self.request_timeout_s = request_timeout_s
+        self.admission_wait_s = admission_wait_s
+        self.metrics = metrics
+        self.page_size = cards[topology.decode_ranks[0]].page_size
+        self.ledger = Ledger({r: c.num_pages for r, c in cards.items() if c.role != "router"})
+        self.requests: dict[str, RoutedRequest] = {}
+        self.rank_stats: dict[int, dict] = {}
+        self.last_seen: dict[int, float] = {r: time.monotonic() for r in self.ledger.totals}
+        self.unhealthy: dict[int, str] = {}
+        self._capacity_changed = asyncio.Event()
+        self._ids = itertools.count(1)
+        self._prefix = secrets.token_hex(3)
+        self._rr = itertools.count()
+        self.completed_bytes = 0
+        metrics.context_length.set(self.context_length)
+        runtime.set_handler(self.on_message)
+        runtime.on_send_failure = self._on_send_failure
+
+    # ------------------------------------------------------------------ admission
+    def new_request_id(self) -> str:
+        return f"req-{self._prefix}-{next(self._ids):06d}"
+
+    def _pick(self, prompt_len: int, need_decode: int) -> tuple[int, list[int]] | None:
+        need_prefill = pages_needed(prompt_len, 0, self.page_size)
+        decodes = [r for r in self.topology.decode_ranks
+                   if r not in self.unhealthy and self.ledger.free(r) >= need_decode]
+        groups = [g for g in self.topology.prefill_groups
+                  if not set(g) & set(self.unhealthy)
+                  and min(self.ledger.free(r) for r in g) >= need_prefill]
+        if not decodes or not groups:
+            return None
+        turn = next(self._rr)
+        owner = max(decodes, key=lambda r: (self.ledger.free(r), -((r + turn) % len(decodes))))
+        group = max(groups, key=lambda g: (min(self.ledger.free(r) for r in g), -(turn % len(groups))))
+        return owner, list(group)
+
+    def check_admission(self, rid: str, prompt_len: int, max_tokens: int) -> None:
+        """I1: raise AdmissionRejected if this request can never fit anywhere."""
+        healthy_decode = [r for r in self.topology.decode_ranks if r not in self.unhealthy]
+        healthy_prefill = [g for g in self.topology.prefill_groups if not set(g) & set(self.unhealthy)]
+        if not healthy_decode or not healthy_prefill:
+            raise Unavailable(rid, f"no healthy {'decode' if not healthy_decode else 'prefill'} "
+                                   f"rank (unhealthy: {self.unhealthy})")
+        decode_cap = max(self.ledger.reusable(r) for r in healthy_decode) * self.page_size
+        prefill_cap = max(min(self.ledger.reusable(r) for r in g) for g in healthy_prefill) * self.page_size
+        admit(rid, prompt_len, max_tokens, self.context_length, decode_cap)
+        if prompt_len > prefill_cap:
+            raise AdmissionRejected(rid, prompt_len, max_tokens, self.context_length, prefill_cap,
+                                    f"prompt needs {prompt_len} positions, more than a prefill "
+                                    f"pool can hold ({prefill_cap} tokens)")
+
+    async def submit(self, prompt: str, max_tokens: int) -> RoutedRequest:
+        """Admit and dispatch; raises AdmissionRejected (400) or Unavailable (503)."""
+        rid = self.new_request_id()
+        tokens = tokenize(prompt)
+        req = Request(rid, tokens, max_tokens)
+        try:
+            self.check_admission(rid, len(tokens), max_tokens)
+        except AdmissionRejected as exc:
+            req.transition(S.REJECTED, exc.reason)
+            self.metrics.requests.labels("rejected").inc()
+            log.info("request %s rejected: %s", rid, exc)
+            raise
+        except Unavailable:
+            self.metrics.requests.labels("unavailable").inc()
+            raise
+        need = pages_needed(len(tokens), max_tokens, self.page_size)
+        deadline = time.monotonic() + self.admission_wait_s
+        while (placement := self._pick(len(tokens), need)) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.metrics.requests.labels("unavailable").inc()
+                free = {r: self.ledger.free(r) for r in self.ledger.totals}
+                raise Unavailable(rid, f"no pool has room for {need} pages within "
+                                       f"{self.admission_wait_s:.1f} s (free pages by rank: {free})")
+            self._capacity_changed.clear()
+            try:
+                await asyncio.wait_for(self._capacity_changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        owner, writers = placement
+        req.transition(S.ADMITTED)
+        routed = RoutedRequest(req, owner, writers, time.monotonic())
+        self.requests[rid] = routed
+        self.ledger.reserve(owner, rid, need)
+        for w in writers:
+            self.ledger.reserve(w, rid, pages_needed(len(tokens), 0, self.page_size))
+        deadline_ms = int(self.request_timeout_s * 1000)
+        packed = np.asarray(tokens, dtype="<i4").tobytes()
+        req.transition(S.PREFILLING)
+        for w in writers:
+            self.rt.send(w, m.PREFILL, rid=rid, tokens=packed, owner=owner,
+                         owner_inc=self.cards[owner].incarnation, deadline_ms=deadline_ms)
+        self.rt.send(owner, m.ASSIGN, rid=rid, prompt_len=len(tokens), max_tokens=max_tokens,
+                     writers=writers, last_token=tokens[-1], deadline_ms=deadline_ms)
+        routed.deadline_timer = asyncio.get_running_loop().call_later(
+            self.request_timeout_s, lambda: self.abort(rid, "deadline",
+                                                       f"no answer within {self.request_timeout_s:.1f} s"))
+        log.info("request %s: %d prompt tokens, max_tokens %d -> prefill %s, decode %d",
+                 rid, len(tokens), max_tokens, writers, owner)
+        return routed
+
+    # ------------------------------------------------------------------ outcomes
+    def _finish(self, routed: RoutedRequest, outcome: str, error: str | None) -> None:
+        req = routed.req
+        if not req.live:
+            return
+        target = {"ok": S.FINISHED, "aborted": S.ABORTED, "failed": S.FAILED}[outcome]
+        if target is S.FINISHED and req.state is S.PREFILLING:
+            req.transition(S.DECODING)
+        req.transition(target, error or "")
+        routed.outcome, routed.error = outcome, error
+        if routed.deadline_timer is not None:
+            routed.deadline_timer.cancel()
+        self.ledger.end(routed.rid, [routed.owner, *routed.writers])
+        self.metrics.requests.labels(outcome).inc()
+        routed.events.put_nowait(("done", outcome, error))
+        if outcome != "ok":
+            log.warning("request %s %s: %s", routed.rid, outcome, error)
+        self._forget_if_released(routed)
+
+    def abort(self, rid: str, source: str, reason: str) -> None:
+        """Abort a live request: fan ABORT out to its owner and every writer (step 2)."""
+        routed = self.requests.get(rid)
+        if routed is None or not routed.req.live:
+            return
+        self.metrics.aborts.labels(source).inc()
+        for rank in [routed.owner, *routed.writers]:
+            self.rt.send(rank, m.ABORT, rid=rid, owner=routed.owner, writers=routed.writers,
+                         source=source, reason=reason)
+        outcome = "aborted" if source in ("client", "deadline") else "failed"
+        self._finish(routed, outcome, f"{source}: {reason}")
+
+    # ------------------------------------------------------------------ messages
+    def on_message(self, msg: Message) -> None:
+        self.last_seen[msg.src] = time.monotonic()
+        if msg.kind == "STATS":
+            self._on_stats(msg)
+            return
+        if msg.kind == "RELEASED":
+            if self.ledger.release(msg.src, msg.rid):
+                self._capacity_changed.set()
+            routed = self.requests.get(msg.rid)
+            if routed is not None:
+                self._forget_if_released(routed)
+            return
+        routed = self.requests.get(msg.rid)
+        if routed is None or not routed.req.live:
+            return
+        if msg.kind == "TOKENS":
+            if routed.first_token_at is None:
+                routed.first_token_at = time.monotonic()
+                self.metrics.ttft.observe(routed.first_token_at - routed.submitted_at)
+                if routed.req.state is S.PREFILLING:
+                    routed.req.transition(S.DECODING)
+            routed.req.output_tokens.extend(msg.tokens)
+            routed.events.put_nowait(("tokens", list(msg.tokens)))
+        elif msg.kind == "DONE":
+            if msg.transfer_ms is not None:
+                routed.transfer_ms = msg.transfer_ms
+                self.metrics.transfer_latency.observe(msg.transfer_ms / 1e3)
+            if msg.outcome == "finished":
+                got = len(routed.req.output_tokens)
+                if msg.count is not None and got != msg.count:
+                    self._finish(routed, "failed", f"decode reported {msg.count} tokens, "
+                                                   f"{got} arrived")
+                else:
+                    self._finish(routed, "ok", None)
+            else:
+                # The owner runs the abort protocol with the writers itself.
+                self._finish(routed, "failed" if msg.outcome == "failed" else "aborted", msg.error)
+        elif msg.kind == "ABORT":
+            self.metrics.aborts.labels(msg.source).inc()
+            self._finish(routed, "failed", f"{msg.source}: {msg.reason}")
+            for rank in [routed.owner, *routed.writers]:
+                if rank != msg.src:
+                    self.rt.send(rank, m.ABORT, rid=routed.rid, owner=routed.owner,
+                                 writers=routed.writers, source=msg.source, reason=msg.reason)
+
+    def _forget_if_released(self, routed: RoutedRequest) -> None:
+        if routed.req.live:
+            return
+        if all(routed.rid not in self.ledger.held[r] for r in [routed.owner, *routed.writers]):
+            self.requests.pop(routed.rid, None)
+
+    def _on_stats(self, msg: Message) -> None:
+        stats = dict(msg.fields)
+        stats["dropped"] = {"duplicate": msg.dropped_duplicate, "stale": msg.dropped_stale,
+                            "malformed": msg.dropped_malformed}
+        self.rank_stats[msg.src] = stats
+        self.metrics.set_rank_stats(msg.src, self.cards[msg.src].role, stats)
+        if msg.src in self.unhealthy and self.unhealthy[msg.src].startswith("no heartbeat"):
+            log.info("rank %d is back", msg.src)
+            del self.unhealthy[msg.src]
+
+    def _on_send_failure(self, rank: int, exc: Exception) -> None:
+        if rank in self.unhealthy:
+            return
+        self.unhealthy[rank] = f"unreachable: {exc}"
+        log.error("rank %d marked unhealthy: %s", rank, exc)
+        for routed in list(self.requests.values()):
+            if routed.req.live and rank in (routed.owner, *routed.writers):
+                self.abort(routed.rid, "peer", f"rank {rank} unreachable: {exc}")
+
+    def check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for rank, seen in self.last_seen.items():
+            if now - seen > HEARTBEAT_TIMEOUT_S and rank not in self.unhealthy:
+                self.unhealthy[rank] = f"no heartbeat for {now - seen:.1f} s"
+                log.error("rank %d marked unhealthy: no heartbeat for %.1f s", rank, now - seen)
+
+    # ------------------------------------------------------------------ reports
+    def capacity_table(self) -> list[dict]:
+        """Every rank's measured pool capacity against the context length (I3)."""
+        rows = []
+        for rank, card in sorted(self.cards.items()):
+            if card.role == "router":
+                continue
+            rows.append({"rank": rank, "role": card.role, "host": card.host,
+                         "capacity_tokens": card.capacity_tokens,
+                         "context_length": self.context_length,
+                         "ok": card.capacity_tokens >= self.context_length})
+        return rows
+
+    def status(self) -> dict:
+        live = sum(1 for r in self.requests.values() if r.req.live)
+        return {"live_requests": live, "held_pages": self.ledger.outstanding(),
+                "quarantined_requests": {r: sorted(s) for r, s in self.ledger.orphaned.items() if s},
+                "unhealthy": self.unhealthy, "ranks": self.rank_stats,
+                "context_length": self.context_length}

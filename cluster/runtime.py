@@ -1,0 +1,280 @@
+"""One rank's control plane over its transfer engine.
+
+Sends cluster messages to ranks by number (connecting lazily from the rank cards), filters
+what arrives (malformed, stale incarnation, duplicate: dropped and counted, abort protocol
+step 2), dispatches the rest to the role, fires callbacks when batches settle, and runs
+timers. Single-threaded, like the engine under it: the role's loop calls :meth:`pump`.
+
+Upholds I4's severing rule on the control plane: once a rank is severed, its messages and
+its writes are refused until it comes back with a new incarnation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import signal
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvferry.transfer import (Batch, BatchStatus, Peer, RemoteSegment, Segment, TransferEngine,
+                              TransferError, WireError)
+from kvferry.transfer.wire import Message, MessageKind
+
+from . import messages
+from .faults import FaultPlan
+from .rendezvous import RankCard
+
+log = logging.getLogger("kvferry.cluster")
+
+DEDUP_WINDOW = 4096
+
+
+@dataclass
+class ControlCounters:
+    sent: int = 0
+    received: int = 0
+    send_failures: int = 0
+    dropped_duplicate: int = 0
+    dropped_stale: int = 0
+    dropped_malformed: int = 0
+    dropped_severed: int = 0
+    severed: int = 0
+
+
+@dataclass(order=True)
+class _Timer:
+    when: float
+    order: int
+    fn: Callable[[], None] = field(compare=False)
+    cancelled: bool = field(default=False, compare=False)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def process_gone(pid: int) -> bool:
+    """True when ``pid`` has exited (a zombie has already dropped its mappings)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state in (b"Z", b"X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+
+
+class RankRuntime:
+    def __init__(self, rank: int, engine: TransferEngine, cards: dict[int, RankCard],
+                 faults: FaultPlan | None = None, transports: str | None = None) -> None:
+        self.rank = rank
+        self.transports = transports
+        self.engine = engine
+        self.cards = cards
+        self.faults = faults or FaultPlan()
+        self.counters = ControlCounters()
+        self._seq = itertools.count(1)
+        self._peers: dict[int, Peer] = {}
+        self._segments: dict[int, RemoteSegment] = {}
+        self._seen: dict[int, OrderedDict[tuple[int, int], None]] = {}
+        self._severed: dict[int, int] = {}           # rank -> incarnation severed
+        self._watches: list[tuple[Batch, Callable[[Batch], None]]] = []
+        self._timers: list[_Timer] = []
+        self._timer_order = itertools.count()
+        self._handler: Callable[[Message], None] = lambda msg: None
+        self.on_send_failure: Callable[[int, Exception], None] = lambda rank, exc: None
+        engine.set_message_handler(self._on_payload)
+
+    # ------------------------------------------------------------------ peers
+    @property
+    def incarnation(self) -> int:
+        return self.engine.incarnation
+
+    def peer(self, rank: int) -> Peer:
+        peer = self._peers.get(rank)
+        if peer is None or not self.engine.peer_alive(peer):
+            if self.is_severed(rank):
+                raise TransferError(f"rank {rank} is severed (incarnation "
+                                    f"{self._severed[rank]:#x})")
+            card = self.cards[rank]
+            peer = self.engine.connect(card.address, name=f"rank{rank}/{card.role}@{card.host}")
+            self._peers[rank] = peer
+            self._segments.pop(rank, None)
+        return peer
+
+    def remote_segment(self, rank: int) -> RemoteSegment:
+        peer = self.peer(rank)
+        rseg = self._segments.get(rank)
+        if rseg is None:
+            card = self.cards[rank]
+            if card.segment is None:
+                raise TransferError(f"rank {rank} ({card.role}) publishes no segment")
+            rseg = self.engine.open_segment(peer, card.segment, expected_incarnation=card.incarnation)
+            self._segments[rank] = rseg
+        return rseg
+
+    def is_severed(self, rank: int) -> bool:
+        return self._severed.get(rank) == self.cards[rank].incarnation
+
+    def _writes_over_shared_memory(self, rank: int) -> bool:
+        """Can ``rank`` write our memory without our endpoint? True for a peer on this host
+        unless the cluster runs over tcp only: posix/sysv segments stay mapped in the
+        writer's address space and cma needs no endpoint of ours."""
+        return self.cards[rank].host == self.cards[self.rank].host and self.transports != "tcp"
+
+    def sever(self, rank: int, reason: str) -> None:
+        """Cut every path from ``rank`` into our memory and refuse it until a new incarnation.
+
+        Network transports: force-close our endpoint; nothing it sends is applied after.
+        Shared memory: closing our endpoint proves nothing (the writer holds the mapping),
+        so the writer process is killed, and :meth:`sever_proven` holds once it is gone."""
+        if self.is_severed(rank):
+            return
+        card = self.cards[rank]
+        self._severed[rank] = card.incarnation
+        self.counters.severed += 1
+        peer = self._peers.pop(rank, None)
+        self._segments.pop(rank, None)
+        if peer is not None:
+            self.engine.close(peer, force=True)
+        if self._writes_over_shared_memory(rank):
+            log.error("rank %d severing rank %d (pid %d, incarnation %#x) over shared memory: "
+                      "killing it, since only its exit proves no write can land: %s",
+                      self.rank, rank, card.pid, card.incarnation, reason)
+            try:
+                os.kill(card.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        else:
+            log.warning("rank %d severed rank %d (incarnation %#x): %s", self.rank, rank,
+                        card.incarnation, reason)
+
+    def sever_proven(self, rank: int) -> bool:
+        """True once no write from a severed ``rank`` can land any more (see :meth:`sever`)."""
+        if not self.is_severed(rank):
+            return False
+        if not self._writes_over_shared_memory(rank):
+            return True
+        return process_gone(self.cards[rank].pid)
+
+    # ------------------------------------------------------------------ sending
+    def _fill(self, kind: MessageKind, fields: dict) -> bytes:
+        return messages.encode(kind.make(src=self.rank, inc=self.incarnation,
+                                         seq=next(self._seq), **fields))
+
+    def send(self, rank: int, kind: MessageKind, **fields) -> Batch | None:
+        """Post a control message to ``rank``; a failure is counted, logged and reported to
+        ``on_send_failure`` (never raised: the protocol's deadlines take over)."""
+        data = self._fill(kind, fields)
+        first = None
+        for payload, delay in self.faults.on_send(kind.name, rank, data):
+            if delay > 0:
+                self.call_later(delay, lambda p=payload: self._post(rank, kind.name, p))
+            else:
+                first = first or self._post(rank, kind.name, payload)
+        return first
+
+    def _post(self, rank: int, kind: str, payload: bytes, flushed: bool = False) -> Batch | None:
+        try:
+            peer = self.peer(rank)
+            batch = self.engine.notify(peer, payload) if flushed else self.engine.send(peer, payload)
+            self.counters.sent += 1
+            return batch
+        except (TransferError, OSError) as exc:
+            self.counters.send_failures += 1
+            log.warning("rank %d: %s to rank %d failed: %s", self.rank, kind, rank, exc)
+            self.on_send_failure(rank, exc)
+            return None
+
+    def notify(self, rank: int, kind: MessageKind, **fields) -> Batch | None:
+        """Flush every earlier write to ``rank``, then deliver the message."""
+        return self._post(rank, kind.name, self._fill(kind, fields), flushed=True)
+
+    def write(self, rank: int, local: Segment, pages) -> Batch:
+        """One-sided write of (local offset, remote offset, length) triples into ``rank``'s
+        pool segment. Raises TransferError (bounds, severed, failed peer) before posting."""
+        return self.engine.write(self.peer(rank), local, self.remote_segment(rank), pages)
+
+    def quiesce(self, rank: int) -> Batch:
+        return self.engine.quiesce(self.peer(rank))
+
+    # ------------------------------------------------------------------ receiving
+    def set_handler(self, fn: Callable[[Message], None]) -> None:
+        self._handler = fn
+
+    def _on_payload(self, sender_address: bytes, payload: bytes) -> None:
+        try:
+            msg = messages.decode(payload)
+        except WireError as exc:
+            self.counters.dropped_malformed += 1
+            log.warning("rank %d dropped a malformed control message: %s", self.rank, exc)
+            return
+        src = msg.src
+        card = self.cards.get(src)
+        if card is None or msg.inc != card.incarnation:
+            self.counters.dropped_stale += 1
+            log.info("rank %d dropped %s from rank %s: incarnation %#x is not the current one",
+                     self.rank, msg.kind, src, msg.inc)
+            return
+        if self.is_severed(src):
+            self.counters.dropped_severed += 1
+            return
+        seen = self._seen.setdefault(src, OrderedDict())
+        key = (msg.inc, msg.seq)
+        if key in seen:
+            self.counters.dropped_duplicate += 1
+            return
+        seen[key] = None
+        if len(seen) > DEDUP_WINDOW:
+            seen.popitem(last=False)
+        self.counters.received += 1
+        for delivered in self.faults.on_receive(msg):
+            self._handler(delivered)
+
+    # ------------------------------------------------------------------ batches, timers
+    def watch(self, batch: Batch, callback: Callable[[Batch], None]) -> None:
+        """Call ``callback(batch)`` from :meth:`pump` once the batch settles."""
+        self._watches.append((batch, callback))
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> _Timer:
+        timer = _Timer(time.monotonic() + delay_s, next(self._timer_order), fn)
+        heapq.heappush(self._timers, timer)
+        return timer
+
+    def pump(self, timeout_s: float = 0.0) -> None:
+        """Drive the engine (sleeping on its event fd up to ``timeout_s`` when idle),
+        deliver messages, settle watched batches, fire due timers."""
+        if self._watches or self._due_soon(timeout_s):
+            timeout_s = min(timeout_s, 0.0005)
+        try:
+            self.engine.progress(timeout_s)
+        except TransferError as exc:
+            log.error("rank %d: progress failed: %s", self.rank, exc)
+        if self._watches:
+            current, self._watches, pending = self._watches, [], []
+            for batch, cb in current:
+                if batch.status() is BatchStatus.PENDING:
+                    pending.append((batch, cb))
+                else:
+                    cb(batch)
+            self._watches = pending + self._watches  # callbacks may have added watches
+        now = time.monotonic()
+        while self._timers and self._timers[0].when <= now:
+            timer = heapq.heappop(self._timers)
+            if not timer.cancelled:
+                timer.fn()
+
+    def _due_soon(self, within: float) -> bool:
+        return bool(self._timers) and self._timers[0].when <= time.monotonic() + within
+
+    def next_timer_in(self) -> float | None:
+        return max(0.0, self._timers[0].when - time.monotonic()) if self._timers else None
+
+    def dropped(self) -> dict[str, int]:
+        c = self.counters
+        return {"duplicate": c.dropped_duplicate, "stale": c.dropped_stale,
+                "malformed": c.dropped_malformed + self.engine.counters.malformed_messages,
+                "severed": c.dropped_severed}

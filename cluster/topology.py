@@ -1,0 +1,88 @@
+"""Which rank plays which role.
+
+Rank 0 is the router (front door). Ranks 1..P are prefill ranks, grouped into
+tensor-parallel groups of ``tp`` consecutive ranks; each member of a group computes and
+writes its own share of the KV heads of the same destination pages. Ranks P+1..P+D are
+decode ranks; each owns the pages it allocates.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Role(enum.Enum):
+    ROUTER = "router"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class TopologyError(ValueError):
+    """The world size and the role counts do not add up."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    prefill: int
+    decode: int
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1 or self.tp < 1:
+            raise TopologyError(
+                f"need at least one prefill and one decode rank and tp >= 1; got "
+                f"prefill={self.prefill} decode={self.decode} tp={self.tp}")
+        if self.prefill % self.tp:
+            raise TopologyError(
+                f"prefill ranks ({self.prefill}) must be a multiple of the tensor-parallel "
+                f"size ({self.tp})")
+        if self.world_size != 1 + self.prefill + self.decode:
+            raise TopologyError(
+                f"world size {self.world_size} != 1 router + {self.prefill} prefill + "
+                f"{self.decode} decode = {1 + self.prefill + self.decode}")
+
+    @classmethod
+    def for_world(cls, world_size: int, prefill: int | None, tp: int = 1) -> "Topology":
+        """Fill in the decode count (and the prefill count, if absent) from the world size."""
+        if world_size < 3:
+            raise TopologyError(f"a cluster needs at least 3 ranks (router, prefill, decode); "
+                                f"world size is {world_size}")
+        if prefill is None:
+            prefill = tp * max(1, (world_size - 1) // (2 * tp))
+        return cls(world_size=world_size, prefill=prefill, decode=world_size - 1 - prefill, tp=tp)
+
+    def role(self, rank: int) -> Role:
+        if not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank {rank} outside world of {self.world_size}")
+        if rank == 0:
+            return Role.ROUTER
+        if rank <= self.prefill:
+            return Role.PREFILL
+        return Role.DECODE
+
+    @property
+    def router_rank(self) -> int:
+        return 0
+
+    @property
+    def prefill_ranks(self) -> list[int]:
+        return list(range(1, 1 + self.prefill))
+
+    @property
+    def decode_ranks(self) -> list[int]:
+        return list(range(1 + self.prefill, self.world_size))
+
+    @property
+    def prefill_groups(self) -> list[list[int]]:
+        """Each group's ranks, in TP order: member i writes heads [i*H/tp, (i+1)*H/tp)."""
+        ranks = self.prefill_ranks
+        return [ranks[i:i + self.tp] for i in range(0, len(ranks), self.tp)]
+
+    def group_of(self, rank: int) -> tuple[int, int]:
+        """(group index, position in the group) of a prefill rank."""
+        if self.role(rank) is not Role.PREFILL:
+            raise TopologyError(f"rank {rank} is not a prefill rank")
+        offset = rank - 1
+        return offset // self.tp, offset % self.tp

@@ -71,12 +71,13 @@ def paged_decode_attention(
     gathered = kv[:, layer][table]  # [batch, n_pages, 2, kv_heads, page_size, head_dim]
     gathered = gathered.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, kv_heads, n_pages * page_size, head_dim)
     keys = gathered[0].float()
-    values = gathered[1].float()
+    values = gathered[1].float().masked_fill(~valid[:, None, :, None], 0.0)  # stale slots may hold NaN
     qf = q.float().view(batch, kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,bktd->bkgt", qf, keys) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgt,bktd->bkgd", weights, values)
+    out = out.masked_fill((seq_lens == 0)[:, None, None, None], 0.0)  # empty rows: softmax of nothing
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
 
 

@@ -67,8 +67,8 @@ def test_gqa_head_mapping():
 def test_positions_past_seq_len_are_masked():
     kv = torch.zeros(2, 1, 2, 1, 4, 2)
     kv[0, 0, 1, 0, :3] = 1.0
-    kv[0, 0, 1, 0, 3:] = 1e6  # stale data past the sequence end
-    kv[1] = 1e6  # a page the table only pads with
+    kv[0, 0, :, 0, 3:] = float("nan")  # stale data past the sequence end
+    kv[1] = float("nan")  # a page the table only pads with
     out = paged_decode_attention(torch.randn(1, 1, 2), kv, 0, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([3]))
     assert torch.allclose(out, torch.ones(1, 1, 2))
 

@@ -1,5 +1,10 @@
 """The ``kvferry`` command line. Subcommands parse and print; the work lives in the packages.
 
+``kvferry serve`` runs one rank under torchrun, or starts a one-machine cluster under
+``torchrun --standalone`` when run outside torchrun. ``kvferry workload`` drives a running
+cluster with concurrent users and checks every answer for foreign data.
+``kvferry cluster-capacity`` asks a live cluster for every rank's measured pool capacity.
+
 ``kvferry check-capacity`` builds a KV pool of ``--pool-tokens`` tokens with the given
 shape, measures what was really allocated and compares it with ``--context-length``
 (I3): exit 0 and both numbers when it fits, exit 1 and a message when it does not.
@@ -50,11 +55,82 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--device", default="cpu", help="torch device of the pool (default cpu)")
     cap.add_argument("--json", action="store_true", help="also print the report as one JSON line")
     cap.set_defaults(func=_check_capacity)
+
+    serve = sub.add_parser("serve", add_help=False,
+                           help="serve a cluster (under torchrun, or a local one with --nproc)")
+    serve.set_defaults(func=_serve)
+    work = sub.add_parser("workload", add_help=False,
+                          help="run concurrent users against a cluster and check for leaks")
+    work.set_defaults(func=_workload)
+    live = sub.add_parser("cluster-capacity",
+                          help="every rank's measured pool capacity vs the context length")
+    live.add_argument("--url", default="http://127.0.0.1:8000", help="the router's URL")
+    live.add_argument("--json", action="store_true", help="print the answer as one JSON line")
+    live.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    live.set_defaults(func=_cluster_capacity)
     return parser
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    rest = list(args.rest)
+    if "RANK" in os.environ or "-h" in rest or "--help" in rest:
+        from kvferry.cluster.launch import main as launch_main
+
+        if "-h" in rest or "--help" in rest:
+            print("Outside torchrun, `kvferry serve --nproc N [options]` starts a local cluster "
+                  "of N ranks with torchrun --standalone.\n")
+            rest = [a for a in rest if a not in ("--nproc",)]
+        return launch_main(rest)
+    nproc = 3
+    if "--nproc" in rest:
+        i = rest.index("--nproc")
+        nproc = int(rest[i + 1])
+        del rest[i:i + 2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "kvferry.cluster.launch", *rest]
+    os.execv(sys.executable, cmd)
+    return 0  # not reached
+
+
+def _workload(args: argparse.Namespace) -> int:
+    from kvferry.cluster.workload import main as workload_main
+
+    return workload_main(list(args.rest))
+
+
+def _cluster_capacity(args: argparse.Namespace) -> int:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{args.url}/capacity", timeout=args.timeout) as resp:
+            body = json.load(resp)
+    except OSError as exc:
+        print(f"error: cannot reach {args.url}/capacity: {exc}", file=sys.stderr)
+        return 2
+    rows = body["ranks"]
+    short = [r for r in rows if not r["ok"]]
+    if args.json:
+        print(json.dumps(body))
+    else:
+        print(f"{'rank':>4}  {'role':<8} {'host':<20} {'capacity_tokens':>15} {'context_length':>14}  ok")
+        for r in rows:
+            print(f"{r['rank']:>4}  {r['role']:<8} {r['host'][:20]:<20} {r['capacity_tokens']:>15} "
+                  f"{r['context_length']:>14}  {'yes' if r['ok'] else 'NO'}")
+    if short:
+        print(f"error: {len(short)} rank(s) hold fewer tokens than the context length "
+              f"{body['context_length']}: ranks {[r['rank'] for r in short]}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("serve", "workload"):
+        args = argparse.Namespace(rest=argv[1:], func=_serve if argv[0] == "serve" else _workload)
+    else:
+        args = build_parser().parse_args(argv)
     return args.func(args)
 
 

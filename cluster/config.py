@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass, field
 class ServeConfig:
     # model and pool
     model: str = "replay"            # "replay" or "llama" (random weights)
-    layers: int = 2
+    layers: int = 1
     kv_heads: int = 2
-    q_heads: int = 4
-    head_dim: int = 64
+    q_heads: int = 2
+    head_dim: int = 32
     page_size: int = 16
     dtype: str = "fp32"
     pool_tokens: int = 65536          # per rank, before measuring what was really allocated

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Start a kvferry cluster on this machine under torchrun, wait until it is healthy, print its URL.
+#
+#   scripts/serve-local.sh [--nproc N] [--port P] [--run-dir DIR] [-- SERVE OPTIONS...]
+#   scripts/serve-local.sh --stop [--run-dir DIR]
+#
+#   --nproc N      ranks in all: 1 router + prefill + decode (default 3)
+#   --port P       front door port on 127.0.0.1 (default 8000)
+#   --run-dir DIR  where the log and pid file go (default runs/local)
+#   --wait S       seconds to wait for /health (default 120)
+#   --stop         stop the cluster started from this run dir
+# Options after -- go to the ranks (see `kvferry serve --help`), e.g.
+#   scripts/serve-local.sh --nproc 4 -- --prefill 2 --tp 2 --context-length 8192
+# Prints the URL on stdout when healthy; exits non-zero, with the log's tail, if it is not.
+set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+nproc=3; port=8000; run_dir=""; wait_s=120; stop=0; serve_args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --nproc) nproc="$2"; shift 2;;
+        --port) port="$2"; shift 2;;
+        --run-dir) run_dir="$2"; shift 2;;
+        --wait) wait_s="$2"; shift 2;;
+        --stop) stop=1; shift;;
+        --) shift; serve_args=("$@"); break;;
+        *) echo "serve-local.sh: unknown option $1 (see --help)" >&2; exit 2;;
+    esac
+done
+source "$(dirname "$0")/_env.sh"
+run_dir="${run_dir:-$KVFERRY_ROOT/runs/local}"
+mkdir -p "$run_dir"
+pidfile="$run_dir/cluster.pid"
+if [ "$stop" = 1 ]; then
+    if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+        pid="$(cat "$pidfile")"
+        kill -TERM "$pid"
+        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        kill -0 "$pid" 2>/dev/null && { echo "serve-local.sh: cluster $pid did not stop in 10 s; killing" >&2; kill -KILL -- -"$pid" 2>/dev/null || kill -KILL "$pid"; }
+        echo "stopped cluster $pid" >&2
+    else
+        echo "serve-local.sh: no running cluster recorded in $pidfile" >&2
+    fi
+    rm -f "$pidfile"
+    exit 0
+fi
+if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+    echo "serve-local.sh: a cluster is already running (pid $(cat "$pidfile")); stop it with --stop" >&2
+    exit 1
+fi
+log="$run_dir/cluster.log"
+setsid python -m torch.distributed.run --standalone --nproc-per-node="$nproc" \
+    -m kvferry.cluster.launch --port "$port" "${serve_args[@]}" >"$log" 2>&1 &
+pid=$!
+echo "$pid" >"$pidfile"
+url="http://127.0.0.1:$port"
+deadline=$(( $(date +%s) + wait_s ))
+while true; do
+    if python - "$url" <<'PY' 2>/dev/null; then break; fi
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1] + "/health", timeout=2).read()
+PY
+    if ! kill -0 "$pid" 2>/dev/null; then
+        echo "serve-local.sh: the cluster exited during start-up; last lines of $log:" >&2
+        tail -n 20 "$log" >&2; rm -f "$pidfile"; exit 1
+    fi
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+        echo "serve-local.sh: not healthy within ${wait_s} s; last lines of $log:" >&2
+        tail -n 20 "$log" >&2; kill -TERM "$pid" 2>/dev/null || true; rm -f "$pidfile"; exit 1
+    fi
+    sleep 0.5
+done
+echo "kvferry cluster (pid $pid, $nproc ranks) healthy; log: $log" >&2
+echo "$url"

@@ -23,14 +23,22 @@ def test_tokenizer_roundtrip():
     assert tokenizer.decode([tokenizer.CONFLICT]) == "<conflict>"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_replay_answers_a_4096_token_prompt_with_that_prompt(dtype):
-    model = ReplayModel()
+def test_replay_answers_a_4096_token_prompt_with_that_prompt():
+    model = ReplayModel(ReplayConfig(head_dim=16, max_positions=8192))
     prompt = _text(4096)
-    pool = KVPool(model.pool_config(page_size=64, num_pages=8192 // 64, dtype=dtype))
+    pool = KVPool(model.pool_config(page_size=256, num_pages=8192 // 256, dtype=torch.bfloat16))
     engine = MonolithicEngine(model, pool, context_length=8192)
     [result] = engine.generate([("r", prompt, 4096)])
     assert result.ok, result.error
+    assert result.tokens == prompt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_replay_is_exact_in_every_pool_dtype(dtype):
+    model = ReplayModel()
+    prompt = _text(300, seed=5)
+    engine = MonolithicEngine(model, KVPool(model.pool_config(16, 40, dtype)), context_length=640)
+    [result] = engine.generate([("r", prompt, 300)])
     assert result.tokens == prompt
 
 

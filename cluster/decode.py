@@ -111,6 +111,7 @@ class DecodeRank:
         self.reqs: dict[str, OwnedRequest] = {}
         self.tombstones: dict[str, float] = {}
         self.integrity_failures = 0
+        self.allocations = 0
         self.head_ranges: dict[int, tuple[int, int]] = {}
         runtime.set_handler(self.on_message)
 
@@ -138,6 +139,7 @@ class DecodeRank:
                              source="decode", reason="no decode pages")
             self.rt.send(self.router, m.RELEASED, rid=rid, pages=0, how="freed")
             return
+        self.allocations += 1
         req = OwnedRequest(rid, msg.prompt_len, msg.max_tokens, list(msg.writers),
                            msg.last_token, grants)
         self.reqs[rid] = req
@@ -359,4 +361,5 @@ class DecodeRank:
         return dict(free=counts["free"], owned=counts["owned"],
                     quarantined=counts["quarantined"],
                     capacity_tokens=self.pool.capacity_tokens,
-                    integrity_failures=self.integrity_failures)
+                    integrity_failures=self.integrity_failures,
+                    allocations=self.allocations)

@@ -146,7 +146,8 @@ def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int
                      quarantined=s["quarantined"], capacity_tokens=s["capacity_tokens"],
                      context_length=context_length, bytes_written=c.bytes_written,
                      batches=c.batches, integrity_failures=s["integrity_failures"],
-                     severed=runtime.counters.severed, dropped_duplicate=d["duplicate"],
+                     severed=runtime.counters.severed, allocations=s["allocations"],
+                     dropped_duplicate=d["duplicate"],
                      dropped_stale=d["stale"], dropped_malformed=d["malformed"])
         worker.sweep()
         runtime.call_later(STATS_INTERVAL_S, send)

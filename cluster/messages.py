@@ -81,6 +81,7 @@ STATS = CODEC.kind(
     capacity_tokens=Field(FieldType.INT), context_length=Field(FieldType.INT),
     bytes_written=Field(FieldType.INT), batches=Field(FieldType.INT),
     integrity_failures=Field(FieldType.INT), severed=Field(FieldType.INT),
+    allocations=Field(FieldType.INT),
     dropped_duplicate=Field(FieldType.INT), dropped_stale=Field(FieldType.INT),
     dropped_malformed=Field(FieldType.INT))
 SHUTDOWN = CODEC.kind("SHUTDOWN", **_HEADER)

@@ -35,6 +35,8 @@ class ClusterMetrics:
         self.integrity_failures = Gauge("kvferry_integrity_failures",
                                         "Pages that failed checksum, canary or length checks",
                                         ["rank"], registry=r)
+        self.allocations = Gauge("kvferry_page_allocations", "Page grants made, per rank",
+                                 ["rank"], registry=r)
         self.severed = Gauge("kvferry_severed_peers", "Peers severed after an abort deadline",
                              ["rank"], registry=r)
         self.dropped_messages = Gauge("kvferry_dropped_messages",
@@ -55,6 +57,7 @@ class ClusterMetrics:
         self.batches.labels(labels).set(stats.get("batches", 0))
         self.integrity_failures.labels(labels).set(stats.get("integrity_failures", 0))
         self.severed.labels(labels).set(stats.get("severed", 0))
+        self.allocations.labels(labels).set(stats.get("allocations", 0))
         for reason, count in stats.get("dropped", {}).items():
             self.dropped_messages.labels(labels, reason).set(count)
 

@@ -94,6 +94,7 @@ class PrefillRank:
         self.jobs: dict[str, WriteJob] = {}
         self.tombstones: dict[str, float] = {}
         self.integrity_failures = 0
+        self.allocations = 0
         runs = pool.head_slice_runs(0, *head_range)
         self._run_offsets = np.array([off for off, _ in runs], dtype=np.int64)
         self._run_lengths = np.array([n for _, n in runs], dtype=np.int64)
@@ -125,6 +126,7 @@ class PrefillRank:
         except OutOfPages as exc:
             self._fail(job, "prefill", f"prefill pool out of pages: {exc}")
             return
+        self.allocations += 1
         job.tokens = tokens
         job.src_pages = [g.page for g in grants]
         with torch.no_grad():
@@ -175,10 +177,11 @@ class PrefillRank:
         lengths = np.broadcast_to(self._run_lengths, (len(src), len(self._run_lengths))).reshape(-1)
         triples = np.stack([local, remote, lengths], axis=1)
         if self.rt.faults.corrupts(detokenize(job.tokens.tolist())):
-            flat = self.pool.kv.view(-1).view(torch.uint8)
-            flat[int(local[0]) + 1] ^= 0x5A
-            log.warning("fault: request %s: corrupted byte %d of its first source page",
-                        job.rid, int(local[0]) + 1)
+            # Negate the value vector of the first token (layer 0, first head of this
+            # writer): the bytes on the wire no longer match the checksums sent.
+            self.pool.kv[job.src_pages[0], 0, 1, self.heads[0], 0, :].neg_()
+            log.warning("fault: request %s: corrupted the first token's values in source "
+                        "page %d after its checksum", job.rid, job.src_pages[0])
         try:
             batch = self.rt.write(job.owner, self.segment, triples)
         except TransferError as exc:
@@ -280,4 +283,5 @@ class PrefillRank:
         return dict(free=counts["free"], owned=counts["owned"],
                     quarantined=counts["quarantined"],
                     capacity_tokens=self.pool.capacity_tokens,
-                    integrity_failures=self.integrity_failures)
+                    integrity_failures=self.integrity_failures,
+                    allocations=self.allocations)

@@ -1,0 +1,143 @@
+"""End to end through a real torchrun cluster on loopback (replay model).
+
+- disaggregated answers equal the monolithic engine's, bit for bit, for concurrent
+  requests, with one prefill rank and with a tensor-parallel prefill group of 2;
+- an oversize prompt gets 400 with the numbers and no rank allocates a page (I1);
+- a page corrupted in flight fails that request with an integrity error and no tokens,
+  the others are unaffected (I5, I6); with integrity checks off, the same corruption goes
+  through unnoticed, which shows that the check is what catches it.
+"""
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kvferry.cluster.config import ServeConfig
+from kvferry.cluster.models import build_model, pool_config
+from kvferry.cluster.workload import expected_replay, make_prompt
+from kvferry.engine.monolithic import MonolithicEngine
+from kvferry.engine.pool import KVPool
+
+from cluster_harness import start_cluster
+
+pytestmark = pytest.mark.slow
+
+CONTEXT = 2048
+POOL = 16384
+COMMON = ["--context-length", str(CONTEXT), "--pool-tokens", str(POOL), "--request-timeout", "60"]
+CORRUPT_MARKER = "@badpg@"
+
+
+def oracle(prompts: list[tuple[str, int]], **overrides) -> list[str]:
+    cfg = ServeConfig(context_length=CONTEXT, pool_tokens=POOL, **overrides)
+    model = build_model(cfg)
+    engine = MonolithicEngine(model, KVPool(pool_config(cfg, model)), context_length=CONTEXT)
+    results = engine.generate([(f"r{i}", p, n) for i, (p, n) in enumerate(prompts)])
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    return [r.text for r in results]
+
+
+def workload(n: int) -> list[tuple[str, int]]:
+    out = []
+    for i in range(n):
+        marker = f"@{i:05x}@"
+        length = 40 + 97 * i % 700
+        out.append((make_prompt(marker, length), length + (i % 3) * 5))
+    return out
+
+
+def run_concurrently(cluster, prompts):
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(lambda pm: cluster.complete(*pm), prompts))
+
+
+def metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def p1_cluster(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("p1"), 3, *COMMON,
+                      "--fault", f"corrupt-page:{CORRUPT_MARKER}")
+    yield c
+    c.stop()
+
+
+def test_disaggregated_equals_monolithic_p1(p1_cluster):
+    prompts = workload(12)
+    replies = run_concurrently(p1_cluster, prompts)
+    assert [r.status for r in replies] == [200] * len(prompts), [r.body for r in replies if r.status != 200]
+    texts = [r.body["text"] for r in replies]
+    assert texts == oracle(prompts)
+    assert texts == [expected_replay(p, n) for p, n in prompts]
+    st = p1_cluster.wait_quiesced()
+    assert sum(st["held_pages"].values()) == 0
+
+
+def test_oversize_prompt_rejected_before_any_page(p1_cluster):
+    p1_cluster.wait_quiesced()
+    before = p1_cluster.metrics()
+    prompt = make_prompt("@0vr51@", CONTEXT + 10)
+    reply = p1_cluster.complete(prompt, 8)
+    assert reply.status == 400
+    body = reply.body
+    assert body["error"] == "admission_rejected"
+    assert body["prompt_tokens"] == CONTEXT + 10 and body["max_tokens"] == 8
+    assert body["context_length"] == CONTEXT and body["capacity_tokens"] > 0
+    assert str(CONTEXT) in body["message"]
+    st = p1_cluster.wait_quiesced()
+    assert all(r["owned"] == 0 and r["quarantined"] == 0 for r in st["ranks"].values())
+    assert all(r["allocations"] == rb for r, rb in zip(
+        st["ranks"].values(), _allocations(before, st)))
+    after = p1_cluster.metrics()
+    assert metric(after, "kvferry_requests_total", outcome="rejected") == \
+        metric(before, "kvferry_requests_total", outcome="rejected") + 1
+
+
+def _allocations(before_metrics: str, status: dict) -> list[int]:
+    """Allocation counts per rank from the metrics scraped before the request."""
+    return [int(metric(before_metrics, "kvferry_page_allocations", rank=rank))
+            for rank in status["ranks"]]
+
+
+def test_corrupted_page_fails_only_its_request(p1_cluster):
+    good = workload(4)
+    bad = (make_prompt(CORRUPT_MARKER, 300), 300)
+    replies = run_concurrently(p1_cluster, good + [bad])
+    for (p, n), r in zip(good, replies[:-1]):
+        assert r.status == 200 and r.body["text"] == expected_replay(p, n)
+    failed = replies[-1]
+    assert failed.status == 500, failed.body
+    assert "integrity" in failed.body["message"] and "checksum" in failed.body["message"]
+    assert re.search(r"req-[0-9a-f]+-\d+", failed.body["message"])
+    assert "text" not in failed.body
+    metrics = p1_cluster.metrics()
+    assert metric(metrics, "kvferry_integrity_failures") >= 1
+    st = p1_cluster.wait_quiesced()
+    assert sum(st["held_pages"].values()) == 0
+
+
+def test_corruption_goes_unnoticed_without_integrity_checks(cluster_factory):
+    """The broken mode: with checks off, the corrupted request is answered 200."""
+    c = cluster_factory(3, *COMMON, "--no-integrity", "--fault", f"corrupt-page:{CORRUPT_MARKER}")
+    prompt = make_prompt(CORRUPT_MARKER, 300)
+    reply = c.complete(prompt, 300)
+    assert reply.status == 200
+    assert reply.body["text"] != expected_replay(prompt, 300)
+
+
+def test_tensor_parallel_prefill_group_of_two(cluster_factory):
+    c = cluster_factory(4, *COMMON, "--prefill", "2", "--tp", "2")
+    prompts = workload(8)
+    replies = run_concurrently(c, prompts)
+    assert [r.status for r in replies] == [200] * len(prompts), [r.body for r in replies if r.status != 200]
+    assert [r.body["text"] for r in replies] == oracle(prompts)
+    st = c.wait_quiesced()
+    assert sum(st["held_pages"].values()) == 0

@@ -1,0 +1,117 @@
+"""A two-node cluster: node 0 (router + prefill) and node 1 (decode) in two network
+namespaces joined by a veth pair, over tcp, started with torchrun's static rendezvous as
+scripts/serve-node.sh does. A request served across the link replays its prompt. Needs root
+and iproute2; the namespaces are always removed."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from cluster_harness import free_port
+from kvferry.cluster.workload import expected_replay, make_prompt
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+ADDR_A, ADDR_B = "10.78.0.1", "10.78.0.2"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+
+@pytest.fixture
+def two_hosts():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces")
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2 (ip)")
+    tag = uuid.uuid4().hex[:6]
+    ns_a, ns_b, veth_a, veth_b = f"kcna{tag}", f"kcnb{tag}", f"kca{tag}", f"kcb{tag}"
+    created = []
+    try:
+        for ns in (ns_a, ns_b):
+            _ip("netns", "add", ns)
+            created.append(ns)
+        _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
+        _ip("link", "set", veth_a, "netns", ns_a)
+        _ip("link", "set", veth_b, "netns", ns_b)
+        for ns, dev, addr in ((ns_a, veth_a, ADDR_A), (ns_b, veth_b, ADDR_B)):
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield (ns_a, veth_a), (ns_b, veth_b)
+    finally:
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+
+def _node(ns: str, dev: str, node_rank: int, nproc: int, master_port: int, http_port: int,
+          log) -> subprocess.Popen:
+    cmd = ["ip", "netns", "exec", ns, "env", f"UCX_NET_DEVICES={dev}", f"GLOO_SOCKET_IFNAME={dev}",
+           "PYTHONUNBUFFERED=1", "OMP_NUM_THREADS=1",
+           sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}",
+           f"--nproc-per-node={nproc}", "--rdzv-backend=static", f"--master-addr={ADDR_A}",
+           f"--master-port={master_port}", "-m", "kvferry.cluster.launch",
+           "--transports", "tcp", "--prefill", "1", "--context-length", "2048",
+           "--pool-tokens", "8192", "--port", str(http_port)]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _get(ns: str, url: str, body: dict | None = None, timeout: float = 30) -> tuple[int, dict]:
+    code = ("import json,sys,urllib.request,urllib.error\n"
+            "data=sys.argv[2].encode() if sys.argv[2] else None\n"
+            "req=urllib.request.Request(sys.argv[1],data=data,headers={'Content-Type':'application/json'})\n"
+            "try:\n r=urllib.request.urlopen(req,timeout=%d); print(r.status); print(r.read().decode())\n"
+            "except urllib.error.HTTPError as e: print(e.code); print(e.read().decode())\n" % timeout)
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code, url,
+                          json.dumps(body) if body else ""],
+                         capture_output=True, text=True, timeout=timeout + 10)
+    if out.returncode != 0:
+        return 0, {"stderr": out.stderr[-500:]}
+    status, payload = out.stdout.split("\n", 1)
+    return int(status), json.loads(payload)
+
+
+def test_request_served_across_two_namespaces(two_hosts, tmp_path):
+    (ns_a, dev_a), (ns_b, dev_b) = two_hosts
+    master_port, http_port = free_port(), free_port()
+    logs = [open(tmp_path / "node0.log", "wb"), open(tmp_path / "node1.log", "wb")]
+    nodes = [_node(ns_a, dev_a, 0, 2, master_port, http_port, logs[0]),
+             _node(ns_b, dev_b, 1, 1, master_port, http_port, logs[1])]
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            status, body = _get(ns_a, url + "/health", timeout=3)
+            if status == 200:
+                break
+            assert all(n.poll() is None for n in nodes), (tmp_path / "node0.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "two-node cluster not healthy in 120 s"
+            time.sleep(0.5)
+        prompt = make_prompt("@2n0de@", 500)
+        status, body = _get(ns_a, url + "/v1/completions", {"prompt": prompt, "max_tokens": 500}, timeout=60)
+        assert status == 200, body
+        assert body["text"] == expected_replay(prompt, 500)
+        status, cap = _get(ns_a, url + "/capacity")
+        assert status == 200 and len(cap["ranks"]) == 2 and all(r["ok"] for r in cap["ranks"])
+        node1_log = (tmp_path / "node1.log").read_text()
+        assert "decode rank 2 ready" in node1_log
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGTERM)
+        for n in nodes:
+            try:
+                n.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(n.pid, signal.SIGKILL)
+        for f in logs:
+            f.close()

@@ -1,0 +1,186 @@
+"""Unit and property tests of the cluster's pieces that need no processes."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvferry.cluster import messages as m
+from kvferry.cluster.decode import OWNER_TRANSITIONS, OwnerState
+from kvferry.cluster.faults import FaultPlan, FaultSpecError
+from kvferry.cluster.prefill import WRITER_TRANSITIONS, WriterState
+from kvferry.cluster.rendezvous import RankCard, RendezvousError
+from kvferry.cluster.router import Ledger
+from kvferry.cluster.topology import Role, Topology, TopologyError
+from kvferry.cluster.workload import MARKER_RE, expected_replay, make_prompt
+from kvferry.transfer import WireError
+
+
+# ---------------------------------------------------------------- topology
+def test_topology_roles_and_groups():
+    t = Topology(world_size=6, prefill=4, decode=1, tp=2)
+    assert [t.role(r) for r in range(6)] == [Role.ROUTER] + [Role.PREFILL] * 4 + [Role.DECODE]
+    assert t.prefill_groups == [[1, 2], [3, 4]]
+    assert t.group_of(4) == (1, 1)
+    assert Topology.for_world(3, None).decode_ranks == [2]
+
+
+@pytest.mark.parametrize("kwargs", [dict(world_size=4, prefill=3, decode=1, tp=2),
+                                    dict(world_size=5, prefill=2, decode=1),
+                                    dict(world_size=2, prefill=1, decode=0)])
+def test_topology_refuses_bad_shapes(kwargs):
+    with pytest.raises(TopologyError):
+        Topology(**kwargs)
+
+
+# ---------------------------------------------------------------- wire
+HEADER = dict(src=3, inc=(1 << 64) - 1, seq=7)
+
+
+def test_every_message_kind_round_trips():
+    samples = {
+        "PREFILL": dict(rid="r", tokens=b"\x01\x00\x00\x00", owner=2, owner_inc=5, deadline_ms=10),
+        "ASSIGN": dict(rid="r", prompt_len=1, max_tokens=2, writers=[1, 2], last_token=65, deadline_ms=1),
+        "PLAN": dict(rid="r", pages=[1, 2], generations=[3, 4]),
+        "NOTICE": dict(rid="r", tokens=3, pages=[1], generations=[2], checksums=[9], first_token=-1, bytes=4),
+        "TOKENS": dict(rid="r", tokens=[65, 66]),
+        "DONE": dict(rid="r", outcome="finished", error=None, count=2, transfer_ms=1.5),
+        "ABORT": dict(rid="r", owner=2, writers=[1], source="client", reason="gone"),
+        "ABORT_ACK": dict(rid="r"),
+        "RELEASED": dict(rid="r", pages=3, how="acked"),
+        "SHUTDOWN": dict(),
+    }
+    for kind, fields in samples.items():
+        msg = m.KINDS[kind].make(**HEADER, **fields)
+        assert m.decode(m.encode(msg)) == msg
+    assert set(samples) | {"STATS"} == set(m.KINDS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_decoding_random_bytes_raises_only_wire_errors(data):
+    try:
+        m.decode(data)
+    except WireError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=8),
+                                                     st.binary(max_size=8), st.none(),
+                                                     st.lists(st.integers(-2**63, 2**63), max_size=4)),
+                       max_size=8),
+       st.sampled_from(sorted(m.KINDS)))
+def test_decoding_mistyped_fields_is_refused_or_valid(fields, kind):
+    data = msgpack.packb(["kvf.cluster", 1, kind, fields], use_bin_type=True)
+    try:
+        msg = m.decode(data)
+    except WireError:
+        return
+    assert set(msg.fields) == set(m.KINDS[kind].fields)
+
+
+def test_decoding_refuses_other_versions_and_oversize():
+    good = m.encode(m.ABORT_ACK.make(**HEADER, rid="r"))
+    obj = msgpack.unpackb(good)
+    obj[1] = 2
+    with pytest.raises(WireError, match="version"):
+        m.decode(msgpack.packb(obj))
+    with pytest.raises(WireError):
+        m.decode(b"\x00" * (m.CODEC.max_bytes + 1))
+    with pytest.raises(WireError):
+        m.encode(m.ABORT_ACK.make(**HEADER, rid="x" * (m.MAX_REQUEST_ID + 1)))
+
+
+# ---------------------------------------------------------------- state tables
+@pytest.mark.parametrize("table,start,terminal", [
+    (WRITER_TRANSITIONS, WriterState.WAITING, {WriterState.ABORTED}),
+    (OWNER_TRANSITIONS, OwnerState.AWAITING, {OwnerState.CLOSED}),
+])
+def test_protocol_tables_are_closed_and_terminal_states_absorb(table, start, terminal):
+    assert set(table) == set(type(start))
+    assert {s for s, out in table.items() if not out} == terminal
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in table[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    assert seen == set(table), "every state is reachable from the start"
+    for state in terminal:   # and every state can reach a terminal one
+        assert all(_reaches(table, s, state) for s in table)
+
+
+def _reaches(table, src, dst) -> bool:
+    seen, todo = {src}, [src]
+    while todo:
+        s = todo.pop()
+        if s == dst:
+            return True
+        for n in table[s] - seen:
+            seen.add(n)
+            todo.append(n)
+    return False
+
+
+def test_owner_never_frees_quarantined_pages_except_by_closing():
+    assert OWNER_TRANSITIONS[OwnerState.QUARANTINED] == {OwnerState.CLOSED}
+    assert OwnerState.DECODING not in OWNER_TRANSITIONS[OwnerState.QUARANTINED]
+
+
+# ---------------------------------------------------------------- router ledger
+def test_ledger_counts_pages_of_ended_requests_until_released():
+    led = Ledger({1: 10, 2: 10})
+    led.reserve(2, "a", 6)
+    assert led.free(2) == 4 and led.reusable(2) == 10
+    led.end("a", [2])                       # aborted: pages may be quarantined
+    assert led.free(2) == 4 and led.reusable(2) == 4
+    assert led.release(2, "a") and led.free(2) == 10 and led.reusable(2) == 10
+    assert not led.release(2, "a")          # a duplicate RELEASED changes nothing
+
+
+# ---------------------------------------------------------------- faults
+def test_fault_plan_parses_and_refuses():
+    plan = FaultPlan.parse(["drop:ABORT_ACK", "dup:NOTICE", "delay:PLAN:0.5", "corrupt-page:@x@",
+                            "stall-write:@y@:2"])
+    assert plan.on_send("ABORT_ACK", 1, b"p") == []
+    assert plan.on_send("NOTICE", 1, b"p") == [(b"p", 0.0), (b"p", 0.0)]
+    assert plan.on_send("PLAN", 1, b"p") == [(b"p", 0.5)]
+    assert plan.corrupts("..@x@..") and plan.stall_for("@y@") == 2.0
+    assert FaultPlan().on_send("ABORT", 1, b"p") == [(b"p", 0.0)]
+    for bad in (["explode:X"], ["delay:PLAN"], ["stall-write:@y@:soon"]):
+        with pytest.raises(FaultSpecError):
+            FaultPlan.parse(bad)
+
+
+def test_reorder_swaps_consecutive_messages():
+    plan = FaultPlan.parse(["reorder:ABORT"])
+    assert plan.on_send("ABORT", 1, b"first") == []
+    assert plan.on_send("ABORT", 1, b"second") == [(b"second", 0.0), (b"first", 0.0)]
+
+
+# ---------------------------------------------------------------- rendezvous
+def test_rank_card_round_trip_and_refusals():
+    card = RankCard(rank=1, role="prefill", address=b"a", incarnation=3, segment=None,
+                    num_pages=4, page_size=16, capacity_tokens=64, context_length=64,
+                    host="h", pid=1)
+    assert RankCard.unpack(card.pack()) == card
+    with pytest.raises(RendezvousError):
+        RankCard.unpack(b"\xc1")
+    with pytest.raises(RendezvousError):
+        RankCard.unpack(msgpack.packb({"v": 99}))
+
+
+# ---------------------------------------------------------------- workload
+@settings(max_examples=50, deadline=None)
+@given(st.integers(min_value=16, max_value=600), st.integers(min_value=0, max_value=580))
+def test_every_page_of_a_prompt_holds_a_whole_marker(length, start):
+    marker = "@1a2b3@"
+    prompt = make_prompt(marker, length)
+    assert len(prompt) == length and MARKER_RE.fullmatch(marker)
+    window = prompt[min(start, length - 16):][:16]
+    assert marker in window
+
+
+def test_expected_replay_cycles_through_the_prompt():
+    assert expected_replay("abc", 7) == "abcabca"

@@ -25,7 +25,11 @@ class ServeConfig:
     transports: str | None = None     # UCX transports: "shm", "tcp" or None for UCX's choice
     request_timeout_s: float = 60.0   # front door deadline for one request
     transfer_timeout_s: float = 10.0  # decode waits this long for every writer's notice
-    abort_deadline_s: float = 5.0     # owner waits this long for ABORT_ACKs, then severs
+    # The owner waits this long for ABORT_ACKs, then severs. 5 s: past the tcp transport's
+    # failure horizon (TCP_USER_TIMEOUT 4 s with 1 s keep-alives, set by the transfer
+    # engine), so a writer that is still connected has either acked or been declared dead
+    # by its transport; write batches are bounded so one lands well inside it.
+    abort_deadline_s: float = 5.0
     admission_wait_s: float = 5.0     # a request waits this long for pages, then 503
     integrity: bool = True            # checksums and canaries on every transferred page
     unsafe_free_on_abort: bool = False  # DANGEROUS: frees pages at abort, no quarantine

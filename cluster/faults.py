@@ -6,10 +6,21 @@ Each hook is one ``--fault`` string; a rank applies the hooks that name its role
     dup:KIND                  send every outgoing KIND twice
     delay:KIND:SECONDS        hold outgoing KIND this long before sending
     reorder:KIND              hold one outgoing KIND back and send it after the next one
-    corrupt-page:MARKER       a writer flips one byte of a source page of any request whose
-                              prompt contains MARKER, after computing its checksums
+    corrupt-page:MARKER       a writer corrupts a source page of any request whose prompt
+                              contains MARKER, after computing its checksums
     stall-write:MARKER:SECONDS  a writer waits this long before posting the pages of a
                               request whose prompt contains MARKER
+    at:POINT:ACTION:MARKER[:SECONDS]
+                              a writer, at protocol POINT of a request whose prompt contains
+                              MARKER, does ACTION. POINT: before-write (plan and KV ready,
+                              nothing posted), mid-transfer (first half of the pages posted,
+                              the second half in flight: it lands after SECONDS, or right
+                              after the writer's next write to the same owner, and a flush
+                              waits for it, as a posted one-sided write would), after-write
+                              (every page flushed, notice not sent), after-notice.
+                              ACTION: pause (hold there for SECONDS or until an abort),
+                              fail-prefill, fail-transfer, kill (SIGKILL itself),
+                              stop (SIGSTOP itself, SIGCONT after SECONDS).
 
 The hooks sit where messages leave a rank (:meth:`FaultPlan.on_send`), where they are
 delivered (:meth:`FaultPlan.on_receive`) and where a writer posts pages; the protocol
@@ -25,6 +36,10 @@ from dataclasses import dataclass, field
 log = logging.getLogger("kvferry.cluster")
 
 
+POINTS = ("before-write", "mid-transfer", "after-write", "after-notice")
+ACTIONS = ("pause", "fail-prefill", "fail-transfer", "kill", "stop")
+
+
 class FaultSpecError(ValueError):
     """A --fault string that does not parse."""
 
@@ -38,6 +53,7 @@ class FaultPlan:
     corrupt_marker: str | None = None
     stall_marker: str | None = None
     stall_s: float = 0.0
+    points: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
     seed: int = 0
     _held: dict[str, tuple[bytes, float]] = field(default_factory=dict)
 
@@ -63,6 +79,14 @@ class FaultPlan:
                     plan.corrupt_marker = parts[1]
                 elif what == "stall-write":
                     plan.stall_marker, plan.stall_s = parts[1], float(parts[2])
+                elif what == "at":
+                    point, action, marker = parts[1], parts[2], parts[3]
+                    if point not in POINTS:
+                        raise FaultSpecError(f"unknown protocol point {point!r}; one of {POINTS}")
+                    if action not in ACTIONS:
+                        raise FaultSpecError(f"unknown action {action!r}; one of {ACTIONS}")
+                    seconds = float(parts[4]) if len(parts) > 4 else 3.0
+                    plan.points.setdefault(point, []).append((action, marker, seconds))
                 else:
                     raise FaultSpecError(f"unknown fault {what!r} in {spec!r}")
             except (IndexError, ValueError) as exc:
@@ -74,7 +98,14 @@ class FaultPlan:
     @property
     def enabled(self) -> bool:
         return bool(self.drop or self.duplicate or self.delay or self.reorder
-                    or self.corrupt_marker or self.stall_marker)
+                    or self.corrupt_marker or self.stall_marker or self.points)
+
+    def at(self, point: str, text: str) -> tuple[str, float] | None:
+        """The action (and its seconds) for a request whose prompt is ``text`` at ``point``."""
+        for action, marker, seconds in self.points.get(point, ()):
+            if marker in text:
+                return action, seconds
+        return None
 
     def on_send(self, kind: str, rank: int, payload: bytes) -> list[tuple[bytes, float]]:
         """What to actually send for one outgoing message: [(payload, delay_s)]."""

@@ -161,7 +161,8 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
         _, index = topology.group_of(runtime.rank)
         per = model.kv_heads // cfg.tp
         worker = PrefillRank(runtime, model, pool, segment, (index * per, (index + 1) * per),
-                             router, unsafe=cfg.unsafe_free_on_abort)
+                             router, unsafe=cfg.unsafe_free_on_abort,
+                             max_batch_bytes=batch_bound(cfg.abort_deadline_s))
     else:
         worker = DecodeRank(runtime, model, pool, router,
                             transfer_timeout_s=cfg.transfer_timeout_s,
@@ -187,6 +188,30 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
     return 0
 
 
+def measure_copy_gbps(nbytes: int = 32 << 20, rounds: int = 3) -> float:
+    """Best of a few memcpys between pre-faulted buffers: the ceiling of a shared-memory
+    write on this host."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def batch_bound(abort_deadline_s: float) -> int:
+    """Largest write batch a writer posts at once: a tenth of what the measured bandwidth
+    moves within the abort deadline, so an aborted writer's last batch lands and its ack
+    follows well inside the deadline (clamped to [4 MiB, 1 GiB])."""
+    gbps = measure_copy_gbps()
+    bound = int(min(1 << 30, max(4 << 20, gbps * 1e9 * abort_deadline_s / 10)))
+    log.info("write batches bounded to %.1f MiB: measured copy bandwidth %.2f GB/s x abort "
+             "deadline %.1f s / 10", bound / (1 << 20), gbps, abort_deadline_s)
+    return bound
+
+
 def cards_context(runtime: RankRuntime) -> int:
     return runtime.cards[runtime.rank].context_length
 
@@ -210,8 +235,12 @@ async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int
              "length %d)", cfg.host, cfg.port, topology.prefill_groups, topology.decode_ranks,
              router.context_length)
     try:
+        next_check = 0.0
         while not stop.stop:
             runtime.pump(0)
+            if time.monotonic() >= next_check:
+                router.check_heartbeats()
+                next_check = time.monotonic() + 0.5
             await asyncio.sleep(0.0005 if router.requests else 0.005)
     finally:
         log.info("router stopping: %s", stop.reason)

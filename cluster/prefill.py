@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
+import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -50,10 +53,11 @@ WRITER_TRANSITIONS: dict[WriterState, frozenset[WriterState]] = {
     WriterState.WAITING: frozenset({WriterState.WRITING, WriterState.ABORTING}),
     WriterState.WRITING: frozenset({WriterState.NOTIFYING, WriterState.ABORTING}),
     WriterState.NOTIFYING: frozenset({WriterState.DONE, WriterState.ABORTING}),
-    WriterState.DONE: frozenset({WriterState.ABORTING}),   # a late abort is acked at once
+    WriterState.DONE: frozenset(),         # source pages freed; a late abort is acked at once
     WriterState.ABORTING: frozenset({WriterState.ABORTED}),
     WriterState.ABORTED: frozenset(),
 }
+TERMINAL_WRITER_STATES = frozenset(s for s, out in WRITER_TRANSITIONS.items() if not out)
 
 
 @dataclass
@@ -67,8 +71,14 @@ class WriteJob:
     dst_generations: list[int] | None = None
     checksums: list[int] = field(default_factory=list)
     state: WriterState = WriterState.WAITING
+    text: str | None = None                # the prompt as text (fault hooks match on it)
     posted_bytes: int = 0
-    stall_timer: object | None = None
+    timer: object | None = None            # a stall or a pause at a protocol point
+    queue: list[np.ndarray] = field(default_factory=list)   # batches not yet posted
+    outstanding: int = 0                   # posted batches not yet settled
+    held: np.ndarray | None = None         # injected fault: pages in flight, not landed
+    held_timer: object | None = None
+    acked: bool = False
 
     def move(self, new: WriterState) -> None:
         if new not in WRITER_TRANSITIONS[self.state]:
@@ -82,7 +92,8 @@ TOMBSTONE_S = 600.0
 
 class PrefillRank:
     def __init__(self, runtime: RankRuntime, model, pool: KVPool, segment: Segment,
-                 head_range: tuple[int, int], router: int, unsafe: bool = False) -> None:
+                 head_range: tuple[int, int], router: int, unsafe: bool = False,
+                 max_batch_bytes: int = 256 << 20) -> None:
         self.rt = runtime
         self.model = model
         self.pool = pool
@@ -98,6 +109,7 @@ class PrefillRank:
         runs = pool.head_slice_runs(0, *head_range)
         self._run_offsets = np.array([off for off, _ in runs], dtype=np.int64)
         self._run_lengths = np.array([n for _, n in runs], dtype=np.int64)
+        self._rows_per_batch = max(1, max_batch_bytes // int(self._run_lengths[0]))
         runtime.set_handler(self.on_message)
 
     # -------------------------------------------------------------- messages
@@ -153,49 +165,153 @@ class PrefillRank:
     def _maybe_write(self, job: WriteJob) -> None:
         if job.state is not WriterState.WAITING or job.tokens is None or job.dst_pages is None:
             return
+        if job.text is None:
+            job.text = detokenize(job.tokens.tolist())
         if len(job.dst_pages) < len(job.src_pages):
             self._fail(job, "prefill", f"plan holds {len(job.dst_pages)} pages but the prompt "
                                        f"of {len(job.tokens)} tokens needs {len(job.src_pages)}")
             return
-        text = detokenize(job.tokens.tolist())
-        stall = self.rt.faults.stall_for(text)
+        stall = self.rt.faults.stall_for(job.text)
         if stall > 0:
             log.warning("fault: request %s: stalling its writes for %.2f s", job.rid, stall)
-            job.stall_timer = self.rt.call_later(stall, lambda: self._post_writes(job))
+            job.timer = self.rt.call_later(stall, lambda: self._reach(job, "before-write", self._post_writes))
             return
-        self._post_writes(job)
+        self._reach(job, "before-write", self._post_writes)
 
-    def _post_writes(self, job: WriteJob) -> None:
-        job.stall_timer = None
-        if job.state is not WriterState.WAITING:
+    def _reach(self, job: WriteJob, point: str, then) -> None:
+        """Run the fault action injected at ``point`` for this request (if any), then go on."""
+        job.timer = None
+        if job.state in (WriterState.ABORTING, WriterState.ABORTED):
             return
+        found = self.rt.faults.at(point, job.text or "")
+        if found is None:
+            then(job)
+            return
+        action, seconds = found
+        log.warning("fault: request %s: %s at %s", job.rid, action, point)
+        if action == "pause":
+            job.timer = self.rt.call_later(seconds, lambda: then(job))
+        elif action in ("fail-prefill", "fail-transfer"):
+            self._fail(job, action.split("-")[1], f"injected {action} at {point}")
+        elif action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"],
+                             start_new_session=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            then(job)
+
+    def _triples(self, job: WriteJob) -> np.ndarray:
         pb = self.pool.page_bytes
         src = np.asarray(job.src_pages, dtype=np.int64)
         dst = np.asarray(job.dst_pages[:len(job.src_pages)], dtype=np.int64)
         local = (src[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
         remote = (dst[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
         lengths = np.broadcast_to(self._run_lengths, (len(src), len(self._run_lengths))).reshape(-1)
-        triples = np.stack([local, remote, lengths], axis=1)
-        if self.rt.faults.corrupts(detokenize(job.tokens.tolist())):
+        return np.stack([local, remote, lengths], axis=1)
+
+    def _post_writes(self, job: WriteJob) -> None:
+        if job.state is not WriterState.WAITING:
+            return
+        if self.rt.faults.corrupts(job.text):
             # Negate the value vector of the first token (layer 0, first head of this
             # writer): the bytes on the wire no longer match the checksums sent.
             self.pool.kv[job.src_pages[0], 0, 1, self.heads[0], 0, :].neg_()
             log.warning("fault: request %s: corrupted the first token's values in source "
                         "page %d after its checksum", job.rid, job.src_pages[0])
+        triples = self._triples(job)
+        job.posted_bytes = int(triples[:, 2].sum())
+        job.move(WriterState.WRITING)
+        mid = self.rt.faults.at("mid-transfer", job.text)
+        if mid is not None and len(triples) > 1:
+            half = len(triples) // 2
+            job.queue = [triples[i:i + self._rows_per_batch]
+                         for i in range(0, half, self._rows_per_batch)]
+            job.held = triples[half:]
+            job.held_timer = self.rt.call_later(mid[1], lambda: self._land_held(job))
+            if not self._post_next(job):
+                return
+            self._reach_mid(job)
+            return
+        job.queue = [triples[i:i + self._rows_per_batch]
+                     for i in range(0, len(triples), self._rows_per_batch)]
+        self._post_next(job)
+
+    def _reach_mid(self, job: WriteJob) -> None:
+        found = self.rt.faults.at("mid-transfer", job.text)
+        action = found[0] if found else "pause"
+        if action == "pause":
+            return           # the held half is in flight; it lands on its own
+        log.warning("fault: request %s: %s at mid-transfer", job.rid, action)
+        if action in ("fail-prefill", "fail-transfer"):
+            self._fail(job, action.split("-")[1], f"injected {action} at mid-transfer")
+        elif action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            subprocess.Popen(["sh", "-c", f"sleep {found[1]}; kill -CONT {os.getpid()}"],
+                             start_new_session=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _post_next(self, job: WriteJob) -> bool:
+        """Post the next bounded batch of this job (one at a time, so an abort stops
+        posting within one batch). False if posting failed (the job is failed)."""
+        if not job.queue:
+            return True
+        chunk = job.queue.pop(0)
         try:
-            batch = self.rt.write(job.owner, self.segment, triples)
+            batch = self.rt.write(job.owner, self.segment, chunk)
         except TransferError as exc:
             self._fail(job, "transfer", f"write to rank {job.owner} refused: {exc}")
+            return False
+        job.outstanding += 1
+        self.rt.watch(batch, lambda b: self._on_written(job, b))
+        self._land_others_held(job.owner, job)
+        return True
+
+    def _land_others_held(self, owner: int, job: WriteJob) -> None:
+        """An in-flight (held) write of another request to the same owner lands right
+        after this one: the fault that makes a late write overwrite reused pages."""
+        for other in list(self.jobs.values()):
+            if other is not job and other.owner == owner and other.held is not None:
+                self._land_held(other)
+
+    def _land_held(self, job: WriteJob) -> None:
+        """The in-flight half of a write lands now (posted for real, then flushed)."""
+        if job.held is None:
             return
-        job.posted_bytes = int(lengths.sum())
-        job.move(WriterState.WRITING)
+        held, job.held = job.held, None
+        if job.held_timer is not None:
+            job.held_timer.cancel()
+            job.held_timer = None
+        log.warning("fault: request %s: %d in-flight pages land now", job.rid, len(held))
+        try:
+            batch = self.rt.write(job.owner, self.segment, held)
+        except TransferError as exc:
+            log.warning("request %s: in-flight pages could not land: %s", job.rid, exc)
+            self._after_landing(job)
+            return
+        job.outstanding += 1
         self.rt.watch(batch, lambda b: self._on_written(job, b))
 
     def _on_written(self, job: WriteJob, batch: Batch) -> None:
+        job.outstanding -= 1
+        if job.state is WriterState.ABORTING:
+            if job.outstanding == 0 and job.held is None:
+                self._after_landing(job)
+            return
         if job.state is not WriterState.WRITING:
             return
         if batch.status() is not BatchStatus.COMPLETED:
             self._fail(job, "transfer", f"write to rank {job.owner} failed: {batch.error}")
+            return
+        if job.queue:
+            self._post_next(job)
+            return
+        if job.outstanding == 0 and job.held is None:
+            self._reach(job, "after-write", self._send_notice)
+
+    def _send_notice(self, job: WriteJob) -> None:
+        if job.state is not WriterState.WRITING:
             return
         notice = self.rt.notify(
             job.owner, m.NOTICE, rid=job.rid, tokens=len(job.tokens),
@@ -213,13 +329,14 @@ class PrefillRank:
             return
         job.move(WriterState.DONE)
         self._free_source(job, "freed")
+        self._reach(job, "after-notice", lambda j: None)
 
     # -------------------------------------------------------------- abort
     def _on_abort(self, msg: Message) -> None:
         job = self.jobs.get(msg.rid)
         owner = msg.owner if msg.owner >= 0 else (job.owner if job else -1)
         if job is None:
-            # Never started (or long finished): tombstone, ack at once.
+            # Never started (or already finished): tombstone, ack at once.
             self.tombstones[msg.rid] = time.monotonic()
             if owner >= 0:
                 self.rt.notify(owner, m.ABORT_ACK, rid=msg.rid)
@@ -229,32 +346,44 @@ class PrefillRank:
         self._abort(job, f"{msg.source}: {msg.reason}")
 
     def _abort(self, job: WriteJob, reason: str) -> None:
-        """Stop posting, flush towards the owner, ack; free source pages after the flush."""
+        """Stop posting; once nothing of ours is in flight, ack with notify (flush, then
+        send); free the source pages after that flush."""
         if job.state is WriterState.ABORTED:
             if job.owner >= 0:   # the owner asks again: our ack may have been lost
                 self.rt.notify(job.owner, m.ABORT_ACK, rid=job.rid)
             return
         if job.state is WriterState.ABORTING:
             return
-        if job.stall_timer is not None:
-            job.stall_timer.cancel()
-            job.stall_timer = None
-        was_done = job.state is WriterState.DONE
+        if job.state is WriterState.DONE:   # finished and flushed: ack at once
+            if job.owner >= 0:
+                self.rt.notify(job.owner, m.ABORT_ACK, rid=job.rid)
+            return
+        if job.timer is not None:
+            job.timer.cancel()
+            job.timer = None
+        job.queue = []
         job.move(WriterState.ABORTING)
         self.tombstones[job.rid] = time.monotonic()
         log.info("request %s: writer rank %d aborting (%s)", job.rid, self.rt.rank, reason)
+        if job.outstanding == 0 and job.held is None:
+            self._after_landing(job)
+        else:
+            log.info("request %s: waiting for %d posted batch(es)%s before acking", job.rid,
+                     job.outstanding, " and in-flight pages" if job.held is not None else "")
+
+    def _after_landing(self, job: WriteJob) -> None:
+        if job.state is not WriterState.ABORTING or job.acked:
+            return
+        job.acked = True
         ack = self.rt.notify(job.owner, m.ABORT_ACK, rid=job.rid) if job.owner >= 0 else None
         if ack is None:
-            job.move(WriterState.ABORTED)
-            if not was_done:
-                self._free_source(job, "aborted")
+            self._on_acked(job)
             return
-        self.rt.watch(ack, lambda b: self._on_acked(job, was_done))
+        self.rt.watch(ack, lambda b: self._on_acked(job))
 
-    def _on_acked(self, job: WriteJob, was_done: bool) -> None:
+    def _on_acked(self, job: WriteJob) -> None:
         job.move(WriterState.ABORTED)
-        if not was_done:
-            self._free_source(job, "aborted")
+        self._free_source(job, "aborted")
 
     def _fail(self, job: WriteJob, source: str, reason: str) -> None:
         log.error("request %s: prefill rank %d failed: %s", job.rid, self.rt.rank, reason)
@@ -264,7 +393,7 @@ class PrefillRank:
         self._abort(job, reason)
 
     def _free_source(self, job: WriteJob, how: str) -> None:
-        freed = self.allocator.free(job.rid) if job.src_pages else []
+        freed = self.allocator.free(job.rid) if self.allocator.pages_of(job.rid) else []
         self.jobs.pop(job.rid, None)
         self.tombstones[job.rid] = time.monotonic()
         self.rt.send(self.router, m.RELEASED, rid=job.rid, pages=len(freed), how=how)

@@ -94,7 +94,7 @@ def test_decoding_refuses_other_versions_and_oversize():
 
 # ---------------------------------------------------------------- state tables
 @pytest.mark.parametrize("table,start,terminal", [
-    (WRITER_TRANSITIONS, WriterState.WAITING, {WriterState.ABORTED}),
+    (WRITER_TRANSITIONS, WriterState.WAITING, {WriterState.DONE, WriterState.ABORTED}),
     (OWNER_TRANSITIONS, OwnerState.AWAITING, {OwnerState.CLOSED}),
 ])
 def test_protocol_tables_are_closed_and_terminal_states_absorb(table, start, terminal):
@@ -107,8 +107,8 @@ def test_protocol_tables_are_closed_and_terminal_states_absorb(table, start, ter
                 seen.add(nxt)
                 todo.append(nxt)
     assert seen == set(table), "every state is reachable from the start"
-    for state in terminal:   # and every state can reach a terminal one
-        assert all(_reaches(table, s, state) for s in table)
+    for s in table:          # and every state can reach a terminal one
+        assert any(_reaches(table, s, t) for t in terminal)
 
 
 def _reaches(table, src, dst) -> bool:

@@ -1,0 +1,421 @@
+/*
+ * kvferry abort-acknowledgement protocol (DESIGN.md, "The abort-acknowledgement
+ * protocol", points 1-5; invariant I4, and I5's "decode reads only what this
+ * request wrote").
+ *
+ * Configuration: two writer ranks (prefill), two owner ranks (decode) with one
+ * destination page each, two requests. Request 0 holds both pages first; when an
+ * owner releases its page, it hands it to request 1 at once (page reuse: this is
+ * where a late write of request 0 would become a leak into request 1).
+ *
+ * Data plane: a posted write is a bit in inflight[w->o]; it may land at any time
+ * (process Network) until the writer's flush of that path completes, or until the
+ * owner severs the path (a severed write never lands).
+ *
+ * Control plane: every message is a bit per request on a directed link. Links
+ * lose (the receiver drops the bit), duplicate (the receiver handles the bit and
+ * leaves it in place) and reorder (any set bit may be taken first).
+ *
+ * Faults: a writer may crash (at most MAXCRASH of them); its posted writes may
+ * still land afterwards until severed. A writer may stall for any time: owner
+ * deadlines (process Clock) may fire before it moves again, after which it may
+ * resume and try to post late.
+ *
+ * Mutants (exactly one may be defined, each must yield a counterexample):
+ *   MUTANT_RELEASE_WITHOUT_SEVER  at the deadline the owner releases without
+ *                                 severing the writers that did not ack
+ *   MUTANT_SINGLE_ACK             the owner releases on one ack (one writer),
+ *                                 not on the whole writer set
+ *   MUTANT_FREE_SOURCE_AT_ABORT   a writer frees its source pages at the abort,
+ *                                 before its flush completes
+ */
+
+#define NW 2            /* writer ranks */
+#define NO 2            /* owner ranks, one destination page each */
+#define NR 2            /* requests, taken in order on each page */
+#define ALL_W 3         /* bitmask of every writer: the writer set */
+#define ALL_O 3         /* bitmask of every owner */
+#ifndef MAXCRASH
+#define MAXCRASH 1      /* writer crashes per run */
+#endif
+#ifndef MAXFAULT
+#define MAXFAULT 2      /* control messages lost or duplicated per run */
+#endif
+
+#ifndef WFAIL
+#define WFAIL 1
+#endif
+#ifndef FDOOR
+#define FDOOR 1
+#endif
+#define BIT(i)   (1 << (i))
+#define L(w, o)  ((w) * NO + (o))       /* index of the link between w and o */
+#define WR(w, r) ((w) * NR + (r))       /* index of writer w's state for request r */
+#define NONE 2                          /* no request */
+
+/* page (owner) states; P_ENV: owner 1 is the abstract environment owner */
+#define P_FREE    0
+#define P_FILLING 1   /* allocated to cur[o], writes expected */
+#define P_READY   2   /* completion notice from every writer: decode reads it */
+#define P_QUAR    3   /* aborted: quarantined until proof that no write can land */
+#define P_ENV     4   /* page of the abstract owner (see OtherOwner) */
+
+/* writer states, per request */
+#define W_IDLE    0   /* no destination yet */
+#define W_POST    1   /* posting writes */
+#define W_STOP    2   /* aborted: stopped posting, flushing */
+#define W_DONE    3   /* flushed, completion notice sent */
+#define W_ABORTED 4   /* flushed after abort, ack sent; a tombstone */
+
+/* ---- owners ---- */
+byte pstate[NO];
+byte powner[NO];        /* request the page belongs to, NONE when free */
+byte cur[NO];           /* request the owner is working on; NR when finished */
+byte done[NO];          /* writers whose completion notice arrived, for cur */
+byte acked[NO];         /* writers whose abort ack arrived, for cur */
+bool dl[NO];            /* the owner's current deadline has passed */
+
+/* ---- writers ---- */
+byte wphase[NW * NR];
+byte wposted[NW * NR];  /* owners a write was posted to */
+byte srcheld[NW];       /* requests whose source pages the writer still holds */
+bool crashed[NW];
+byte crashes;
+byte faults;            /* control-message faults so far */
+
+/* ---- data plane ---- */
+byte inflight[NW * NO]; /* requests with a write in flight on path w -> o */
+bool severed[NW * NO];  /* owner o closed its path from writer w */
+
+/* ---- control plane: one bit per request ---- */
+byte c_dest[NW * NO];   /* o -> w  destination of o's page for the request */
+byte c_abort[NW * NO];  /* o -> w  ABORT */
+byte c_fdw[NW];         /* front door -> w  ABORT */
+byte c_done[NW * NO];   /* w -> o  completion notice (sent after flush) */
+byte c_ack[NW * NO];    /* w -> o  ABORT_ACK (sent after flush) */
+byte c_abo[NO];         /* anyone -> o  abort notice */
+
+/* Take bit r of channel c: consume it, or leave it for a later duplicate, or
+ * lose it. Only destinations are left for duplicates: every other handler is
+ * idempotent, and a duplicate ABORT is indistinguishable from the owner's own
+ * retransmission, which the model already makes at any time. */
+#define TAKE_DUP(c, r, handle) \
+    if \
+    :: c = c & ~BIT(r); handle \
+    :: faults < MAXFAULT -> faults++; handle \
+    :: faults < MAXFAULT -> faults++; c = c & ~BIT(r) \
+    fi
+
+#define TAKE(c, r, handle) \
+    if \
+    :: c = c & ~BIT(r); handle \
+    :: faults < MAXFAULT -> faults++; c = c & ~BIT(r) \
+    fi
+
+#define FLUSHED(w, r) \
+    ((inflight[L(w, 0)] & BIT(r)) == 0 && (inflight[L(w, 1)] & BIT(r)) == 0)
+
+/* ------------------------------------------------------------------ writer */
+
+/* Messages to an owner about a request it has already released would be
+ * ignored on arrival; they are not put on the link at all (a state-space
+ * reduction, not a behaviour). */
+#define TO_OWNER(c, o, r) \
+    if :: cur[o] <= r -> c = c | BIT(r) :: else -> skip fi
+
+inline send_ack(w, r) {
+    TO_OWNER(c_ack[L(w, 0)], 0, r);
+    TO_OWNER(c_ack[L(w, 1)], 1, r)
+}
+
+/* ABORT for request r reached writer w (from an owner or the front door). */
+inline w_on_abort(w, r) {
+    if
+    :: wphase[WR(w, r)] == W_IDLE ->       /* never started: ack at once */
+        wphase[WR(w, r)] = W_ABORTED;
+        srcheld[w] = srcheld[w] & ~BIT(r);
+        send_ack(w, r)
+    :: wphase[WR(w, r)] == W_POST ->       /* stop posting, then flush */
+        wphase[WR(w, r)] = W_STOP;
+#ifdef MUTANT_FREE_SOURCE_AT_ABORT
+        srcheld[w] = srcheld[w] & ~BIT(r);
+#endif
+        skip
+    :: wphase[WR(w, r)] == W_STOP -> skip  /* ack follows the flush */
+    :: wphase[WR(w, r)] == W_DONE || wphase[WR(w, r)] == W_ABORTED ->
+        send_ack(w, r)                     /* finished, or a repeat: (re)ack */
+    fi
+}
+
+/* A destination from owner o reached writer w: it posts its write to o at once
+ * (a stall between the two is the same as a late destination). */
+inline w_on_dest(w, o, r) {
+    if
+    :: (wphase[WR(w, r)] == W_IDLE || wphase[WR(w, r)] == W_POST) &&
+       !(wposted[WR(w, r)] & BIT(o)) ->
+        if
+        :: severed[L(w, o)] ->                /* path gone: transfer failure */
+            wphase[WR(w, r)] = W_STOP;
+            TO_OWNER(c_abo[0], 0, r); TO_OWNER(c_abo[1], 1, r)
+        :: else ->
+            assert(srcheld[w] & BIT(r));
+            wphase[WR(w, r)] = W_POST;
+            inflight[L(w, o)] = inflight[L(w, o)] | BIT(r);
+            wposted[WR(w, r)] = wposted[WR(w, r)] | BIT(o)
+        fi
+    :: else -> skip               /* aborted, finished, or a duplicate: ignore */
+    fi
+}
+
+/* Every step a writer can take for owner o and request r. */
+#define WRITER_STEPS(w, o, r) \
+    :: atomic { !crashed[w] && (c_dest[L(w, o)] & BIT(r)) -> \
+            TAKE_DUP(c_dest[L(w, o)], r, w_on_dest(w, o, r)) } \
+    :: atomic { !crashed[w] && (c_abort[L(w, o)] & BIT(r)) -> \
+            TAKE(c_abort[L(w, o)], r, w_on_abort(w, r)) }
+
+/* Steps that concern the request as a whole. */
+#define WRITER_REQ_STEPS(w, r) \
+    :: atomic { !crashed[w] && (c_fdw[w] & BIT(r)) -> \
+            TAKE(c_fdw[w], r, w_on_abort(w, r)) } \
+    :: atomic { !crashed[w] && wphase[WR(w, r)] == W_POST && \
+            wposted[WR(w, r)] == ALL_O && FLUSHED(w, r) -> \
+            wphase[WR(w, r)] = W_DONE; \
+            srcheld[w] = srcheld[w] & ~BIT(r); \
+            TO_OWNER(c_done[L(w, 0)], 0, r); \
+            TO_OWNER(c_done[L(w, 1)], 1, r) } \
+    :: atomic { WFAIL && !crashed[w] && wphase[WR(w, r)] == W_POST -> \
+            wphase[WR(w, r)] = W_STOP;         /* prefill-side failure */ \
+            TO_OWNER(c_abo[0], 0, r); TO_OWNER(c_abo[1], 1, r) } \
+    :: atomic { !crashed[w] && wphase[WR(w, r)] == W_STOP && FLUSHED(w, r) -> \
+            wphase[WR(w, r)] = W_ABORTED; \
+            srcheld[w] = srcheld[w] & ~BIT(r); \
+            send_ack(w, r) }
+
+proctype Writer(byte w) {
+end:
+    do
+    WRITER_STEPS(w, 0, 0)
+    WRITER_STEPS(w, 1, 0)
+    WRITER_REQ_STEPS(w, 0)
+#ifdef R1_TRANSFER
+    WRITER_STEPS(w, 0, 1)
+    WRITER_STEPS(w, 1, 1)
+    WRITER_REQ_STEPS(w, 1)
+#endif
+    :: atomic { !crashed[w] && crashes < MAXCRASH -> crashes++; crashed[w] = 1 }
+    od
+}
+
+/* ------------------------------------------------------------------- owner */
+
+#define OTHER(o) (1 - (o))
+
+/* The writers whose path into this page is known to be dead. */
+#define SEVERED_SET(o) \
+    ((severed[L(0, o)] -> BIT(0) : 0) | (severed[L(1, o)] -> BIT(1) : 0))
+
+/* Writers proven unable to write into the page any more. */
+#define PROVEN(o) (acked[o] | done[o] | SEVERED_SET(o))
+
+#ifdef MUTANT_SINGLE_ACK
+#define RELEASABLE(o) ((acked[o] | done[o]) != 0 || PROVEN(o) == ALL_W)
+#else
+#define RELEASABLE(o) (PROVEN(o) == ALL_W)
+#endif
+
+inline o_send_dest(o, r) {
+    c_dest[L(0, o)] = c_dest[L(0, o)] | BIT(r);
+    c_dest[L(1, o)] = c_dest[L(1, o)] | BIT(r)
+}
+
+inline o_send_abort(o, r) {
+    if :: !(PROVEN(o) & BIT(0)) -> c_abort[L(0, o)] = c_abort[L(0, o)] | BIT(r)
+       :: else -> skip fi;
+    if :: !(PROVEN(o) & BIT(1)) -> c_abort[L(1, o)] = c_abort[L(1, o)] | BIT(r)
+       :: else -> skip fi
+}
+
+/* Quarantine at the abort; fan the abort out to writers and the other owner. */
+inline o_abort(o) {
+    pstate[o] = P_QUAR;
+    dl[o] = 0;
+    o_send_abort(o, cur[o]);
+    TO_OWNER(c_abo[OTHER(o)], OTHER(o), cur[o])
+}
+
+/* Release the page; hand it to the next request, if any. Messages about the
+ * released request that are still on the way to this owner would be ignored by
+ * it, so they are dropped here (a state-space reduction, not a behaviour). */
+inline o_release(o) {
+    pstate[o] = P_FREE;
+    powner[o] = NONE;
+    c_done[L(0, o)] = c_done[L(0, o)] & ~BIT(cur[o]);
+    c_done[L(1, o)] = c_done[L(1, o)] & ~BIT(cur[o]);
+    c_ack[L(0, o)] = c_ack[L(0, o)] & ~BIT(cur[o]);
+    c_ack[L(1, o)] = c_ack[L(1, o)] & ~BIT(cur[o]);
+    c_abo[o] = c_abo[o] & ~BIT(cur[o]);
+    done[o] = 0; acked[o] = 0; dl[o] = 0;
+    cur[o]++;
+    if
+    :: cur[o] < NR ->
+        powner[o] = cur[o];
+#ifdef R1_TRANSFER
+        pstate[o] = P_FILLING;
+        o_send_dest(o, cur[o])
+#else
+        pstate[o] = P_READY      /* request 1's own transfer is not modelled */
+#endif
+    :: else -> skip
+    fi
+}
+
+inline o_sever(o, w) {
+    if
+    :: !(PROVEN(o) & BIT(w)) ->
+        severed[L(w, o)] = 1;
+        inflight[L(w, o)] = 0     /* a severed write never lands */
+    :: else -> skip
+    fi
+}
+
+#define OWNER_STEPS_W(o, w) \
+    :: atomic { !dl[o] && cur[o] < NR && (c_done[L(w, o)] & BIT(cur[o])) -> \
+            TAKE(c_done[L(w, o)], cur[o], done[o] = done[o] | BIT(w)); \
+            if \
+            :: pstate[o] == P_FILLING && done[o] == ALL_W -> pstate[o] = P_READY \
+            :: else -> skip \
+            fi } \
+    :: atomic { !dl[o] && cur[o] < NR && (c_ack[L(w, o)] & BIT(cur[o])) -> \
+            TAKE(c_ack[L(w, o)], cur[o], acked[o] = acked[o] | BIT(w)); \
+            if \
+            :: pstate[o] == P_FILLING && acked[o] -> o_abort(o) /* ack means abort */ \
+            :: else -> skip \
+            fi }
+
+proctype Owner(byte o) {
+end:
+    do
+    OWNER_STEPS_W(o, 0)
+    OWNER_STEPS_W(o, 1)
+    :: atomic { !dl[o] && cur[o] < NR && (c_abo[o] & BIT(cur[o])) ->
+            TAKE(c_abo[o], cur[o],
+                if
+                :: pstate[o] == P_FILLING -> o_abort(o)
+                :: else -> skip          /* ready: finishes below; quar: repeat */
+                fi) }
+    :: atomic { pstate[o] == P_FILLING && dl[o] -> o_abort(o) }  /* decode timeout */
+    :: atomic { pstate[o] == P_READY -> o_release(o) }   /* decode finished */
+    :: atomic { pstate[o] == P_QUAR && RELEASABLE(o) -> o_release(o) }
+    :: atomic { pstate[o] == P_QUAR && !dl[o] -> o_send_abort(o, cur[o]) } /* retransmit */
+    :: atomic { pstate[o] == P_QUAR && dl[o] ->
+#ifndef MUTANT_RELEASE_WITHOUT_SEVER
+            o_sever(o, 0); o_sever(o, 1);
+#endif
+            o_release(o) }
+    od
+}
+
+/* ------------------------------------------------------------ environment */
+
+/* A write in flight on w -> o for request r lands in page o. */
+#define LAND(w, o, r) \
+    :: atomic { inflight[L(w, o)] & BIT(r) -> \
+            inflight[L(w, o)] = inflight[L(w, o)] & ~BIT(r); \
+            assert(powner[o] == r);                 /* I4: never a foreign page */ \
+            assert(pstate[o] != P_READY);           /* I5: never under a reader */ \
+            assert(srcheld[w] & BIT(r)) }           /* source still holds the KV */
+
+proctype Network() {
+end:
+    do
+    LAND(0, 0, 0) LAND(0, 1, 0) LAND(1, 0, 0) LAND(1, 1, 0)
+#ifdef R1_TRANSFER
+    LAND(0, 0, 1) LAND(0, 1, 1) LAND(1, 0, 1) LAND(1, 1, 1)
+#endif
+    od
+}
+
+/* Deadlines: each owner's timer may fire at any time while it waits. Weak
+ * fairness makes a pending timer fire eventually; the owner then has no choice
+ * but to act on it. */
+proctype Clock() {
+end:
+    do
+    :: atomic { !dl[0] && (pstate[0] == P_FILLING || pstate[0] == P_QUAR) -> dl[0] = 1 }
+#ifdef BOTH_OWNERS
+    :: atomic { !dl[1] && (pstate[1] == P_FILLING || pstate[1] == P_QUAR) -> dl[1] = 1 }
+#endif
+    od
+}
+
+#ifndef BOTH_OWNERS
+/* Owner 1 as an environment for owner 0. Page 0's safety depends on owner 1
+ * only through what owner 1 sends and does, so owner 1 is replaced by a process
+ * that may do any of it at any time: fan an abort out to owner 0 and to the
+ * writers, and sever a writer's path into page 1 (which makes that writer's
+ * later posts to page 1 fail). Page 1 stays request 0's and its writes land
+ * there; its own protocol is the same as page 0's, checked with BOTH_OWNERS. */
+proctype OtherOwner() {
+    bool aborted, cut0, cut1;
+end:
+    do
+    :: atomic { !aborted -> aborted = 1;
+            TO_OWNER(c_abo[0], 0, 0);
+            c_abort[L(0, 1)] = c_abort[L(0, 1)] | BIT(0);
+            c_abort[L(1, 1)] = c_abort[L(1, 1)] | BIT(0) }
+    :: atomic { aborted && !cut0 -> cut0 = 1; severed[L(0, 1)] = 1; inflight[L(0, 1)] = 0 }
+    :: atomic { aborted && !cut1 -> cut1 = 1; severed[L(1, 1)] = 1; inflight[L(1, 1)] = 0 }
+    od
+}
+#endif
+
+/* The front door may abort either request at any time, once. */
+proctype FrontDoor() {
+    bool sent0, sent1;
+end:
+    do
+    :: atomic { FDOOR && !sent0 -> sent0 = 1;
+            c_abo[0] = c_abo[0] | BIT(0); c_abo[1] = c_abo[1] | BIT(0);
+            c_fdw[0] = c_fdw[0] | BIT(0); c_fdw[1] = c_fdw[1] | BIT(0) }
+#ifdef R1_TRANSFER
+    :: atomic { !sent1 -> sent1 = 1;
+            c_abo[0] = c_abo[0] | BIT(1); c_abo[1] = c_abo[1] | BIT(1);
+            c_fdw[0] = c_fdw[0] | BIT(1); c_fdw[1] = c_fdw[1] | BIT(1) }
+#endif
+    od
+}
+
+init {
+    atomic {
+        pstate[0] = P_FILLING; powner[0] = 0; o_send_dest(0, 0);
+#ifdef BOTH_OWNERS
+        pstate[1] = P_FILLING; powner[1] = 0; o_send_dest(1, 0);
+#else
+        pstate[1] = P_ENV; powner[1] = 0; o_send_dest(1, 0);
+        cur[1] = NR;        /* nothing sent to owner 1 is modelled as read */
+#endif
+        srcheld[0] = BIT(0) | BIT(1);
+        srcheld[1] = BIT(0) | BIT(1);
+        run Owner(0);
+#ifdef BOTH_OWNERS
+        run Owner(1);
+#else
+        run OtherOwner();
+#endif
+        run Writer(0); run Writer(1);
+        run Network(); run Clock(); run FrontDoor()
+    }
+}
+
+#define FREE0 (pstate[0] == P_FREE)
+#define FREE1 (pstate[1] == P_FREE)
+
+#ifdef CHECK_LIVENESS
+/* Every page is eventually free (and stays free once both requests are over). */
+#ifdef BOTH_OWNERS
+ltl every_page_freed { <> [] (FREE0 && FREE1) }
+#else
+ltl every_page_freed { <> [] FREE0 }
+#endif
+#endif

@@ -52,16 +52,17 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
-import msgpack
 import numpy as np
 
 from ._native import ffi, lib
 from .batch import Batch, BatchStatus
+from .envelope import REASONS as ENVELOPE_REFUSALS
+from .envelope import EnvelopeError
 from .errors import (PeerFailedError, StaleIncarnationError, TransferError, WireError,
                      ucx_error)
-from .pages import as_page_array, check_pages_fast
-from .protocol import (ADDRESS, CODEC, ENVELOPE, MAX_PAYLOAD, AddressInfo, IncomingMessage,
-                       decode_address)
+from .pages import as_page_array, check_pages
+from .protocol import (ADDRESS, CODEC, MAX_PAYLOAD, MAX_SENDER, AddressInfo,
+                       IncomingMessage, decode_address)
 from .segment import RemoteSegment, Segment, SegmentDescriptor
 
 log = logging.getLogger("kvferry.transfer")
@@ -80,7 +81,8 @@ class TransferConfig:
     name: str = ""
     direct_copy: bool = True          # copy pages directly into mapped remote memory
     max_message_bytes: int = 256 << 10  # payload limit of notify/send (and of receipt)
-    spin_us: int = 50                 # busy-poll this long before sleeping on the event fd
+    spin_us: int = 50                 # busy-poll at least this long before sleeping
+    busy_poll_us: int = 1000          # ... and until this long after the last activity
     liveness_interval_s: float = 0.005  # how often waits look at the peer's process
     default_timeout_s: float = 30.0   # Batch.wait() without a timeout
     close_timeout_s: float = 2.0      # bound on endpoint close
@@ -203,6 +205,9 @@ class TransferEngine:
             raise ucx_error(int(st), "creating the UCX context/worker"
                             + (f" (option {bad}={self._options.get(bad)!r})" if bad else ""))
         self._worker = out[0]
+        lib.kvf_worker_configure(self._worker, MAX_SENDER,
+                                 min(self.config.max_message_bytes, MAX_PAYLOAD),
+                                 self.config.busy_poll_us)
         addr, alen = ffi.new("void **"), ffi.new("size_t *")
         _check(lib.kvf_worker_address(self._worker, addr, alen), "worker address")
         ucx_address = bytes(ffi.buffer(addr[0], alen[0]))
@@ -431,28 +436,27 @@ class TransferEngine:
         if not seg.registered:
             raise TransferError("local segment is not registered")
         arr = as_page_array(pages)
-        try:
-            nbytes = check_pages_fast(arr, seg.length, rseg.length)
-        except TransferError:
-            self.counters.bounds_refused += 1
-            raise
-        if write and self.config.fault_skip_page is not None and arr.shape[0] > 1:
-            arr = np.delete(arr, self.config.fault_skip_page % arr.shape[0], axis=0)
+        n = arr.shape[0]
+        skip = -1
+        if write and self.config.fault_skip_page is not None and n > 1:
+            skip = self.config.fault_skip_page % n
         handle = ffi.new("kvf_batch *")
-        direct = ffi.cast("char *", rseg.direct) if rseg.direct is not None else ffi.NULL
-        triples = ffi.cast("int64_t *", arr.ctypes.data)
-        local = ffi.cast("char *", seg.base)
+        bad = lib.kvf_rma_pages(peer.ep, write, seg.base, seg.length, rseg.rkey, rseg.base,
+                                rseg.length, rseg.direct or 0, ffi.from_buffer(arr), n,
+                                skip, handle)
+        if bad >= 0:
+            self.counters.bounds_refused += 1
+            check_pages(arr, seg.length, rseg.length)  # raises with the numbers
+            raise AssertionError(f"native and numpy bounds checks disagree on page {bad}")
+        nbytes = int(handle.bytes)
+        counters = self.counters
         if write:
-            lib.kvf_put_pages(peer.ep, local, rseg.rkey, rseg.base, direct, triples,
-                              arr.shape[0], 1, handle)
-            self.counters.bytes_written += nbytes
+            counters.bytes_written += nbytes
         else:
-            lib.kvf_get_pages(peer.ep, local, rseg.rkey, rseg.base, direct, triples,
-                              arr.shape[0], handle)
-            self.counters.bytes_read += nbytes
-        self.counters.pages_posted += int(handle.posted)
-        self.counters.pages_direct += int(handle.direct)
-        return self._track(peer, "write" if write else "read", nbytes, arr.shape[0], handle,
+            counters.bytes_read += nbytes
+        counters.pages_posted += int(handle.posted)
+        counters.pages_direct += int(handle.direct)
+        return self._track(peer, "write" if write else "read", nbytes, n, handle,
                            (arr, seg, rseg))
 
     def quiesce(self, peer: Peer) -> Batch:
@@ -476,12 +480,18 @@ class TransferEngine:
         if len(payload) > self.config.max_message_bytes:
             raise WireError(f"payload of {len(payload)} bytes exceeds max_message_bytes "
                             f"{self.config.max_message_bytes}")
-        # Our own envelope's fields are valid by construction: pack without re-validating.
-        data = msgpack.packb([CODEC.protocol, CODEC.version, "ENVELOPE",
-                              {"sender": self.address, "incarnation": self.incarnation,
-                               "seq": next(self._seq), "flushed": flushed,
-                               "payload": bytes(payload)}], use_bin_type=True)
-        return self._send_raw(peer, data, flushed)
+        if type(payload) is not bytes:
+            payload = bytes(payload)
+        handle = ffi.new("kvf_batch *")
+        lib.kvf_send_envelope(peer.ep, flushed, self.address, len(self.address),
+                              self.incarnation, next(self._seq), payload, len(payload),
+                              handle)
+        counters = self.counters
+        if flushed:
+            counters.notifies += 1
+        counters.messages_sent += 1
+        return self._track(peer, "notify" if flushed else "send", len(payload), 0, handle,
+                           None)
 
     def _send_raw(self, peer: Peer, data: bytes, flushed: bool = False) -> Batch:
         """Post already-encoded bytes (the envelope is the caller's business)."""
@@ -556,43 +566,56 @@ class TransferEngine:
         return max(0, int(n))
 
     def _drain_messages(self) -> None:
+        """Deliver queued messages. The native receive path has already checked each
+        envelope's header (its reason is in ``env.error``); here only the sender's address
+        is decoded (once per sender) and its incarnation compared with the envelope's."""
+        pop, free, unpack = lib.kvf_am_pop, lib.kvf_msg_free, ffi.unpack
+        worker, senders, counters = self._worker, self._senders, self.counters
         while True:
-            m = lib.kvf_am_pop(self._worker)
+            m = pop(worker)
             if m == ffi.NULL:
                 break
             try:
-                data = bytes(ffi.buffer(m.data, m.length))
+                env = m.env
+                if env.error:
+                    self._refuse(int(m.length), ENVELOPE_REFUSALS.get(
+                        EnvelopeError(env.error), f"reason {env.error}"))
+                    continue
+                sender_address = unpack(env.sender, env.sender_length)
+                payload = unpack(env.payload, env.payload_length)
+                incarnation, seq, flushed = env.incarnation, env.seq, bool(env.flags & 1)
             finally:
-                lib.kvf_msg_free(m)
-            try:
-                msg = CODEC.decode(data)
-                if msg.kind != "ENVELOPE":
-                    raise WireError(f"expected an ENVELOPE, got {msg.kind}")
-                sender = self._senders.get(msg.sender)
-                if sender is None:
-                    sender = decode_address(msg.sender)
-                    if len(self._senders) > 4096:
-                        self._senders.clear()
-                    self._senders[msg.sender] = sender
-                if sender.incarnation != msg.incarnation:
-                    raise WireError("envelope incarnation differs from its sender address")
-            except WireError as exc:
-                self.counters.malformed_messages += 1
-                log.warning("engine %s: refused a malformed message of %d bytes: %s",
-                            self.name, len(data), exc)
+                free(m)
+            sender = senders.get(sender_address)
+            if sender is None:
+                try:
+                    sender = decode_address(sender_address)
+                except WireError as exc:
+                    self._refuse(len(payload), f"sender address: {exc}")
+                    continue
+                if len(senders) > 4096:
+                    senders.clear()
+                senders[sender_address] = sender
+            if sender.incarnation != incarnation:
+                self._refuse(len(payload), "envelope incarnation differs from its sender "
+                             "address")
                 continue
-            self.counters.messages_received += 1
-            incoming = IncomingMessage(msg.sender, sender.name, sender.incarnation, msg.seq,
-                                       msg.flushed, msg.payload)
+            counters.messages_received += 1
             if self._handler is None:
-                self._inbox.append(incoming)
+                self._inbox.append(IncomingMessage(sender_address, sender.name, incarnation,
+                                                   seq, flushed, payload))
                 continue
             try:
-                self._handler(incoming.sender_address, incoming.payload)
+                self._handler(sender_address, payload)
             except Exception:
-                self.counters.handler_errors += 1
+                counters.handler_errors += 1
                 log.exception("engine %s: message handler failed", self.name)
-        self.counters.dropped_messages = int(lib.kvf_am_dropped(self._worker))
+        counters.dropped_messages = int(lib.kvf_am_dropped(worker))
+
+    def _refuse(self, nbytes: int, why: str) -> None:
+        self.counters.malformed_messages += 1
+        log.warning("engine %s: refused a malformed message of %d bytes: %s", self.name,
+                    nbytes, why)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

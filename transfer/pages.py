@@ -2,7 +2,9 @@
 
 :func:`check_pages` validates a page list against both segments before anything is
 posted, so a bad offset is refused with the numbers and never reaches UCX (a put to the
-wrong remote offset would land in memory another request owns: see I4/I5).
+wrong remote offset would land in memory another request owns: see I4/I5). The hot path
+runs the same checks natively inside ``kvf_rma_pages`` and defers to :func:`check_pages`
+for the error and its numbers.
 """
 from __future__ import annotations
 
@@ -26,20 +28,6 @@ def as_page_array(pages: object) -> np.ndarray:
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise ValueError("page offsets exceed int64")
     return np.ascontiguousarray(arr, dtype=np.int64)
-
-
-def check_pages_fast(pages: np.ndarray, local_len: int, remote_len: int) -> int:
-    """Same contract as :func:`check_pages`, one native loop (the hot path); on a bad page
-    it defers to :func:`check_pages` for the error with its numbers."""
-    from ._native import ffi, lib
-
-    total = ffi.new("int64_t *")
-    bad = lib.kvf_check_pages(ffi.cast("int64_t *", pages.ctypes.data), pages.shape[0],
-                              local_len, remote_len, total)
-    if bad < 0:
-        return int(total[0])
-    check_pages(pages, local_len, remote_len)
-    raise AssertionError(f"native and numpy bounds checks disagree on page {bad}")
 
 
 def check_pages(pages: np.ndarray, local_len: int, remote_len: int) -> int:

@@ -4,8 +4,10 @@
   engine's incarnation, name and process identity (host, boot id, pid namespace, pid) so
   that a peer on the same host can watch the process for death.
 - ``SEGMENT``: a segment descriptor (base, length, packed rkey, owner incarnation).
-- ``ENVELOPE``: every active message: the sender's address and incarnation, a sequence
-  number, whether it was flush-ordered (notify) and the payload.
+
+Active messages travel in a fixed binary envelope (sender address and incarnation, a
+sequence number, the flushed flag, the payload), built and parsed natively: see
+:mod:`kvferry.transfer.envelope`.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from .wire import Codec, Field, FieldType
 MAX_UCX_ADDRESS = 64 << 10
 MAX_RKEY = 16 << 10
 MAX_PAYLOAD = 4 << 20
+MAX_SENDER = MAX_UCX_ADDRESS + 1024   # an encoded ADDRESS, in every envelope
 
 CODEC = Codec("kvf.transfer", version=1, max_bytes=MAX_PAYLOAD + 2 * MAX_UCX_ADDRESS)
 
@@ -38,16 +41,6 @@ SEGMENT = CODEC.kind(
     incarnation=Field(FieldType.UINT64),
     allocated=Field(FieldType.BOOL),
 )
-
-ENVELOPE = CODEC.kind(
-    "ENVELOPE",
-    sender=Field(FieldType.BYTES, max_len=MAX_UCX_ADDRESS + 1024),
-    incarnation=Field(FieldType.UINT64),
-    seq=Field(FieldType.UINT64),
-    flushed=Field(FieldType.BOOL),
-    payload=Field(FieldType.BYTES, max_len=MAX_PAYLOAD),
-)
-
 
 @dataclass(frozen=True)
 class AddressInfo:

@@ -17,7 +17,7 @@ from transfer_peer import scattered_pages
 from kvferry.transfer import (DeadlineExceeded, PeerFailedError, SegmentBoundsError,
                               StaleIncarnationError, TransferConfig, TransferEngine,
                               TransferError, WireError)
-from kvferry.transfer.protocol import CODEC, ENVELOPE
+from kvferry.transfer.envelope import Envelope, encode
 
 # Stated bound for noticing a killed peer: shm via the process watch (5 ms period), tcp
 # via request errors (milliseconds) or the same watch. Generous for a loaded 2-core box.
@@ -128,9 +128,14 @@ def test_stale_incarnation_refused():
 
 def test_malformed_control_input_refused_worker_keeps_running(link):
     garbage = [b"", b"\x00", b"\xc1", b"\x94\xa1x\x01\xa1y\x80", msgpack.packb([1, 2, 3]),
-               CODEC.encode(ENVELOPE.make(sender=b"not an address", incarnation=1, seq=1,
-                                          flushed=False, payload=b"p")),
-               msgpack.packb(["kvf.transfer", 2, "ENVELOPE", {}]),
+               encode(Envelope(incarnation=1, seq=1, flushed=False, sender=b"not an address",
+                               payload=b"p")),
+               encode(Envelope(incarnation=1, seq=1, flushed=True, sender=link.eng.address,
+                               payload=b"p")),  # incarnation differs from the address's
+               encode(Envelope(incarnation=1, seq=1, flushed=False, sender=b"s",
+                               payload=b"p"))[:-1],  # truncated
+               b"KVFE\x03" + bytes(27) + b"s",  # another envelope version
+               msgpack.packb(["kvf.transfer", 1, "ENVELOPE", {}]),
                os.urandom(4096)]
     for data in garbage:
         link.eng._send_raw(link.peer, data).wait(5.0)

@@ -11,6 +11,7 @@
 #endif
 #include <dlfcn.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,10 +27,29 @@ struct kvf_worker {
     kvf_msg *head;
     kvf_msg *tail;
     int64_t dropped;
+    int64_t max_sender;       /* envelope limits applied on receipt */
+    int64_t max_payload;
+    int64_t busy_poll_us;     /* keep polling this long after the last activity */
+    int64_t last_activity_us; /* last time progress did something or a message came */
     char bad_option[128];
 };
 
 #define KVF_AM_ID 7
+
+/* Message envelope (see transfer/envelope.py, the reference codec):
+ *   0 magic "KVFE" | 4 version u8 | 5 flags u8 | 6 reserved u16 (0)
+ *   8 incarnation u64 | 16 seq u64 | 24 sender length u32 | 28 payload length u32
+ *   32 sender address bytes | payload bytes; little-endian, nothing after the payload. */
+#define KVF_ENV_HEADER 32
+#define KVF_ENV_VERSION 2
+#define KVF_ENV_FLAG_FLUSHED 1
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the envelope codec assumes a little-endian host"
+#endif
+enum {
+    KVF_ENV_OK = 0, KVF_ENV_SHORT = 1, KVF_ENV_MAGIC = 2, KVF_ENV_VERSION_MISMATCH = 3,
+    KVF_ENV_FLAGS = 4, KVF_ENV_SENDER_SIZE = 5, KVF_ENV_PAYLOAD_SIZE = 6, KVF_ENV_LENGTH = 7
+};
 
 typedef struct kvf_send_ctx {
     kvf_batch *batch;
@@ -52,6 +72,70 @@ const char *kvf_library_path(void)
     return "";
 }
 
+static int64_t kvf_now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+size_t kvf_envelope_encode(char *out, size_t cap, int flags, const char *sender,
+                           size_t sender_length, uint64_t incarnation, uint64_t seq,
+                           const char *payload, size_t payload_length)
+{
+    size_t total = KVF_ENV_HEADER + sender_length + payload_length;
+    uint32_t slen = (uint32_t)sender_length, plen = (uint32_t)payload_length;
+    uint16_t reserved = 0;
+    uint8_t version = KVF_ENV_VERSION, fl = (uint8_t)flags;
+    if (total > cap || sender_length > UINT32_MAX || payload_length > UINT32_MAX) return 0;
+    memcpy(out, "KVFE", 4);
+    memcpy(out + 4, &version, 1);
+    memcpy(out + 5, &fl, 1);
+    memcpy(out + 6, &reserved, 2);
+    memcpy(out + 8, &incarnation, 8);
+    memcpy(out + 16, &seq, 8);
+    memcpy(out + 24, &slen, 4);
+    memcpy(out + 28, &plen, 4);
+    memcpy(out + KVF_ENV_HEADER, sender, sender_length);
+    if (payload_length) memcpy(out + KVF_ENV_HEADER + sender_length, payload, payload_length);
+    return total;
+}
+
+/* Checks every header field and that the lengths add up to exactly `length`. */
+int kvf_envelope_parse(const char *data, size_t length, int64_t max_sender,
+                       int64_t max_payload, kvf_envelope *out)
+{
+    uint32_t slen, plen;
+    uint16_t reserved;
+    memset(out, 0, sizeof(*out));
+    out->error = KVF_ENV_SHORT;
+    if (length < KVF_ENV_HEADER) return out->error;
+    out->error = KVF_ENV_MAGIC;
+    if (memcmp(data, "KVFE", 4) != 0) return out->error;
+    out->error = KVF_ENV_VERSION_MISMATCH;
+    if ((uint8_t)data[4] != KVF_ENV_VERSION) return out->error;
+    memcpy(&reserved, data + 6, 2);
+    out->error = KVF_ENV_FLAGS;
+    if (((uint8_t)data[5] & ~KVF_ENV_FLAG_FLUSHED) != 0 || reserved != 0) return out->error;
+    memcpy(&slen, data + 24, 4);
+    memcpy(&plen, data + 28, 4);
+    out->error = KVF_ENV_SENDER_SIZE;
+    if (slen == 0 || (int64_t)slen > max_sender) return out->error;
+    out->error = KVF_ENV_PAYLOAD_SIZE;
+    if ((int64_t)plen > max_payload) return out->error;
+    out->error = KVF_ENV_LENGTH;
+    if ((uint64_t)KVF_ENV_HEADER + slen + plen != (uint64_t)length) return out->error;
+    out->error = KVF_ENV_OK;
+    out->flags = (uint8_t)data[5];
+    memcpy(&out->incarnation, data + 8, 8);
+    memcpy(&out->seq, data + 16, 8);
+    out->sender = data + KVF_ENV_HEADER;
+    out->sender_length = slen;
+    out->payload = data + KVF_ENV_HEADER + slen;
+    out->payload_length = plen;
+    return KVF_ENV_OK;
+}
+
 static ucs_status_t kvf_am_recv(void *arg, const void *header, size_t header_length,
                                 void *data, size_t length, const ucp_am_recv_param_t *param)
 {
@@ -71,6 +155,8 @@ static ucs_status_t kvf_am_recv(void *arg, const void *header, size_t header_len
     m->length = length;
     m->data = (char *)(m + 1);
     memcpy(m->data, data, length);
+    kvf_envelope_parse(m->data, length, w->max_sender, w->max_payload, &m->env);
+    w->last_activity_us = kvf_now_us();
     if (w->tail) w->tail->next = m; else w->head = m;
     w->tail = m;
     return UCS_OK;
@@ -86,6 +172,8 @@ int kvf_worker_create(const char *options, int64_t max_am_bytes, kvf_worker **ou
     kvf_worker *w = (kvf_worker *)calloc(1, sizeof(*w));
     if (w == NULL) return UCS_ERR_NO_MEMORY;
     w->max_am_bytes = max_am_bytes;
+    w->max_sender = max_am_bytes;
+    w->max_payload = max_am_bytes;
     st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK) goto err_free;
     /* options: "KEY=VALUE" lines applied with ucp_config_modify (keys without UCX_). */
@@ -175,37 +263,64 @@ int kvf_worker_efd(kvf_worker *w, int *fd) { *fd = w->efd; return UCS_OK; }
 
 int kvf_worker_arm(kvf_worker *w) { return ucp_worker_arm(w->worker); }
 
-unsigned kvf_worker_progress(kvf_worker *w) { return ucp_worker_progress(w->worker); }
-
-static int64_t kvf_now_us(void)
+void kvf_worker_configure(kvf_worker *w, int64_t max_sender, int64_t max_payload,
+                          int64_t busy_poll_us)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+    w->max_sender = max_sender;
+    w->max_payload = max_payload;
+    w->busy_poll_us = busy_poll_us > 0 ? busy_poll_us : 0;
 }
 
-/* Progress; if nothing happened, spin up to spin_us, then arm the event fd and sleep in
- * poll() for up to timeout_ms (the GIL is released by cffi around this call). */
-int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us)
+/* Microseconds since the worker last made progress or received a message. */
+int64_t kvf_worker_idle_us(kvf_worker *w) { return kvf_now_us() - w->last_activity_us; }
+
+unsigned kvf_worker_progress(kvf_worker *w)
 {
     unsigned n = ucp_worker_progress(w->worker);
-    int64_t until;
+    if (n) w->last_activity_us = kvf_now_us();
+    return n;
+}
+
+/* Progress; if nothing happened, poll until the later of now + spin_us and the end of the
+ * busy window (busy_poll_us after the last activity), then arm the event fd and sleep in
+ * poll() for the rest of timeout_ms. Under traffic the window keeps the thread awake, so
+ * a message costs no wake-up; an idle worker sleeps. Past spin_us the loop yields the CPU
+ * on every turn so that a busy-polling rank never starves a runnable neighbour. The GIL
+ * is released by cffi around this call. */
+int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us)
+{
+    unsigned n = kvf_worker_progress(w);
+    int64_t now, deadline, spin_until, yield_after, remaining_ms;
     struct pollfd pfd;
     ucs_status_t st;
     if (n || w->head || timeout_ms == 0) return (int)n;
-    until = kvf_now_us() + spin_us;
-    while (spin_us > 0 && kvf_now_us() < until) {
-        n = ucp_worker_progress(w->worker);
-        if (n || w->head) return (int)n;
+    now = kvf_now_us();
+    deadline = now + (int64_t)timeout_ms * 1000;
+    yield_after = now + (spin_us > 0 ? spin_us : 0);
+    spin_until = yield_after;
+    if (w->last_activity_us + w->busy_poll_us > spin_until) {
+        spin_until = w->last_activity_us + w->busy_poll_us;
     }
+    if (spin_until > deadline) spin_until = deadline;
+    while (now < spin_until) {
+        n = ucp_worker_progress(w->worker);
+        if (n || w->head) {
+            if (n) w->last_activity_us = kvf_now_us();
+            return (int)n;
+        }
+        now = kvf_now_us();
+        if (now >= yield_after) sched_yield();
+    }
+    if (now >= deadline) return 0;
     st = ucp_worker_arm(w->worker);
-    if (st == UCS_ERR_BUSY) return (int)ucp_worker_progress(w->worker);
+    if (st == UCS_ERR_BUSY) return (int)kvf_worker_progress(w);
     if (st != UCS_OK) return (int)st;
     pfd.fd = w->efd;
     pfd.events = POLLIN;
     pfd.revents = 0;
-    poll(&pfd, 1, timeout_ms);
-    return (int)ucp_worker_progress(w->worker);
+    remaining_ms = (deadline - now + 999) / 1000;
+    poll(&pfd, 1, (int)(remaining_ms > 0 ? remaining_ms : 0));
+    return (int)kvf_worker_progress(w);
 }
 
 int kvf_ep_create(kvf_worker *w, const void *addr, void **ep)
@@ -356,53 +471,57 @@ int kvf_flush(void *ep, kvf_batch *batch)
     return kvf_track(ucp_ep_flush_nbx((ucp_ep_h)ep, &param), batch);
 }
 
-int kvf_put_pages(void *ep, char *local_base, void *rkey, uint64_t remote_base,
-                  char *direct_base, const int64_t *triples, int64_t n, int flush,
-                  kvf_batch *batch)
+static ucs_status_t kvf_post_pages(void *ep, int write, char *local_base, void *rkey,
+                                   uint64_t remote_base, char *direct_base,
+                                   const int64_t *triples, int64_t n, int64_t skip,
+                                   kvf_batch *batch)
 {
     ucp_request_param_t param;
     ucs_status_t st;
     int64_t i;
     kvf_param_init(&param, batch);
+    if (!write && direct_base != NULL) __atomic_thread_fence(__ATOMIC_ACQUIRE);
     for (i = 0; i < n; ++i) {
         const int64_t *t = triples + 3 * i;
+        char *local = local_base + t[0];
+        if (i == skip) continue; /* injected fault: this page is never transferred */
         if (direct_base != NULL) {
-            memcpy(direct_base + t[1], local_base + t[0], (size_t)t[2]);
+            if (write) memcpy(direct_base + t[1], local, (size_t)t[2]);
+            else memcpy(local, direct_base + t[1], (size_t)t[2]);
             batch->direct++;
         } else {
-            st = kvf_track(ucp_put_nbx((ucp_ep_h)ep, local_base + t[0], (size_t)t[2],
-                                       remote_base + (uint64_t)t[1], (ucp_rkey_h)rkey,
-                                       &param), batch);
+            ucs_status_ptr_t p = write
+                ? ucp_put_nbx((ucp_ep_h)ep, local, (size_t)t[2], remote_base + (uint64_t)t[1],
+                              (ucp_rkey_h)rkey, &param)
+                : ucp_get_nbx((ucp_ep_h)ep, local, (size_t)t[2], remote_base + (uint64_t)t[1],
+                              (ucp_rkey_h)rkey, &param);
+            st = kvf_track(p, batch);
             if (st != UCS_OK) return st;
         }
         batch->posted++;
     }
-    if (direct_base != NULL) __atomic_thread_fence(__ATOMIC_RELEASE);
-    return flush ? kvf_flush(ep, batch) : UCS_OK;
+    if (write && direct_base != NULL) __atomic_thread_fence(__ATOMIC_RELEASE);
+    return UCS_OK;
 }
 
-int kvf_get_pages(void *ep, char *local_base, void *rkey, uint64_t remote_base,
-                  char *direct_base, const int64_t *triples, int64_t n, kvf_batch *batch)
+/* One call per batch: bounds-check every page against both segments, then post them all
+ * (a write ends with an endpoint flush, so it completes only once visible at the target).
+ * Returns -1 when posted (errors land in batch->status), or the index of the first page
+ * out of bounds, in which case nothing was posted. batch->bytes gets the byte count. */
+int64_t kvf_rma_pages(void *ep, int write, uintptr_t local_base, int64_t local_len,
+                      void *rkey, uint64_t remote_base, int64_t remote_len,
+                      uintptr_t direct_base, const void *triples, int64_t n, int64_t skip,
+                      kvf_batch *batch)
 {
-    ucp_request_param_t param;
+    int64_t total = 0, bad;
     ucs_status_t st;
-    int64_t i;
-    kvf_param_init(&param, batch);
-    if (direct_base != NULL) __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    for (i = 0; i < n; ++i) {
-        const int64_t *t = triples + 3 * i;
-        if (direct_base != NULL) {
-            memcpy(local_base + t[0], direct_base + t[1], (size_t)t[2]);
-            batch->direct++;
-        } else {
-            st = kvf_track(ucp_get_nbx((ucp_ep_h)ep, local_base + t[0], (size_t)t[2],
-                                       remote_base + (uint64_t)t[1], (ucp_rkey_h)rkey,
-                                       &param), batch);
-            if (st != UCS_OK) return st;
-        }
-        batch->posted++;
-    }
-    return UCS_OK;
+    bad = kvf_check_pages((const int64_t *)triples, n, local_len, remote_len, &total);
+    if (bad >= 0) return bad;
+    batch->bytes = total;
+    st = kvf_post_pages(ep, write, (char *)local_base, rkey, remote_base,
+                        (char *)direct_base, (const int64_t *)triples, n, skip, batch);
+    if (st == UCS_OK && write) kvf_flush(ep, batch);
+    return -1;
 }
 
 static void kvf_send_done(void *request, ucs_status_t status, void *user_data)
@@ -474,13 +593,11 @@ static void kvf_flush_done_send(void *request, ucs_status_t status, void *user_d
     if (request != NULL) ucp_request_free(request);
 }
 
-int kvf_flush_then_send(void *ep, uint16_t am_id, const void *payload, size_t length,
-                        kvf_batch *batch)
+static int kvf_flush_then_post(void *ep, kvf_send_ctx *ctx)
 {
     ucp_request_param_t param;
     ucs_status_ptr_t p;
-    kvf_send_ctx *ctx = kvf_send_ctx_new(ep, am_id, payload, length, batch);
-    if (ctx == NULL) { kvf_batch_fail(batch, UCS_ERR_NO_MEMORY); return UCS_ERR_NO_MEMORY; }
+    kvf_batch *batch = ctx->batch;
     memset(&param, 0, sizeof(param));
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.send = kvf_flush_done_send;
@@ -497,6 +614,38 @@ int kvf_flush_then_send(void *ep, uint16_t am_id, const void *payload, size_t le
         return st;
     }
     return UCS_OK;
+}
+
+int kvf_flush_then_send(void *ep, uint16_t am_id, const void *payload, size_t length,
+                        kvf_batch *batch)
+{
+    kvf_send_ctx *ctx = kvf_send_ctx_new(ep, am_id, payload, length, batch);
+    if (ctx == NULL) { kvf_batch_fail(batch, UCS_ERR_NO_MEMORY); return UCS_ERR_NO_MEMORY; }
+    return kvf_flush_then_post(ep, ctx);
+}
+
+/* Builds the envelope straight into the send buffer (one allocation, no Python codec)
+ * and posts it; flushed: only after every earlier put on ep is visible (a notice). */
+int kvf_send_envelope(void *ep, int flushed, const char *sender, size_t sender_length,
+                      uint64_t incarnation, uint64_t seq, const char *payload,
+                      size_t payload_length, kvf_batch *batch)
+{
+    size_t total = KVF_ENV_HEADER + sender_length + payload_length;
+    kvf_send_ctx *ctx = (kvf_send_ctx *)malloc(sizeof(kvf_send_ctx) + total);
+    if (ctx == NULL) { kvf_batch_fail(batch, UCS_ERR_NO_MEMORY); return UCS_ERR_NO_MEMORY; }
+    ctx->batch = batch;
+    ctx->ep = (ucp_ep_h)ep;
+    ctx->am_id = KVF_AM_ID;
+    ctx->length = kvf_envelope_encode(ctx->payload, total,
+                                      flushed ? KVF_ENV_FLAG_FLUSHED : 0, sender,
+                                      sender_length, incarnation, seq, payload,
+                                      payload_length);
+    if (ctx->length == 0) {
+        free(ctx);
+        kvf_batch_fail(batch, UCS_ERR_MESSAGE_TRUNCATED);
+        return UCS_ERR_MESSAGE_TRUNCATED;
+    }
+    return flushed ? kvf_flush_then_post(ep, ctx) : kvf_post_send(ctx);
 }
 
 kvf_msg *kvf_am_pop(kvf_worker *w)

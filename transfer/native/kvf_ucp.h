@@ -10,13 +10,29 @@ typedef struct kvf_batch {
     int32_t stage;
     int64_t posted;
     int64_t direct;
+    int64_t bytes;
 } kvf_batch;
+
+/* A parsed message envelope (layout in transfer/envelope.py). `error` is 0 for a
+ * well-formed envelope, else one of the reasons numbered in envelope.py; the pointers
+ * point into the message's own bytes. */
+typedef struct kvf_envelope {
+    int32_t error;
+    int32_t flags;
+    uint64_t incarnation;
+    uint64_t seq;
+    const char *sender;
+    size_t sender_length;
+    const char *payload;
+    size_t payload_length;
+} kvf_envelope;
 
 /* One received active message, copied out of UCX's buffer inside the callback. */
 typedef struct kvf_msg {
     struct kvf_msg *next;
     size_t length;
     char *data;
+    kvf_envelope env;
 } kvf_msg;
 
 const char *kvf_status_string(int status);
@@ -32,6 +48,9 @@ int kvf_worker_efd(kvf_worker *w, int *fd);
 int kvf_worker_arm(kvf_worker *w);
 unsigned kvf_worker_progress(kvf_worker *w);
 int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us);
+void kvf_worker_configure(kvf_worker *w, int64_t max_sender, int64_t max_payload,
+                          int64_t busy_poll_us);
+int64_t kvf_worker_idle_us(kvf_worker *w);
 
 int kvf_ep_create(kvf_worker *w, const void *addr, void **ep);
 int kvf_ep_transports(void *ep, char *out, size_t cap);
@@ -46,17 +65,23 @@ int kvf_rkey_unpack(void *ep, const void *buffer, void **rkey);
 void kvf_rkey_destroy(void *rkey);
 int kvf_rkey_ptr(void *rkey, uint64_t remote_addr, void **local);
 
-int kvf_put_pages(void *ep, char *local_base, void *rkey, uint64_t remote_base,
-                  char *direct_base, const int64_t *triples, int64_t n, int flush,
-                  kvf_batch *batch);
-int kvf_get_pages(void *ep, char *local_base, void *rkey, uint64_t remote_base,
-                  char *direct_base, const int64_t *triples, int64_t n,
-                  kvf_batch *batch);
+int64_t kvf_rma_pages(void *ep, int write, uintptr_t local_base, int64_t local_len,
+                      void *rkey, uint64_t remote_base, int64_t remote_len,
+                      uintptr_t direct_base, const void *triples, int64_t n, int64_t skip,
+                      kvf_batch *batch);
 int kvf_flush(void *ep, kvf_batch *batch);
 int kvf_flush_then_send(void *ep, uint16_t am_id, const void *payload, size_t length,
                         kvf_batch *batch);
 int kvf_am_send(void *ep, uint16_t am_id, const void *payload, size_t length,
                 kvf_batch *batch);
+int kvf_send_envelope(void *ep, int flushed, const char *sender, size_t sender_length,
+                      uint64_t incarnation, uint64_t seq, const char *payload,
+                      size_t payload_length, kvf_batch *batch);
+size_t kvf_envelope_encode(char *out, size_t cap, int flags, const char *sender,
+                           size_t sender_length, uint64_t incarnation, uint64_t seq,
+                           const char *payload, size_t payload_length);
+int kvf_envelope_parse(const char *data, size_t length, int64_t max_sender,
+                       int64_t max_payload, kvf_envelope *out);
 kvf_msg *kvf_am_pop(kvf_worker *w);
 void kvf_msg_free(kvf_msg *m);
 int64_t kvf_am_dropped(kvf_worker *w);

@@ -33,6 +33,7 @@ class ServeConfig:
     admission_wait_s: float = 5.0     # a request waits this long for pages, then 503
     integrity: bool = True            # checksums and canaries on every transferred page
     unsafe_free_on_abort: bool = False  # DANGEROUS: frees pages at abort, no quarantine
+    unsafe_release_on_sever: bool = False  # DANGEROUS: releases at the deadline once severed
     # front door
     host: str = "127.0.0.1"
     port: int = 8000
@@ -82,6 +83,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--unsafe-free-on-abort", action="store_true",
                    help="DANGEROUS, for tests only: free pages at abort without quarantine "
                         "and skip integrity checks")
+    p.add_argument("--unsafe-release-on-sever", action="store_true",
+                   help="DANGEROUS, for tests only: at the abort deadline release quarantined "
+                        "pages once the silent writers are severed, without proof that their "
+                        "writes stopped")
     p.add_argument("--fault", action="append", default=[],
                    help="enable a fault hook (tests only), e.g. corrupt-page:MARKER")
     f = parser.add_argument_group("front door")

@@ -8,10 +8,11 @@ Upholds:
 - I2: terminal request ids are tombstoned; a late ASSIGN or NOTICE never reaches decode.
 - I4, owner side: at an abort the pages of a request whose writers have not all finished
   are quarantined, not freed. They are released when every writer in the request's writer
-  set has acked (or noticed: a notice also follows a flush), or, at the abort deadline,
-  once every writer that did not ack is severed (see :meth:`RankRuntime.sever` for what
-  counts as proof per transport). Quarantined pages count as used (the router's ledger
-  keeps them reserved until RELEASED).
+  set has acked (or noticed: a notice also follows a flush). At the abort deadline every
+  writer that did not ack is severed (no more plans, its endpoint closed, the router told),
+  but the pages are released only once each severed writer either acks after all or its
+  process is gone: severing alone is not proof (see :meth:`RankRuntime.sever`).
+  Quarantined pages count as used (the router's ledger keeps them reserved until RELEASED).
 - I5: before decoding, the transferred length of every writer equals the prompt length,
   the pages and generations each writer names are this request's, the canary table agrees,
   and each writer's checksums match the bytes that landed. Any mismatch fails the request;
@@ -73,6 +74,7 @@ class OwnedRequest:
     timer: object | None = None
     abort_started: float = 0.0
     transfer_ms: float | None = None
+    warned: bool = False
 
     def move(self, new: OwnerState) -> None:
         if new not in OWNER_TRANSITIONS[self.state]:
@@ -96,7 +98,8 @@ TOMBSTONE_S = 600.0
 class DecodeRank:
     def __init__(self, runtime: RankRuntime, model, pool: KVPool, router: int, *,
                  transfer_timeout_s: float, abort_deadline_s: float, integrity: bool = True,
-                 unsafe: bool = False, max_batch: int = 64) -> None:
+                 unsafe: bool = False, release_on_sever: bool = False,
+                 max_batch: int = 64) -> None:
         self.rt = runtime
         self.model = model
         self.pool = pool
@@ -106,6 +109,7 @@ class DecodeRank:
         self.integrity = integrity and not unsafe
         self.unsafe = unsafe
         self.max_batch = max_batch
+        self.release_on_sever = release_on_sever
         self.allocator = PageAllocator(pool.num_pages, unsafe=unsafe)
         self.canaries = CanaryTable(pool.num_pages)
         self.reqs: dict[str, OwnedRequest] = {}
@@ -298,8 +302,9 @@ class DecodeRank:
         if req is None or msg.src not in req.writers:
             return
         req.acked.add(msg.src)
-        if req.state is OwnerState.QUARANTINED:
+        if req.state is OwnerState.QUARANTINED and not self.rt.is_severed(msg.src):
             self._maybe_release(req, "acked")
+        # a severed writer's late ack is picked up by _await_proof
 
     def _maybe_release(self, req: OwnedRequest, how: str) -> None:
         if req.writers_done():
@@ -312,17 +317,33 @@ class DecodeRank:
         log.warning("request %s: writers %s did not ack within %.1f s; severing them",
                     req.rid, pending, self.abort_deadline_s)
         for w in pending:
-            self.rt.sever(w, f"no ABORT_ACK for request {req.rid}")
+            reason = f"no ABORT_ACK for request {req.rid} within {self.abort_deadline_s:.1f} s"
+            self.rt.sever(w, reason)
+            self.rt.send(self.router, m.SEVERED, peer_rank=w, incarnation=self.rt.cards[w].incarnation,
+                         reason=reason)
         self._await_proof(req, pending)
 
     def _await_proof(self, req: OwnedRequest, severed: list[int]) -> None:
-        """Release once severing is proven for every severed writer (I4)."""
+        """Release once no write from any severed writer can land (I4): each one either
+        acked after all (its ack follows its flush) or its process is gone. Until then the
+        pages stay quarantined, counted as used and visible in /metrics."""
         if req.state is not OwnerState.QUARANTINED:
             return
-        if all(self.rt.sever_proven(w) for w in severed):
+        if self.release_on_sever:
+            log.error("UNSAFE: request %s: releasing %d pages at the deadline without proof "
+                      "that severed writers %s stopped", req.rid, len(req.grants), severed)
+            self._close(req, "unsafe")
+            return
+        if all(w in req.acked or self.rt.write_path_closed(w) for w in severed):
             self._close(req, "severed")
-        else:
-            self.rt.call_later(0.01, lambda: self._await_proof(req, severed))
+            return
+        waited = time.monotonic() - req.abort_started
+        if waited > self.abort_deadline_s * 10 and not req.warned:
+            req.warned = True
+            log.error("request %s: %d pages stay quarantined: severed writers %s neither "
+                      "acked nor are known to be gone after %.1f s", req.rid, len(req.grants),
+                      [w for w in severed if w not in req.acked], waited)
+        self.rt.call_later(0.05, lambda: self._await_proof(req, severed))
 
     # -------------------------------------------------------------- release
     def _close(self, req: OwnedRequest, how: str) -> None:

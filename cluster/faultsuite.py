@@ -8,8 +8,10 @@ a write of A that lands late would then show up as A's marker in B's answer.
 
 Each scenario asserts: no answer holds another request's marker; every request is
 answered (text or error) within its deadline; no page is held on any rank after quiesce;
-and the cluster's counters moved as expected. In unsafe mode (pages freed at abort) every
-mid-transfer scenario must leak, which shows the suite can fail.
+and the cluster's counters moved as expected. In unsafe mode every mid-transfer scenario
+must leak, which shows the suite can fail: pages freed at abort (``--unsafe-free-on-abort``)
+for the abort sources, and released at the deadline once the writer is severed, without
+proof (``--unsafe-release-on-sever``), for the stalled writer.
 
 Matrix (source x point; cells that cannot happen are not run):
 
@@ -20,7 +22,9 @@ Matrix (source x point; cells that cannot happen are not run):
     decode      before-write, mid-transfer, after-write  (writer too slow: decode times out)
     integrity   after-notice (a page corrupted in flight)
     crash       mid-transfer (the writer is SIGKILLed; a second prefill rank serves B)
-    stall       mid-transfer (the writer is SIGSTOPped past the abort deadline, then resumes)
+    stall       mid-transfer (the writer is SIGSTOPped past the abort deadline, then resumes
+                and its in-flight write lands: the owner severed it at the deadline, but
+                releases only on its late ack or its death)
 
 Prints a table, then one JSON line (the last line) with ``scenarios``, ``passed``,
 ``unsafe_scenarios``, ``unsafe_leaks_found``.
@@ -29,6 +33,7 @@ Prints a table, then one JSON line (the last line) with ``scenarios``, ``passed`
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import signal
@@ -97,10 +102,11 @@ def scenarios() -> list[Scenario]:
             t = tag(source, point)
             out.append(Scenario(source, point, (f"at:{point}:{action}:{t}:{HOLD_S}",)))
     out.append(Scenario("integrity", "after-notice", (f"corrupt-page:{tag('integrity', 'after-notice')}",)))
-    out.append(Scenario("crash", "mid-transfer", (f"at:mid-transfer:kill:{tag('crash', 'mid-transfer')}",),
-                        group="crash"))
     out.append(Scenario("stall", "mid-transfer",
-                        (f"at:mid-transfer:stop:{tag('stall', 'mid-transfer')}:{ABORT_DEADLINE + 2}",),
+                        (f"at:mid-transfer:stop:{tag('stall', 'mid-transfer')}:{TRANSFER_TIMEOUT + ABORT_DEADLINE + 1}",),
+                        group="stall"))
+    # Last: under torchrun a dead rank stops the whole group (fail-stop), so nothing after it.
+    out.append(Scenario("crash", "mid-transfer", (f"at:mid-transfer:kill:{tag('crash', 'mid-transfer')}",),
                         group="crash"))
     return out
 
@@ -244,8 +250,14 @@ def run_scenario(cluster: Cluster, sc: Scenario, unsafe: bool, index: int) -> Ou
     prompt_a = sc.tag + make_prompt(mark_a, length - len(sc.tag))
     prompt_b = make_prompt(mark_b, PROMPT)
     before = cluster.metrics()
-    out.a_status, body_a, took_a = _post(cluster, prompt_a, sc.max_tokens if sc.source != "admission" else 8,
-                                         sc.cancel_after)
+    try:
+        out.a_status, body_a, took_a = _post(cluster, prompt_a,
+                                             sc.max_tokens if sc.source != "admission" else 8,
+                                             sc.cancel_after)
+    except (ConnectionError, urllib.error.URLError, http.client.HTTPException) as exc:
+        if sc.source != "crash":
+            raise
+        out.a_status, body_a, took_a = None, {"error": f"connection lost: {exc}"}, time.monotonic() - t0
     if took_a > REQUEST_TIMEOUT + 5:
         out.answered_in_time = False
         out.problems.append(f"A answered after {took_a:.1f} s")
@@ -255,17 +267,21 @@ def run_scenario(cluster: Cluster, sc: Scenario, unsafe: bool, index: int) -> Ou
         out.problems.append("A: a faulted request was answered 200")
     if out.a_status == 200 and body_a.get("text") != expected_replay(prompt_a, sc.max_tokens):
         out.problems.append("A: answered 200 with a wrong replay")
+    if sc.source == "crash":
+        return _after_crash(cluster, out, t0)
     # Give an unsafe owner the moment it needs to free A's pages, so B gets them. For the
     # stalled writer, wait until the owner severed it and released A's pages: B then gets
     # them while the writer, resumed, still has a write in flight.
+    b_tokens = PROMPT
     if sc.source == "stall":
-        time.sleep(TRANSFER_TIMEOUT + ABORT_DEADLINE + 0.3)
+        time.sleep(ABORT_DEADLINE + 0.3)
+        b_tokens = CONTEXT - PROMPT - 8   # still decoding when the writer resumes
     elif sc.source != "admission":
         time.sleep(0.3)
-    out.b_status, body_b, took_b = _post(cluster, prompt_b, PROMPT, None)
+    out.b_status, body_b, took_b = _post(cluster, prompt_b, b_tokens, None)
     if out.b_status != 200:
         out.problems.append(f"B: expected 200, got {out.b_status}: {str(body_b)[:200]}")
-    elif body_b.get("text") != expected_replay(prompt_b, PROMPT):
+    elif body_b.get("text") != expected_replay(prompt_b, b_tokens):
         out.problems.append("B: answered 200 with a wrong replay")
     texts = [str(body_a.get("text", "")) + str(body_a.get("message", "")),
              str(body_b.get("text", "")) + str(body_b.get("message", ""))]
@@ -279,6 +295,19 @@ def run_scenario(cluster: Cluster, sc: Scenario, unsafe: bool, index: int) -> Ou
         out.problems.append(f"{out.held_after} pages still held after quiesce")
     after = cluster.metrics()
     out.problems += _check_counters(sc, before, after, out)
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def _after_crash(cluster: Cluster, out: Outcome, t0: float) -> Outcome:
+    """A writer died mid-transfer. torchrun stops the whole group when a rank dies, so the
+    check is: A was not answered 200, and the group (front door included) is gone within
+    its deadline: no rank is left that could read or hand out A's pages."""
+    deadline = time.monotonic() + 30
+    while cluster.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if cluster.proc.poll() is None:
+        out.problems.append("the group did not stop within 30 s of a rank's death")
     out.seconds = time.monotonic() - t0
     return out
 
@@ -313,16 +342,18 @@ def run_suite(unsafe_too: bool, log_dir: Path, only: str | None = None) -> dict:
     all_sc = [s for s in scenarios() if only is None or only in s.name]
     results: list[Outcome] = []
     for unsafe in ([False, True] if unsafe_too else [False]):
-        for group, nproc, extra in (("main", 3, []), ("crash", 4, ["--prefill", "2", "--transports", "tcp"])):
+        for group, nproc, extra in (("main", 3, []), ("stall", 4, ["--prefill", "2"]),
+                                    ("crash", 4, ["--prefill", "2", "--transports", "tcp"])):
             group_sc = [s for s in all_sc if s.group == group]
-            if unsafe:
-                group_sc = [s for s in group_sc if s.mid_transfer and s.group == "main"]
+            if unsafe:   # the scenarios where a write is in flight at the abort
+                group_sc = [s for s in group_sc if s.mid_transfer and s.source != "crash"]
             if not group_sc:
                 continue
             faults = [f for s in group_sc for f in s.faults]
             args = extra + [a for f in faults for a in ("--fault", f)]
             if unsafe:
-                args.append("--unsafe-free-on-abort")
+                # main: free at abort; stall: release once severed, without proof
+                args.append("--unsafe-free-on-abort" if group == "main" else "--unsafe-release-on-sever")
             cluster = start(nproc, args, log_dir)
             try:
                 for i, sc in enumerate(group_sc):

@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     topology = Topology.for_world(world, cfg.prefill, cfg.tp)
     role = topology.role(rank)
     setup_logging(args.log_level, rank, role)
+    if cfg.unsafe_release_on_sever:
+        log.error("UNSAFE MODE: quarantined pages are released at the abort deadline once "
+                  "silent writers are severed, without proof their writes stopped")
     if cfg.unsafe_free_on_abort:
         log.error("UNSAFE MODE: pages are freed at abort without quarantine and integrity "
                   "checks are off; answers can contain other requests' data")
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("rendezvous failed: %s", exc)
         engine.shutdown()
         return 3
-    runtime = RankRuntime(rank, engine, cards, faults, transports=cfg.transports)
+    runtime = RankRuntime(rank, engine, cards, faults)
     stop = StopFlag()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: stop.set(signal.Signals(s).name))
@@ -167,7 +170,8 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
         worker = DecodeRank(runtime, model, pool, router,
                             transfer_timeout_s=cfg.transfer_timeout_s,
                             abort_deadline_s=cfg.abort_deadline_s, integrity=cfg.integrity,
-                            unsafe=cfg.unsafe_free_on_abort)
+                            unsafe=cfg.unsafe_free_on_abort,
+                            release_on_sever=cfg.unsafe_release_on_sever)
     handler = worker.on_message
 
     def on_message(msg) -> None:

@@ -15,6 +15,7 @@ Flow of one request (router R, prefill writers W1..Wt, decode owner D):
     any -> * ABORT(rid, reason);  W -> D ABORT_ACK(rid) after the writer's flush
     W/D -> R RELEASED(rid, pages)                 the rank freed the request's pages
     any -> R STATS(...)                           pool and transfer figures for /metrics
+    D -> R   SEVERED(peer_rank, incarnation)      D cut that writer off: route nothing to it
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ STATS = CODEC.kind(
     allocations=Field(FieldType.INT),
     dropped_duplicate=Field(FieldType.INT), dropped_stale=Field(FieldType.INT),
     dropped_malformed=Field(FieldType.INT))
+SEVERED = CODEC.kind(
+    "SEVERED", **_HEADER,
+    peer_rank=Field(FieldType.INT), incarnation=Field(FieldType.UINT64),
+    reason=Field(FieldType.STR, max_len=1024))
 SHUTDOWN = CODEC.kind("SHUTDOWN", **_HEADER)
 
 KINDS: dict[str, MessageKind] = dict(CODEC.kinds)

@@ -252,6 +252,9 @@ class Router:
         if msg.kind == "STATS":
             self._on_stats(msg)
             return
+        if msg.kind == "SEVERED":
+            self._on_rank_lost(msg.peer_rank, f"severed by rank {msg.src}: {msg.reason}")
+            return
         if msg.kind == "RELEASED":
             if self.ledger.release(msg.src, msg.rid):
                 self._capacity_changed.set()
@@ -309,13 +312,18 @@ class Router:
             del self.unhealthy[msg.src]
 
     def _on_send_failure(self, rank: int, exc: Exception) -> None:
+        self._on_rank_lost(rank, f"unreachable: {exc}")
+
+    def _on_rank_lost(self, rank: int, reason: str) -> None:
+        """Route nothing more to ``rank`` (it rejoins only with a new incarnation) and
+        abort the live requests that involve it."""
         if rank in self.unhealthy:
             return
-        self.unhealthy[rank] = f"unreachable: {exc}"
-        log.error("rank %d marked unhealthy: %s", rank, exc)
+        self.unhealthy[rank] = reason
+        log.error("rank %d marked unhealthy: %s", rank, reason)
         for routed in list(self.requests.values()):
             if routed.req.live and rank in (routed.owner, *routed.writers):
-                self.abort(routed.rid, "peer", f"rank {rank} unreachable: {exc}")
+                self.abort(routed.rid, "peer", f"rank {rank} lost: {reason}")
 
     def check_heartbeats(self) -> None:
         now = time.monotonic()

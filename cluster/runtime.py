@@ -14,8 +14,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
-import signal
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -69,9 +67,8 @@ def process_gone(pid: int) -> bool:
 
 class RankRuntime:
     def __init__(self, rank: int, engine: TransferEngine, cards: dict[int, RankCard],
-                 faults: FaultPlan | None = None, transports: str | None = None) -> None:
+                 faults: FaultPlan | None = None) -> None:
         self.rank = rank
-        self.transports = transports
         self.engine = engine
         self.cards = cards
         self.faults = faults or FaultPlan()
@@ -119,18 +116,17 @@ class RankRuntime:
     def is_severed(self, rank: int) -> bool:
         return self._severed.get(rank) == self.cards[rank].incarnation
 
-    def _writes_over_shared_memory(self, rank: int) -> bool:
-        """Can ``rank`` write our memory without our endpoint? True for a peer on this host
-        unless the cluster runs over tcp only: posix/sysv segments stay mapped in the
-        writer's address space and cma needs no endpoint of ours."""
-        return self.cards[rank].host == self.cards[self.rank].host and self.transports != "tcp"
-
     def sever(self, rank: int, reason: str) -> None:
-        """Cut every path from ``rank`` into our memory and refuse it until a new incarnation.
+        """Stop using ``rank``: force-close our endpoint to it, send it nothing more, and
+        drop its messages (except ABORT_ACK, see :meth:`_on_payload`) until it comes back
+        with a new incarnation.
 
-        Network transports: force-close our endpoint; nothing it sends is applied after.
-        Shared memory: closing our endpoint proves nothing (the writer holds the mapping),
-        so the writer process is killed, and :meth:`sever_proven` holds once it is gone."""
+        Severing is not proof that no write from ``rank`` can land (I4). Measured with UCX
+        over tcp: after the target force-closed its endpoint, a writer that resumed from a
+        stall reconnected and its puts landed in the target's memory. Over shared memory
+        the writer keeps its mapping of our pool and needs no endpoint of ours at all.
+        Proof comes only from the writer itself (an ABORT_ACK, sent after its flush) or
+        from its process being gone: see :meth:`write_path_closed`."""
         if self.is_severed(rank):
             return
         card = self.cards[rank]
@@ -140,25 +136,17 @@ class RankRuntime:
         self._segments.pop(rank, None)
         if peer is not None:
             self.engine.close(peer, force=True)
-        if self._writes_over_shared_memory(rank):
-            log.error("rank %d severing rank %d (pid %d, incarnation %#x) over shared memory: "
-                      "killing it, since only its exit proves no write can land: %s",
-                      self.rank, rank, card.pid, card.incarnation, reason)
-            try:
-                os.kill(card.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        else:
-            log.warning("rank %d severed rank %d (incarnation %#x): %s", self.rank, rank,
-                        card.incarnation, reason)
+        log.warning("rank %d severed rank %d (pid %d on %s, incarnation %#x): %s", self.rank,
+                    rank, card.pid, card.host, card.incarnation, reason)
 
-    def sever_proven(self, rank: int) -> bool:
-        """True once no write from a severed ``rank`` can land any more (see :meth:`sever`)."""
-        if not self.is_severed(rank):
+    def write_path_closed(self, rank: int) -> bool:
+        """True when no write from ``rank`` can land any more without its ack: its process
+        is gone (checked when it runs on this host; a remote rank's death cannot be proven
+        from here, so its pages stay quarantined until it acks)."""
+        card = self.cards[rank]
+        if card.host != self.cards[self.rank].host:
             return False
-        if not self._writes_over_shared_memory(rank):
-            return True
-        return process_gone(self.cards[rank].pid)
+        return process_gone(card.pid)
 
     # ------------------------------------------------------------------ sending
     def _fill(self, kind: MessageKind, fields: dict) -> bytes:
@@ -219,7 +207,9 @@ class RankRuntime:
             log.info("rank %d dropped %s from rank %s: incarnation %#x is not the current one",
                      self.rank, msg.kind, src, msg.inc)
             return
-        if self.is_severed(src):
+        if self.is_severed(src) and msg.kind != "ABORT_ACK":
+            # A severed writer's late ABORT_ACK still counts: it follows that writer's
+            # flush, so it is the proof the owner is waiting for.
             self.counters.dropped_severed += 1
             return
         seen = self._seen.setdefault(src, OrderedDict())

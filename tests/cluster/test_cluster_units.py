@@ -48,6 +48,7 @@ def test_every_message_kind_round_trips():
         "ABORT": dict(rid="r", owner=2, writers=[1], source="client", reason="gone"),
         "ABORT_ACK": dict(rid="r"),
         "RELEASED": dict(rid="r", pages=3, how="acked"),
+        "SEVERED": dict(peer_rank=1, incarnation=9, reason="no ack"),
         "SHUTDOWN": dict(),
     }
     for kind, fields in samples.items():

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Run the fault suite: abort sources x protocol points, a stalled and a crashed writer,
+# through real local clusters (replay model), in normal mode and in unsafe mode.
+#
+#   scripts/fault-suite.sh [--no-unsafe] [--only NAME] [--log-dir DIR]
+#
+# Prints one row per scenario, then a JSON line with scenarios, passed, unsafe_scenarios,
+# unsafe_leaks_found. Exits 0 only if every scenario passes in normal mode and every
+# mid-transfer scenario leaks in unsafe mode (the suite can fail).
+set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+source "$(dirname "$0")/_env.sh"
+exec python -m kvferry.cluster.faultsuite "$@"

@@ -265,6 +265,7 @@ class DecodeRank:
         self.tombstones[req.rid] = time.monotonic()
         if req.timer is not None:
             req.timer.cancel()
+        req.abort_started = time.monotonic()
         if req.state is OwnerState.DECODING or req.writers_done():
             log.info("request %s aborted (%s: %s) after every writer finished; pages freed",
                      req.rid, source, reason)
@@ -277,7 +278,6 @@ class DecodeRank:
             return
         self.allocator.quarantine(req.rid)
         req.move(OwnerState.QUARANTINED)
-        req.abort_started = time.monotonic()
         log.info("request %s aborted (%s: %s); %d pages quarantined until writers %s ack",
                  req.rid, source, reason, len(req.grants), self._pending_writers(req))
         self._ask_for_acks(req, source, reason)
@@ -358,10 +358,13 @@ class DecodeRank:
         req.state = OwnerState.CLOSED
         self.reqs.pop(req.rid, None)
         self.tombstones[req.rid] = time.monotonic()
+        abort_ms = None
         if req.abort_started:
+            abort_ms = 1e3 * (time.monotonic() - req.abort_started)
             log.info("request %s: %d pages released (%s) %.1f ms after the abort", req.rid,
-                     len(pages), how, 1e3 * (time.monotonic() - req.abort_started))
-        self.rt.send(self.router, m.RELEASED, rid=req.rid, pages=len(pages), how=how)
+                     len(pages), how, abort_ms)
+        self.rt.send(self.router, m.RELEASED, rid=req.rid, pages=len(pages), how=how,
+                     abort_ms=abort_ms)
 
     def _done(self, rid: str, outcome: str, error: str | None, count: int | None = None,
               transfer_ms: float | None = None) -> None:

@@ -75,7 +75,8 @@ ABORT_ACK = CODEC.kind("ABORT_ACK", **_HEADER, rid=_RID)
 RELEASED = CODEC.kind(
     "RELEASED", **_HEADER, rid=_RID,
     pages=Field(FieldType.INT),
-    how=Field(FieldType.STR, max_len=32))       # freed, acked, severed, unsafe
+    how=Field(FieldType.STR, max_len=32),       # freed, acked, severed, unsafe
+    abort_ms=Field(FieldType.FLOAT, optional=True))  # owner: from the abort to the release
 STATS = CODEC.kind(
     "STATS", **_HEADER,
     free=Field(FieldType.INT), owned=Field(FieldType.INT), quarantined=Field(FieldType.INT),

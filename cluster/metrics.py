@@ -45,6 +45,9 @@ class ClusterMetrics:
         self.transfer_latency = Histogram(
             "kvferry_transfer_seconds", "From write plan to the last writer's notice",
             registry=r, buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))
+        self.abort_release = Histogram(
+            "kvferry_abort_release_seconds", "From an abort at the owner to its pages' release",
+            registry=r, buckets=(.0001, .0002, .0005, .001, .002, .005, .01, .05, .1, 1, 5, 30))
         self.ttft = Histogram("kvferry_time_to_first_token_seconds", "Time to first token",
                               registry=r, buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 import logging
 import secrets
 import time
@@ -127,6 +128,7 @@ class Router:
         self._prefix = secrets.token_hex(3)
         self._rr = itertools.count()
         self.completed_bytes = 0
+        self.abort_release_ms: deque[tuple[str, float]] = deque(maxlen=100_000)
         metrics.context_length.set(self.context_length)
         runtime.set_handler(self.on_message)
         runtime.on_send_failure = self._on_send_failure
@@ -256,6 +258,9 @@ class Router:
             self._on_rank_lost(msg.peer_rank, f"severed by rank {msg.src}: {msg.reason}")
             return
         if msg.kind == "RELEASED":
+            if msg.abort_ms is not None:
+                self.abort_release_ms.append((msg.how, msg.abort_ms))
+                self.metrics.abort_release.observe(msg.abort_ms / 1e3)
             if self.ledger.release(msg.src, msg.rid):
                 self._capacity_changed.set()
             routed = self.requests.get(msg.rid)
@@ -345,9 +350,23 @@ class Router:
                          "ok": card.capacity_tokens >= self.context_length})
         return rows
 
+    def abort_release_summary(self) -> dict:
+        """Abort-to-release times measured by the owners: all, and those that waited in
+        quarantine for writers' acks."""
+        def summary(values: list[float]) -> dict:
+            if not values:
+                return {"count": 0}
+            v = sorted(values)
+            pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]
+            return {"count": len(v), "p50_ms": round(pick(0.5), 3), "p99_ms": round(pick(0.99), 3),
+                    "max_ms": round(v[-1], 3)}
+        return {"all": summary([ms for _, ms in self.abort_release_ms]),
+                "quarantined": summary([ms for how, ms in self.abort_release_ms if how != "freed"])}
+
     def status(self) -> dict:
         live = sum(1 for r in self.requests.values() if r.req.live)
         return {"live_requests": live, "held_pages": self.ledger.outstanding(),
                 "quarantined_requests": {r: sorted(s) for r, s in self.ledger.orphaned.items() if s},
                 "unhealthy": self.unhealthy, "ranks": self.rank_stats,
+                "abort_release": self.abort_release_summary(),
                 "context_length": self.context_length}

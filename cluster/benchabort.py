@@ -1,0 +1,82 @@
+"""Abort-to-release time with healthy peers, measured by the owner (decode rank) from the
+abort's arrival to its pages' release, through a real local cluster.
+
+Cases, each with ``--requests`` client-cancelled requests sent one at a time:
+
+- ``quarantined``: the writer holds its write before posting (an injected pause), so every
+  abort finds the pages quarantined and waits for the writer's ABORT_ACK (which follows its
+  flush): the protocol's round trip.
+- ``random``: plain requests cancelled after a random 0-30 ms, wherever they are.
+
+Prints one JSON line per case (keys: bench, case, count, p50_ms, p99_ms, max_ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .faultsuite import Cluster, _post, start
+from .workload import make_prompt
+
+TAG = "~abort-bench~"
+
+
+def _wait_idle(cluster: Cluster, before: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while cluster.held() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def run_case(cluster: Cluster, case: str, n: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    _, st = cluster.call("GET", "/status")
+    start_count = st["abort_release"]["all"]["count"]
+    samples_before = start_count
+    for i in range(n):
+        marker = "@" + f"{(seed * 31 + i) & 0xFFFFF:05x}" + "@"
+        if case == "quarantined":
+            prompt = TAG + make_prompt(marker, 256)
+            cancel = 0.05
+        else:
+            prompt = make_prompt(marker, 256)
+            cancel = rng.uniform(0.0, 0.03) + 0.001
+        _post(cluster, prompt, 256, cancel)
+        _wait_idle(cluster, samples_before)
+    _, st = cluster.call("GET", "/status")
+    # The router keeps every sample; recompute this case's share from the counts.
+    return st["abort_release"], st["abort_release"]["all"]["count"] - start_count
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvferry bench-abort", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--transports", choices=["shm", "tcp"], default=None)
+    p.add_argument("--log-dir")
+    args = p.parse_args(argv)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvferry-bench-abort-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    extra = ["--fault", f"at:before-write:pause:{TAG}:1.0"]
+    if args.transports:
+        extra += ["--transports", args.transports]
+    for case in ("quarantined", "random"):
+        cluster = start(3, extra, log_dir)   # a fresh cluster per case: samples are per case
+        try:
+            summary, count = run_case(cluster, case, args.requests, seed=7)
+        finally:
+            cluster.stop()
+        s = summary["quarantined"] if case == "quarantined" else summary["all"]
+        print(json.dumps({"bench": "abort_release", "case": case,
+                          "transport": args.transports or "ucx-default", **s,
+                          "quarantined_share": summary["quarantined"].get("count", 0) / max(1, count)}),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

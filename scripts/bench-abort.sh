@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Abort-to-release time with healthy peers (p50/p99), through a real local cluster.
+#
+#   scripts/bench-abort.sh [--requests N] [--transports shm|tcp]
+#
+# Prints one JSON line per case: "quarantined" (every abort waits for the writer's ack)
+# and "random" (client cancels at a random moment). Goal: p99 <= 2 ms on loopback.
+set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+source "$(dirname "$0")/_env.sh"
+exec python -m kvferry.cluster.benchabort "$@"

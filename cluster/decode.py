@@ -288,14 +288,16 @@ class DecodeRank:
 
     def _ask_for_acks(self, req: OwnedRequest, source: str, reason: str) -> None:
         """(Re-)send ABORT to every writer that has not acked; repeats until released, so a
-        lost ABORT or ABORT_ACK costs a retry, not the deadline."""
+        lost ABORT or ABORT_ACK costs a retry, not the deadline, and a severed writer that
+        comes back (a healed partition, a resumed process) still learns to ack."""
         if req.state is not OwnerState.QUARANTINED:
             return
         for w in self._pending_writers(req):
             self.rt.send(w, m.ABORT, rid=req.rid, owner=self.rt.rank, writers=req.writers,
                          source=source, reason=reason)
-        self.rt.call_later(max(0.05, self.abort_deadline_s / 8),
-                           lambda: self._ask_for_acks(req, source, reason))
+        pending = self._pending_writers(req)
+        every = 1.0 if any(self.rt.is_severed(w) for w in pending) else max(0.05, self.abort_deadline_s / 8)
+        self.rt.call_later(every, lambda: self._ask_for_acks(req, source, reason))
 
     def _on_ack(self, msg: Message) -> None:
         req = self.reqs.get(msg.rid)

@@ -78,6 +78,7 @@ class RankRuntime:
         self._segments: dict[int, RemoteSegment] = {}
         self._seen: dict[int, OrderedDict[tuple[int, int], None]] = {}
         self._severed: dict[int, int] = {}           # rank -> incarnation severed
+        self._severed_peers: dict[int, Peer] = {}    # control-only endpoints to severed ranks
         self._watches: list[tuple[Batch, Callable[[Batch], None]]] = []
         self._timers: list[_Timer] = []
         self._timer_order = itertools.count()
@@ -90,12 +91,22 @@ class RankRuntime:
     def incarnation(self) -> int:
         return self.engine.incarnation
 
-    def peer(self, rank: int) -> Peer:
-        peer = self._peers.get(rank)
-        if peer is None or not self.engine.peer_alive(peer):
-            if self.is_severed(rank):
+    def peer(self, rank: int, *, severed_ok: bool = False) -> Peer:
+        """The endpoint to ``rank``. A severed rank gets none, except for the messages
+        that ask it for the proof we wait on (``severed_ok``: ABORT), on an endpoint kept
+        apart from the data path."""
+        if self.is_severed(rank):
+            if not severed_ok:
                 raise TransferError(f"rank {rank} is severed (incarnation "
                                     f"{self._severed[rank]:#x})")
+            peer = self._severed_peers.get(rank)
+            if peer is None or not self.engine.peer_alive(peer):
+                card = self.cards[rank]
+                peer = self.engine.connect(card.address, name=f"rank{rank}/{card.role}@{card.host} (severed)")
+                self._severed_peers[rank] = peer
+            return peer
+        peer = self._peers.get(rank)
+        if peer is None or not self.engine.peer_alive(peer):
             card = self.cards[rank]
             peer = self.engine.connect(card.address, name=f"rank{rank}/{card.role}@{card.host}")
             self._peers[rank] = peer
@@ -167,7 +178,7 @@ class RankRuntime:
 
     def _post(self, rank: int, kind: str, payload: bytes, flushed: bool = False) -> Batch | None:
         try:
-            peer = self.peer(rank)
+            peer = self.peer(rank, severed_ok=(kind == "ABORT"))
             batch = self.engine.notify(peer, payload) if flushed else self.engine.send(peer, payload)
             self.counters.sent += 1
             return batch

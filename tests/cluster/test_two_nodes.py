@@ -54,14 +54,14 @@ def two_hosts():
 
 
 def _node(ns: str, dev: str, node_rank: int, nproc: int, master_port: int, http_port: int,
-          log) -> subprocess.Popen:
+          log, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = ["ip", "netns", "exec", ns, "env", f"UCX_NET_DEVICES={dev}", f"GLOO_SOCKET_IFNAME={dev}",
            "PYTHONUNBUFFERED=1", "OMP_NUM_THREADS=1",
            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}",
            f"--nproc-per-node={nproc}", "--rdzv-backend=static", f"--master-addr={ADDR_A}",
            f"--master-port={master_port}", "-m", "kvferry.cluster.launch",
            "--transports", "tcp", "--prefill", "1", "--context-length", "2048",
-           "--pool-tokens", "8192", "--port", str(http_port)]
+           "--pool-tokens", "8192", "--port", str(http_port), *extra]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -115,3 +115,70 @@ def test_request_served_across_two_namespaces(two_hosts, tmp_path):
                 os.killpg(n.pid, signal.SIGKILL)
         for f in logs:
             f.close()
+
+
+def _wait_healthy(ns: str, url: str, nodes, log_path) -> None:
+    deadline = time.monotonic() + 120
+    while _get(ns, url + "/health", timeout=3)[0] != 200:
+        assert all(n.poll() is None for n in nodes), log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "two-node cluster not healthy in 120 s"
+        time.sleep(0.5)
+
+
+def _stop(nodes, logs) -> None:
+    for n in nodes:
+        if n.poll() is None:
+            os.killpg(n.pid, signal.SIGTERM)
+    for n in nodes:
+        try:
+            n.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(n.pid, signal.SIGKILL)
+    for f in logs:
+        f.close()
+
+
+def test_partition_keeps_pages_quarantined_until_the_writer_acks(two_hosts, tmp_path):
+    """The link between writer and owner goes down mid-transfer. The owner times out,
+    aborts, and at its deadline severs the writer; a remote writer's death cannot be proven,
+    so the pages stay quarantined (counted, visible) through the partition. Once the link
+    is back, the writer acks and the pages are released; nothing leaked meanwhile."""
+    (ns_a, dev_a), (ns_b, dev_b) = two_hosts
+    tag = "~partition~"
+    extra = ("--transfer-timeout", "1", "--abort-deadline", "2", "--request-timeout", "4",
+             "--fault", f"at:mid-transfer:pause:{tag}:3")
+    master_port, http_port = free_port(), free_port()
+    logs = [open(tmp_path / "node0.log", "wb"), open(tmp_path / "node1.log", "wb")]
+    nodes = [_node(ns_a, dev_a, 0, 2, master_port, http_port, logs[0], extra),
+             _node(ns_b, dev_b, 1, 1, master_port, http_port, logs[1], extra)]
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        _wait_healthy(ns_a, url, nodes, tmp_path / "node0.log")
+        prompt = tag + make_prompt("@9a7t1@", 400)
+        waiter = subprocess.Popen(
+            ["ip", "netns", "exec", ns_a, sys.executable, "-c",
+             "import json,sys,urllib.request,urllib.error\n"
+             "req=urllib.request.Request(sys.argv[1],data=sys.argv[2].encode(),headers={'Content-Type':'application/json'})\n"
+             "try:\n r=urllib.request.urlopen(req,timeout=30); print(r.status)\n"
+             "except urllib.error.HTTPError as e: print(e.code)\n",
+             url + "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 400})],
+            stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)                       # the first half is written, the rest in flight
+        _ip("-n", ns_b, "link", "set", dev_b, "down")
+        time.sleep(5.0)                       # past the transfer timeout and the abort deadline
+        node1 = (tmp_path / "node1.log").read_text()
+        assert "severed rank 1" in node1
+        assert "released" not in node1, "pages released while the writer was unreachable"
+        _ip("-n", ns_b, "link", "set", dev_b, "up")
+        out, _ = waiter.communicate(timeout=40)
+        assert out.strip() and int(out.strip()) != 200
+        deadline = time.monotonic() + 30
+        while "released (severed)" not in (tmp_path / "node1.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "node1.log").read_text()[-3000:]
+            time.sleep(0.5)
+        node0 = (tmp_path / "node0.log").read_text()
+        assert "aborting" in node0        # the writer learned of the abort after the partition
+        status, st = _get(ns_a, url + "/status")
+        assert status == 200
+    finally:
+        _stop(nodes, logs)

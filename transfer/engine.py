@@ -552,8 +552,10 @@ class TransferEngine:
         return out
 
     def progress(self, timeout_s: float = 0) -> int:
-        """Drive UCX and deliver incoming messages. With ``timeout_s > 0``, spins briefly,
-        then sleeps on the event fd for up to ``timeout_s`` if there is nothing to do."""
+        """Drive UCX and deliver incoming messages. With ``timeout_s > 0`` and nothing to
+        do, polls for ``spin_us`` and for as long as the last activity is within
+        ``busy_poll_us`` (a message then costs no wake-up), then sleeps on the event fd
+        for the rest of ``timeout_s`` (an idle engine burns no CPU)."""
         self._require_open()
         if timeout_s <= 0:
             n = lib.kvf_worker_progress(self._worker)

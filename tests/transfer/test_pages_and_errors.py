@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.transfer import SegmentBoundsError, UcxError
+from kvferry.transfer._native import ffi, lib
 from kvferry.transfer.errors import UCS_STATUS_NAMES, status_name, ucx_error
 from kvferry.transfer.pages import as_page_array, check_pages
 
@@ -28,6 +29,21 @@ def test_check_pages_matches_oracle(pages, local_len, remote_len):
     else:
         with pytest.raises(SegmentBoundsError):
             check_pages(arr, local_len, remote_len)
+
+
+@given(st.lists(st.tuples(I64, I64, I64), min_size=1, max_size=8),
+       st.integers(1, 2**62), st.integers(1, 2**62))
+def test_native_check_matches_oracle(pages, local_len, remote_len):
+    """The check that the write/read hot path runs in C (inside kvf_rma_pages)."""
+    arr = as_page_array(pages)
+    total = ffi.new("int64_t *")
+    bad = lib.kvf_check_pages(ffi.from_buffer("int64_t[]", arr), len(pages), local_len,
+                              remote_len, total)
+    bad_at = [i for i, p in enumerate(pages) if not oracle_ok([p], local_len, remote_len)]
+    if bad_at:
+        assert bad == bad_at[0]
+    else:
+        assert bad == -1 and total[0] == sum(p[2] for p in pages)
 
 
 @given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 1000), st.integers(1, 100)),

@@ -45,8 +45,15 @@
 #ifndef WFAIL
 #define WFAIL 1
 #endif
+#ifndef OTHER_ACTS
+#define OTHER_ACTS 1    /* the abstract owner 1 may abort and sever */
+#endif
 #ifndef FDOOR
+#ifdef BOTH_OWNERS
 #define FDOOR 1
+#else
+#define FDOOR 0         /* OtherOwner already aborts from outside owner 0 */
+#endif
 #endif
 #define BIT(i)   (1 << (i))
 #define L(w, o)  ((w) * NO + (o))       /* index of the link between w and o */
@@ -360,7 +367,7 @@ proctype OtherOwner() {
     bool aborted, cut0, cut1;
 end:
     do
-    :: atomic { !aborted -> aborted = 1;
+    :: atomic { OTHER_ACTS && !aborted -> aborted = 1;
             TO_OWNER(c_abo[0], 0, 0);
             c_abort[L(0, 1)] = c_abort[L(0, 1)] | BIT(0);
             c_abort[L(1, 1)] = c_abort[L(1, 1)] | BIT(0) }

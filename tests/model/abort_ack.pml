@@ -21,6 +21,12 @@
  * deadlines (process Clock) may fire before it moves again, after which it may
  * resume and try to post late.
  *
+ * Configuration switches: MAXFAULT, MAXCRASH (fault budgets per run), WFAIL
+ * (writer-side transfer failures), OTHER_ACTS (owner 1, an abstract environment
+ * unless BOTH_OWNERS, may abort and sever), FDOOR (front-door aborts),
+ * R1_TRANSFER (request 1's own transfer), CHECK_LIVENESS (the LTL property).
+ * See README.md for the configurations checked and why.
+ *
  * Mutants (exactly one may be defined, each must yield a counterexample):
  *   MUTANT_RELEASE_WITHOUT_SEVER  at the deadline the owner releases without
  *                                 severing the writers that did not ack

@@ -165,7 +165,8 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
         per = model.kv_heads // cfg.tp
         worker = PrefillRank(runtime, model, pool, segment, (index * per, (index + 1) * per),
                              router, unsafe=cfg.unsafe_free_on_abort,
-                             max_batch_bytes=batch_bound(cfg.abort_deadline_s))
+                             max_batch_bytes=batch_bound(cfg.abort_deadline_s),
+                             integrity=cfg.integrity)
     else:
         worker = DecodeRank(runtime, model, pool, router,
                             transfer_timeout_s=cfg.transfer_timeout_s,

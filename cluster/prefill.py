@@ -93,7 +93,7 @@ TOMBSTONE_S = 600.0
 class PrefillRank:
     def __init__(self, runtime: RankRuntime, model, pool: KVPool, segment: Segment,
                  head_range: tuple[int, int], router: int, unsafe: bool = False,
-                 max_batch_bytes: int = 256 << 20) -> None:
+                 max_batch_bytes: int = 256 << 20, integrity: bool = True) -> None:
         self.rt = runtime
         self.model = model
         self.pool = pool
@@ -101,6 +101,7 @@ class PrefillRank:
         self.heads = head_range
         self.router = router
         self.unsafe = unsafe
+        self.integrity = integrity and not unsafe
         self.allocator = PageAllocator(pool.num_pages)
         self.jobs: dict[str, WriteJob] = {}
         self.tombstones: dict[str, float] = {}
@@ -144,8 +145,9 @@ class PrefillRank:
         with torch.no_grad():
             self.model.prefill(self.pool.kv, torch.from_numpy(tokens.astype(np.int64)),
                                job.src_pages, head_range=self.heads)
-        lo, hi = self.heads
-        job.checksums = page_checksums(self.pool.kv[:, :, :, lo:hi], job.src_pages).tolist()
+        if self.integrity:   # the owner checks what lands against these (I5)
+            lo, hi = self.heads
+            job.checksums = page_checksums(self.pool.kv[:, :, :, lo:hi], job.src_pages).tolist()
         self._maybe_write(job)
 
     def _on_plan(self, msg: Message) -> None:

@@ -1,0 +1,217 @@
+"""The protocol's cost on transfer throughput, with no aborts, against the raw engine in the
+same run.
+
+Three processes: a driver (rank 0, in the router's place), a writer and an owner, each with
+its own transfer engine; pools of a realistic page shape (``[pages, layers, 2, kv_heads,
+page_size, head_dim]`` = [., 8, 2, 8, 16, 128] bf16: 512 KiB pages). Both cases move the
+same pages between the same two engines, one request at a time:
+
+- ``raw``: the writer's engine writes the request's pages and notifies; the owner answers
+  the notice; the next round starts.
+- ``protocol``: the real PrefillRank and DecodeRank with the driver sending PREFILL and
+  ASSIGN: allocation, PLAN, the write, the NOTICE after a flush, decode of one token, DONE
+  and RELEASED from both ranks. Models are stubs (no compute) and integrity checks are off,
+  so what remains is the protocol's own work.
+
+Each round has ``--inflight`` requests (raw: write + notice pairs) in flight at once.
+Prints one JSON line per case (keys: bench, case, rounds, inflight, bytes_per_round, gbps,
+p50_ms: the median round) and one with the ratio protocol/raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+LAYERS, KV_HEADS, PAGE_SIZE, HEAD_DIM = 8, 8, 16, 128
+POOL_PAGES = 160
+
+
+class NullModel:
+    """Prefill writes nothing, decode emits token 0: the bench measures the protocol."""
+
+    layers, kv_heads, head_dim, stop_token = LAYERS, KV_HEADS, HEAD_DIM, None
+
+    def prefill(self, kv, tokens, page_row, *, head_range=None) -> None:
+        return None
+
+    def decode_step(self, kv, page_table, positions, tokens, prompt_lens) -> torch.Tensor:
+        return torch.zeros(len(positions), dtype=torch.int64)
+
+
+def _pool_config():
+    from kvferry.engine.pool import PoolConfig
+    return PoolConfig(LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE, POOL_PAGES, torch.bfloat16)
+
+
+def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, rounds: int, pages: int,
+           inflight: int) -> None:
+    from kvferry.engine.pool import KVPool
+    from kvferry.transfer import TransferConfig, TransferEngine
+
+    from .decode import DecodeRank
+    from .prefill import PrefillRank
+    from .rendezvous import RankCard
+    from .runtime import RankRuntime
+
+    engine = TransferEngine(TransferConfig(transports="shm", name=f"bench-{role}",
+                                           max_message_bytes=4 << 20))
+    pcfg = _pool_config()
+    seg = engine.allocate(pcfg.total_bytes)
+    pool = KVPool.from_buffer(pcfg, seg.as_torch())
+    pool.kv.view(torch.uint8).view(-1)[:] = rank   # pre-faulted, known bytes
+    outbox.put(RankCard(rank=rank, role=role, address=engine.address, incarnation=engine.incarnation,
+                        segment=seg.descriptor().pack(), num_pages=pool.num_pages,
+                        page_size=PAGE_SIZE, capacity_tokens=pool.capacity_tokens,
+                        context_length=pool.capacity_tokens, host=socket.gethostname(),
+                        pid=os.getpid()).pack())
+    cards = {r: RankCard.unpack(b) for r, b in inbox.get().items()}
+    # ---- raw
+    received: list[bytes] = []
+    engine.set_message_handler(lambda sender, payload: received.append(sender))
+    if role == "writer":
+        owner = engine.connect(cards[2].address)
+        rseg = engine.open_segment(owner, cards[2].segment)
+        pb = pool.page_bytes
+        sets = []
+        for k in range(inflight):
+            idx = (np.arange(pages, dtype=np.int64) + k * pages) * pb
+            sets.append(np.stack([idx, idx, np.full(pages, pb, dtype=np.int64)], axis=1))
+        times = []
+        for _ in range(rounds + 2):
+            t0 = time.perf_counter()
+            batches = []
+            for triples in sets:
+                batches.append(engine.write(owner, seg, rseg, triples))
+                batches.append(engine.notify(owner, b"notice"))
+            for b in batches:
+                b.wait(30)
+            while len(received) < inflight:
+                engine.progress(0.001)
+            received.clear()
+            times.append(time.perf_counter() - t0)
+        outbox.put(times[2:])
+    else:
+        deadline = time.monotonic() + 120
+        done = 0
+        peer = None
+        while done < (rounds + 2) * inflight and time.monotonic() < deadline:
+            engine.progress(0.001)
+            while received:
+                sender = received.pop()
+                peer = peer or engine.connect(sender)
+                engine.send(peer, b"ack")
+                done += 1
+    inbox.get()                      # the driver says: protocol phase
+    rt = RankRuntime(rank, engine, cards)
+    if role == "writer":
+        worker = PrefillRank(rt, NullModel(), pool, seg, (0, KV_HEADS), router=0, integrity=False)
+    else:
+        worker = DecodeRank(rt, NullModel(), pool, router=0, transfer_timeout_s=30,
+                            abort_deadline_s=5, integrity=False)
+    stop = []
+    handler = worker.on_message
+    rt.set_handler(lambda msg: stop.append(1) if msg.kind == "SHUTDOWN" else handler(msg))
+    rt.faults = rt.faults  # no fault hooks
+    outbox.put("ready")
+    while not stop:
+        busy = role == "owner" and worker.busy()
+        rt.pump(0 if busy else float(os.environ.get("KVF_BENCH_IDLE_WAIT", "0.001")))
+        if busy:
+            worker.step()
+    engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvferry bench-protocol", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=30)
+    p.add_argument("--pages", type=int, default=32, help="pages per request (512 KiB each)")
+    p.add_argument("--inflight", type=int, default=4,
+                   help="requests (raw: write + notify) in flight per round")
+    args = p.parse_args(argv)
+    from kvferry.transfer import TransferConfig, TransferEngine
+    from . import messages as m
+    from .rendezvous import RankCard
+    from .runtime import RankRuntime
+
+    ctx = mp.get_context("spawn")
+    queues = {r: (ctx.Queue(), ctx.Queue()) for r in (1, 2)}
+    procs = [ctx.Process(target=_child, args=(role, r, queues[r][0], queues[r][1], args.requests,
+                                              args.pages, args.inflight))
+             for role, r in (("writer", 1), ("owner", 2))]
+    for proc in procs:
+        proc.start()
+    engine = TransferEngine(TransferConfig(transports="shm", name="bench-driver", max_message_bytes=4 << 20))
+    cards = {0: RankCard(rank=0, role="router", address=engine.address, incarnation=engine.incarnation,
+                         segment=None, num_pages=0, page_size=PAGE_SIZE, capacity_tokens=0,
+                         context_length=0, host=socket.gethostname(), pid=os.getpid())}
+    for r in (1, 2):
+        cards[r] = RankCard.unpack(queues[r][1].get(timeout=120))
+    packed = {r: c.pack() for r, c in cards.items()}
+    for r in (1, 2):
+        queues[r][0].put(packed)
+    raw_times = queues[1][1].get(timeout=300)
+    for r in (1, 2):
+        queues[r][0].put("protocol")
+    for r in (1, 2):
+        assert queues[r][1].get(timeout=60) == "ready"
+    rt = RankRuntime(0, engine, cards)
+    events: list = []
+    rt.set_handler(events.append)
+    tokens = np.zeros(args.pages * PAGE_SIZE, dtype="<i4").tobytes()
+    proto_times = []
+    for i in range(args.requests + 2):
+        rids = [f"bench-{i}-{k}" for k in range(args.inflight)]
+        events.clear()
+        t0 = time.perf_counter()
+        for rid in rids:
+            rt.send(1, m.PREFILL, rid=rid, tokens=tokens, owner=2, owner_inc=cards[2].incarnation,
+                    deadline_ms=30000)
+            rt.send(2, m.ASSIGN, rid=rid, prompt_len=args.pages * PAGE_SIZE, max_tokens=1,
+                    writers=[1], last_token=0, deadline_ms=30000)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            rt.pump(0.0005)
+            seen = {(e.kind, e.src, e.rid) for e in events if e.kind in ("DONE", "RELEASED")}
+            if all(("DONE", 2, r) in seen and ("RELEASED", 1, r) in seen and ("RELEASED", 2, r) in seen
+                   for r in rids):
+                break
+        else:
+            raise RuntimeError(f"round {i} did not complete: {[e.kind for e in events]}")
+        bad = [e for e in events if e.kind == "DONE" and e.outcome != "finished"]
+        if bad:
+            raise RuntimeError(f"round {i}: {bad[0].outcome} {bad[0].error}")
+        proto_times.append(time.perf_counter() - t0)
+    proto_times = proto_times[2:]
+    for r in (1, 2):
+        rt.send(r, m.SHUTDOWN)
+    for _ in range(100):
+        rt.pump(0.01)
+    for proc in procs:
+        proc.join(timeout=20)
+    engine.shutdown()
+    nbytes = args.inflight * args.pages * LAYERS * 2 * KV_HEADS * PAGE_SIZE * HEAD_DIM * 2
+    rows = {}
+    for case, times in (("raw", raw_times), ("protocol", proto_times)):
+        med = statistics.median(times)
+        rows[case] = nbytes / med / 1e9
+        print(json.dumps({"bench": "protocol_cost", "case": case, "rounds": len(times),
+                          "inflight": args.inflight, "bytes_per_round": nbytes,
+                          "gbps": round(rows[case], 3),
+                          "p50_ms": round(1e3 * med, 3)}), flush=True)
+    print(json.dumps({"bench": "protocol_cost", "case": "ratio",
+                      "protocol_over_raw": round(rows["protocol"] / rows["raw"], 4)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

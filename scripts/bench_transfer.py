@@ -279,6 +279,8 @@ def main(argv=None) -> int:
     if args.role == "target":
         return run_target(args)
     workloads = [(256, 256 << 10), (4096, 16 << 10)]
+    emit(engine="host", op="load", cpus=os.cpu_count(),
+         loadavg=[round(x, 2) for x in os.getloadavg()])  # context for noisy figures
     for npages, page in workloads:
         memcpy_ceiling(args, npages, page)
     for transport in args.transports.split(","):

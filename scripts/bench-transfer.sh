@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Transfer benchmark: two processes on this host over shared memory and tcp; prints one
 # JSON line per result (engine, transport, op, pages, page_bytes, gbps; p50_us/p99_us for
-# the write+notify latency; a memcpy ceiling line; the idle target's CPU use).
+# the write+notify latency, pages checked byte-exact at the target; memcpy ceiling lines;
+# the CPU cost of one write+notify in-process; the idle target's CPU use; the host load).
 #   scripts/bench-transfer.sh                    everything
 #   scripts/bench-transfer.sh --transports shm   extra arguments go to scripts/bench_transfer.py
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
-    sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
     echo
     source "$(dirname "$0")/_env.sh"
     exec python "$KVFERRY_ROOT/scripts/bench_transfer.py" --help

@@ -225,6 +225,8 @@ class DecodeRank:
         positions = torch.tensor([r.prompt_len - 1 + len(r.generated) for r in batch])
         inputs = torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch])
         prompt_lens = torch.tensor([r.prompt_len for r in batch])
+        if self.rt.faults.decode_delay_s:
+            time.sleep(self.rt.faults.decode_delay_s)
         with torch.no_grad():
             out = self.model.decode_step(self.pool.kv, table.to(device), positions, inputs,
                                          prompt_lens).tolist()

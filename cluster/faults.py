@@ -10,6 +10,8 @@ Each hook is one ``--fault`` string; a rank applies the hooks that name its role
                               contains MARKER, after computing its checksums
     stall-write:MARKER:SECONDS  a writer waits this long before posting the pages of a
                               request whose prompt contains MARKER
+    decode-delay:SECONDS      a decode rank sleeps this long in every decode step (a slow
+                              decoder, so that a late write can land while it still reads)
     at:POINT:ACTION:MARKER[:SECONDS]
                               a writer, at protocol POINT of a request whose prompt contains
                               MARKER, does ACTION. POINT: before-write (plan and KV ready,
@@ -54,6 +56,7 @@ class FaultPlan:
     stall_marker: str | None = None
     stall_s: float = 0.0
     points: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
+    decode_delay_s: float = 0.0
     seed: int = 0
     _held: dict[str, tuple[bytes, float]] = field(default_factory=dict)
 
@@ -79,6 +82,8 @@ class FaultPlan:
                     plan.corrupt_marker = parts[1]
                 elif what == "stall-write":
                     plan.stall_marker, plan.stall_s = parts[1], float(parts[2])
+                elif what == "decode-delay":
+                    plan.decode_delay_s = float(parts[1])
                 elif what == "at":
                     point, action, marker = parts[1], parts[2], parts[3]
                     if point not in POINTS:
@@ -98,7 +103,8 @@ class FaultPlan:
     @property
     def enabled(self) -> bool:
         return bool(self.drop or self.duplicate or self.delay or self.reorder
-                    or self.corrupt_marker or self.stall_marker or self.points)
+                    or self.corrupt_marker or self.stall_marker or self.points
+                    or self.decode_delay_s)
 
     def at(self, point: str, text: str) -> tuple[str, float] | None:
         """The action (and its seconds) for a request whose prompt is ``text`` at ``point``."""

@@ -16,6 +16,7 @@ Upholds:
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
 import os
@@ -78,6 +79,7 @@ class WriteJob:
     outstanding: int = 0                   # posted batches not yet settled
     held: np.ndarray | None = None         # injected fault: pages in flight, not landed
     held_timer: object | None = None
+    held_target: int | None = None         # the owner's pool, mapped here (shared memory)
     acked: bool = False
 
     def move(self, new: WriterState) -> None:
@@ -230,6 +232,10 @@ class PrefillRank:
             job.queue = [triples[i:i + self._rows_per_batch]
                          for i in range(0, half, self._rows_per_batch)]
             job.held = triples[half:]
+            try:   # where an in-flight write lands even if endpoints change state meanwhile
+                job.held_target = self.rt.remote_segment(job.owner).direct
+            except TransferError:
+                job.held_target = None
             job.held_timer = self.rt.call_later(mid[1], lambda: self._land_held(job))
             if not self._post_next(job):
                 return
@@ -286,6 +292,17 @@ class PrefillRank:
             job.held_timer.cancel()
             job.held_timer = None
         log.warning("fault: request %s: %d in-flight pages land now", job.rid, len(held))
+        if job.held_target is not None:
+            # Shared memory: a write already posted is a copy in progress; it completes
+            # whatever became of either side's endpoint since.
+            for local, remote, length in held.tolist():
+                ctypes.memmove(job.held_target + remote, self.segment.base + local, length)
+            if job.state is WriterState.ABORTING:
+                if job.outstanding == 0:
+                    self._after_landing(job)
+            elif job.state is WriterState.WRITING and job.outstanding == 0 and not job.queue:
+                self._reach(job, "after-write", self._send_notice)
+            return
         try:
             batch = self.rt.write(job.owner, self.segment, held)
         except TransferError as exc:

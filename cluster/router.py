@@ -38,6 +38,7 @@ log = logging.getLogger("kvferry.cluster")
 
 S = RequestState
 HEARTBEAT_TIMEOUT_S = 5.0
+TOKENS_GRACE_S = 1.0
 
 
 class Unavailable(Exception):
@@ -63,6 +64,7 @@ class RoutedRequest:
     error: str | None = None
     transfer_ms: float | None = None
     deadline_timer: asyncio.TimerHandle | None = None
+    expected_count: int | None = None   # DONE arrived before its last TOKENS
 
     @property
     def rid(self) -> str:
@@ -278,15 +280,28 @@ class Router:
                     routed.req.transition(S.DECODING)
             routed.req.output_tokens.extend(msg.tokens)
             routed.events.put_nowait(("tokens", list(msg.tokens)))
+            if routed.expected_count is not None and len(routed.req.output_tokens) >= routed.expected_count:
+                if len(routed.req.output_tokens) == routed.expected_count:
+                    self._finish(routed, "ok", None)
+                else:
+                    self._finish(routed, "failed", f"decode reported {routed.expected_count} "
+                                                   f"tokens, {len(routed.req.output_tokens)} arrived")
         elif msg.kind == "DONE":
             if msg.transfer_ms is not None:
                 routed.transfer_ms = msg.transfer_ms
                 self.metrics.transfer_latency.observe(msg.transfer_ms / 1e3)
             if msg.outcome == "finished":
                 got = len(routed.req.output_tokens)
-                if msg.count is not None and got != msg.count:
-                    self._finish(routed, "failed", f"decode reported {msg.count} tokens, "
-                                                   f"{got} arrived")
+                if msg.count is not None and got < msg.count:
+                    # Messages on one endpoint may overtake each other: wait a moment for
+                    # the last tokens, then fail rather than answer short (I6).
+                    routed.expected_count = msg.count
+                    asyncio.get_running_loop().call_later(
+                        TOKENS_GRACE_S, lambda: self._finish(
+                            routed, "failed", f"decode reported {msg.count} tokens, "
+                                              f"{len(routed.req.output_tokens)} arrived"))
+                elif msg.count is not None and got > msg.count:
+                    self._finish(routed, "failed", f"decode reported {msg.count} tokens, {got} arrived")
                 else:
                     self._finish(routed, "ok", None)
             else:

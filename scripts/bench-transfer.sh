@@ -12,5 +12,7 @@ if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
     exec python "$KVFERRY_ROOT/scripts/bench_transfer.py" --help
 fi
 source "$(dirname "$0")/_env.sh"
+# One machine: UCX's tcp transport stays on loopback unless told otherwise.
+export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 cd "$KVFERRY_ROOT"
 exec python scripts/bench_transfer.py "$@"

@@ -21,6 +21,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 source "$(dirname "$0")/_env.sh"
+# One machine: UCX's tcp transport stays on loopback unless told otherwise.
+export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 context=4096
 run_dir="$KVFERRY_ROOT/runs/demo"
 stop() { "$KVFERRY_ROOT/scripts/serve-local.sh" --stop --run-dir "$run_dir" >/dev/null 2>&1 || true; }

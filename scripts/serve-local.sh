@@ -27,6 +27,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 source "$(dirname "$0")/_env.sh"
+# One machine: UCX's tcp transport stays on loopback unless told otherwise.
+export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 run_dir="${run_dir:-$KVFERRY_ROOT/runs/local}"
 mkdir -p "$run_dir"
 pidfile="$run_dir/cluster.pid"

@@ -8,7 +8,8 @@ Cases, each with ``--requests`` client-cancelled requests sent one at a time:
   flush): the protocol's round trip.
 - ``random``: plain requests cancelled after a random 0-30 ms, wherever they are.
 
-Prints one JSON line per case (keys: bench, case, count, p50_ms, p99_ms, max_ms).
+The first few requests of each case warm the endpoints up and are not counted. Prints one
+JSON line per case (keys: bench, case, count, p50_ms, p99_ms, max_ms).
 """
 
 from __future__ import annotations
@@ -27,18 +28,31 @@ from .workload import make_prompt
 TAG = "~abort-bench~"
 
 
-def _wait_idle(cluster: Cluster, before: int, timeout_s: float = 10.0) -> None:
+def _wait_idle(cluster: Cluster, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while cluster.held() and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
-def run_case(cluster: Cluster, case: str, n: int, seed: int) -> dict:
+WARMUP = 5
+
+
+def _summary(values: list[float]) -> dict:
+    if not values:
+        return {"count": 0}
+    v = sorted(values)
+    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]
+    return {"count": len(v), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": v[-1]}
+
+
+def run_case(cluster: Cluster, case: str, n: int, seed: int) -> tuple[dict, dict]:
+    """Samples after ``WARMUP`` requests (the first ones also open the endpoints)."""
     rng = random.Random(seed)
-    _, st = cluster.call("GET", "/status")
-    start_count = st["abort_release"]["all"]["count"]
-    samples_before = start_count
-    for i in range(n):
+    samples_before = 0
+    for i in range(n + WARMUP):
+        if i == WARMUP:
+            _, st = cluster.call("GET", "/status")
+            samples_before = len(st["abort_release"]["recent"])
         marker = "@" + f"{(seed * 31 + i) & 0xFFFFF:05x}" + "@"
         if case == "quarantined":
             prompt = TAG + make_prompt(marker, 256)
@@ -47,10 +61,11 @@ def run_case(cluster: Cluster, case: str, n: int, seed: int) -> dict:
             prompt = make_prompt(marker, 256)
             cancel = rng.uniform(0.0, 0.03) + 0.001
         _post(cluster, prompt, 256, cancel)
-        _wait_idle(cluster, samples_before)
+        _wait_idle(cluster)
     _, st = cluster.call("GET", "/status")
-    # The router keeps every sample; recompute this case's share from the counts.
-    return st["abort_release"], st["abort_release"]["all"]["count"] - start_count
+    recent = st["abort_release"]["recent"][samples_before:]
+    return (_summary([ms for _, ms in recent]),
+            _summary([ms for how, ms in recent if how != "freed"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,13 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     for case in ("quarantined", "random"):
         cluster = start(3, extra, log_dir)   # a fresh cluster per case: samples are per case
         try:
-            summary, count = run_case(cluster, case, args.requests, seed=7)
+            every, quarantined = run_case(cluster, case, args.requests, seed=7)
         finally:
             cluster.stop()
-        s = summary["quarantined"] if case == "quarantined" else summary["all"]
+        s = quarantined if case == "quarantined" else every
         print(json.dumps({"bench": "abort_release", "case": case,
-                          "transport": args.transports or "ucx-default", **s,
-                          "quarantined_share": summary["quarantined"].get("count", 0) / max(1, count)}),
+                          "transport": args.transports or "ucx-default",
+                          **{k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()},
+                          "quarantined_share": round(quarantined.get("count", 0) / max(1, every.get("count", 0)), 3)}),
               flush=True)
     return 0
 

@@ -75,6 +75,7 @@ class OwnedRequest:
     abort_started: float = 0.0
     transfer_ms: float | None = None
     warned: bool = False
+    abort_reason: str = ""
 
     def move(self, new: OwnerState) -> None:
         if new not in OWNER_TRANSITIONS[self.state]:
@@ -280,8 +281,9 @@ class DecodeRank:
             return
         self.allocator.quarantine(req.rid)
         req.move(OwnerState.QUARANTINED)
-        log.info("request %s aborted (%s: %s); %d pages quarantined until writers %s ack",
-                 req.rid, source, reason, len(req.grants), self._pending_writers(req))
+        req.abort_reason = f"{source}: {reason}"
+        log.debug("request %s aborted (%s); %d pages quarantined until writers %s ack",
+                  req.rid, req.abort_reason, len(req.grants), self._pending_writers(req))
         self._ask_for_acks(req, source, reason)
         req.timer = self.rt.call_later(self.abort_deadline_s, lambda: self._abort_deadline(req))
 
@@ -365,8 +367,8 @@ class DecodeRank:
         abort_ms = None
         if req.abort_started:
             abort_ms = 1e3 * (time.monotonic() - req.abort_started)
-            log.info("request %s: %d pages released (%s) %.1f ms after the abort", req.rid,
-                     len(pages), how, abort_ms)
+            log.info("request %s: %d pages released (%s) %.1f ms after the abort (%s)",
+                     req.rid, len(pages), how, abort_ms, req.abort_reason or "writers finished")
         self.rt.send(self.router, m.RELEASED, rid=req.rid, pages=len(pages), how=how,
                      abort_ms=abort_ms)
 
@@ -376,6 +378,10 @@ class DecodeRank:
                      transfer_ms=transfer_ms)
 
     # -------------------------------------------------------------- housekeeping
+    def in_flight(self) -> bool:
+        """Some request awaits its writers' notices or acks."""
+        return any(r.state in (OwnerState.AWAITING, OwnerState.QUARANTINED) for r in self.reqs.values())
+
     def busy(self) -> bool:
         return any(r.state is OwnerState.DECODING for r in self.reqs.values())
 

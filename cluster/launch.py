@@ -185,7 +185,15 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
     log.info("%s rank %d ready", role.value, runtime.rank)
     while not stop.stop:
         busy = role is Role.DECODE and worker.busy()
-        wait = 0.0 if busy else min(0.05, runtime.next_timer_in() or 0.05)
+        if busy:
+            wait = 0.0
+        elif worker.in_flight():
+            # Requests are in the protocol: poll (yielding the CPU between polls) so an
+            # ABORT or a NOTICE is handled without a wake-up from sleep.
+            wait = 0.0
+            os.sched_yield()
+        else:
+            wait = min(0.05, runtime.next_timer_in() or 0.05)
         runtime.pump(wait)
         if busy:
             worker.step()

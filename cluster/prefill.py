@@ -383,7 +383,7 @@ class PrefillRank:
         job.queue = []
         job.move(WriterState.ABORTING)
         self.tombstones[job.rid] = time.monotonic()
-        log.info("request %s: writer rank %d aborting (%s)", job.rid, self.rt.rank, reason)
+        log.debug("request %s: writer rank %d aborting (%s)", job.rid, self.rt.rank, reason)
         if job.outstanding == 0 and job.held is None:
             self._after_landing(job)
         else:
@@ -420,6 +420,10 @@ class PrefillRank:
     # -------------------------------------------------------------- housekeeping
     def idle(self) -> bool:
         return not self.jobs
+
+    def in_flight(self) -> bool:
+        """Some request is between its PREFILL/PLAN and its end here."""
+        return bool(self.jobs)
 
     def sweep(self) -> None:
         cutoff = time.monotonic() - TOMBSTONE_S

@@ -376,7 +376,8 @@ class Router:
             return {"count": len(v), "p50_ms": round(pick(0.5), 3), "p99_ms": round(pick(0.99), 3),
                     "max_ms": round(v[-1], 3)}
         return {"all": summary([ms for _, ms in self.abort_release_ms]),
-                "quarantined": summary([ms for how, ms in self.abort_release_ms if how != "freed"])}
+                "quarantined": summary([ms for how, ms in self.abort_release_ms if how != "freed"]),
+                "recent": [[how, round(ms, 3)] for how, ms in list(self.abort_release_ms)[-2000:]]}
 
     def status(self) -> dict:
         live = sum(1 for r in self.requests.values() if r.req.live)

@@ -10,30 +10,42 @@
  *
  * Data plane: a posted write is a bit in inflight[w->o]; it may land at any time
  * (process Network) until the writer's flush of that path completes, or until the
- * owner severs the path (a severed write never lands).
+ * writer's process is gone. Severing the path does not stop it: over tcp a
+ * resumed writer reconnects and its puts are applied, over shared memory it
+ * writes through its own mapping of the pool.
  *
  * Control plane: every message is a bit per request on a directed link. Links
  * lose (the receiver drops the bit), duplicate (the receiver handles the bit and
  * leaves it in place) and reorder (any set bit may be taken first).
  *
- * Faults: a writer may crash (at most MAXCRASH of them); its posted writes may
- * still land afterwards until severed. A writer may stall for any time: owner
- * deadlines (process Clock) may fire before it moves again, after which it may
- * resume and try to post late.
+ * Faults: a writer may crash (at most MAXCRASH of them): its process is gone,
+ * its posted writes no longer land, and an owner on its host can see that it is
+ * gone. A writer may stall for any time: owner deadlines (process Clock) may fire
+ * before it moves again, after which it may resume, post late and ack late.
+ *
+ * Release (I4): the owner releases a quarantined page only when every writer of
+ * the request has sent a completion notice or an ABORT_ACK (both follow its
+ * flush), or, for a writer severed at the abort deadline, when its process is
+ * gone. Severing stops new plans to the writer; it is not proof.
  *
  * Configuration switches: MAXFAULT, MAXCRASH (fault budgets per run), WFAIL
  * (writer-side transfer failures), OTHER_ACTS (owner 1, an abstract environment
  * unless BOTH_OWNERS, may abort and sever), FDOOR (front-door aborts),
- * R1_TRANSFER (request 1's own transfer), CHECK_LIVENESS (the LTL property).
- * See README.md for the configurations checked and why.
+ * R1_TRANSFER (request 1's own transfer), CHECK_LIVENESS (the LTL property),
+ * REMOTE_WRITERS (writers on another host: the owner cannot see their process
+ * gone), LANDS_AFTER_EXIT (an assumption broken on purpose: a gone writer's
+ * posted writes may still land). See README.md for the configurations checked.
  *
  * Mutants (exactly one may be defined, each must yield a counterexample):
- *   MUTANT_RELEASE_WITHOUT_SEVER  at the deadline the owner releases without
- *                                 severing the writers that did not ack
+ *   MUTANT_RELEASE_ON_SEVER       at the deadline the owner severs the writers
+ *                                 that did not ack and releases at once
  *   MUTANT_SINGLE_ACK             the owner releases on one ack (one writer),
  *                                 not on the whole writer set
  *   MUTANT_FREE_SOURCE_AT_ABORT   a writer frees its source pages at the abort,
  *                                 before its flush completes
+ *   MUTANT_DROP_SEVERED_ACK       the owner drops a severed writer's late ack
+ *                                 (a liveness counterexample: the page stays
+ *                                 quarantined although the writer flushed)
  */
 
 #define NW 2            /* writer ranks */
@@ -87,18 +99,19 @@ byte cur[NO];           /* request the owner is working on; NR when finished */
 byte done[NO];          /* writers whose completion notice arrived, for cur */
 byte acked[NO];         /* writers whose abort ack arrived, for cur */
 bool dl[NO];            /* the owner's current deadline has passed */
+bool cut[NO];           /* the abort deadline's severing is done, for cur */
 
 /* ---- writers ---- */
 byte wphase[NW * NR];
 byte wposted[NW * NR];  /* owners a write was posted to */
 byte srcheld[NW];       /* requests whose source pages the writer still holds */
-bool crashed[NW];
+bool crashed[NW];       /* the writer's process is gone */
 byte crashes;
 byte faults;            /* control-message faults so far */
 
 /* ---- data plane ---- */
 byte inflight[NW * NO]; /* requests with a write in flight on path w -> o */
-bool severed[NW * NO];  /* owner o closed its path from writer w */
+bool severed[NW * NO];  /* owner o severed writer w (no proof: writes may land) */
 
 /* ---- control plane: one bit per request ---- */
 byte c_dest[NW * NO];   /* o -> w  destination of o's page for the request */
@@ -167,10 +180,10 @@ inline w_on_dest(w, o, r) {
     :: (wphase[WR(w, r)] == W_IDLE || wphase[WR(w, r)] == W_POST) &&
        !(wposted[WR(w, r)] & BIT(o)) ->
         if
-        :: severed[L(w, o)] ->                /* path gone: transfer failure */
+        :: severed[L(w, o)] ->                /* endpoint closed: transfer failure */
             wphase[WR(w, r)] = W_STOP;
             TO_OWNER(c_abo[0], 0, r); TO_OWNER(c_abo[1], 1, r)
-        :: else ->
+        :: true ->                            /* or reconnected / mapped: it posts */
             assert(srcheld[w] & BIT(r));
             wphase[WR(w, r)] = W_POST;
             inflight[L(w, o)] = inflight[L(w, o)] | BIT(r);
@@ -180,11 +193,15 @@ inline w_on_dest(w, o, r) {
     fi
 }
 
-/* Every step a writer can take for owner o and request r. */
+/* Every step a writer can take for owner o and request r. An ABORT that finds
+ * the writer flushing waits until the flush is over (handling it then would be
+ * a no-op; leaving it keeps a retransmitting owner and a flushing writer from
+ * looping without progress under weak fairness). */
 #define WRITER_STEPS(w, o, r) \
     :: atomic { !crashed[w] && (c_dest[L(w, o)] & BIT(r)) -> \
             TAKE_DUP(c_dest[L(w, o)], r, w_on_dest(w, o, r)) } \
-    :: atomic { !crashed[w] && (c_abort[L(w, o)] & BIT(r)) -> \
+    :: atomic { !crashed[w] && (c_abort[L(w, o)] & BIT(r)) && \
+            wphase[WR(w, r)] != W_STOP -> \
             TAKE(c_abort[L(w, o)], r, w_on_abort(w, r)) }
 
 /* Steps that concern the request as a whole. */
@@ -216,7 +233,14 @@ end:
     WRITER_STEPS(w, 1, 1)
     WRITER_REQ_STEPS(w, 1)
 #endif
-    :: atomic { !crashed[w] && crashes < MAXCRASH -> crashes++; crashed[w] = 1 }
+    :: atomic { !crashed[w] && crashes < MAXCRASH -> crashes++; crashed[w] = 1;
+#ifndef LANDS_AFTER_EXIT
+            inflight[L(w, 0)] = 0;       /* process gone: its writes stop landing */
+            inflight[L(w, 1)] = 0
+#else
+            skip                         /* assumption broken: they may still land */
+#endif
+        }
     od
 }
 
@@ -224,17 +248,30 @@ end:
 
 #define OTHER(o) (1 - (o))
 
-/* The writers whose path into this page is known to be dead. */
+/* The writers this owner severed. */
 #define SEVERED_SET(o) \
     ((severed[L(0, o)] -> BIT(0) : 0) | (severed[L(1, o)] -> BIT(1) : 0))
 
-/* Writers proven unable to write into the page any more. */
-#define PROVEN(o) (acked[o] | done[o] | SEVERED_SET(o))
+/* The writers whose process the owner can see is gone (same host only). */
+#ifdef REMOTE_WRITERS
+#define GONE_SET 0
+#else
+#define GONE_SET ((crashed[0] -> BIT(0) : 0) | (crashed[1] -> BIT(1) : 0))
+#endif
+
+/* Writers proven unable to write into the page any more: a completion notice or
+ * an ack (each follows the writer's flush), or, for a severed writer, its
+ * process gone (the owner checks that only for writers it severed). */
+#define PROVEN(o) (acked[o] | done[o] | (SEVERED_SET(o) & GONE_SET))
 
 #ifdef MUTANT_SINGLE_ACK
 #define RELEASABLE(o) ((acked[o] | done[o]) != 0 || PROVEN(o) == ALL_W)
 #else
+#ifdef MUTANT_RELEASE_ON_SEVER
+#define RELEASABLE(o) ((PROVEN(o) | SEVERED_SET(o)) == ALL_W)
+#else
 #define RELEASABLE(o) (PROVEN(o) == ALL_W)
+#endif
 #endif
 
 inline o_send_dest(o, r) {
@@ -268,7 +305,7 @@ inline o_release(o) {
     c_ack[L(0, o)] = c_ack[L(0, o)] & ~BIT(cur[o]);
     c_ack[L(1, o)] = c_ack[L(1, o)] & ~BIT(cur[o]);
     c_abo[o] = c_abo[o] & ~BIT(cur[o]);
-    done[o] = 0; acked[o] = 0; dl[o] = 0;
+    done[o] = 0; acked[o] = 0; dl[o] = 0; cut[o] = 0;
     cur[o]++;
     if
     :: cur[o] < NR ->
@@ -283,35 +320,52 @@ inline o_release(o) {
     fi
 }
 
+/* A late ABORT_ACK from a severed writer counts: it follows that writer's flush. */
+#ifdef MUTANT_DROP_SEVERED_ACK
+#define ACK_COUNTS(o, w) (severed[L(w, o)] -> 0 : BIT(w))
+#else
+#define ACK_COUNTS(o, w) BIT(w)
+#endif
+
+/* Sever a writer that has not proven anything: no more plans to it, its endpoint
+ * closed, the router told. Its posted writes may still land (not modelled as an
+ * effect on the data plane, because there is none to rely on). */
 inline o_sever(o, w) {
     if
-    :: !(PROVEN(o) & BIT(w)) ->
-        severed[L(w, o)] = 1;
-        inflight[L(w, o)] = 0     /* a severed write never lands */
+    :: !(PROVEN(o) & BIT(w)) -> severed[L(w, o)] = 1
     :: else -> skip
     fi
 }
 
+/* Steps of owner o about writer w. A severed writer's completion notice is
+ * dropped (the owner takes nothing but ABORT_ACK from it); its late ack counts.
+ * ABORT is retransmitted to every unproven writer, severed ones included, while
+ * neither an ABORT nor an ack is on the way between the two (retransmitting
+ * then would change nothing a writer can do: it has acked, or it will handle
+ * the pending ABORT). */
 #define OWNER_STEPS_W(o, w) \
-    :: atomic { !dl[o] && cur[o] < NR && (c_done[L(w, o)] & BIT(cur[o])) -> \
+    :: atomic { cur[o] < NR && !severed[L(w, o)] && (c_done[L(w, o)] & BIT(cur[o])) -> \
             TAKE(c_done[L(w, o)], cur[o], done[o] = done[o] | BIT(w)); \
             if \
             :: pstate[o] == P_FILLING && done[o] == ALL_W -> pstate[o] = P_READY \
             :: else -> skip \
             fi } \
-    :: atomic { !dl[o] && cur[o] < NR && (c_ack[L(w, o)] & BIT(cur[o])) -> \
-            TAKE(c_ack[L(w, o)], cur[o], acked[o] = acked[o] | BIT(w)); \
+    :: atomic { cur[o] < NR && (c_ack[L(w, o)] & BIT(cur[o])) -> \
+            TAKE(c_ack[L(w, o)], cur[o], acked[o] = acked[o] | ACK_COUNTS(o, w)); \
             if \
             :: pstate[o] == P_FILLING && acked[o] -> o_abort(o) /* ack means abort */ \
             :: else -> skip \
-            fi }
+            fi } \
+    :: atomic { pstate[o] == P_QUAR && !(PROVEN(o) & BIT(w)) && \
+            !(c_abort[L(w, o)] & BIT(cur[o])) && !(c_ack[L(w, o)] & BIT(cur[o])) -> \
+            c_abort[L(w, o)] = c_abort[L(w, o)] | BIT(cur[o]) }   /* retransmit */
 
 proctype Owner(byte o) {
 end:
     do
     OWNER_STEPS_W(o, 0)
     OWNER_STEPS_W(o, 1)
-    :: atomic { !dl[o] && cur[o] < NR && (c_abo[o] & BIT(cur[o])) ->
+    :: atomic { cur[o] < NR && (c_abo[o] & BIT(cur[o])) ->
             TAKE(c_abo[o], cur[o],
                 if
                 :: pstate[o] == P_FILLING -> o_abort(o)
@@ -320,12 +374,8 @@ end:
     :: atomic { pstate[o] == P_FILLING && dl[o] -> o_abort(o) }  /* decode timeout */
     :: atomic { pstate[o] == P_READY -> o_release(o) }   /* decode finished */
     :: atomic { pstate[o] == P_QUAR && RELEASABLE(o) -> o_release(o) }
-    :: atomic { pstate[o] == P_QUAR && !dl[o] -> o_send_abort(o, cur[o]) } /* retransmit */
-    :: atomic { pstate[o] == P_QUAR && dl[o] ->
-#ifndef MUTANT_RELEASE_WITHOUT_SEVER
-            o_sever(o, 0); o_sever(o, 1);
-#endif
-            o_release(o) }
+    :: atomic { pstate[o] == P_QUAR && dl[o] && !cut[o] ->   /* abort deadline */
+            cut[o] = 1; o_sever(o, 0); o_sever(o, 1) }
     od
 }
 
@@ -366,8 +416,8 @@ end:
 /* Owner 1 as an environment for owner 0. Page 0's safety depends on owner 1
  * only through what owner 1 sends and does, so owner 1 is replaced by a process
  * that may do any of it at any time: fan an abort out to owner 0 and to the
- * writers, and sever a writer's path into page 1 (which makes that writer's
- * later posts to page 1 fail). Page 1 stays request 0's and its writes land
+ * writers, and sever a writer (after which that writer's later posts to page 1
+ * may fail, a transfer failure, or go through). Page 1 stays request 0's and its writes land
  * there; its own protocol is the same as page 0's, checked with BOTH_OWNERS. */
 proctype OtherOwner() {
     bool aborted, cut0, cut1;
@@ -377,8 +427,21 @@ end:
             TO_OWNER(c_abo[0], 0, 0);
             c_abort[L(0, 1)] = c_abort[L(0, 1)] | BIT(0);
             c_abort[L(1, 1)] = c_abort[L(1, 1)] | BIT(0) }
-    :: atomic { aborted && !cut0 -> cut0 = 1; severed[L(0, 1)] = 1; inflight[L(0, 1)] = 0 }
-    :: atomic { aborted && !cut1 -> cut1 = 1; severed[L(1, 1)] = 1; inflight[L(1, 1)] = 0 }
+    :: atomic { aborted && !cut0 -> cut0 = 1; severed[L(0, 1)] = 1 }
+    :: atomic { aborted && !cut1 -> cut1 = 1; severed[L(1, 1)] = 1 }
+    od
+}
+#endif
+
+#ifdef CHECK_LIVENESS
+/* Time passes even when no other process can move. Under weak fairness pan does
+ * not extend a run that ends with every process blocked, so without this a stuck
+ * quarantine that blocks everything (a crashed writer that cannot be proven gone)
+ * would go unseen; with it that run is an infinite, fair one. */
+proctype Ticker() {
+end:
+    do
+    :: timeout -> skip        /* enabled only when every other process is blocked */
     od
 }
 #endif
@@ -417,7 +480,11 @@ init {
         run OtherOwner();
 #endif
         run Writer(0); run Writer(1);
-        run Network(); run Clock(); run FrontDoor()
+        run Network(); run Clock(); run FrontDoor();
+#ifdef CHECK_LIVENESS
+        run Ticker();
+#endif
+        skip
     }
 }
 

@@ -37,6 +37,7 @@ from kvferry.engine.pool import KVPool
 from kvferry.transfer.wire import Message
 
 from . import messages as m
+from .books import RankBooks
 from .runtime import RankRuntime
 
 log = logging.getLogger("kvferry.cluster")
@@ -93,10 +94,9 @@ class OwnedRequest:
 
 
 TOKEN_FLUSH = 16
-TOMBSTONE_S = 600.0
 
 
-class DecodeRank:
+class DecodeRank(RankBooks):
     def __init__(self, runtime: RankRuntime, model, pool: KVPool, router: int, *,
                  transfer_timeout_s: float, abort_deadline_s: float, integrity: bool = True,
                  unsafe: bool = False, release_on_sever: bool = False,
@@ -114,9 +114,7 @@ class DecodeRank:
         self.allocator = PageAllocator(pool.num_pages, unsafe=unsafe)
         self.canaries = CanaryTable(pool.num_pages)
         self.reqs: dict[str, OwnedRequest] = {}
-        self.tombstones: dict[str, float] = {}
-        self.integrity_failures = 0
-        self.allocations = 0
+        self._init_books()
         self.head_ranges: dict[int, tuple[int, int]] = {}
         runtime.set_handler(self.on_message)
 
@@ -385,15 +383,4 @@ class DecodeRank:
     def busy(self) -> bool:
         return any(r.state is OwnerState.DECODING for r in self.reqs.values())
 
-    def sweep(self) -> None:
-        cutoff = time.monotonic() - TOMBSTONE_S
-        for rid in [r for r, t in self.tombstones.items() if t < cutoff]:
-            del self.tombstones[rid]
 
-    def stats(self) -> dict:
-        counts = self.allocator.counts()
-        return dict(free=counts["free"], owned=counts["owned"],
-                    quarantined=counts["quarantined"],
-                    capacity_tokens=self.pool.capacity_tokens,
-                    integrity_failures=self.integrity_failures,
-                    allocations=self.allocations)

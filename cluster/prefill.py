@@ -36,6 +36,7 @@ from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
 from kvferry.transfer.wire import Message
 
 from . import messages as m
+from .books import RankBooks
 from .runtime import RankRuntime
 
 log = logging.getLogger("kvferry.cluster")
@@ -89,10 +90,9 @@ class WriteJob:
         self.state = new
 
 
-TOMBSTONE_S = 600.0
 
 
-class PrefillRank:
+class PrefillRank(RankBooks):
     def __init__(self, runtime: RankRuntime, model, pool: KVPool, segment: Segment,
                  head_range: tuple[int, int], router: int, unsafe: bool = False,
                  max_batch_bytes: int = 256 << 20, integrity: bool = True) -> None:
@@ -106,9 +106,7 @@ class PrefillRank:
         self.integrity = integrity and not unsafe
         self.allocator = PageAllocator(pool.num_pages)
         self.jobs: dict[str, WriteJob] = {}
-        self.tombstones: dict[str, float] = {}
-        self.integrity_failures = 0
-        self.allocations = 0
+        self._init_books()
         runs = pool.head_slice_runs(0, *head_range)
         self._run_offsets = np.array([off for off, _ in runs], dtype=np.int64)
         self._run_lengths = np.array([n for _, n in runs], dtype=np.int64)
@@ -239,26 +237,13 @@ class PrefillRank:
             job.held_timer = self.rt.call_later(mid[1], lambda: self._land_held(job))
             if not self._post_next(job):
                 return
-            self._reach_mid(job)
+            # The injected action at mid-transfer; a pause needs nothing more: the held
+            # half is in flight and lands on its own.
+            self._reach(job, "mid-transfer", lambda j: None)
             return
         job.queue = [triples[i:i + self._rows_per_batch]
                      for i in range(0, len(triples), self._rows_per_batch)]
         self._post_next(job)
-
-    def _reach_mid(self, job: WriteJob) -> None:
-        found = self.rt.faults.at("mid-transfer", job.text)
-        action = found[0] if found else "pause"
-        if action == "pause":
-            return           # the held half is in flight; it lands on its own
-        log.warning("fault: request %s: %s at mid-transfer", job.rid, action)
-        if action in ("fail-prefill", "fail-transfer"):
-            self._fail(job, action.split("-")[1], f"injected {action} at mid-transfer")
-        elif action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif action == "stop":
-            subprocess.Popen(["sh", "-c", f"sleep {found[1]}; kill -CONT {os.getpid()}"],
-                             start_new_session=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
 
     def _post_next(self, job: WriteJob) -> bool:
         """Post the next bounded batch of this job (one at a time, so an abort stops
@@ -418,22 +403,8 @@ class PrefillRank:
         self.rt.send(self.router, m.RELEASED, rid=job.rid, pages=len(freed), how=how)
 
     # -------------------------------------------------------------- housekeeping
-    def idle(self) -> bool:
-        return not self.jobs
-
     def in_flight(self) -> bool:
         """Some request is between its PREFILL/PLAN and its end here."""
         return bool(self.jobs)
 
-    def sweep(self) -> None:
-        cutoff = time.monotonic() - TOMBSTONE_S
-        for rid in [r for r, t in self.tombstones.items() if t < cutoff]:
-            del self.tombstones[rid]
 
-    def stats(self) -> dict:
-        counts = self.allocator.counts()
-        return dict(free=counts["free"], owned=counts["owned"],
-                    quarantined=counts["quarantined"],
-                    capacity_tokens=self.pool.capacity_tokens,
-                    integrity_failures=self.integrity_failures,
-                    allocations=self.allocations)

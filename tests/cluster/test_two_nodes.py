@@ -88,14 +88,7 @@ def test_request_served_across_two_namespaces(two_hosts, tmp_path):
              _node(ns_b, dev_b, 1, 1, master_port, http_port, logs[1])]
     url = f"http://127.0.0.1:{http_port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            status, body = _get(ns_a, url + "/health", timeout=3)
-            if status == 200:
-                break
-            assert all(n.poll() is None for n in nodes), (tmp_path / "node0.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "two-node cluster not healthy in 120 s"
-            time.sleep(0.5)
+        _wait_healthy(ns_a, url, nodes, tmp_path / "node0.log")
         prompt = make_prompt("@2n0de@", 500)
         status, body = _get(ns_a, url + "/v1/completions", {"prompt": prompt, "max_tokens": 500}, timeout=60)
         assert status == 200, body
@@ -105,16 +98,7 @@ def test_request_served_across_two_namespaces(two_hosts, tmp_path):
         node1_log = (tmp_path / "node1.log").read_text()
         assert "decode rank 2 ready" in node1_log
     finally:
-        for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGTERM)
-        for n in nodes:
-            try:
-                n.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(n.pid, signal.SIGKILL)
-        for f in logs:
-            f.close()
+        _stop(nodes, logs)
 
 
 def _wait_healthy(ns: str, url: str, nodes, log_path) -> None:

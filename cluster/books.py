@@ -1,0 +1,35 @@
+"""What every worker rank keeps besides its live requests.
+
+Tombstones: request ids that reached a terminal state here, so that a late message for one
+of them (a PREFILL, PLAN, ASSIGN or NOTICE overtaken by its ABORT) never brings it back
+(I2). They are swept after ``TOMBSTONE_S``, far past any request deadline.
+"""
+
+from __future__ import annotations
+
+import time
+
+TOMBSTONE_S = 600.0
+
+
+class RankBooks:
+    """Mixed into PrefillRank and DecodeRank, which set ``allocator`` and ``pool``."""
+
+    def _init_books(self) -> None:
+        self.tombstones: dict[str, float] = {}
+        self.integrity_failures = 0
+        self.allocations = 0
+
+    def sweep(self) -> None:
+        cutoff = time.monotonic() - TOMBSTONE_S
+        for rid in [r for r, t in self.tombstones.items() if t < cutoff]:
+            del self.tombstones[rid]
+
+    def stats(self) -> dict:
+        """Pool figures for the router's /metrics and /status (I3, I6)."""
+        counts = self.allocator.counts()
+        return dict(free=counts["free"], owned=counts["owned"],
+                    quarantined=counts["quarantined"],
+                    capacity_tokens=self.pool.capacity_tokens,
+                    integrity_failures=self.integrity_failures,
+                    allocations=self.allocations)

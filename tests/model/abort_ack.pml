@@ -124,7 +124,7 @@ byte c_abo[NO];         /* anyone -> o  abort notice */
 /* Take bit r of channel c: consume it, or leave it for a later duplicate, or
  * lose it. Only destinations are left for duplicates: every other handler is
  * idempotent, and a duplicate ABORT is indistinguishable from the owner's own
- * retransmission, which the model already makes at any time. */
+ * re-send, which the model makes whenever it could change anything. */
 #define TAKE_DUP(c, r, handle) \
     if \
     :: c = c & ~BIT(r); handle \

@@ -23,10 +23,12 @@ Upholds:
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvferry.engine.admission import pages_needed
@@ -87,6 +89,11 @@ class OwnedRequest:
     @property
     def pages(self) -> list[int]:
         return [g.page for g in self.grants]
+
+    @functools.cached_property
+    def page_row(self) -> np.ndarray:
+        """The request's page table row (int32), built once."""
+        return np.asarray(self.pages, dtype=np.int32)
 
     def writers_done(self) -> bool:
         """Every writer either noticed (after its flush) or acked an abort (after its flush)."""
@@ -216,14 +223,15 @@ class DecodeRank(RankBooks):
             return False
         device = self.pool.kv.device
         width = max(len(r.grants) for r in batch)
-        table = torch.empty(len(batch), width, dtype=torch.int32)
+        table = np.empty((len(batch), width), dtype=np.int32)
         for i, r in enumerate(batch):
-            pages = r.pages
-            table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            table[i, len(pages):] = pages[0]
+            pages = r.page_row
+            table[i, :len(pages)] = pages
+            table[i, len(pages):] = pages[0]   # padding, never read past seq_len
         positions = torch.tensor([r.prompt_len - 1 + len(r.generated) for r in batch])
         inputs = torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch])
         prompt_lens = torch.tensor([r.prompt_len for r in batch])
+        table = torch.from_numpy(table)
         if self.rt.faults.decode_delay_s:
             time.sleep(self.rt.faults.decode_delay_s)
         with torch.no_grad():

@@ -167,8 +167,8 @@ class PrefillRank(RankBooks):
     def _maybe_write(self, job: WriteJob) -> None:
         if job.state is not WriterState.WAITING or job.tokens is None or job.dst_pages is None:
             return
-        if job.text is None:
-            job.text = detokenize(job.tokens.tolist())
+        if job.text is None:   # only fault hooks read the prompt as text
+            job.text = detokenize(job.tokens.tolist()) if self.rt.faults.enabled else ""
         if len(job.dst_pages) < len(job.src_pages):
             self._fail(job, "prefill", f"plan holds {len(job.dst_pages)} pages but the prompt "
                                        f"of {len(job.tokens)} tokens needs {len(job.src_pages)}")

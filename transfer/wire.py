@@ -97,7 +97,9 @@ def _check_value(kind: str, name: str, spec: Field, value: Any) -> None:
             raise bad(f"expected a list of int, got {type(value).__name__}")
         if len(value) > spec.limit():
             raise bad(f"{len(value)} items exceed the limit {spec.limit()}")
-        if not all(_is_int(v) and INT64_MIN <= v <= INT64_MAX for v in value):
+        # type() is int excludes bool; min/max bound the range in C, not per item in Python
+        if value and not (all(type(v) is int for v in value)
+                          and INT64_MIN <= min(value) and max(value) <= INT64_MAX):
             raise bad("expected every item to be an int64")
     elif t is FieldType.STR_LIST:
         if not isinstance(value, (list, tuple)):
@@ -112,10 +114,12 @@ def _check_value(kind: str, name: str, spec: Field, value: Any) -> None:
 
 @dataclass(frozen=True)
 class Message:
-    """A decoded (or to-be-encoded) message: its kind and its field values."""
+    """A decoded (or to-be-encoded) message: its kind and its field values. ``checked`` is
+    set by :meth:`MessageKind.make` and by decoding, so encoding does not check twice."""
 
     kind: str
     fields: Mapping[str, Any]
+    checked: bool = field(default=False, compare=False, repr=False)
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
@@ -152,7 +156,7 @@ class MessageKind:
         return out
 
     def make(self, /, **values: Any) -> Message:
-        return Message(self.name, self.validate(values))
+        return Message(self.name, self.validate(values), checked=True)
 
 
 @dataclass
@@ -175,7 +179,7 @@ class Codec:
         mk = self.kinds.get(msg.kind)
         if mk is None:
             raise WireError(f"{self.protocol}: cannot encode unknown kind {msg.kind!r}")
-        values = mk.validate(msg.fields)
+        values = msg.fields if msg.checked else mk.validate(msg.fields)
         data = msgpack.packb([self.protocol, self.version, msg.kind, values], use_bin_type=True)
         if len(data) > self.max_bytes:
             raise WireError(f"{self.protocol}.{msg.kind}: {len(data)} bytes exceed the "
@@ -214,4 +218,4 @@ class Codec:
             raise WireError(f"{self.protocol}: unknown kind {str(kind)[:40]!r}")
         if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
             raise WireError(f"{self.protocol}.{kind}: fields must be a map with str keys")
-        return Message(kind, self.kinds[kind].validate(values))
+        return Message(kind, self.kinds[kind].validate(values), checked=True)

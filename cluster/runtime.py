@@ -30,6 +30,7 @@ from .rendezvous import RankCard
 log = logging.getLogger("kvferry.cluster")
 
 DEDUP_WINDOW = 4096
+DRAIN_S = 0.2   # progress after a writer's death before its quarantined pages are released
 
 
 @dataclass
@@ -79,6 +80,7 @@ class RankRuntime:
         self._seen: dict[int, OrderedDict[tuple[int, int], None]] = {}
         self._severed: dict[int, int] = {}           # rank -> incarnation severed
         self._severed_peers: dict[int, Peer] = {}    # control-only endpoints to severed ranks
+        self._gone_since: dict[int, float] = {}     # rank -> when its process was seen gone
         self._watches: list[tuple[Batch, Callable[[Batch], None]]] = []
         self._timers: list[_Timer] = []
         self._timer_order = itertools.count()
@@ -153,11 +155,17 @@ class RankRuntime:
     def write_path_closed(self, rank: int) -> bool:
         """True when no write from ``rank`` can land any more without its ack: its process
         is gone (checked when it runs on this host; a remote rank's death cannot be proven
-        from here, so its pages stay quarantined until it acks)."""
+        from here, so its pages stay quarantined until it acks), and we have kept driving
+        our worker for ``DRAIN_S`` since: over tcp our worker applies puts it already
+        received, so bytes still in our socket buffer when the writer died are consumed
+        (applied into quarantined pages) before the release."""
         card = self.cards[rank]
         if card.host != self.cards[self.rank].host:
             return False
-        return process_gone(card.pid)
+        if not process_gone(card.pid):
+            return False
+        seen = self._gone_since.setdefault(rank, time.monotonic())
+        return time.monotonic() - seen >= DRAIN_S
 
     # ------------------------------------------------------------------ sending
     def _fill(self, kind: MessageKind, fields: dict) -> bytes:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run one node of a multi-node kvferry cluster in the foreground (torchrun, c10d rendezvous).
+# Run one node of a multi-node kvferry cluster in the foreground (torchrun, static rendezvous
+# through node 0's store: global ranks follow node order, so the router is on node 0).
 #
 #   scripts/serve-node.sh --nnodes N --node-rank R --rdzv-endpoint HOST:PORT [--nproc K] [-- SERVE OPTIONS...]
 #
@@ -11,7 +12,7 @@
 # Start the same command on every node; options after -- (the same on every node) go to the
 # ranks, e.g. `-- --transports tcp --host 0.0.0.0 --port 8000`. See `kvferry serve --help`.
 set -euo pipefail
-case "${1:-}" in -h|--help|"") sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; [ -n "${1:-}" ] && exit 0 || exit 2;; esac
+case "${1:-}" in -h|--help|"") sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; [ -n "${1:-}" ] && exit 0 || exit 2;; esac
 nnodes=""; node_rank=""; endpoint=""; nproc=2; rdzv_id=kvferry; serve_args=()
 while [ $# -gt 0 ]; do
     case "$1" in

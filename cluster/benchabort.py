@@ -22,13 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from .faultsuite import Cluster, _post, start
+from .faultsuite import post, start
+from .localcluster import LocalCluster
 from .workload import make_prompt
 
 TAG = "~abort-bench~"
 
 
-def _wait_idle(cluster: Cluster, timeout_s: float = 10.0) -> None:
+def _wait_idle(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while cluster.held() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -45,13 +46,13 @@ def _summary(values: list[float]) -> dict:
     return {"count": len(v), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": v[-1]}
 
 
-def run_case(cluster: Cluster, case: str, n: int, seed: int) -> tuple[dict, dict]:
+def run_case(cluster: LocalCluster, case: str, n: int, seed: int) -> tuple[dict, dict]:
     """Samples after ``WARMUP`` requests (the first ones also open the endpoints)."""
     rng = random.Random(seed)
     samples_before = 0
     for i in range(n + WARMUP):
         if i == WARMUP:
-            _, st = cluster.call("GET", "/status")
+            st = cluster.status()
             samples_before = len(st["abort_release"]["recent"])
         marker = "@" + f"{(seed * 31 + i) & 0xFFFFF:05x}" + "@"
         if case == "quarantined":
@@ -60,9 +61,9 @@ def run_case(cluster: Cluster, case: str, n: int, seed: int) -> tuple[dict, dict
         else:
             prompt = make_prompt(marker, 256)
             cancel = rng.uniform(0.0, 0.03) + 0.001
-        _post(cluster, prompt, 256, cancel)
+        post(cluster, prompt, 256, cancel)
         _wait_idle(cluster)
-    _, st = cluster.call("GET", "/status")
+    st = cluster.status()
     recent = st["abort_release"]["recent"][samples_before:]
     return (_summary([ms for _, ms in recent]),
             _summary([ms for how, ms in recent if how != "freed"]))

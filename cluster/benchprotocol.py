@@ -174,10 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         events.clear()
         t0 = time.perf_counter()
         for rid in rids:
-            rt.send(1, m.PREFILL, rid=rid, tokens=tokens, owner=2, owner_inc=cards[2].incarnation,
-                    deadline_ms=30000)
+            rt.send(1, m.PREFILL, rid=rid, tokens=tokens, owner=2, owner_inc=cards[2].incarnation)
             rt.send(2, m.ASSIGN, rid=rid, prompt_len=args.pages * PAGE_SIZE, max_tokens=1,
-                    writers=[1], last_token=0, deadline_ms=30000)
+                    writers=[1], last_token=0)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             rt.pump(0.0005)

@@ -114,7 +114,7 @@ class DecodeRank(RankBooks):
         self.router = router
         self.transfer_timeout_s = transfer_timeout_s
         self.abort_deadline_s = abort_deadline_s
-        self.integrity = integrity and not unsafe
+        self.integrity = integrity and not unsafe   # checksums and canaries
         self.unsafe = unsafe
         self.max_batch = max_batch
         self.release_on_sever = release_on_sever
@@ -178,7 +178,7 @@ class DecodeRank(RankBooks):
 
     def _verify_and_start(self, req: OwnedRequest) -> None:
         try:
-            if self.integrity:
+            if not self.unsafe:
                 self._verify(req)
         except IntegrityError as exc:
             self.integrity_failures += 1
@@ -189,24 +189,41 @@ class DecodeRank(RankBooks):
         req.move(OwnerState.DECODING)
 
     def _verify(self, req: OwnedRequest) -> None:
+        """I5 for every writer's notice: the prompt's length, exactly the pages the prompt
+        needs (this request's pages and generations, in order) and the bytes those pages
+        hold for the writer's heads; then, unless integrity checks are off, the canaries
+        and the checksums of what landed."""
+        need = pages_needed(req.prompt_len, 0, self.pool.page_size)
+        mine = req.grants[:need]
         for w in req.writers:
             notice = req.notices[w]
             check_transferred_length(req.rid, req.prompt_len, notice.tokens)
-            n = len(notice.pages)
-            mine = req.grants[:n]
             if (list(notice.pages) != [g.page for g in mine]
                     or list(notice.generations) != [g.generation for g in mine]):
-                raise IntegrityError(req.rid, f"writer rank {w} wrote pages {list(notice.pages)[:8]} "
-                                              f"generations {list(notice.generations)[:8]}, expected "
+                raise IntegrityError(req.rid, f"writer rank {w} wrote {len(notice.pages)} pages "
+                                              f"{list(notice.pages)[:8]} generations "
+                                              f"{list(notice.generations)[:8]}; the prompt of "
+                                              f"{req.prompt_len} tokens needs {need}: "
                                               f"{[(g.page, g.generation) for g in mine][:8]}")
+            lo, hi = self._head_range(w, req.writers)
+            slice_bytes = self.pool.kv[0, :, :, lo:hi].numel() * self.pool.kv.element_size()
+            if notice.bytes != need * slice_bytes:
+                raise IntegrityError(req.rid, f"writer rank {w} posted {notice.bytes} bytes; "
+                                              f"{need} pages of heads [{lo}, {hi}) hold "
+                                              f"{need * slice_bytes}")
+            if not self.integrity:
+                continue
             bad = self.canaries.mismatched(notice.pages, expected_canaries(req.rid, mine))
             if bad:
                 raise IntegrityError(req.rid, f"canary mismatch on pages {bad[:8]}")
-            lo, hi = self._head_range(w, req.writers)
-            got = page_checksums(self.pool.kv[:, :, :, lo:hi], notice.pages).tolist()
-            bad = [p for p, a, b in zip(notice.pages, got, notice.checksums) if a != b]
-            if bad or len(got) != len(notice.checksums):
-                raise IntegrityError(req.rid, f"checksum mismatch on {len(bad)} of {n} pages "
+            got = page_checksums(self.pool.kv[:, :, :, lo:hi], notice.pages).cpu()
+            want = torch.tensor(notice.checksums, dtype=torch.int64)
+            if got.shape != want.shape:
+                raise IntegrityError(req.rid, f"writer rank {w} sent {want.numel()} checksums "
+                                              f"for {got.numel()} pages")
+            bad = [notice.pages[i] for i in (got != want).nonzero().flatten().tolist()]
+            if bad:
+                raise IntegrityError(req.rid, f"checksum mismatch on {len(bad)} of {need} pages "
                                               f"written by rank {w} (first: {bad[:4]})")
 
     def _head_range(self, writer: int, writers: list[int]) -> tuple[int, int]:
@@ -367,7 +384,7 @@ class DecodeRank(RankBooks):
             pages = self.allocator.release(req.rid)
         else:
             pages = self.allocator.free(req.rid)
-        req.state = OwnerState.CLOSED
+        req.move(OwnerState.CLOSED)
         self.reqs.pop(req.rid, None)
         self.tombstones[req.rid] = time.monotonic()
         abort_ms = None

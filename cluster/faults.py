@@ -8,8 +8,8 @@ Each hook is one ``--fault`` string; a rank applies the hooks that name its role
     reorder:KIND              hold one outgoing KIND back and send it after the next one
     corrupt-page:MARKER       a writer corrupts a source page of any request whose prompt
                               contains MARKER, after computing its checksums
-    stall-write:MARKER:SECONDS  a writer waits this long before posting the pages of a
-                              request whose prompt contains MARKER
+    short-write:MARKER        a writer writes and notices only the first page of such a
+                              request's prompt, claiming the whole prompt's length
     decode-delay:SECONDS      a decode rank sleeps this long in every decode step (a slow
                               decoder, so that a late write can land while it still reads)
     at:POINT:ACTION:MARKER[:SECONDS]
@@ -24,9 +24,9 @@ Each hook is one ``--fault`` string; a rank applies the hooks that name its role
                               fail-prefill, fail-transfer, kill (SIGKILL itself),
                               stop (SIGSTOP itself, SIGCONT after SECONDS).
 
-The hooks sit where messages leave a rank (:meth:`FaultPlan.on_send`), where they are
-delivered (:meth:`FaultPlan.on_receive`) and where a writer posts pages; the protocol
-logic never looks at them.
+The hooks sit where messages leave a rank (:meth:`FaultPlan.on_send`, applied to every
+message by ``RankRuntime``), where a writer reaches a protocol point and where it posts
+pages; the protocol logic never looks at them.
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ class FaultPlan:
     delay: dict[str, float] = field(default_factory=dict)
     reorder: set[str] = field(default_factory=set)
     corrupt_marker: str | None = None
-    stall_marker: str | None = None
-    stall_s: float = 0.0
+    short_marker: str | None = None
     points: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
     decode_delay_s: float = 0.0
     seed: int = 0
@@ -80,8 +79,8 @@ class FaultPlan:
                     plan.reorder.add(parts[1])
                 elif what == "corrupt-page":
                     plan.corrupt_marker = parts[1]
-                elif what == "stall-write":
-                    plan.stall_marker, plan.stall_s = parts[1], float(parts[2])
+                elif what == "short-write":
+                    plan.short_marker = parts[1]
                 elif what == "decode-delay":
                     plan.decode_delay_s = float(parts[1])
                 elif what == "at":
@@ -103,7 +102,7 @@ class FaultPlan:
     @property
     def enabled(self) -> bool:
         return bool(self.drop or self.duplicate or self.delay or self.reorder
-                    or self.corrupt_marker or self.stall_marker or self.points
+                    or self.corrupt_marker or self.short_marker or self.points
                     or self.decode_delay_s)
 
     def at(self, point: str, text: str) -> tuple[str, float] | None:
@@ -131,11 +130,8 @@ class FaultPlan:
             out.append(held)
         return out
 
-    def on_receive(self, msg):
-        return [msg]
-
     def corrupts(self, text: str) -> bool:
         return self.corrupt_marker is not None and self.corrupt_marker in text
 
-    def stall_for(self, text: str) -> float:
-        return self.stall_s if self.stall_marker is not None and self.stall_marker in text else 0.0
+    def short_writes(self, text: str) -> bool:
+        return self.short_marker is not None and self.short_marker in text

@@ -35,18 +35,16 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import localcluster
+from .localcluster import LocalCluster
 from .workload import MARKER_RE, expected_replay, make_prompt
 
 CONTEXT = 2048
@@ -114,95 +112,13 @@ def scenarios() -> list[Scenario]:
 
 
 # ------------------------------------------------------------------ cluster handling
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Cluster:
-    proc: subprocess.Popen
-    url: str
-    log: Path
-
-    def call(self, method: str, path: str, body: dict | None = None,
-             timeout: float = REQUEST_TIMEOUT + 10) -> tuple[int, dict]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            try:
-                return exc.code, json.loads(raw)
-            except json.JSONDecodeError:
-                return exc.code, {"raw": raw.decode(errors="replace")}
-
-    def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
-        return out
-
-    def held(self) -> int:
-        """Pages owned or quarantined on any healthy rank (a crashed rank's pool is gone)."""
-        _, st = self.call("GET", "/status", timeout=10)
-        dead = {str(r) for r in st.get("unhealthy", {})}
-        used = sum(r.get("owned", 0) + r.get("quarantined", 0)
-                   for rank, r in st["ranks"].items() if rank not in dead)
-        held = sum(n for rank, n in st["held_pages"].items() if rank not in dead)
-        return max(used, held)
-
-    def quiesce(self, timeout_s: float) -> int:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            held = self.held()
-            if held == 0 or time.monotonic() > deadline:
-                return held
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-
-
-def start(nproc: int, args: list[str], log_dir: Path, startup_s: float = 120.0) -> Cluster:
-    port = _free_port()
-    log = log_dir / f"cluster-{port}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "kvferry.cluster.launch", "--port", str(port),
-           "--context-length", str(CONTEXT), "--pool-tokens", "16384",
-           "--transfer-timeout", str(TRANSFER_TIMEOUT), "--abort-deadline", str(ABORT_DEADLINE),
-           "--request-timeout", str(REQUEST_TIMEOUT), *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    cluster = Cluster(proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + startup_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"cluster exited during start-up: {log.read_text()[-2000:]}")
-        try:
-            if cluster.call("GET", "/health", timeout=2)[0] == 200:
-                return cluster
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            cluster.stop()
-            raise RuntimeError(f"cluster not healthy within {startup_s} s: {log.read_text()[-2000:]}")
-        time.sleep(0.3)
+def start(nproc: int, args: list[str], log_dir: Path) -> LocalCluster:
+    """A local cluster with the suite's context, pool and deadlines; ``args`` come after
+    them, so a group may override one."""
+    return localcluster.start(nproc, [
+        "--context-length", str(CONTEXT), "--pool-tokens", "16384",
+        "--transfer-timeout", str(TRANSFER_TIMEOUT), "--abort-deadline", str(ABORT_DEADLINE),
+        "--request-timeout", str(REQUEST_TIMEOUT), *args], log_dir)
 
 
 # ------------------------------------------------------------------ one scenario
@@ -231,12 +147,11 @@ def _marker(i: int, salt: int) -> str:
     return "@" + f"{(salt * 7919 + i * 104729) & 0xFFFFF:05x}" + "@"
 
 
-def _post(cluster: Cluster, prompt: str, max_tokens: int, cancel_after: float | None) -> tuple[int | None, dict, float]:
+def post(cluster: LocalCluster, prompt: str, max_tokens: int, cancel_after: float | None) -> tuple[int | None, dict, float]:
     t0 = time.monotonic()
     timeout = cancel_after if cancel_after is not None else REQUEST_TIMEOUT + 10
     try:
-        status, body = cluster.call("POST", "/v1/completions",
-                                    {"prompt": prompt, "max_tokens": max_tokens}, timeout=timeout)
+        status, body = cluster.complete(prompt, max_tokens, timeout=timeout)
     except (TimeoutError, socket.timeout, urllib.error.URLError) as exc:
         if cancel_after is None:
             return None, {"error": f"client: {exc}"}, time.monotonic() - t0
@@ -244,7 +159,7 @@ def _post(cluster: Cluster, prompt: str, max_tokens: int, cancel_after: float | 
     return status, body, time.monotonic() - t0
 
 
-def run_scenario(cluster: Cluster, sc: Scenario, unsafe: bool, index: int) -> Outcome:
+def run_scenario(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) -> Outcome:
     out = Outcome(sc.name, unsafe)
     t0 = time.monotonic()
     mark_a, mark_b = _marker(2 * index, index + 1), _marker(2 * index + 1, index + 1)
@@ -253,7 +168,7 @@ def run_scenario(cluster: Cluster, sc: Scenario, unsafe: bool, index: int) -> Ou
     prompt_b = make_prompt(mark_b, PROMPT)
     before = cluster.metrics()
     try:
-        out.a_status, body_a, took_a = _post(cluster, prompt_a,
+        out.a_status, body_a, took_a = post(cluster, prompt_a,
                                              sc.max_tokens if sc.source != "admission" else 8,
                                              sc.cancel_after)
     except (ConnectionError, urllib.error.URLError, http.client.HTTPException) as exc:
@@ -279,7 +194,7 @@ def run_scenario(cluster: Cluster, sc: Scenario, unsafe: bool, index: int) -> Ou
         time.sleep(ABORT_DEADLINE + 0.3)
     elif sc.source != "admission":
         time.sleep(0.3)
-    out.b_status, body_b, took_b = _post(cluster, prompt_b, b_tokens, None)
+    out.b_status, body_b, took_b = post(cluster, prompt_b, b_tokens, None)
     if out.b_status != 200:
         out.problems.append(f"B: expected 200, got {out.b_status}: {str(body_b)[:200]}")
     elif body_b.get("text") != expected_replay(prompt_b, b_tokens):
@@ -300,7 +215,7 @@ def run_scenario(cluster: Cluster, sc: Scenario, unsafe: bool, index: int) -> Ou
     return out
 
 
-def _after_crash(cluster: Cluster, out: Outcome, t0: float) -> Outcome:
+def _after_crash(cluster: LocalCluster, out: Outcome, t0: float) -> Outcome:
     """A writer died mid-transfer. torchrun stops the whole group when a rank dies, so the
     check is: A was not answered 200, and the group (front door included) is gone within
     its deadline: no rank is left that could read or hand out A's pages."""

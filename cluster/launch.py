@@ -181,7 +181,7 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
         else:
             handler(msg)
     runtime.set_handler(on_message)
-    _stats_sender(runtime, worker, router, cards_context(runtime))()
+    _stats_sender(runtime, worker, router, runtime.cards[runtime.rank].context_length)()
     log.info("%s rank %d ready", role.value, runtime.rank)
     while not stop.stop:
         busy = role is Role.DECODE and worker.busy()
@@ -223,10 +223,6 @@ def batch_bound(abort_deadline_s: float) -> int:
     log.info("write batches bounded to %.1f MiB: measured copy bandwidth %.2f GB/s x abort "
              "deadline %.1f s / 10", bound / (1 << 20), gbps, abort_deadline_s)
     return bound
-
-
-def cards_context(runtime: RankRuntime) -> int:
-    return runtime.cards[runtime.rank].context_length
 
 
 async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int, RankCard],

@@ -35,15 +35,13 @@ PREFILL = CODEC.kind(
     "PREFILL", **_HEADER, rid=_RID,
     tokens=Field(FieldType.BYTES, max_len=4 * MAX_TOKENS_PER_MESSAGE),  # int32 little-endian
     owner=Field(FieldType.INT),
-    owner_inc=Field(FieldType.UINT64),
-    deadline_ms=Field(FieldType.INT))
+    owner_inc=Field(FieldType.UINT64))
 ASSIGN = CODEC.kind(
     "ASSIGN", **_HEADER, rid=_RID,
     prompt_len=Field(FieldType.INT),
     max_tokens=Field(FieldType.INT),
     writers=Field(FieldType.INT_LIST, max_len=256),
-    last_token=Field(FieldType.INT),            # decode's first input (see engine.models)
-    deadline_ms=Field(FieldType.INT))
+    last_token=Field(FieldType.INT))            # decode's first input (see engine.models)
 PLAN = CODEC.kind(
     "PLAN", **_HEADER, rid=_RID,
     pages=Field(FieldType.INT_LIST, max_len=MAX_PAGES_PER_MESSAGE),
@@ -54,8 +52,7 @@ NOTICE = CODEC.kind(
     pages=Field(FieldType.INT_LIST, max_len=MAX_PAGES_PER_MESSAGE),
     generations=Field(FieldType.INT_LIST, max_len=MAX_PAGES_PER_MESSAGE),
     checksums=Field(FieldType.INT_LIST, max_len=MAX_PAGES_PER_MESSAGE),
-    first_token=Field(FieldType.INT),
-    bytes=Field(FieldType.INT))
+    bytes=Field(FieldType.INT))               # bytes the writer posted (checked by the owner)
 TOKENS = CODEC.kind(
     "TOKENS", **_HEADER, rid=_RID,
     tokens=Field(FieldType.INT_LIST, max_len=MAX_TOKENS_PER_MESSAGE))

@@ -75,7 +75,8 @@ class WriteJob:
     state: WriterState = WriterState.WAITING
     text: str | None = None                # the prompt as text (fault hooks match on it)
     posted_bytes: int = 0
-    timer: object | None = None            # a stall or a pause at a protocol point
+    sent_pages: int = 0                    # prompt pages written (all, unless a fault)
+    timer: object | None = None            # an injected pause at a protocol point
     queue: list[np.ndarray] = field(default_factory=list)   # batches not yet posted
     outstanding: int = 0                   # posted batches not yet settled
     held: np.ndarray | None = None         # injected fault: pages in flight, not landed
@@ -173,11 +174,6 @@ class PrefillRank(RankBooks):
             self._fail(job, "prefill", f"plan holds {len(job.dst_pages)} pages but the prompt "
                                        f"of {len(job.tokens)} tokens needs {len(job.src_pages)}")
             return
-        stall = self.rt.faults.stall_for(job.text)
-        if stall > 0:
-            log.warning("fault: request %s: stalling its writes for %.2f s", job.rid, stall)
-            job.timer = self.rt.call_later(stall, lambda: self._reach(job, "before-write", self._post_writes))
-            return
         self._reach(job, "before-write", self._post_writes)
 
     def _reach(self, job: WriteJob, point: str, then) -> None:
@@ -205,8 +201,8 @@ class PrefillRank(RankBooks):
 
     def _triples(self, job: WriteJob) -> np.ndarray:
         pb = self.pool.page_bytes
-        src = np.asarray(job.src_pages, dtype=np.int64)
-        dst = np.asarray(job.dst_pages[:len(job.src_pages)], dtype=np.int64)
+        src = np.asarray(job.src_pages[:job.sent_pages], dtype=np.int64)
+        dst = np.asarray(job.dst_pages[:len(src)], dtype=np.int64)
         local = (src[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
         remote = (dst[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
         lengths = np.broadcast_to(self._run_lengths, (len(src), len(self._run_lengths))).reshape(-1)
@@ -221,6 +217,12 @@ class PrefillRank(RankBooks):
             self.pool.kv[job.src_pages[0], 0, 1, self.heads[0], 0, :].neg_()
             log.warning("fault: request %s: corrupted the first token's values in source "
                         "page %d after its checksum", job.rid, job.src_pages[0])
+        job.sent_pages = len(job.src_pages)
+        if self.rt.faults.short_writes(job.text):
+            # The incident's shape: a 1-page stub written and noticed for a whole prompt.
+            job.sent_pages = 1
+            log.warning("fault: request %s: writing 1 of its %d prompt pages", job.rid,
+                        len(job.src_pages))
         triples = self._triples(job)
         job.posted_bytes = int(triples[:, 2].sum())
         job.move(WriterState.WRITING)
@@ -319,9 +321,9 @@ class PrefillRank(RankBooks):
             return
         notice = self.rt.notify(
             job.owner, m.NOTICE, rid=job.rid, tokens=len(job.tokens),
-            pages=job.dst_pages[:len(job.src_pages)],
-            generations=job.dst_generations[:len(job.src_pages)],
-            checksums=job.checksums, first_token=-1, bytes=job.posted_bytes)
+            pages=job.dst_pages[:job.sent_pages],
+            generations=job.dst_generations[:job.sent_pages],
+            checksums=job.checksums[:job.sent_pages], bytes=job.posted_bytes)
         if notice is None:
             self._fail(job, "transfer", f"notice to rank {job.owner} could not be sent")
             return

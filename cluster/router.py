@@ -129,7 +129,6 @@ class Router:
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
         self._rr = itertools.count()
-        self.completed_bytes = 0
         self.abort_release_ms: deque[tuple[str, float]] = deque(maxlen=100_000)
         metrics.context_length.set(self.context_length)
         runtime.set_handler(self.on_message)
@@ -204,14 +203,13 @@ class Router:
         self.ledger.reserve(owner, rid, need)
         for w in writers:
             self.ledger.reserve(w, rid, pages_needed(len(tokens), 0, self.page_size))
-        deadline_ms = int(self.request_timeout_s * 1000)
         packed = np.asarray(tokens, dtype="<i4").tobytes()
         req.transition(S.PREFILLING)
         for w in writers:
             self.rt.send(w, m.PREFILL, rid=rid, tokens=packed, owner=owner,
-                         owner_inc=self.cards[owner].incarnation, deadline_ms=deadline_ms)
+                         owner_inc=self.cards[owner].incarnation)
         self.rt.send(owner, m.ASSIGN, rid=rid, prompt_len=len(tokens), max_tokens=max_tokens,
-                     writers=writers, last_token=tokens[-1], deadline_ms=deadline_ms)
+                     writers=writers, last_token=tokens[-1])
         routed.deadline_timer = asyncio.get_running_loop().call_later(
             self.request_timeout_s, lambda: self.abort(rid, "deadline",
                                                        f"no answer within {self.request_timeout_s:.1f} s"))

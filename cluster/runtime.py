@@ -175,30 +175,43 @@ class RankRuntime:
     def send(self, rank: int, kind: MessageKind, **fields) -> Batch | None:
         """Post a control message to ``rank``; a failure is counted, logged and reported to
         ``on_send_failure`` (never raised: the protocol's deadlines take over)."""
-        data = self._fill(kind, fields)
+        return self._deliver(rank, kind.name, self._fill(kind, fields), flushed=False)
+
+    def notify(self, rank: int, kind: MessageKind, **fields) -> Batch | None:
+        """Flush every earlier write to ``rank``, then deliver the message. The batch
+        returned completes once the flush (and the send) did."""
+        return self._deliver(rank, kind.name, self._fill(kind, fields), flushed=True)
+
+    def _deliver(self, rank: int, kind: str, data: bytes, flushed: bool) -> Batch | None:
+        """The fault seam: what the network does with one outgoing message (dropped,
+        duplicated, delayed, held back) is decided here, for every message alike. A flush
+        asked for still happens at once: losing a notice does not unflush the writes."""
         first = None
-        for payload, delay in self.faults.on_send(kind.name, rank, data):
+        for payload, delay in self.faults.on_send(kind, rank, data):
             if delay > 0:
-                self.call_later(delay, lambda p=payload: self._post(rank, kind.name, p))
+                self.call_later(delay, lambda p=payload: self._post(rank, kind, p, flushed))
             else:
-                first = first or self._post(rank, kind.name, payload)
+                first = first or self._post(rank, kind, payload, flushed)
+        if first is None and flushed:
+            first = self._guarded(rank, kind, lambda peer: self.engine.quiesce(peer))
         return first
 
     def _post(self, rank: int, kind: str, payload: bytes, flushed: bool = False) -> Batch | None:
-        try:
-            peer = self.peer(rank, severed_ok=(kind == "ABORT"))
-            batch = self.engine.notify(peer, payload) if flushed else self.engine.send(peer, payload)
+        def post(peer: Peer) -> Batch:
+            return self.engine.notify(peer, payload) if flushed else self.engine.send(peer, payload)
+        batch = self._guarded(rank, kind, post)
+        if batch is not None:
             self.counters.sent += 1
-            return batch
+        return batch
+
+    def _guarded(self, rank: int, kind: str, op) -> Batch | None:
+        try:
+            return op(self.peer(rank, severed_ok=(kind == "ABORT")))
         except (TransferError, OSError) as exc:
             self.counters.send_failures += 1
             log.warning("rank %d: %s to rank %d failed: %s", self.rank, kind, rank, exc)
             self.on_send_failure(rank, exc)
             return None
-
-    def notify(self, rank: int, kind: MessageKind, **fields) -> Batch | None:
-        """Flush every earlier write to ``rank``, then deliver the message."""
-        return self._post(rank, kind.name, self._fill(kind, fields), flushed=True)
 
     def write(self, rank: int, local: Segment, pages) -> Batch:
         """One-sided write of (local offset, remote offset, length) triples into ``rank``'s
@@ -240,8 +253,7 @@ class RankRuntime:
         if len(seen) > DEDUP_WINDOW:
             seen.popitem(last=False)
         self.counters.received += 1
-        for delivered in self.faults.on_receive(msg):
-            self._handler(delivered)
+        self._handler(msg)
 
     # ------------------------------------------------------------------ batches, timers
     def watch(self, batch: Batch, callback: Callable[[Batch], None]) -> None:

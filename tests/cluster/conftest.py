@@ -1,9 +1,9 @@
-"""Fixtures for the cluster tests (see cluster_harness.py)."""
+"""Fixtures for the cluster tests: real local clusters (kvferry.cluster.localcluster)."""
 from __future__ import annotations
 
 import pytest
 
-from cluster_harness import LocalCluster, start_cluster
+from kvferry.cluster.localcluster import LocalCluster, start
 
 
 @pytest.fixture
@@ -11,7 +11,7 @@ def cluster_factory(tmp_path):
     started: list[LocalCluster] = []
 
     def make(nproc: int, *args: str) -> LocalCluster:
-        c = start_cluster(tmp_path, nproc, *args)
+        c = start(nproc, list(args), tmp_path, startup_s=90.0)
         started.append(c)
         return c
 

@@ -39,10 +39,10 @@ HEADER = dict(src=3, inc=(1 << 64) - 1, seq=7)
 
 def test_every_message_kind_round_trips():
     samples = {
-        "PREFILL": dict(rid="r", tokens=b"\x01\x00\x00\x00", owner=2, owner_inc=5, deadline_ms=10),
-        "ASSIGN": dict(rid="r", prompt_len=1, max_tokens=2, writers=[1, 2], last_token=65, deadline_ms=1),
+        "PREFILL": dict(rid="r", tokens=b"\x01\x00\x00\x00", owner=2, owner_inc=5),
+        "ASSIGN": dict(rid="r", prompt_len=1, max_tokens=2, writers=[1, 2], last_token=65),
         "PLAN": dict(rid="r", pages=[1, 2], generations=[3, 4]),
-        "NOTICE": dict(rid="r", tokens=3, pages=[1], generations=[2], checksums=[9], first_token=-1, bytes=4),
+        "NOTICE": dict(rid="r", tokens=3, pages=[1], generations=[2], checksums=[9], bytes=4),
         "TOKENS": dict(rid="r", tokens=[65, 66]),
         "DONE": dict(rid="r", outcome="finished", error=None, count=2, transfer_ms=1.5),
         "ABORT": dict(rid="r", owner=2, writers=[1], source="client", reason="gone"),
@@ -143,13 +143,15 @@ def test_ledger_counts_pages_of_ended_requests_until_released():
 # ---------------------------------------------------------------- faults
 def test_fault_plan_parses_and_refuses():
     plan = FaultPlan.parse(["drop:ABORT_ACK", "dup:NOTICE", "delay:PLAN:0.5", "corrupt-page:@x@",
-                            "stall-write:@y@:2"])
+                            "at:mid-transfer:pause:@y@:2"])
     assert plan.on_send("ABORT_ACK", 1, b"p") == []
     assert plan.on_send("NOTICE", 1, b"p") == [(b"p", 0.0), (b"p", 0.0)]
     assert plan.on_send("PLAN", 1, b"p") == [(b"p", 0.5)]
-    assert plan.corrupts("..@x@..") and plan.stall_for("@y@") == 2.0
+    assert plan.corrupts("..@x@..") and plan.at("mid-transfer", "..@y@..") == ("pause", 2.0)
+    assert plan.at("after-write", "..@y@..") is None
     assert FaultPlan().on_send("ABORT", 1, b"p") == [(b"p", 0.0)]
-    for bad in (["explode:X"], ["delay:PLAN"], ["stall-write:@y@:soon"]):
+    for bad in (["explode:X"], ["delay:PLAN"], ["at:mid-transfer:pause:@y@:soon"], ["at:nowhere:pause:@y@"],
+                ["at:mid-transfer:explode:@y@"]):
         with pytest.raises(FaultSpecError):
             FaultPlan.parse(bad)
 

@@ -13,7 +13,6 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from kvferry.cluster.config import ServeConfig
 from kvferry.cluster.models import build_model, pool_config
@@ -21,7 +20,7 @@ from kvferry.cluster.workload import expected_replay, make_prompt
 from kvferry.engine.monolithic import MonolithicEngine
 from kvferry.engine.pool import KVPool
 
-from cluster_harness import start_cluster
+from kvferry.cluster.localcluster import start
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +28,7 @@ CONTEXT = 2048
 POOL = 16384
 COMMON = ["--context-length", str(CONTEXT), "--pool-tokens", str(POOL), "--request-timeout", "60"]
 CORRUPT_MARKER = "@badpg@"
+SHORT_MARKER = "@5h0r7@"
 
 
 def oracle(prompts: list[tuple[str, int]], **overrides) -> list[str]:
@@ -64,8 +64,9 @@ def metric(text: str, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def p1_cluster(tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp("p1"), 3, *COMMON,
-                      "--fault", f"corrupt-page:{CORRUPT_MARKER}")
+    c = start(3, [*COMMON, "--fault", f"corrupt-page:{CORRUPT_MARKER}",
+                  "--fault", f"short-write:{SHORT_MARKER}"],
+              tmp_path_factory.mktemp("p1"), startup_s=90.0)
     yield c
     c.stop()
 
@@ -77,13 +78,12 @@ def test_disaggregated_equals_monolithic_p1(p1_cluster):
     texts = [r.body["text"] for r in replies]
     assert texts == oracle(prompts)
     assert texts == [expected_replay(p, n) for p, n in prompts]
-    st = p1_cluster.wait_quiesced()
-    assert sum(st["held_pages"].values()) == 0
+    assert p1_cluster.quiesce() == 0
 
 
 def test_oversize_prompt_rejected_before_any_page(p1_cluster):
-    p1_cluster.wait_quiesced()
-    before = p1_cluster.metrics()
+    assert p1_cluster.quiesce() == 0
+    before = p1_cluster.metrics_text()
     prompt = make_prompt("@0vr51@", CONTEXT + 10)
     reply = p1_cluster.complete(prompt, 8)
     assert reply.status == 400
@@ -92,11 +92,12 @@ def test_oversize_prompt_rejected_before_any_page(p1_cluster):
     assert body["prompt_tokens"] == CONTEXT + 10 and body["max_tokens"] == 8
     assert body["context_length"] == CONTEXT and body["capacity_tokens"] > 0
     assert str(CONTEXT) in body["message"]
-    st = p1_cluster.wait_quiesced()
+    assert p1_cluster.quiesce() == 0
+    st = p1_cluster.status()
     assert all(r["owned"] == 0 and r["quarantined"] == 0 for r in st["ranks"].values())
     assert all(r["allocations"] == rb for r, rb in zip(
         st["ranks"].values(), _allocations(before, st)))
-    after = p1_cluster.metrics()
+    after = p1_cluster.metrics_text()
     assert metric(after, "kvferry_requests_total", outcome="rejected") == \
         metric(before, "kvferry_requests_total", outcome="rejected") + 1
 
@@ -118,10 +119,37 @@ def test_corrupted_page_fails_only_its_request(p1_cluster):
     assert "integrity" in failed.body["message"] and "checksum" in failed.body["message"]
     assert re.search(r"req-[0-9a-f]+-\d+", failed.body["message"])
     assert "text" not in failed.body
-    metrics = p1_cluster.metrics()
+    metrics = p1_cluster.metrics_text()
     assert metric(metrics, "kvferry_integrity_failures") >= 1
-    st = p1_cluster.wait_quiesced()
-    assert sum(st["held_pages"].values()) == 0
+    assert p1_cluster.quiesce() == 0
+
+
+def _incident(cluster) -> tuple[str, object]:
+    """The incident's shape: a request finishes and frees its pages; the next one gets them
+    and its writer writes only a 1-page stub while claiming the whole prompt."""
+    earlier = make_prompt("@0ld3r@", 400)
+    assert cluster.complete(earlier, 400).body["text"] == expected_replay(earlier, 400)
+    assert cluster.quiesce() == 0
+    stub = make_prompt(SHORT_MARKER, 400)
+    return stub, cluster.complete(stub, 400)
+
+
+def test_short_write_fails_before_decode(p1_cluster):
+    """I5: the notice names 1 page for a 400-token prompt; decode refuses it."""
+    stub, reply = _incident(p1_cluster)
+    assert reply.status == 500, reply.body
+    assert "integrity" in reply.body["message"] and "needs 25" in reply.body["message"]
+    assert "text" not in reply.body
+    assert p1_cluster.quiesce() == 0
+
+
+def test_short_write_leaks_the_earlier_request_without_the_checks(cluster_factory):
+    """The broken mode (unsafe: decode skips its checks) answers 200 with the earlier
+    request's text: the incident, which the check above is what prevents."""
+    c = cluster_factory(3, *COMMON, "--unsafe-free-on-abort", "--fault", f"short-write:{SHORT_MARKER}")
+    stub, reply = _incident(c)
+    assert reply.status == 200
+    assert "@0ld3r@" in reply.body["text"]
 
 
 def test_corruption_goes_unnoticed_without_integrity_checks(cluster_factory):
@@ -139,5 +167,4 @@ def test_tensor_parallel_prefill_group_of_two(cluster_factory):
     replies = run_concurrently(c, prompts)
     assert [r.status for r in replies] == [200] * len(prompts), [r.body for r in replies if r.status != 200]
     assert [r.body["text"] for r in replies] == oracle(prompts)
-    st = c.wait_quiesced()
-    assert sum(st["held_pages"].values()) == 0
+    assert c.quiesce() == 0

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from cluster_harness import free_port
+from kvferry.cluster.localcluster import free_port
 from kvferry.cluster.workload import expected_replay, make_prompt
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]

@@ -260,7 +260,8 @@ class DecodeRank(RankBooks):
             finished = len(r.generated) >= r.max_tokens or (
                 self.model.stop_token is not None and tok == self.model.stop_token)
             if finished or len(r.unsent) >= TOKEN_FLUSH or len(r.generated) == 1:
-                self.rt.send(self.router, m.TOKENS, rid=r.rid, tokens=r.unsent)
+                self.rt.send(self.router, m.TOKENS, rid=r.rid,
+                             offset=len(r.generated) - len(r.unsent), tokens=r.unsent)
                 r.unsent = []
             if finished:
                 self._done(r.rid, "finished", None, count=len(r.generated),

@@ -11,7 +11,7 @@ Flow of one request (router R, prefill writers W1..Wt, decode owner D):
     R -> D   ASSIGN(rid, prompt_len, max_tokens, writers)
     D -> W*  PLAN(rid, pages, generations)        where to write (after D allocated)
     W -> D   NOTICE(rid, tokens, checksums, ...)  sent by notify: after the writer's flush
-    D -> R   TOKENS(rid, tokens) ..., DONE(rid, outcome, error)
+    D -> R   TOKENS(rid, offset, tokens) ..., DONE(rid, outcome, error, count)
     any -> * ABORT(rid, reason);  W -> D ABORT_ACK(rid) after the writer's flush
     W/D -> R RELEASED(rid, pages)                 the rank freed the request's pages
     any -> R STATS(...)                           pool and transfer figures for /metrics
@@ -55,6 +55,7 @@ NOTICE = CODEC.kind(
     bytes=Field(FieldType.INT))               # bytes the writer posted (checked by the owner)
 TOKENS = CODEC.kind(
     "TOKENS", **_HEADER, rid=_RID,
+    offset=Field(FieldType.INT),                # index of the first token in the answer
     tokens=Field(FieldType.INT_LIST, max_len=MAX_TOKENS_PER_MESSAGE))
 DONE = CODEC.kind(
     "DONE", **_HEADER, rid=_RID,

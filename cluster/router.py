@@ -64,7 +64,8 @@ class RoutedRequest:
     error: str | None = None
     transfer_ms: float | None = None
     deadline_timer: asyncio.TimerHandle | None = None
-    expected_count: int | None = None   # DONE arrived before its last TOKENS
+    expected_count: int | None = None   # from DONE(finished)
+    early: dict[int, list[int]] = field(default_factory=dict)   # chunks ahead of a gap
 
     @property
     def rid(self) -> str:
@@ -276,32 +277,20 @@ class Router:
                 self.metrics.ttft.observe(routed.first_token_at - routed.submitted_at)
                 if routed.req.state is S.PREFILLING:
                     routed.req.transition(S.DECODING)
-            routed.req.output_tokens.extend(msg.tokens)
-            routed.events.put_nowait(("tokens", list(msg.tokens)))
-            if routed.expected_count is not None and len(routed.req.output_tokens) >= routed.expected_count:
-                if len(routed.req.output_tokens) == routed.expected_count:
-                    self._finish(routed, "ok", None)
-                else:
-                    self._finish(routed, "failed", f"decode reported {routed.expected_count} "
-                                                   f"tokens, {len(routed.req.output_tokens)} arrived")
+            self._place_tokens(routed, msg.offset, list(msg.tokens))
         elif msg.kind == "DONE":
             if msg.transfer_ms is not None:
                 routed.transfer_ms = msg.transfer_ms
                 self.metrics.transfer_latency.observe(msg.transfer_ms / 1e3)
             if msg.outcome == "finished":
-                got = len(routed.req.output_tokens)
-                if msg.count is not None and got < msg.count:
+                routed.expected_count = msg.count
+                if not self._complete_if_whole(routed):
                     # Messages on one endpoint may overtake each other: wait a moment for
-                    # the last tokens, then fail rather than answer short (I6).
-                    routed.expected_count = msg.count
+                    # the missing tokens, then fail rather than answer short (I6).
                     asyncio.get_running_loop().call_later(
                         TOKENS_GRACE_S, lambda: self._finish(
                             routed, "failed", f"decode reported {msg.count} tokens, "
-                                              f"{len(routed.req.output_tokens)} arrived"))
-                elif msg.count is not None and got > msg.count:
-                    self._finish(routed, "failed", f"decode reported {msg.count} tokens, {got} arrived")
-                else:
-                    self._finish(routed, "ok", None)
+                                              f"{len(routed.req.output_tokens)} arrived in order"))
             else:
                 # The owner runs the abort protocol with the writers itself.
                 self._finish(routed, "failed" if msg.outcome == "failed" else "aborted", msg.error)
@@ -312,6 +301,33 @@ class Router:
                 if rank != msg.src:
                     self.rt.send(rank, m.ABORT, rid=routed.rid, owner=routed.owner,
                                  writers=routed.writers, source=msg.source, reason=msg.reason)
+
+    def _place_tokens(self, routed: RoutedRequest, offset: int, tokens: list[int]) -> None:
+        """Put a chunk where it belongs: chunks may arrive out of order, and only the
+        contiguous answer so far is streamed or counted."""
+        out = routed.req.output_tokens
+        if offset < len(out) or offset in routed.early:
+            return    # already placed (a duplicate)
+        routed.early[offset] = tokens
+        while len(out) in routed.early:
+            chunk = routed.early.pop(len(out))
+            out.extend(chunk)
+            routed.events.put_nowait(("tokens", chunk))
+        self._complete_if_whole(routed)
+
+    def _complete_if_whole(self, routed: RoutedRequest) -> bool:
+        """After DONE(finished): ok once exactly ``count`` tokens stand in order."""
+        count = routed.expected_count
+        if count is None:
+            return False
+        got = len(routed.req.output_tokens)
+        if got == count and not routed.early:
+            self._finish(routed, "ok", None)
+            return True
+        if got > count or any(off + len(c) > count for off, c in routed.early.items()):
+            self._finish(routed, "failed", f"decode reported {count} tokens, more arrived")
+            return True
+        return False
 
     def _forget_if_released(self, routed: RoutedRequest) -> None:
         if routed.req.live:

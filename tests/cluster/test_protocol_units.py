@@ -1,0 +1,169 @@
+"""The protocol roles against a recording runtime, no processes: what a rank does with
+messages that arrive late, early, twice or out of order."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvferry.cluster import messages as m
+from kvferry.cluster.faults import FaultPlan
+from kvferry.cluster.metrics import ClusterMetrics
+from kvferry.cluster.prefill import PrefillRank
+from kvferry.cluster.rendezvous import RankCard
+from kvferry.cluster.router import Router
+from kvferry.cluster.topology import Topology
+from kvferry.engine.models import ReplayConfig, ReplayModel
+from kvferry.engine.pool import KVPool
+
+
+class _Done:
+    """A batch that has settled."""
+
+    def status(self):
+        from kvferry.transfer import BatchStatus
+        return BatchStatus.COMPLETED
+
+    error = None
+
+
+class RecordingRuntime:
+    """What the roles call on RankRuntime, recorded; batches settle at once."""
+
+    def __init__(self, rank: int, cards: dict[int, RankCard] | None = None) -> None:
+        self.rank, self.cards, self.faults = rank, cards or {}, FaultPlan()
+        self.sent: list[tuple[int, str, dict]] = []
+        self.writes: list[tuple[int, np.ndarray]] = []
+        self.handler = None
+        self.on_send_failure = None
+
+    def set_handler(self, fn) -> None:
+        self.handler = fn
+
+    def deliver(self, kind, src: int, **fields) -> None:
+        self.handler(kind.make(src=src, inc=1, seq=len(self.sent) + 1000, **fields))
+
+    def send(self, rank, kind, **fields):
+        self.sent.append((rank, kind.name, fields))
+        return _Done()
+
+    notify = send
+
+    def write(self, rank, local, pages):
+        self.writes.append((rank, np.asarray(pages)))
+        return _Done()
+
+    def watch(self, batch, callback) -> None:
+        callback(batch)
+
+    def call_later(self, delay, fn):
+        raise AssertionError("no timers expected here")
+
+    def remote_segment(self, rank):
+        raise AssertionError("no in-flight fault here")
+
+    def kinds(self) -> list[str]:
+        return [k for _, k, _ in self.sent]
+
+
+# ---------------------------------------------------------------- I2 at a writer
+def _writer(tombstones_kept: bool = True) -> tuple[PrefillRank, RecordingRuntime]:
+    model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
+    pool = KVPool(model.pool_config(16, 64))
+    rt = RecordingRuntime(rank=1)
+    writer = PrefillRank(rt, model, pool, segment=None, head_range=(0, 2), router=0)
+    if not tombstones_kept:      # the broken mode: a writer that forgets aborted requests
+        writer.tombstones = _Forgetful()
+    return writer, rt
+
+
+class _Forgetful(dict):
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tombstones_kept", [True, False])
+def test_an_abort_that_overtakes_its_request_keeps_it_from_transfer(tombstones_kept):
+    """ABORT arrives before PREFILL and PLAN (reordered control messages). The writer acks
+    at once and never writes; a writer without tombstones would write the pages."""
+    writer, rt = _writer(tombstones_kept)
+    rt.deliver(m.ABORT, src=0, rid="r1", owner=2, writers=[1], source="client", reason="gone")
+    assert rt.kinds() == ["ABORT_ACK"]
+    rt.deliver(m.PLAN, src=2, rid="r1", pages=[5, 6], generations=[1, 1])
+    rt.deliver(m.PREFILL, src=0, rid="r1", tokens=np.arange(20, dtype="<i4").tobytes(),
+               owner=2, owner_inc=1)
+    if tombstones_kept:
+        assert rt.writes == [] and "NOTICE" not in rt.kinds()
+        assert writer.allocator.counts()["owned"] == 0
+    else:
+        assert rt.writes and "NOTICE" in rt.kinds()   # the test catches the broken writer
+
+
+def test_a_writer_acks_again_when_the_owner_asks_again():
+    writer, rt = _writer()
+    for _ in range(2):
+        rt.deliver(m.ABORT, src=2, rid="r2", owner=2, writers=[1], source="transfer", reason="t")
+    assert rt.kinds() == ["ABORT_ACK", "ABORT_ACK"]
+
+
+# ---------------------------------------------------------------- I6 at the router
+def _card(rank: int, role: str) -> RankCard:
+    return RankCard(rank=rank, role=role, address=b"", incarnation=1, segment=None,
+                    num_pages=64, page_size=16, capacity_tokens=1024, context_length=1024,
+                    host="h", pid=rank)
+
+
+def _routed():
+    cards = {0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "decode")}
+    rt = RecordingRuntime(rank=0, cards=cards)
+    router = Router(rt, Topology(3, 1, 1), cards, context_length=1024, request_timeout_s=30,
+                    admission_wait_s=1, metrics=ClusterMetrics())
+    return router, rt
+
+
+def _chunks(text: str, size: int) -> list[tuple[int, list[int]]]:
+    codes = list(text.encode())
+    return [(i, codes[i:i + size]) for i in range(0, len(codes), size)]
+
+
+@pytest.mark.parametrize("order", ["in order", "reversed"])
+def test_router_answers_the_tokens_in_their_place_whatever_the_arrival_order(order):
+    async def run():
+        router, rt = _routed()
+        routed = await router.submit("the answer must come back in order", 34)
+        chunks = _chunks("the answer must come back in order", 16)
+        if order == "reversed":
+            chunks.reverse()
+        for offset, toks in chunks[:-1]:
+            rt.deliver(m.TOKENS, src=2, rid=routed.rid, offset=offset, tokens=toks)
+        rt.deliver(m.DONE, src=2, rid=routed.rid, outcome="finished", error=None, count=34,
+                   transfer_ms=None)
+        assert routed.outcome is None           # a chunk is still missing: no answer yet
+        offset, toks = chunks[-1]
+        rt.deliver(m.TOKENS, src=2, rid=routed.rid, offset=offset, tokens=toks)
+        assert routed.outcome == "ok"
+        assert routed.text == "the answer must come back in order"
+    asyncio.run(run())
+
+
+def test_router_fails_a_request_whose_tokens_never_all_arrive():
+    async def run():
+        router, rt = _routed()
+        routed = await router.submit("abcdefghijklmnopqrstuvwxyz0123456789", 36)
+        first = _chunks("abcdefghijklmnopqrstuvwxyz0123456789", 16)
+        rt.deliver(m.TOKENS, src=2, rid=routed.rid, offset=0, tokens=first[0][1])
+        rt.deliver(m.TOKENS, src=2, rid=routed.rid, offset=32, tokens=first[2][1])
+        rt.deliver(m.DONE, src=2, rid=routed.rid, outcome="finished", error=None, count=36,
+                   transfer_ms=None)
+        event = await asyncio.wait_for(_until_done(routed), timeout=5)
+        assert event[1] == "failed" and "36" in event[2]
+        assert routed.outcome == "failed"       # never ok with a gap in the answer
+    asyncio.run(run())
+
+
+async def _until_done(routed):
+    while True:
+        event = await routed.events.get()
+        if event[0] == "done":
+            return event

@@ -106,6 +106,14 @@ class PoolShapeError(ValueError):
     """A buffer handed to :class:`KVPool` cannot hold the configured pool."""
 
 
+def check_pool_shape(kv: torch.Tensor, layers: int, kv_heads: int, head_dim: int) -> None:
+    """Raise unless the pool tensor ``[pages, layers, 2, kv_heads, page_size, head_dim]``
+    has the model's layers, KV heads and head dim."""
+    if (kv.shape[1], kv.shape[3], kv.shape[5]) != (layers, kv_heads, head_dim):
+        raise ValueError(f"pool (layers, kv_heads, head_dim) = {(kv.shape[1], kv.shape[3], kv.shape[5])}, "
+                         f"model needs {(layers, kv_heads, head_dim)}")
+
+
 class KVPool:
     """The rank's KV pages.
 

@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 
 from .attention import paged_decode_attention, write_kv_pages, write_kv_tokens
-from .pool import PoolConfig
+from .pool import PoolConfig, check_pool_shape
 from .tokenizer import CONFLICT, TOKEN_BITS, VOCAB_SIZE
 
 
@@ -92,11 +92,7 @@ class ReplayModel:
         return sign_code(tokens, TOKEN_BITS, self.head_dim)
 
     def _check_pool(self, kv: torch.Tensor) -> None:
-        if (kv.shape[1], kv.shape[3], kv.shape[5]) != (self.layers, self.kv_heads, self.head_dim):
-            raise ValueError(
-                f"pool (layers, kv_heads, head_dim) = {(kv.shape[1], kv.shape[3], kv.shape[5])}, "
-                f"model needs {(self.layers, self.kv_heads, self.head_dim)}"
-            )
+        check_pool_shape(kv, self.layers, self.kv_heads, self.head_dim)
 
     # --- prefill ----------------------------------------------------------------------
     def prefill(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,6 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     fault: list[str] = field(default_factory=list)  # fault hooks, e.g. "corrupt-page:rid-marker"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -268,8 +268,10 @@ class RankRuntime:
     def pump(self, timeout_s: float = 0.0) -> None:
         """Drive the engine (sleeping on its event fd up to ``timeout_s`` when idle),
         deliver messages, settle watched batches, fire due timers."""
-        if self._watches or self._due_soon(timeout_s):
+        if self._watches:
             timeout_s = min(timeout_s, 0.0005)
+        elif self._timers:
+            timeout_s = min(timeout_s, self.next_timer_in())
         try:
             self.engine.progress(timeout_s)
         except TransferError as exc:
@@ -287,9 +289,6 @@ class RankRuntime:
             timer = heapq.heappop(self._timers)
             if not timer.cancelled:
                 timer.fn()
-
-    def _due_soon(self, within: float) -> bool:
-        return bool(self._timers) and self._timers[0].when <= time.monotonic() + within
 
     def next_timer_in(self) -> float | None:
         return max(0.0, self._timers[0].when - time.monotonic()) if self._timers else None

@@ -43,7 +43,7 @@ def test_every_message_kind_round_trips():
         "ASSIGN": dict(rid="r", prompt_len=1, max_tokens=2, writers=[1, 2], last_token=65),
         "PLAN": dict(rid="r", pages=[1, 2], generations=[3, 4]),
         "NOTICE": dict(rid="r", tokens=3, pages=[1], generations=[2], checksums=[9], bytes=4),
-        "TOKENS": dict(rid="r", tokens=[65, 66]),
+        "TOKENS": dict(rid="r", offset=0, tokens=[65, 66]),
         "DONE": dict(rid="r", outcome="finished", error=None, count=2, transfer_ms=1.5),
         "ABORT": dict(rid="r", owner=2, writers=[1], source="client", reason="gone"),
         "ABORT_ACK": dict(rid="r"),

@@ -26,6 +26,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def startup_report(log: Path, tail_chars: int = 2000) -> str:
+    """The ranks' ERROR lines first (the reason a rank refused to start), then the log's tail:
+    torchrun's own tracebacks are long enough to push the reason out of any fixed tail."""
+    text = log.read_text(errors="replace")
+    errors = [line for line in text.splitlines() if " ERROR " in line][:8]
+    return "\n".join([*errors, "--- log tail ---", text[-tail_chars:]])
+
+
 class Reply(NamedTuple):
     status: int
     body: dict
@@ -114,7 +122,7 @@ def start(nproc: int, args: list[str], log_dir: Path,
     deadline = time.monotonic() + startup_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"cluster exited during start-up:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"cluster exited during start-up:\n{startup_report(log)}")
         try:
             if cluster.call("GET", "/health", timeout=2).status == 200:
                 return cluster
@@ -122,5 +130,5 @@ def start(nproc: int, args: list[str], log_dir: Path,
             pass
         if time.monotonic() > deadline:
             cluster.stop()
-            raise RuntimeError(f"cluster not healthy within {startup_s:.0f} s:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"cluster not healthy within {startup_s:.0f} s:\n{startup_report(log)}")
         time.sleep(0.3)

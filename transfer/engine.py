@@ -80,6 +80,8 @@ class TransferConfig:
     transports: str | None = None
     name: str = ""
     direct_copy: bool = True          # copy pages directly into mapped remote memory
+    streaming_stores: bool = True     # ... with non-temporal stores (no read-for-ownership)
+    prefault_direct: bool = True      # ... mapped with its page tables populated up front
     max_message_bytes: int = 256 << 10  # payload limit of notify/send (and of receipt)
     spin_us: int = 50                 # busy-poll at least this long before sleeping
     busy_poll_us: int = 1000          # ... and until this long after the last activity
@@ -113,6 +115,7 @@ class TransferCounters:
     failures: int = 0
     timeouts: int = 0
     notifies: int = 0
+    notifies_flushed: int = 0   # notices that waited for an endpoint flush (UCX puts before)
     messages_sent: int = 0
     messages_received: int = 0
     malformed_messages: int = 0
@@ -143,6 +146,11 @@ class Peer:
     transports: str = ""
     last_liveness_check: float = 0.0
     rkeys: list = field(default_factory=list, repr=False)  # destroyed before the endpoint
+    # Handles whose completion a notice must wait for: batches that posted puts through
+    # UCX, and notices still waiting for their flush. Empty: every earlier write to this
+    # peer went through the direct (load/store) path and is already visible, so a notice
+    # needs no endpoint flush (the AM is posted after the writer's release fence).
+    unflushed: list = field(default_factory=list, repr=False)
 
     @property
     def incarnation(self) -> int:
@@ -416,7 +424,21 @@ class TransferEngine:
             local = ffi.new("void **")
             if lib.kvf_rkey_ptr(rkey[0], desc.base, local) == 0:
                 rseg.direct = int(ffi.cast("uintptr_t", local[0]))
+                if self.config.prefault_direct:
+                    self._prefault(peer, rseg)
         return rseg
+
+    def _prefault(self, peer: Peer, rseg: RemoteSegment) -> None:
+        """The peer's segment is mapped here lazily: without this, the first write to
+        each of its pages takes a page fault (a cold 128 KiB write costs ~100 us)."""
+        t0 = time.monotonic()
+        err = lib.kvf_prefault(rseg.direct, rseg.length)
+        if err:
+            log.info("segment of %s (%d bytes) not pre-faulted (%s); its pages fault on "
+                     "first write", peer.name, rseg.length, os.strerror(err))
+        else:
+            log.debug("segment of %s (%d bytes) pre-faulted in %.1f ms", peer.name,
+                      rseg.length, 1e3 * (time.monotonic() - t0))
 
     # ------------------------------------------------------------------- batches
     def write(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any) -> Batch:
@@ -441,7 +463,7 @@ class TransferEngine:
         if write and self.config.fault_skip_page is not None and n > 1:
             skip = self.config.fault_skip_page % n
         handle = ffi.new("kvf_batch *")
-        bad = lib.kvf_rma_pages(peer.ep, write, seg.base, seg.length, rseg.rkey, rseg.base,
+        bad = lib.kvf_rma_pages(peer.ep, write, self.config.streaming_stores, seg.base, seg.length, rseg.rkey, rseg.base,
                                 rseg.length, rseg.direct or 0, ffi.from_buffer(arr), n,
                                 skip, handle)
         if bad >= 0:
@@ -456,6 +478,8 @@ class TransferEngine:
             counters.bytes_read += nbytes
         counters.pages_posted += int(handle.posted)
         counters.pages_direct += int(handle.direct)
+        if write and handle.posted != handle.direct:
+            peer.unflushed.append(handle)
         return self._track(peer, "write" if write else "read", nbytes, n, handle,
                            (arr, seg, rseg))
 
@@ -483,15 +507,28 @@ class TransferEngine:
         if type(payload) is not bytes:
             payload = bytes(payload)
         handle = ffi.new("kvf_batch *")
-        lib.kvf_send_envelope(peer.ep, flushed, self.address, len(self.address),
-                              self.incarnation, next(self._seq), payload, len(payload),
-                              handle)
+        flush = flushed and self._needs_flush(peer)
+        lib.kvf_send_envelope(peer.ep, int(flushed) | (int(flush) << 1), self.address,
+                              len(self.address), self.incarnation, next(self._seq), payload,
+                              len(payload), handle)
         counters = self.counters
         if flushed:
             counters.notifies += 1
+            if flush:
+                counters.notifies_flushed += 1
+                peer.unflushed.append(handle)
         counters.messages_sent += 1
         return self._track(peer, "notify" if flushed else "send", len(payload), 0, handle,
                            None)
+
+    @staticmethod
+    def _needs_flush(peer: Peer) -> bool:
+        """True while a put posted through UCX, or an earlier notice's flush, may still be
+        outstanding to ``peer`` (a failed one keeps it true: the flush then reports it)."""
+        pending = peer.unflushed
+        if pending:
+            pending[:] = [h for h in pending if h.outstanding != 0 or h.status != 0]
+        return bool(pending)
 
     def _send_raw(self, peer: Peer, data: bytes, flushed: bool = False) -> Batch:
         """Post already-encoded bytes (the envelope is the caller's business)."""
@@ -499,6 +536,7 @@ class TransferEngine:
         if flushed:
             lib.kvf_flush_then_send(peer.ep, 0, data, len(data), handle)
             self.counters.notifies += 1
+            peer.unflushed.append(handle)
         else:
             lib.kvf_am_send(peer.ep, 0, data, len(data), handle)
         self.counters.messages_sent += 1

@@ -71,3 +71,28 @@ def test_injected_skipped_page_is_caught(transports):
         assert not reply["ok"] and reply["bad_pages"] == [3]
     finally:
         close_link(lk)
+
+
+@pytest.mark.parametrize("mode", ["allocate", "register"])
+def test_notice_posted_at_once_waits_for_puts_only_when_it_must(mode):
+    """A notice posted right behind its write, without waiting for the write: the target
+    checks the bytes on arrival either way. Over the direct path (a UCX-allocated segment
+    mapped here) the copy is done when ``write`` returns, so the notice needs no endpoint
+    flush; after puts through UCX (a registered destination) every notice is flushed."""
+    lk = make_link("shm", mode=mode, size=8 << 20)
+    try:
+        src = lk.eng.register(np.zeros(4 << 20, dtype=np.uint8))
+        for k in range(6):
+            src.as_numpy()[:] = pattern(11, k, src.length)
+            pages = scattered_pages(64, 16 << 10, src.length, lk.rseg.length, seed=2000 + k)
+            lk.eng.write(lk.peer, src, lk.rseg, pages)
+            reply = lk.request({"op": "check", "round": k, "seed": 11, "src_len": src.length,
+                                "pages": pages.tolist()}, notify=True)
+            assert reply["ok"], f"round {k}: pages {reply['bad_pages']} differ"
+        c = lk.eng.counters
+        if mode == "allocate":
+            assert lk.rseg.direct is not None and c.notifies_flushed == 0
+        else:
+            assert lk.rseg.direct is None and c.notifies_flushed == c.notifies == 6
+    finally:
+        close_link(lk)

@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #endif
 #include <dlfcn.h>
+#include <errno.h>
 #include <poll.h>
 #include <sched.h>
 #include <stdint.h>
@@ -17,7 +18,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <ucp/api/ucp.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 struct kvf_worker {
     ucp_context_h context;
@@ -429,6 +435,20 @@ int kvf_rkey_ptr(void *rkey, uint64_t remote_addr, void **local)
     return ucp_rkey_ptr((ucp_rkey_h)rkey, remote_addr, local);
 }
 
+/* Populate this process's page tables for a peer's mapped segment (writable), so the
+ * first write to each page costs no fault. Returns 0, or errno (e.g. EINVAL on kernels
+ * before 5.14, which lack MADV_POPULATE_WRITE; the mapping then faults lazily). */
+int kvf_prefault(uintptr_t address, int64_t length)
+{
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t start = address & ~(uintptr_t)(page - 1);
+    size_t len = (size_t)(address + (uintptr_t)length - start);
+    return madvise((void *)start, len, MADV_POPULATE_WRITE) == 0 ? 0 : errno;
+}
+
 static void kvf_batch_fail(kvf_batch *b, ucs_status_t st)
 {
     if (st != UCS_OK && b->status == 0) b->status = st;
@@ -471,7 +491,32 @@ int kvf_flush(void *ep, kvf_batch *batch)
     return kvf_track(ucp_ep_flush_nbx((ucp_ep_h)ep, &param), batch);
 }
 
-static ucs_status_t kvf_post_pages(void *ep, int write, char *local_base, void *rkey,
+/* Copy into another process's mapping with streaming (non-temporal) stores: the lines
+ * go to memory without first being read for ownership, which on this path they would
+ * otherwise be (the reader's core holds them from the previous use of the page). Whole
+ * 64-byte lines only; the unaligned head and tail go through memcpy. The caller fences. */
+static void kvf_copy_streaming(char *dst, const char *src, size_t n)
+{
+#if defined(__x86_64__)
+    size_t head = (size_t)(-(uintptr_t)dst & 63);
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    dst += head; src += head; n -= head;
+    for (; n >= 64; n -= 64, dst += 64, src += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *local_base, void *rkey,
                                    uint64_t remote_base, char *direct_base,
                                    const int64_t *triples, int64_t n, int64_t skip,
                                    kvf_batch *batch)
@@ -486,7 +531,8 @@ static ucs_status_t kvf_post_pages(void *ep, int write, char *local_base, void *
         char *local = local_base + t[0];
         if (i == skip) continue; /* injected fault: this page is never transferred */
         if (direct_base != NULL) {
-            if (write) memcpy(direct_base + t[1], local, (size_t)t[2]);
+            if (write && streaming) kvf_copy_streaming(direct_base + t[1], local, (size_t)t[2]);
+            else if (write) memcpy(direct_base + t[1], local, (size_t)t[2]);
             else memcpy(local, direct_base + t[1], (size_t)t[2]);
             batch->direct++;
         } else {
@@ -500,7 +546,12 @@ static ucs_status_t kvf_post_pages(void *ep, int write, char *local_base, void *
         }
         batch->posted++;
     }
-    if (write && direct_base != NULL) __atomic_thread_fence(__ATOMIC_RELEASE);
+    if (write && direct_base != NULL) {
+#if defined(__x86_64__)
+        _mm_sfence();  /* streaming stores are weakly ordered: drain them first */
+#endif
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+    }
     return UCS_OK;
 }
 
@@ -508,7 +559,7 @@ static ucs_status_t kvf_post_pages(void *ep, int write, char *local_base, void *
  * (a write ends with an endpoint flush, so it completes only once visible at the target).
  * Returns -1 when posted (errors land in batch->status), or the index of the first page
  * out of bounds, in which case nothing was posted. batch->bytes gets the byte count. */
-int64_t kvf_rma_pages(void *ep, int write, uintptr_t local_base, int64_t local_len,
+int64_t kvf_rma_pages(void *ep, int write, int streaming, uintptr_t local_base, int64_t local_len,
                       void *rkey, uint64_t remote_base, int64_t remote_len,
                       uintptr_t direct_base, const void *triples, int64_t n, int64_t skip,
                       kvf_batch *batch)
@@ -518,9 +569,11 @@ int64_t kvf_rma_pages(void *ep, int write, uintptr_t local_base, int64_t local_l
     bad = kvf_check_pages((const int64_t *)triples, n, local_len, remote_len, &total);
     if (bad >= 0) return bad;
     batch->bytes = total;
-    st = kvf_post_pages(ep, write, (char *)local_base, rkey, remote_base,
+    st = kvf_post_pages(ep, write, streaming, (char *)local_base, rkey, remote_base,
                         (char *)direct_base, (const int64_t *)triples, n, skip, batch);
-    if (st == UCS_OK && write) kvf_flush(ep, batch);
+    /* Direct (load/store) pages are visible once the release fence above has run: only
+     * pages posted through UCX need the endpoint flush. */
+    if (st == UCS_OK && write && batch->posted != batch->direct) kvf_flush(ep, batch);
     return -1;
 }
 
@@ -625,8 +678,10 @@ int kvf_flush_then_send(void *ep, uint16_t am_id, const void *payload, size_t le
 }
 
 /* Builds the envelope straight into the send buffer (one allocation, no Python codec)
- * and posts it; flushed: only after every earlier put on ep is visible (a notice). */
-int kvf_send_envelope(void *ep, int flushed, const char *sender, size_t sender_length,
+ * and posts it. flags bit 0: the envelope is a notice (marked flushed); bit 1: post it
+ * only after an endpoint flush, i.e. after every earlier put on ep is visible. The caller
+ * clears bit 1 only when no put through UCX can still be outstanding on ep. */
+int kvf_send_envelope(void *ep, int flags, const char *sender, size_t sender_length,
                       uint64_t incarnation, uint64_t seq, const char *payload,
                       size_t payload_length, kvf_batch *batch)
 {
@@ -637,7 +692,7 @@ int kvf_send_envelope(void *ep, int flushed, const char *sender, size_t sender_l
     ctx->ep = (ucp_ep_h)ep;
     ctx->am_id = KVF_AM_ID;
     ctx->length = kvf_envelope_encode(ctx->payload, total,
-                                      flushed ? KVF_ENV_FLAG_FLUSHED : 0, sender,
+                                      (flags & 1) ? KVF_ENV_FLAG_FLUSHED : 0, sender,
                                       sender_length, incarnation, seq, payload,
                                       payload_length);
     if (ctx->length == 0) {
@@ -645,7 +700,7 @@ int kvf_send_envelope(void *ep, int flushed, const char *sender, size_t sender_l
         kvf_batch_fail(batch, UCS_ERR_MESSAGE_TRUNCATED);
         return UCS_ERR_MESSAGE_TRUNCATED;
     }
-    return flushed ? kvf_flush_then_post(ep, ctx) : kvf_post_send(ctx);
+    return (flags & 2) ? kvf_flush_then_post(ep, ctx) : kvf_post_send(ctx);
 }
 
 kvf_msg *kvf_am_pop(kvf_worker *w)
@@ -663,13 +718,18 @@ void kvf_msg_free(kvf_msg *m) { free(m); }
 
 int64_t kvf_am_dropped(kvf_worker *w) { return w->dropped; }
 
-int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t n)
+int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t n,
+                     int streaming)
 {
     int64_t i;
     for (i = 0; i < n; ++i) {
         const int64_t *t = triples + 3 * i;
-        memcpy(dst + t[1], src + t[0], (size_t)t[2]);
+        if (streaming) kvf_copy_streaming(dst + t[1], src + t[0], (size_t)t[2]);
+        else memcpy(dst + t[1], src + t[0], (size_t)t[2]);
     }
+#if defined(__x86_64__)
+    if (streaming) _mm_sfence();
+#endif
     return 0;
 }
 

@@ -65,7 +65,7 @@ int kvf_rkey_unpack(void *ep, const void *buffer, void **rkey);
 void kvf_rkey_destroy(void *rkey);
 int kvf_rkey_ptr(void *rkey, uint64_t remote_addr, void **local);
 
-int64_t kvf_rma_pages(void *ep, int write, uintptr_t local_base, int64_t local_len,
+int64_t kvf_rma_pages(void *ep, int write, int streaming, uintptr_t local_base, int64_t local_len,
                       void *rkey, uint64_t remote_base, int64_t remote_len,
                       uintptr_t direct_base, const void *triples, int64_t n, int64_t skip,
                       kvf_batch *batch);
@@ -74,7 +74,7 @@ int kvf_flush_then_send(void *ep, uint16_t am_id, const void *payload, size_t le
                         kvf_batch *batch);
 int kvf_am_send(void *ep, uint16_t am_id, const void *payload, size_t length,
                 kvf_batch *batch);
-int kvf_send_envelope(void *ep, int flushed, const char *sender, size_t sender_length,
+int kvf_send_envelope(void *ep, int flags, const char *sender, size_t sender_length,
                       uint64_t incarnation, uint64_t seq, const char *payload,
                       size_t payload_length, kvf_batch *batch);
 size_t kvf_envelope_encode(char *out, size_t cap, int flags, const char *sender,
@@ -85,6 +85,8 @@ int kvf_envelope_parse(const char *data, size_t length, int64_t max_sender,
 kvf_msg *kvf_am_pop(kvf_worker *w);
 void kvf_msg_free(kvf_msg *m);
 int64_t kvf_am_dropped(kvf_worker *w);
-int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t n);
+int kvf_prefault(uintptr_t address, int64_t length);
+int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t n,
+                     int streaming);
 int64_t kvf_check_pages(const int64_t *triples, int64_t n, int64_t local_len,
                         int64_t remote_len, int64_t *total);

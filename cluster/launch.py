@@ -185,16 +185,11 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
     log.info("%s rank %d ready", role.value, runtime.rank)
     while not stop.stop:
         busy = role is Role.DECODE and worker.busy()
-        if busy:
-            wait = 0.0
-        elif worker.in_flight():
-            # Requests are in the protocol: poll (yielding the CPU between polls) so an
-            # ABORT or a NOTICE is handled without a wake-up from sleep.
-            wait = 0.0
-            os.sched_yield()
-        else:
-            wait = 0.05   # pump shortens it to the next timer
-        runtime.pump(wait)
+        # Requests in the protocol: poll in C (yielding the CPU between polls), so an
+        # ABORT, an ack or a notice costs no wake-up. Idle: poll busy_poll_us after the
+        # last message, then sleep on the engine's event fd. pump shortens the wait to
+        # the next timer.
+        runtime.pump(0.0 if busy else 0.05, stay_awake=worker.in_flight())
         if busy:
             worker.step()
     log.info("rank %d stopping: %s", runtime.rank, stop.reason)

@@ -265,15 +265,16 @@ class RankRuntime:
         heapq.heappush(self._timers, timer)
         return timer
 
-    def pump(self, timeout_s: float = 0.0) -> None:
-        """Drive the engine (sleeping on its event fd up to ``timeout_s`` when idle),
-        deliver messages, settle watched batches, fire due timers."""
+    def pump(self, timeout_s: float = 0.0, stay_awake: bool = False) -> None:
+        """Drive the engine (sleeping on its event fd up to ``timeout_s`` when idle, or
+        polling that long with ``stay_awake``), deliver messages, settle watched batches,
+        fire due timers."""
         if self._watches:
             timeout_s = min(timeout_s, 0.0005)
         elif self._timers:
             timeout_s = min(timeout_s, self.next_timer_in())
         try:
-            self.engine.progress(timeout_s)
+            self.engine.progress(timeout_s, stay_awake)
         except TransferError as exc:
             log.error("rank %d: progress failed: %s", self.rank, exc)
         if self._watches:

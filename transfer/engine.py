@@ -589,17 +589,20 @@ class TransferEngine:
         self._inbox.clear()
         return out
 
-    def progress(self, timeout_s: float = 0) -> int:
+    def progress(self, timeout_s: float = 0, stay_awake: bool = False) -> int:
         """Drive UCX and deliver incoming messages. With ``timeout_s > 0`` and nothing to
         do, polls for ``spin_us`` and for as long as the last activity is within
         ``busy_poll_us`` (a message then costs no wake-up), then sleeps on the event fd
-        for the rest of ``timeout_s`` (an idle engine burns no CPU)."""
+        for the rest of ``timeout_s`` (an idle engine burns no CPU). ``stay_awake``
+        polls for all of ``timeout_s`` (yielding the CPU between polls): for a caller
+        that expects a message soon, since waking a sleeping thread, and on a VM its
+        halted vCPU, can take milliseconds."""
         self._require_open()
         if timeout_s <= 0:
             n = lib.kvf_worker_progress(self._worker)
         else:
             n = lib.kvf_worker_wait(self._worker, max(1, math.ceil(timeout_s * 1000)),
-                                    self.config.spin_us)
+                                    self.config.spin_us, stay_awake)
         self._drain_messages()
         if len(self._inflight) > self._sweep_at:
             self._sweep()

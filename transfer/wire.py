@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import msgpack
 
@@ -131,28 +131,59 @@ class Message:
             raise AttributeError(name) from None
 
 
+def _fast_check(spec: Field) -> Callable[[Any], bool]:
+    """A predicate that accepts the common exact-type values of ``spec`` cheaply. What it
+    does not accept goes through :func:`_check_value`, which accepts the rest (int
+    subclasses, bytearrays, tuples) or raises with the reason."""
+    t, lim = spec.type, spec.limit()
+    if t is FieldType.INT:
+        return lambda v: type(v) is int and INT64_MIN <= v <= INT64_MAX
+    if t is FieldType.UINT64:
+        return lambda v: type(v) is int and 0 <= v <= UINT64_MAX
+    if t is FieldType.BOOL:
+        return lambda v: v is True or v is False
+    if t is FieldType.FLOAT:
+        return lambda v: type(v) is float and math.isfinite(v)
+    if t is FieldType.STR:
+        return lambda v: type(v) is str and len(v) <= lim
+    if t is FieldType.BYTES:
+        return lambda v: type(v) is bytes and len(v) <= lim
+    return lambda v: False   # lists: always the full check (it is C-level already)
+
+
+_CONVERT: dict[FieldType, Callable[[Any], Any]] = {
+    FieldType.BYTES: bytes, FieldType.INT_LIST: list, FieldType.STR_LIST: list}
+
+
 @dataclass(frozen=True)
 class MessageKind:
-    """A declared message kind of one codec."""
+    """A declared message kind of one codec. Its fields' checks are compiled once into a
+    plan (name, fast predicate, spec, conversion), since every message sent and received
+    runs them."""
 
     name: str
     fields: Mapping[str, Field]
 
+    def __post_init__(self) -> None:
+        plan = tuple((n, _fast_check(f), f, _CONVERT.get(f.type)) for n, f in self.fields.items())
+        object.__setattr__(self, "_plan", plan)
+        object.__setattr__(self, "_names", frozenset(self.fields))
+
     def validate(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        extra = set(values) - set(self.fields)
-        if extra:
+        if not values.keys() <= self._names:
+            extra = set(values) - set(self.fields)
             raise WireError(f"{self.name}: unknown field(s) {sorted(map(str, extra))[:5]}")
         out: dict[str, Any] = {}
-        for name, spec in self.fields.items():
+        for name, fast, spec, convert in self._plan:
             value = values.get(name)
             if value is None:
                 if not spec.optional:
                     raise WireError(f"{self.name}.{name}: required field missing")
                 out[name] = None
                 continue
-            _check_value(self.name, name, spec, value)
-            out[name] = bytes(value) if spec.type is FieldType.BYTES else (
-                list(value) if spec.type in (FieldType.INT_LIST, FieldType.STR_LIST) else value)
+            if not fast(value):
+                _check_value(self.name, name, spec, value)
+            out[name] = value if convert is None else convert(value)
         return out
 
     def make(self, /, **values: Any) -> Message:
@@ -216,6 +247,8 @@ class Codec:
             raise WireError(f"{self.protocol}: version {str(version)[:20]} is not {self.version}")
         if not isinstance(kind, str) or kind not in self.kinds:
             raise WireError(f"{self.protocol}: unknown kind {str(kind)[:40]!r}")
-        if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
-            raise WireError(f"{self.protocol}.{kind}: fields must be a map with str keys")
+        if not isinstance(values, dict):
+            raise WireError(f"{self.protocol}.{kind}: fields must be a map")
+        # strict_map_key admits only str and bytes keys; a bytes key is no field name, so
+        # validate() refuses it as unknown
         return Message(kind, self.kinds[kind].validate(values), checked=True)

@@ -290,10 +290,11 @@ unsigned kvf_worker_progress(kvf_worker *w)
 /* Progress; if nothing happened, poll until the later of now + spin_us and the end of the
  * busy window (busy_poll_us after the last activity), then arm the event fd and sleep in
  * poll() for the rest of timeout_ms. Under traffic the window keeps the thread awake, so
- * a message costs no wake-up; an idle worker sleeps. Past spin_us the loop yields the CPU
- * on every turn so that a busy-polling rank never starves a runnable neighbour. The GIL
- * is released by cffi around this call. */
-int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us)
+ * a message costs no wake-up; an idle worker sleeps. stay_awake: poll for all of
+ * timeout_ms (a caller expecting a reply soon: a sleeping vCPU can take milliseconds to
+ * wake). Past spin_us the loop yields the CPU on every turn so that a busy-polling rank
+ * never starves a runnable neighbour. The GIL is released by cffi around this call. */
+int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us, int stay_awake)
 {
     unsigned n = kvf_worker_progress(w);
     int64_t now, deadline, spin_until, yield_after, remaining_ms;
@@ -307,7 +308,7 @@ int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us)
     if (w->last_activity_us + w->busy_poll_us > spin_until) {
         spin_until = w->last_activity_us + w->busy_poll_us;
     }
-    if (spin_until > deadline) spin_until = deadline;
+    if (spin_until > deadline || stay_awake) spin_until = deadline;
     while (now < spin_until) {
         n = ucp_worker_progress(w->worker);
         if (n || w->head) {

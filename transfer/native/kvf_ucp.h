@@ -47,7 +47,7 @@ void kvf_worker_address_release(kvf_worker *w, void *addr);
 int kvf_worker_efd(kvf_worker *w, int *fd);
 int kvf_worker_arm(kvf_worker *w);
 unsigned kvf_worker_progress(kvf_worker *w);
-int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us);
+int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us, int stay_awake);
 void kvf_worker_configure(kvf_worker *w, int64_t max_sender, int64_t max_payload,
                           int64_t busy_poll_us);
 int64_t kvf_worker_idle_us(kvf_worker *w);

@@ -43,7 +43,8 @@ def _summary(values: list[float]) -> dict:
         return {"count": 0}
     v = sorted(values)
     pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]
-    return {"count": len(v), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": v[-1]}
+    return {"count": len(v), "p50_ms": pick(0.5), "p90_ms": pick(0.9), "p99_ms": pick(0.99),
+            "max_ms": v[-1], "over_2ms": sum(x > 2.0 for x in v)}
 
 
 def run_case(cluster: LocalCluster, case: str, n: int, seed: int) -> tuple[dict, dict]:

@@ -3,19 +3,21 @@ same run.
 
 Three processes: a driver (rank 0, in the router's place), a writer and an owner, each with
 its own transfer engine; pools of a realistic page shape (``[pages, layers, 2, kv_heads,
-page_size, head_dim]`` = [., 8, 2, 8, 16, 128] bf16: 512 KiB pages). Both cases move the
-same pages between the same two engines, one request at a time:
+page_size, head_dim]`` = [., 8, 2, 8, 16, 128] bf16: 512 KiB pages). Both cases move
+requests of ``--pages`` pages between the same two engines, keeping ``--inflight`` requests
+in flight: each one finished lets the next one in, as a serving cluster admits work.
 
 - ``raw``: the writer's engine writes the request's pages and notifies; the owner answers
-  the notice; the next round starts.
-- ``protocol``: the real PrefillRank and DecodeRank with the driver sending PREFILL and
-  ASSIGN: allocation, PLAN, the write, the NOTICE after a flush, decode of one token, DONE
-  and RELEASED from both ranks. Models are stubs (no compute) and integrity checks are off,
-  so what remains is the protocol's own work.
+  the notice, which finishes the request.
+- ``protocol``: the real PrefillRank and DecodeRank, run by the serving ranks' own loop,
+  with the driver sending PREFILL and ASSIGN: allocation, PLAN, the write, the NOTICE after
+  the writer's flush, decode of one token, and the request finishes with DONE and RELEASED
+  from both ranks. Models are stubs (no compute) and integrity checks are off, so what
+  remains is the protocol's own work.
 
-Each round has ``--inflight`` requests (raw: write + notice pairs) in flight at once.
-Prints one JSON line per case (keys: bench, case, rounds, inflight, bytes_per_round, gbps,
-p50_ms: the median round) and one with the ratio protocol/raw.
+gbps is the bytes of the requests after a warm-up over the time they took. Prints one JSON
+line per case (keys: bench, case, requests, inflight, bytes_per_request, gbps, p50_ms: the
+median request latency) and one with the ratio protocol/raw.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, rounds: int,
     from .decode import DecodeRank
     from .prefill import PrefillRank
     from .rendezvous import RankCard
-    from .runtime import RankRuntime
+    from .launch import run_worker
+    from .runtime import RankRuntime, freeze_long_lived_objects
 
     engine = TransferEngine(TransferConfig(transports="shm", name=f"bench-{role}",
                                            max_message_bytes=4 << 20))
@@ -76,8 +79,9 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, rounds: int,
                         pid=os.getpid()).pack())
     cards = {r: RankCard.unpack(b) for r, b in inbox.get().items()}
     # ---- raw
-    received: list[bytes] = []
-    engine.set_message_handler(lambda sender, payload: received.append(sender))
+    received: list = []
+    engine.set_message_handler(lambda sender, payload: received.append(
+        payload if role == "writer" else (sender, payload)))
     if role == "writer":
         owner = engine.connect(cards[2].address)
         rseg = engine.open_segment(owner, cards[2].segment)
@@ -86,33 +90,47 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, rounds: int,
         for k in range(inflight):
             idx = (np.arange(pages, dtype=np.int64) + k * pages) * pb
             sets.append(np.stack([idx, idx, np.full(pages, pb, dtype=np.int64)], axis=1))
-        times = []
-        for _ in range(rounds + 2):
-            t0 = time.perf_counter()
-            batches = []
-            for triples in sets:
-                batches.append(engine.write(owner, seg, rseg, triples))
-                batches.append(engine.notify(owner, b"notice"))
-            for b in batches:
-                b.wait(30)
-            while len(received) < inflight:
-                engine.progress(0.001)
-            received.clear()
-            times.append(time.perf_counter() - t0)
-        outbox.put(times[2:])
+        total, warm = (rounds + 2) * inflight, 2 * inflight
+        posted = done = 0
+        started: dict[int, float] = {}
+        latencies: list[float] = []
+        t0 = time.perf_counter()
+
+        def post(i: int) -> None:
+            started[i] = time.perf_counter()
+            engine.write(owner, seg, rseg, sets[i % inflight])
+            engine.notify(owner, i.to_bytes(8, "little"))
+
+        while posted < inflight:
+            post(posted)
+            posted += 1
+        while done < total:
+            engine.progress(0.001, stay_awake=True)
+            while received:
+                i = int.from_bytes(received.pop(), "little")
+                done += 1
+                if done == warm:
+                    t0 = time.perf_counter()
+                if done > warm:
+                    latencies.append(time.perf_counter() - started[i])
+                if posted < total:
+                    post(posted)
+                    posted += 1
+        outbox.put((time.perf_counter() - t0, latencies))
     else:
         deadline = time.monotonic() + 120
         done = 0
         peer = None
         while done < (rounds + 2) * inflight and time.monotonic() < deadline:
-            engine.progress(0.001)
+            engine.progress(0.001, stay_awake=True)
             while received:
-                sender = received.pop()
+                sender, payload = received.pop(0)
                 peer = peer or engine.connect(sender)
-                engine.send(peer, b"ack")
+                engine.send(peer, payload)     # the ack names the request
                 done += 1
     inbox.get()                      # the driver says: protocol phase
     rt = RankRuntime(rank, engine, cards)
+    freeze_long_lived_objects()   # as a serving rank does (launch.py)
     if role == "writer":
         worker = PrefillRank(rt, NullModel(), pool, seg, (0, KV_HEADS), router=0, integrity=False)
     else:
@@ -123,12 +141,59 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, rounds: int,
     rt.set_handler(lambda msg: stop.append(1) if msg.kind == "SHUTDOWN" else handler(msg))
     rt.faults = rt.faults  # no fault hooks
     outbox.put("ready")
-    while not stop:
-        busy = role == "owner" and worker.busy()
-        rt.pump(0 if busy else float(os.environ.get("KVF_BENCH_IDLE_WAIT", "0.001")))
-        if busy:
-            worker.step()
+    run_worker(rt, worker, decode=(role == "owner"), stopped=lambda: bool(stop))
     engine.shutdown()
+
+
+def _drive_protocol(rt, m, cards, tokens: bytes, args) -> tuple[float, list[float]]:
+    """Keep ``args.inflight`` requests in the protocol: each one finished (DONE from the
+    owner, RELEASED from both ranks) lets the next one in. Returns the time the requests
+    after the warm-up took, and their latencies."""
+    total, warm = (args.requests + 2) * args.inflight, 2 * args.inflight
+    started: dict[str, float] = {}
+    seen: dict[str, set] = {}
+    latencies: list[float] = []
+    posted = done = 0
+    t0 = time.perf_counter()
+
+    def on_message(msg) -> None:
+        nonlocal done, posted, t0
+        if msg.kind == "DONE" and msg.outcome != "finished":
+            raise RuntimeError(f"request {msg.rid}: {msg.outcome} {msg.error}")
+        if msg.kind not in ("DONE", "RELEASED") or msg.rid not in seen:
+            return
+        marks = seen[msg.rid]
+        marks.add((msg.kind, msg.src))
+        if len(marks) < 3:    # DONE from the owner, RELEASED from the writer and the owner
+            return
+        del seen[msg.rid]
+        done += 1
+        if done == warm:
+            t0 = time.perf_counter()
+        if done > warm:
+            latencies.append(time.perf_counter() - started[msg.rid])
+        if posted < total:
+            post(posted)
+            posted += 1
+
+    def post(i: int) -> None:
+        rid = f"bench-{i}"
+        started[rid], seen[rid] = time.perf_counter(), set()
+        rt.send(1, m.PREFILL, rid=rid, tokens=tokens, owner=2, owner_inc=cards[2].incarnation)
+        rt.send(2, m.ASSIGN, rid=rid, prompt_len=args.pages * PAGE_SIZE, max_tokens=1,
+                writers=[1], last_token=0)
+
+    rt.set_handler(on_message)
+    while posted < args.inflight:
+        post(posted)
+        posted += 1
+    deadline = time.monotonic() + 60 + total
+    while done < total:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{total - done} requests did not finish: {sorted(seen)[:5]}")
+        rt.pump(0)                 # as the router's loop does (launch.serve_router)
+        time.sleep(0.0005)
+    return time.perf_counter() - t0, latencies
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=30)
     p.add_argument("--pages", type=int, default=32, help="pages per request (512 KiB each)")
     p.add_argument("--inflight", type=int, default=4,
-                   help="requests (raw: write + notify) in flight per round")
+                   help="requests kept in flight (raw: write + notify pairs)")
     args = p.parse_args(argv)
     from kvferry.transfer import TransferConfig, TransferEngine
     from . import messages as m
@@ -159,38 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     packed = {r: c.pack() for r, c in cards.items()}
     for r in (1, 2):
         queues[r][0].put(packed)
-    raw_times = queues[1][1].get(timeout=300)
+    raw = queues[1][1].get(timeout=300)
     for r in (1, 2):
         queues[r][0].put("protocol")
     for r in (1, 2):
         assert queues[r][1].get(timeout=60) == "ready"
     rt = RankRuntime(0, engine, cards)
-    events: list = []
-    rt.set_handler(events.append)
     tokens = np.zeros(args.pages * PAGE_SIZE, dtype="<i4").tobytes()
-    proto_times = []
-    for i in range(args.requests + 2):
-        rids = [f"bench-{i}-{k}" for k in range(args.inflight)]
-        events.clear()
-        t0 = time.perf_counter()
-        for rid in rids:
-            rt.send(1, m.PREFILL, rid=rid, tokens=tokens, owner=2, owner_inc=cards[2].incarnation)
-            rt.send(2, m.ASSIGN, rid=rid, prompt_len=args.pages * PAGE_SIZE, max_tokens=1,
-                    writers=[1], last_token=0)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            rt.pump(0.0005)
-            seen = {(e.kind, e.src, e.rid) for e in events if e.kind in ("DONE", "RELEASED")}
-            if all(("DONE", 2, r) in seen and ("RELEASED", 1, r) in seen and ("RELEASED", 2, r) in seen
-                   for r in rids):
-                break
-        else:
-            raise RuntimeError(f"round {i} did not complete: {[e.kind for e in events]}")
-        bad = [e for e in events if e.kind == "DONE" and e.outcome != "finished"]
-        if bad:
-            raise RuntimeError(f"round {i}: {bad[0].outcome} {bad[0].error}")
-        proto_times.append(time.perf_counter() - t0)
-    proto_times = proto_times[2:]
+    proto = _drive_protocol(rt, m, cards, tokens, args)
     for r in (1, 2):
         rt.send(r, m.SHUTDOWN)
     for _ in range(100):
@@ -198,15 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     for proc in procs:
         proc.join(timeout=20)
     engine.shutdown()
-    nbytes = args.inflight * args.pages * LAYERS * 2 * KV_HEADS * PAGE_SIZE * HEAD_DIM * 2
+    request_bytes = args.pages * LAYERS * 2 * KV_HEADS * PAGE_SIZE * HEAD_DIM * 2
     rows = {}
-    for case, times in (("raw", raw_times), ("protocol", proto_times)):
-        med = statistics.median(times)
-        rows[case] = nbytes / med / 1e9
-        print(json.dumps({"bench": "protocol_cost", "case": case, "rounds": len(times),
-                          "inflight": args.inflight, "bytes_per_round": nbytes,
+    for case, (elapsed, latencies) in (("raw", raw), ("protocol", proto)):
+        rows[case] = len(latencies) * request_bytes / elapsed / 1e9
+        print(json.dumps({"bench": "protocol_cost", "case": case, "requests": len(latencies),
+                          "inflight": args.inflight, "bytes_per_request": request_bytes,
                           "gbps": round(rows[case], 3),
-                          "p50_ms": round(1e3 * med, 3)}), flush=True)
+                          "p50_ms": round(1e3 * statistics.median(latencies), 3)}), flush=True)
     print(json.dumps({"bench": "protocol_cost", "case": "ratio",
                       "protocol_over_raw": round(rows["protocol"] / rows["raw"], 4)}), flush=True)
     return 0

@@ -37,7 +37,7 @@ from .models import build_model, pool_config
 from .prefill import PrefillRank
 from .rendezvous import RankCard, RendezvousError, gather, publish, publish_failure
 from .router import Router
-from .runtime import RankRuntime
+from .runtime import RankRuntime, freeze_long_lived_objects
 from .topology import Role, Topology
 
 log = logging.getLogger("kvferry.cluster")
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()
         return 3
     runtime = RankRuntime(rank, engine, cards, faults)
+    freeze_long_lived_objects()
     stop = StopFlag()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: stop.set(signal.Signals(s).name))
@@ -183,17 +184,22 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
     runtime.set_handler(on_message)
     _stats_sender(runtime, worker, router, runtime.cards[runtime.rank].context_length)()
     log.info("%s rank %d ready", role.value, runtime.rank)
-    while not stop.stop:
-        busy = role is Role.DECODE and worker.busy()
-        # Requests in the protocol: poll in C (yielding the CPU between polls), so an
-        # ABORT, an ack or a notice costs no wake-up. Idle: poll busy_poll_us after the
-        # last message, then sleep on the engine's event fd. pump shortens the wait to
-        # the next timer.
+    run_worker(runtime, worker, decode=role is Role.DECODE, stopped=lambda: stop.stop)
+    log.info("rank %d stopping: %s", runtime.rank, stop.reason)
+    return 0
+
+
+def run_worker(runtime: RankRuntime, worker, decode: bool, stopped) -> None:
+    """A prefill or decode rank's loop until ``stopped()``. With requests in the protocol
+    it polls in C (yielding the CPU between polls), so an ABORT, an ack or a notice costs
+    no wake-up; idle, it polls ``busy_poll_us`` after the last message, then sleeps on the
+    engine's event fd. A decode rank with running requests steps them between polls.
+    ``pump`` shortens every wait to the next timer."""
+    while not stopped():
+        busy = decode and worker.busy()
         runtime.pump(0.0 if busy else 0.05, stay_awake=worker.in_flight())
         if busy:
             worker.step()
-    log.info("rank %d stopping: %s", runtime.rank, stop.reason)
-    return 0
 
 
 def measure_copy_gbps(nbytes: int = 32 << 20, rounds: int = 3) -> float:

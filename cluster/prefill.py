@@ -93,6 +93,18 @@ class WriteJob:
 
 
 
+def coalesce_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge byte runs that touch: a writer of every head copies each page as one run
+    instead of one per (layer, K/V)."""
+    out: list[tuple[int, int]] = []
+    for off, n in runs:
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((off, n))
+    return out
+
+
 class PrefillRank(RankBooks):
     def __init__(self, runtime: RankRuntime, model, pool: KVPool, segment: Segment,
                  head_range: tuple[int, int], router: int, unsafe: bool = False,
@@ -108,7 +120,7 @@ class PrefillRank(RankBooks):
         self.allocator = PageAllocator(pool.num_pages)
         self.jobs: dict[str, WriteJob] = {}
         self._init_books()
-        runs = pool.head_slice_runs(0, *head_range)
+        runs = coalesce_runs(pool.head_slice_runs(0, *head_range))
         self._run_offsets = np.array([off for off, _ in runs], dtype=np.int64)
         self._run_lengths = np.array([n for _, n in runs], dtype=np.int64)
         self._rows_per_batch = max(1, max_batch_bytes // int(self._run_lengths[0]))

@@ -136,19 +136,26 @@ class PageAllocator:
             return []
         generation = self._next_generation
         self._next_generation += 1
-        pages = [heapq.heappop(self._free_heap) for _ in range(n)]
+        heap, pop = self._free_heap, heapq.heappop
+        pages = [pop(heap) for _ in range(n)]
+        state, owner, generations, owned = self._state, self._owner, self._generation, PageState.OWNED
         for page in pages:
-            self._set(page, PageState.OWNED, request_id)
-            self._generation[page] = generation
+            state[page] = owned
+            owner[page] = request_id
+            generations[page] = generation
+        self._move_counts(PageState.FREE, owned, n)
         self._held.setdefault(request_id, []).extend(pages)
         return [PageGrant(page, generation) for page in pages]
 
     def free(self, request_id: str, pages: list[int] | None = None) -> list[int]:
         """Return OWNED pages of ``request_id`` to the free list (all of them by default).
         Every page is checked before any is freed."""
-        targets = self.owned_pages_of(request_id) if pages is None else list(pages)
-        for page in targets:
-            self._expect(request_id, page, PageState.OWNED)
+        if pages is None:
+            targets = self.owned_pages_of(request_id)
+        else:
+            targets = list(pages)
+            for page in targets:
+                self._expect(request_id, page, PageState.OWNED)
         if len(set(targets)) != len(targets):
             raise ValueError(f"request {request_id!r}: duplicate pages in free({targets})")
         self._to_free(request_id, targets)
@@ -163,8 +170,10 @@ class PageAllocator:
                 log.critical("UNSAFE: request %r: %d pages freed without quarantine", request_id, len(pages))
             self._to_free(request_id, pages)
             return pages
+        state, quarantined = self._state, PageState.QUARANTINED
         for page in pages:
-            self._set(page, PageState.QUARANTINED, request_id)
+            state[page] = quarantined
+        self._move_counts(PageState.OWNED, quarantined, len(pages))
         return pages
 
     def release(self, request_id: str) -> list[int]:
@@ -202,19 +211,28 @@ class PageAllocator:
         if self._state[page] is not wanted or self._owner[page] != request_id:
             raise PageOwnershipError(request_id, page, self._owner[page], self._state[page], wanted)
 
-    def _set(self, page: int, state: PageState, owner: str | None) -> None:
-        self._counts[self._state[page]] -= 1
-        self._counts[state] += 1
-        self._state[page] = state
-        self._owner[page] = owner
+    def _move_counts(self, old: PageState, new: PageState, n: int) -> None:
+        counts = self._counts
+        counts[old] -= n
+        counts[new] += n
 
     def _to_free(self, request_id: str, pages: list[int]) -> None:
+        """``pages`` all belong to ``request_id`` (owned or quarantined: the callers'
+        selection guarantees it). Per-page work stays in plain list stores, since a
+        request frees hundreds of pages at a time."""
         if not pages:
             return
         gone = set(pages)
+        state, owner, heap, push = self._state, self._owner, self._free_heap, heapq.heappush
+        quarantined, free = PageState.QUARANTINED, PageState.FREE
+        n_quarantined = 0
         for page in pages:
-            self._set(page, PageState.FREE, None)
-            heapq.heappush(self._free_heap, page)
+            n_quarantined += state[page] is quarantined
+            state[page] = free
+            owner[page] = None
+            push(heap, page)
+        self._move_counts(quarantined, free, n_quarantined)
+        self._move_counts(PageState.OWNED, free, len(pages) - n_quarantined)
         remaining = [p for p in self._held.get(request_id, ()) if p not in gone]
         if remaining:
             self._held[request_id] = remaining

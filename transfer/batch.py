@@ -61,6 +61,12 @@ class Batch:
             self._evaluate()
         return self._final or BatchStatus.PENDING
 
+    def peek(self) -> BatchStatus:
+        """The batch's status as of the engine's last progress (does not drive it)."""
+        if self._final is None:
+            self._evaluate()
+        return self._final or BatchStatus.PENDING
+
     def wait(self, timeout_s: float | None = None, *, deadline: float | None = None) -> "Batch":
         """Block until done or until the deadline (default: the engine's
         ``config.default_timeout_s``). Returns self on completion; raises otherwise."""

@@ -8,16 +8,23 @@ requests of ``--pages`` pages between the same two engines, keeping ``--inflight
 in flight: each one finished lets the next one in, as a serving cluster admits work.
 
 - ``raw``: the writer's engine writes the request's pages and notifies; the owner answers
-  the notice, which finishes the request.
+  the notice, which finishes the request. Pages are taken as the ranks' allocators hand
+  them out (the lowest free ones of each pool, held until the request finishes), so both
+  cases move the same pages.
 - ``protocol``: the real PrefillRank and DecodeRank, run by the serving ranks' own loop,
   with the driver sending PREFILL and ASSIGN: allocation, PLAN, the write, the NOTICE after
   the writer's flush, decode of one token, and the request finishes with DONE and RELEASED
   from both ranks. Models are stubs (no compute) and integrity checks are off, so what
   remains is the protocol's own work.
 
-gbps is the bytes of the requests after a warm-up over the time they took. Prints one JSON
-line per case (keys: bench, case, requests, inflight, bytes_per_request, gbps, p50_ms: the
-median request latency) and one with the ratio protocol/raw.
+The cases alternate for ``--cycles`` cycles (raw, protocol, raw, ...), so that drift in the
+machine's speed hits both alike. With two or more CPUs the writer runs on CPU 0 and the
+owner and the driver on CPU 1, in both cases: ranks get cores of their own when deployed.
+gbps is the bytes of a cycle's requests after its warm-up over the time they took; each
+case's line gives the median over cycles, and the ratio line the median of the per-cycle
+ratios protocol/raw. Prints one JSON line per case (keys: bench, case, cycles, requests,
+inflight, bytes_per_request, gbps, gbps_per_cycle, p50_ms: the median request latency)
+and one with the ratio.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 
 LAYERS, KV_HEADS, PAGE_SIZE, HEAD_DIM = 8, 8, 16, 128
 POOL_PAGES = 160
+WRITER, OWNER = 1, 2
 
 
 class NullModel:
@@ -55,17 +63,78 @@ def _pool_config():
     return PoolConfig(LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE, POOL_PAGES, torch.bfloat16)
 
 
-def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, rounds: int, pages: int,
-           inflight: int) -> None:
+def _pin(cpu: int) -> None:
+    if len(os.sched_getaffinity(0)) >= 2:
+        os.sched_setaffinity(0, {cpu})
+
+
+def _raw_writer(engine, owner, seg, rseg, pool, received: list, total: int, warm: int,
+                pages: int, inflight: int) -> tuple[float, list[float]]:
+    from kvferry.engine.allocator import PageAllocator
+
+    pb = pool.page_bytes
+    src_pages, dst_pages = PageAllocator(pool.num_pages), PageAllocator(pool.num_pages)
+    started: dict[int, float] = {}
+    latencies: list[float] = []
+    posted = done = 0
+    t0 = time.perf_counter()
+
+    def post(i: int) -> None:
+        started[i] = time.perf_counter()
+        src = np.array([g.page for g in src_pages.allocate(str(i), pages)], dtype=np.int64)
+        dst = np.array([g.page for g in dst_pages.allocate(str(i), pages)], dtype=np.int64)
+        triples = np.stack([src * pb, dst * pb, np.full(pages, pb, dtype=np.int64)], axis=1)
+        engine.write(owner, seg, rseg, triples)
+        engine.notify(owner, i.to_bytes(8, "little"))
+
+    while posted < inflight:
+        post(posted)
+        posted += 1
+    deadline = time.monotonic() + 60 + total
+    while done < total:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"raw: {total - done} requests not acked")
+        engine.progress(0.001, stay_awake=True)
+        while received:
+            i = int.from_bytes(received.pop(0), "little")
+            src_pages.free(str(i))
+            dst_pages.free(str(i))
+            done += 1
+            if done == warm:
+                t0 = time.perf_counter()
+            if done > warm:
+                latencies.append(time.perf_counter() - started[i])
+            if posted < total:
+                post(posted)
+                posted += 1
+    return time.perf_counter() - t0, latencies
+
+
+def _raw_owner(engine, received: list, total: int) -> None:
+    peer = None
+    done = 0
+    deadline = time.monotonic() + 60 + total
+    while done < total and time.monotonic() < deadline:
+        engine.progress(0.001, stay_awake=True)
+        while received:
+            sender, payload = received.pop(0)
+            peer = peer or engine.connect(sender)
+            engine.send(peer, payload)     # the ack names the request
+            done += 1
+
+
+def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, warm: int,
+           pages: int, inflight: int) -> None:
     from kvferry.engine.pool import KVPool
     from kvferry.transfer import TransferConfig, TransferEngine
 
     from .decode import DecodeRank
+    from .launch import run_worker
     from .prefill import PrefillRank
     from .rendezvous import RankCard
-    from .launch import run_worker
     from .runtime import RankRuntime, freeze_long_lived_objects
 
+    _pin(0 if role == "writer" else 1)
     engine = TransferEngine(TransferConfig(transports="shm", name=f"bench-{role}",
                                            max_message_bytes=4 << 20))
     pcfg = _pool_config()
@@ -78,83 +147,53 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, rounds: int,
                         context_length=pool.capacity_tokens, host=socket.gethostname(),
                         pid=os.getpid()).pack())
     cards = {r: RankCard.unpack(b) for r, b in inbox.get().items()}
-    # ---- raw
     received: list = []
-    engine.set_message_handler(lambda sender, payload: received.append(
-        payload if role == "writer" else (sender, payload)))
+
+    def on_raw(sender: bytes, payload: bytes) -> None:
+        received.append(payload if role == "writer" else (sender, payload))
+
+    owner = rseg = None
     if role == "writer":
-        owner = engine.connect(cards[2].address)
-        rseg = engine.open_segment(owner, cards[2].segment)
-        pb = pool.page_bytes
-        sets = []
-        for k in range(inflight):
-            idx = (np.arange(pages, dtype=np.int64) + k * pages) * pb
-            sets.append(np.stack([idx, idx, np.full(pages, pb, dtype=np.int64)], axis=1))
-        total, warm = (rounds + 2) * inflight, 2 * inflight
-        posted = done = 0
-        started: dict[int, float] = {}
-        latencies: list[float] = []
-        t0 = time.perf_counter()
-
-        def post(i: int) -> None:
-            started[i] = time.perf_counter()
-            engine.write(owner, seg, rseg, sets[i % inflight])
-            engine.notify(owner, i.to_bytes(8, "little"))
-
-        while posted < inflight:
-            post(posted)
-            posted += 1
-        while done < total:
-            engine.progress(0.001, stay_awake=True)
-            while received:
-                i = int.from_bytes(received.pop(), "little")
-                done += 1
-                if done == warm:
-                    t0 = time.perf_counter()
-                if done > warm:
-                    latencies.append(time.perf_counter() - started[i])
-                if posted < total:
-                    post(posted)
-                    posted += 1
-        outbox.put((time.perf_counter() - t0, latencies))
-    else:
-        deadline = time.monotonic() + 120
-        done = 0
-        peer = None
-        while done < (rounds + 2) * inflight and time.monotonic() < deadline:
-            engine.progress(0.001, stay_awake=True)
-            while received:
-                sender, payload = received.pop(0)
-                peer = peer or engine.connect(sender)
-                engine.send(peer, payload)     # the ack names the request
-                done += 1
-    inbox.get()                      # the driver says: protocol phase
+        owner = engine.connect(cards[OWNER].address)
+        rseg = engine.open_segment(owner, cards[OWNER].segment)
     rt = RankRuntime(rank, engine, cards)
-    freeze_long_lived_objects()   # as a serving rank does (launch.py)
     if role == "writer":
         worker = PrefillRank(rt, NullModel(), pool, seg, (0, KV_HEADS), router=0, integrity=False)
     else:
         worker = DecodeRank(rt, NullModel(), pool, router=0, transfer_timeout_s=30,
                             abort_deadline_s=5, integrity=False)
-    stop = []
+    stop: list = []
     handler = worker.on_message
     rt.set_handler(lambda msg: stop.append(1) if msg.kind == "SHUTDOWN" else handler(msg))
-    rt.faults = rt.faults  # no fault hooks
-    outbox.put("ready")
-    run_worker(rt, worker, decode=(role == "owner"), stopped=lambda: bool(stop))
+    freeze_long_lived_objects()   # as a serving rank does (launch.py)
+    while (cmd := inbox.get()) != "stop":
+        if cmd == "raw":
+            engine.set_message_handler(on_raw)
+            outbox.put("ready")
+            if role == "writer":
+                outbox.put(_raw_writer(engine, owner, seg, rseg, pool, received, total, warm,
+                                       pages, inflight))
+            else:
+                _raw_owner(engine, received, total)
+        else:
+            engine.set_message_handler(rt._on_payload)
+            stop.clear()
+            outbox.put("ready")
+            run_worker(rt, worker, decode=(role == "owner"), stopped=lambda: bool(stop))
     engine.shutdown()
 
 
-def _drive_protocol(rt, m, cards, tokens: bytes, args) -> tuple[float, list[float]]:
-    """Keep ``args.inflight`` requests in the protocol: each one finished (DONE from the
-    owner, RELEASED from both ranks) lets the next one in. Returns the time the requests
-    after the warm-up took, and their latencies."""
-    total, warm = (args.requests + 2) * args.inflight, 2 * args.inflight
+def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: int,
+                    inflight: int) -> tuple[float, list[float]]:
+    """Keep ``inflight`` requests in the protocol: each one finished (DONE from the owner,
+    RELEASED from both ranks) lets the next one in. Returns the time the requests after
+    the warm-up took, and their latencies."""
     started: dict[str, float] = {}
     seen: dict[str, set] = {}
     latencies: list[float] = []
     posted = done = 0
     t0 = time.perf_counter()
+    cycle = next(_CYCLE)
 
     def on_message(msg) -> None:
         nonlocal done, posted, t0
@@ -177,78 +216,106 @@ def _drive_protocol(rt, m, cards, tokens: bytes, args) -> tuple[float, list[floa
             posted += 1
 
     def post(i: int) -> None:
-        rid = f"bench-{i}"
+        rid = f"bench-{cycle}-{i}"
         started[rid], seen[rid] = time.perf_counter(), set()
-        rt.send(1, m.PREFILL, rid=rid, tokens=tokens, owner=2, owner_inc=cards[2].incarnation)
-        rt.send(2, m.ASSIGN, rid=rid, prompt_len=args.pages * PAGE_SIZE, max_tokens=1,
-                writers=[1], last_token=0)
+        rt.send(WRITER, m.PREFILL, rid=rid, tokens=tokens, owner=OWNER,
+                owner_inc=cards[OWNER].incarnation)
+        rt.send(OWNER, m.ASSIGN, rid=rid, prompt_len=pages * PAGE_SIZE, max_tokens=1,
+                writers=[WRITER], last_token=0)
 
     rt.set_handler(on_message)
-    while posted < args.inflight:
+    while posted < inflight:
         post(posted)
         posted += 1
     deadline = time.monotonic() + 60 + total
     while done < total:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{total - done} requests did not finish: {sorted(seen)[:5]}")
-        rt.pump(0)                 # as the router's loop does (launch.serve_router)
-        time.sleep(0.0005)
+        rt.pump(0.05)
     return time.perf_counter() - t0, latencies
+
+
+_CYCLE = iter(range(1 << 30))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvferry bench-protocol", description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=30)
+    p.add_argument("--requests", type=int, default=120,
+                   help="requests measured per case and cycle (after a warm-up)")
     p.add_argument("--pages", type=int, default=32, help="pages per request (512 KiB each)")
     p.add_argument("--inflight", type=int, default=4,
                    help="requests kept in flight (raw: write + notify pairs)")
+    p.add_argument("--cycles", type=int, default=3, help="raw/protocol alternations")
     args = p.parse_args(argv)
+    if args.pages * args.inflight > POOL_PAGES:
+        p.error(f"--pages {args.pages} x --inflight {args.inflight} exceeds the pools' "
+                f"{POOL_PAGES} pages")
     from kvferry.transfer import TransferConfig, TransferEngine
     from . import messages as m
     from .rendezvous import RankCard
     from .runtime import RankRuntime
 
+    warm = 2 * args.inflight
+    total = args.requests + warm
     ctx = mp.get_context("spawn")
-    queues = {r: (ctx.Queue(), ctx.Queue()) for r in (1, 2)}
-    procs = [ctx.Process(target=_child, args=(role, r, queues[r][0], queues[r][1], args.requests,
+    queues = {r: (ctx.Queue(), ctx.Queue()) for r in (WRITER, OWNER)}
+    procs = [ctx.Process(target=_child, args=(role, r, queues[r][0], queues[r][1], total, warm,
                                               args.pages, args.inflight))
-             for role, r in (("writer", 1), ("owner", 2))]
+             for role, r in (("writer", WRITER), ("owner", OWNER))]
     for proc in procs:
         proc.start()
+    _pin(1)
     engine = TransferEngine(TransferConfig(transports="shm", name="bench-driver", max_message_bytes=4 << 20))
     cards = {0: RankCard(rank=0, role="router", address=engine.address, incarnation=engine.incarnation,
                          segment=None, num_pages=0, page_size=PAGE_SIZE, capacity_tokens=0,
                          context_length=0, host=socket.gethostname(), pid=os.getpid())}
-    for r in (1, 2):
+    for r in (WRITER, OWNER):
         cards[r] = RankCard.unpack(queues[r][1].get(timeout=120))
     packed = {r: c.pack() for r, c in cards.items()}
-    for r in (1, 2):
+    for r in (WRITER, OWNER):
         queues[r][0].put(packed)
-    raw = queues[1][1].get(timeout=300)
-    for r in (1, 2):
-        queues[r][0].put("protocol")
-    for r in (1, 2):
-        assert queues[r][1].get(timeout=60) == "ready"
     rt = RankRuntime(0, engine, cards)
     tokens = np.zeros(args.pages * PAGE_SIZE, dtype="<i4").tobytes()
-    proto = _drive_protocol(rt, m, cards, tokens, args)
-    for r in (1, 2):
-        rt.send(r, m.SHUTDOWN)
-    for _ in range(100):
+
+    def phase(cmd: str) -> None:
+        for r in (WRITER, OWNER):
+            queues[r][0].put(cmd)
+        for r in (WRITER, OWNER):
+            if queues[r][1].get(timeout=120) != "ready":
+                raise RuntimeError(f"rank {r} did not start the {cmd} phase")
+
+    results: dict[str, list[tuple[float, list[float]]]] = {"raw": [], "protocol": []}
+    for _ in range(args.cycles):
+        phase("raw")
+        results["raw"].append(queues[WRITER][1].get(timeout=600))
+        phase("protocol")
+        results["protocol"].append(_drive_protocol(rt, m, cards, tokens, total, warm,
+                                                   args.pages, args.inflight))
+        for r in (WRITER, OWNER):
+            rt.send(r, m.SHUTDOWN)     # ends the phase's serving loop
+    for r in (WRITER, OWNER):
+        queues[r][0].put("stop")
+    for _ in range(50):
         rt.pump(0.01)
     for proc in procs:
         proc.join(timeout=20)
     engine.shutdown()
+
     request_bytes = args.pages * LAYERS * 2 * KV_HEADS * PAGE_SIZE * HEAD_DIM * 2
-    rows = {}
-    for case, (elapsed, latencies) in (("raw", raw), ("protocol", proto)):
-        rows[case] = len(latencies) * request_bytes / elapsed / 1e9
-        print(json.dumps({"bench": "protocol_cost", "case": case, "requests": len(latencies),
-                          "inflight": args.inflight, "bytes_per_request": request_bytes,
-                          "gbps": round(rows[case], 3),
-                          "p50_ms": round(1e3 * statistics.median(latencies), 3)}), flush=True)
+    rates: dict[str, list[float]] = {}
+    for case, runs in results.items():
+        rates[case] = [len(lat) * request_bytes / elapsed / 1e9 for elapsed, lat in runs]
+        print(json.dumps({"bench": "protocol_cost", "case": case, "cycles": args.cycles,
+                          "requests": args.requests, "inflight": args.inflight,
+                          "bytes_per_request": request_bytes,
+                          "gbps": round(statistics.median(rates[case]), 3),
+                          "gbps_per_cycle": [round(x, 3) for x in rates[case]],
+                          "p50_ms": round(1e3 * statistics.median(
+                              [x for _, lat in runs for x in lat]), 3)}), flush=True)
+    ratios = [pr / rr for pr, rr in zip(rates["protocol"], rates["raw"])]
     print(json.dumps({"bench": "protocol_cost", "case": "ratio",
-                      "protocol_over_raw": round(rows["protocol"] / rows["raw"], 4)}), flush=True)
+                      "protocol_over_raw": round(statistics.median(ratios), 4),
+                      "per_cycle": [round(x, 4) for x in ratios]}), flush=True)
     return 0
 
 

@@ -264,6 +264,11 @@ class RankRuntime:
             seen.popitem(last=False)
         self.counters.received += 1
         self._handler(msg)
+        if self._watches:
+            # What the handler posted and is already done (a direct write) goes on now,
+            # before the next queued message: a notice is not held back behind the
+            # writes of requests that arrived later.
+            self._settle_watches()
 
     # ------------------------------------------------------------------ batches, timers
     def watch(self, batch: Batch, callback: Callable[[Batch], None]) -> None:

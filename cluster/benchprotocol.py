@@ -42,7 +42,6 @@ import numpy as np
 import torch
 
 LAYERS, KV_HEADS, PAGE_SIZE, HEAD_DIM = 8, 8, 16, 128
-POOL_PAGES = 160
 WRITER, OWNER = 1, 2
 
 
@@ -58,9 +57,9 @@ class NullModel:
         return torch.zeros(len(positions), dtype=torch.int64)
 
 
-def _pool_config():
+def _pool_config(pages: int):
     from kvferry.engine.pool import PoolConfig
-    return PoolConfig(LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE, POOL_PAGES, torch.bfloat16)
+    return PoolConfig(LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE, pages, torch.bfloat16)
 
 
 def _pin(cpu: int) -> None:
@@ -124,7 +123,7 @@ def _raw_owner(engine, received: list, total: int) -> None:
 
 
 def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, warm: int,
-           pages: int, inflight: int) -> None:
+           pool_pages: int, inflight: int) -> None:
     from kvferry.engine.pool import KVPool
     from kvferry.transfer import TransferConfig, TransferEngine
 
@@ -137,7 +136,7 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
     _pin(0 if role == "writer" else 1)
     engine = TransferEngine(TransferConfig(transports="shm", name=f"bench-{role}",
                                            max_message_bytes=4 << 20))
-    pcfg = _pool_config()
+    pcfg = _pool_config(pool_pages)
     seg = engine.allocate(pcfg.total_bytes)
     pool = KVPool.from_buffer(pcfg, seg.as_torch())
     pool.kv.view(torch.uint8).view(-1)[:] = rank   # pre-faulted, known bytes
@@ -167,7 +166,8 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
     rt.set_handler(lambda msg: stop.append(1) if msg.kind == "SHUTDOWN" else handler(msg))
     freeze_long_lived_objects()   # as a serving rank does (launch.py)
     while (cmd := inbox.get()) != "stop":
-        if cmd == "raw":
+        case, pages = cmd
+        if case == "raw":
             engine.set_message_handler(on_raw)
             outbox.put("ready")
             if role == "writer":
@@ -191,6 +191,7 @@ def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: i
     started: dict[str, float] = {}
     seen: dict[str, set] = {}
     latencies: list[float] = []
+    failed: list[str] = []
     posted = done = 0
     t0 = time.perf_counter()
     cycle = next(_CYCLE)
@@ -198,7 +199,7 @@ def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: i
     def on_message(msg) -> None:
         nonlocal done, posted, t0
         if msg.kind == "DONE" and msg.outcome != "finished":
-            raise RuntimeError(f"request {msg.rid}: {msg.outcome} {msg.error}")
+            failed.append(f"request {msg.rid}: {msg.outcome} {msg.error}")
         if msg.kind not in ("DONE", "RELEASED") or msg.rid not in seen:
             return
         marks = seen[msg.rid]
@@ -229,6 +230,8 @@ def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: i
         posted += 1
     deadline = time.monotonic() + 60 + total
     while done < total:
+        if failed:
+            raise RuntimeError(failed[0])
         if time.monotonic() > deadline:
             raise RuntimeError(f"{total - done} requests did not finish: {sorted(seen)[:5]}")
         rt.pump(0.05)
@@ -238,18 +241,37 @@ def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: i
 _CYCLE = iter(range(1 << 30))
 
 
+def _report(results: dict[str, list[tuple[float, list[float]]]], pages: int, args) -> None:
+    request_bytes = pages * LAYERS * 2 * KV_HEADS * PAGE_SIZE * HEAD_DIM * 2
+    rates: dict[str, list[float]] = {}
+    for case, runs in results.items():
+        rates[case] = [len(lat) * request_bytes / elapsed / 1e9 for elapsed, lat in runs]
+        print(json.dumps({"bench": "protocol_cost", "case": case, "cycles": args.cycles,
+                          "requests": args.requests, "inflight": args.inflight,
+                          "pages_per_request": pages, "bytes_per_request": request_bytes,
+                          "gbps": round(statistics.median(rates[case]), 3),
+                          "gbps_per_cycle": [round(x, 3) for x in rates[case]],
+                          "p50_ms": round(1e3 * statistics.median(
+                              [x for _, lat in runs for x in lat]), 3)}), flush=True)
+    ratios = [pr / rr for pr, rr in zip(rates["protocol"], rates["raw"])]
+    print(json.dumps({"bench": "protocol_cost", "case": "ratio", "pages_per_request": pages,
+                      "bytes_per_request": request_bytes,
+                      "protocol_over_raw": round(statistics.median(ratios), 4),
+                      "per_cycle": [round(x, 4) for x in ratios]}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvferry bench-protocol", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=120,
                    help="requests measured per case and cycle (after a warm-up)")
-    p.add_argument("--pages", type=int, default=32, help="pages per request (512 KiB each)")
+    p.add_argument("--pages", default="32,128,512",
+                   help="pages per request (512 KiB each), one comparison per value")
     p.add_argument("--inflight", type=int, default=4,
                    help="requests kept in flight (raw: write + notify pairs)")
     p.add_argument("--cycles", type=int, default=3, help="raw/protocol alternations")
     args = p.parse_args(argv)
-    if args.pages * args.inflight > POOL_PAGES:
-        p.error(f"--pages {args.pages} x --inflight {args.inflight} exceeds the pools' "
-                f"{POOL_PAGES} pages")
+    sizes = [int(x) for x in args.pages.split(",")]
+    pool_pages = (max(sizes) + 1) * args.inflight   # + the page decode writes into
     from kvferry.transfer import TransferConfig, TransferEngine
     from . import messages as m
     from .rendezvous import RankCard
@@ -260,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     queues = {r: (ctx.Queue(), ctx.Queue()) for r in (WRITER, OWNER)}
     procs = [ctx.Process(target=_child, args=(role, r, queues[r][0], queues[r][1], total, warm,
-                                              args.pages, args.inflight))
+                                              pool_pages, args.inflight))
              for role, r in (("writer", WRITER), ("owner", OWNER))]
     for proc in procs:
         proc.start()
@@ -275,24 +297,26 @@ def main(argv: list[str] | None = None) -> int:
     for r in (WRITER, OWNER):
         queues[r][0].put(packed)
     rt = RankRuntime(0, engine, cards)
-    tokens = np.zeros(args.pages * PAGE_SIZE, dtype="<i4").tobytes()
 
-    def phase(cmd: str) -> None:
+    def phase(cmd: tuple[str, int]) -> None:
         for r in (WRITER, OWNER):
             queues[r][0].put(cmd)
         for r in (WRITER, OWNER):
             if queues[r][1].get(timeout=120) != "ready":
-                raise RuntimeError(f"rank {r} did not start the {cmd} phase")
+                raise RuntimeError(f"rank {r} did not start the {cmd[0]} phase")
 
-    results: dict[str, list[tuple[float, list[float]]]] = {"raw": [], "protocol": []}
-    for _ in range(args.cycles):
-        phase("raw")
-        results["raw"].append(queues[WRITER][1].get(timeout=600))
-        phase("protocol")
-        results["protocol"].append(_drive_protocol(rt, m, cards, tokens, total, warm,
-                                                   args.pages, args.inflight))
-        for r in (WRITER, OWNER):
-            rt.send(r, m.SHUTDOWN)     # ends the phase's serving loop
+    for pages in sizes:
+        tokens = np.zeros(pages * PAGE_SIZE, dtype="<i4").tobytes()
+        results: dict[str, list[tuple[float, list[float]]]] = {"raw": [], "protocol": []}
+        for _ in range(args.cycles):
+            phase(("raw", pages))
+            results["raw"].append(queues[WRITER][1].get(timeout=600))
+            phase(("protocol", pages))
+            results["protocol"].append(_drive_protocol(rt, m, cards, tokens, total, warm,
+                                                       pages, args.inflight))
+            for r in (WRITER, OWNER):
+                rt.send(r, m.SHUTDOWN)     # ends the phase's serving loop
+        _report(results, pages, args)
     for r in (WRITER, OWNER):
         queues[r][0].put("stop")
     for _ in range(50):
@@ -300,22 +324,6 @@ def main(argv: list[str] | None = None) -> int:
     for proc in procs:
         proc.join(timeout=20)
     engine.shutdown()
-
-    request_bytes = args.pages * LAYERS * 2 * KV_HEADS * PAGE_SIZE * HEAD_DIM * 2
-    rates: dict[str, list[float]] = {}
-    for case, runs in results.items():
-        rates[case] = [len(lat) * request_bytes / elapsed / 1e9 for elapsed, lat in runs]
-        print(json.dumps({"bench": "protocol_cost", "case": case, "cycles": args.cycles,
-                          "requests": args.requests, "inflight": args.inflight,
-                          "bytes_per_request": request_bytes,
-                          "gbps": round(statistics.median(rates[case]), 3),
-                          "gbps_per_cycle": [round(x, 3) for x in rates[case]],
-                          "p50_ms": round(1e3 * statistics.median(
-                              [x for _, lat in runs for x in lat]), 3)}), flush=True)
-    ratios = [pr / rr for pr, rr in zip(rates["protocol"], rates["raw"])]
-    print(json.dumps({"bench": "protocol_cost", "case": "ratio",
-                      "protocol_over_raw": round(statistics.median(ratios), 4),
-                      "per_cycle": [round(x, 4) for x in ratios]}), flush=True)
     return 0
 
 

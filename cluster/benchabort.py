@@ -30,7 +30,10 @@ TAG = "~abort-bench~"
 
 
 def _wait_idle(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
+    """Until no rank holds pages. The first look comes after 20 ms: a status request sent
+    the moment the client hangs up would compete with the abort exchange it measures."""
     deadline = time.monotonic() + timeout_s
+    time.sleep(0.02)
     while cluster.held() and time.monotonic() < deadline:
         time.sleep(0.05)
 

@@ -243,7 +243,8 @@ class Router:
         if routed is None or not routed.req.live:
             return
         self.metrics.aborts.labels(source).inc()
-        for rank in [routed.owner, *routed.writers]:
+        # Writers first: they must stop, flush and ack; the owner only waits for their acks.
+        for rank in [*routed.writers, routed.owner]:
             self.rt.send(rank, m.ABORT, rid=rid, owner=routed.owner, writers=routed.writers,
                          source=source, reason=reason)
         outcome = "aborted" if source in ("client", "deadline") else "failed"

@@ -240,7 +240,14 @@ async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int
     runner = web.AppRunner(door.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, exc)
+        await runner.cleanup()
+        for rank in range(1, topology.world_size):
+            runtime.send(rank, m.SHUTDOWN)
+        return 3
     log.info("kvferry: serving on http://%s:%d (prefill groups %s, decode ranks %s, context "
              "length %d)", cfg.host, cfg.port, topology.prefill_groups, topology.decode_ranks,
              router.context_length)

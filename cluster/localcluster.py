@@ -108,9 +108,28 @@ class LocalCluster:
                 self.proc.wait(timeout=5)
 
 
+PORT_ATTEMPTS = 3
+
+
 def start(nproc: int, args: list[str], log_dir: Path,
           startup_s: float = STARTUP_TIMEOUT_S) -> LocalCluster:
-    """Start ``nproc`` ranks with ``args`` and wait for /health; the log goes to ``log_dir``."""
+    """Start ``nproc`` ranks with ``args`` and wait for /health; the log goes to ``log_dir``.
+    The HTTP port is picked free but bound only later, by the router: if another process
+    took it meanwhile, the cluster is started again on another port."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _start_once(nproc, args, log_dir, startup_s)
+        except PortTaken:
+            if attempt == PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    """The router could not listen on the port picked for it."""
+
+
+def _start_once(nproc: int, args: list[str], log_dir: Path, startup_s: float) -> LocalCluster:
     port = free_port()
     log = Path(log_dir) / f"cluster-{port}.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -122,7 +141,10 @@ def start(nproc: int, args: list[str], log_dir: Path,
     deadline = time.monotonic() + startup_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"cluster exited during start-up:\n{startup_report(log)}")
+            report = startup_report(log)
+            if f"cannot listen on 127.0.0.1:{port}" in report:
+                raise PortTaken(report)
+            raise RuntimeError(f"cluster exited during start-up:\n{report}")
         try:
             if cluster.call("GET", "/health", timeout=2).status == 200:
                 return cluster

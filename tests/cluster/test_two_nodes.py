@@ -122,22 +122,39 @@ def _stop(nodes, logs) -> None:
         f.close()
 
 
-def test_partition_keeps_pages_quarantined_until_the_writer_acks(two_hosts, tmp_path):
+def _wait_for(path, text: str, timeout_s: float) -> str:
+    """The log once it contains ``text``; fails with the log's tail past the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while text not in (log := path.read_text(errors="replace")):
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout_s:.0f} s:\n{log[-3000:]}"
+        time.sleep(0.2)
+    return log
+
+
+QUARANTINE_WATCH_S = 2.0   # how long the owner is watched with the link down after severing
+
+
+@pytest.mark.parametrize("unsafe", [False, True], ids=["safe", "unsafe-release-on-sever"])
+def test_partition_keeps_pages_quarantined_until_the_writer_acks(two_hosts, tmp_path, unsafe):
     """The link between writer and owner goes down mid-transfer. The owner times out,
     aborts, and at its deadline severs the writer; a remote writer's death cannot be proven,
     so the pages stay quarantined (counted, visible) through the partition. Once the link
-    is back, the writer acks and the pages are released; nothing leaked meanwhile."""
+    is back, the writer acks and the pages are released. Broken mode
+    (--unsafe-release-on-sever): the owner releases at the deadline, with the writer's
+    in-flight half still able to land, and the check catches it."""
     (ns_a, dev_a), (ns_b, dev_b) = two_hosts
     tag = "~partition~"
     extra = ("--transfer-timeout", "1", "--abort-deadline", "2", "--request-timeout", "4",
-             "--fault", f"at:mid-transfer:pause:{tag}:3")
+             "--fault", f"at:mid-transfer:pause:{tag}:3",
+             *(("--unsafe-release-on-sever",) if unsafe else ()))
     master_port, http_port = free_port(), free_port()
-    logs = [open(tmp_path / "node0.log", "wb"), open(tmp_path / "node1.log", "wb")]
+    node0, node1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    logs = [open(node0, "wb"), open(node1, "wb")]
     nodes = [_node(ns_a, dev_a, 0, 2, master_port, http_port, logs[0], extra),
              _node(ns_b, dev_b, 1, 1, master_port, http_port, logs[1], extra)]
     url = f"http://127.0.0.1:{http_port}"
     try:
-        _wait_healthy(ns_a, url, nodes, tmp_path / "node0.log")
+        _wait_healthy(ns_a, url, nodes, node0)
         prompt = tag + make_prompt("@9a7t1@", 400)
         waiter = subprocess.Popen(
             ["ip", "netns", "exec", ns_a, sys.executable, "-c",
@@ -147,20 +164,25 @@ def test_partition_keeps_pages_quarantined_until_the_writer_acks(two_hosts, tmp_
              "except urllib.error.HTTPError as e: print(e.code)\n",
              url + "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 400})],
             stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)                       # the first half is written, the rest in flight
+        # the first half is written and the rest is in flight: cut the link
+        _wait_for(node0, "pause at mid-transfer", 30)
         _ip("-n", ns_b, "link", "set", dev_b, "down")
-        time.sleep(5.0)                       # past the transfer timeout and the abort deadline
-        node1 = (tmp_path / "node1.log").read_text()
-        assert "severed rank 1" in node1
-        assert "released" not in node1, "pages released while the writer was unreachable"
+        log1 = _wait_for(node1, "severed rank 1", 30)
+        if unsafe:
+            # caught: released at the deadline while the writer was unreachable
+            assert "released (unsafe)" in _wait_for(node1, "released (unsafe)", 10)
+        else:
+            watch_until = time.monotonic() + QUARANTINE_WATCH_S
+            while time.monotonic() < watch_until:
+                assert "released" not in log1, "pages released while the writer was unreachable"
+                time.sleep(0.2)
+                log1 = node1.read_text(errors="replace")
         _ip("-n", ns_b, "link", "set", dev_b, "up")
         out, _ = waiter.communicate(timeout=40)
         assert out.strip() and int(out.strip()) != 200
-        deadline = time.monotonic() + 30
-        while "released (severed)" not in (tmp_path / "node1.log").read_text():
-            assert time.monotonic() < deadline, (tmp_path / "node1.log").read_text()[-3000:]
-            time.sleep(0.5)
-        # released only now, after the link came back: the writer's late ack was the proof
+        if not unsafe:
+            # released only now, after the link came back: the writer's late ack was the proof
+            _wait_for(node1, "released (severed)", 30)
         status, st = _get(ns_a, url + "/status")
         assert status == 200
     finally:

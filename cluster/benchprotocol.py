@@ -262,13 +262,13 @@ def _report(results: dict[str, list[tuple[float, list[float]]]], pages: int, arg
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvferry bench-protocol", description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=120,
+    p.add_argument("--requests", type=int, default=60,
                    help="requests measured per case and cycle (after a warm-up)")
     p.add_argument("--pages", default="32,128,512",
                    help="pages per request (512 KiB each), one comparison per value")
     p.add_argument("--inflight", type=int, default=4,
                    help="requests kept in flight (raw: write + notify pairs)")
-    p.add_argument("--cycles", type=int, default=3, help="raw/protocol alternations")
+    p.add_argument("--cycles", type=int, default=7, help="raw/protocol alternations")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.pages.split(",")]
     pool_pages = (max(sizes) + 1) * args.inflight   # + the page decode writes into

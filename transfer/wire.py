@@ -97,8 +97,8 @@ def _check_value(kind: str, name: str, spec: Field, value: Any) -> None:
             raise bad(f"expected a list of int, got {type(value).__name__}")
         if len(value) > spec.limit():
             raise bad(f"{len(value)} items exceed the limit {spec.limit()}")
-        # type() is int excludes bool; min/max bound the range in C, not per item in Python
-        if value and not (all(type(v) is int for v in value)
+        # exact type int excludes bool; the type set and min/max run in C, not per item
+        if value and not (set(map(type, value)) == {int}
                           and INT64_MIN <= min(value) and max(value) <= INT64_MAX):
             raise bad("expected every item to be an int64")
     elif t is FieldType.STR_LIST:

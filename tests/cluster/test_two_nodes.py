@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
+from kvferry.cluster import netns
 from kvferry.cluster.localcluster import free_port
 from kvferry.cluster.workload import expected_replay, make_prompt
 
@@ -23,34 +22,16 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 ADDR_A, ADDR_B = "10.78.0.1", "10.78.0.2"
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+_ip = netns.ip
 
 
 @pytest.fixture
 def two_hosts():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
-    if shutil.which("ip") is None:
-        pytest.skip("needs iproute2 (ip)")
-    tag = uuid.uuid4().hex[:6]
-    ns_a, ns_b, veth_a, veth_b = f"kcna{tag}", f"kcnb{tag}", f"kca{tag}", f"kcb{tag}"
-    created = []
-    try:
-        for ns in (ns_a, ns_b):
-            _ip("netns", "add", ns)
-            created.append(ns)
-        _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
-        _ip("link", "set", veth_a, "netns", ns_a)
-        _ip("link", "set", veth_b, "netns", ns_b)
-        for ns, dev, addr in ((ns_a, veth_a, ADDR_A), (ns_b, veth_b, ADDR_B)):
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield (ns_a, veth_a), (ns_b, veth_b)
-    finally:
-        for ns in created:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with netns.two_hosts("kc", "10.78.0") as (a, b):
+        yield (a.netns, a.dev), (b.netns, b.dev)
 
 
 def _node(ns: str, dev: str, node_rank: int, nproc: int, master_port: int, http_port: int,

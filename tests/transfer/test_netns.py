@@ -4,48 +4,24 @@ the namespaces and the veth pair are always removed."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
-import uuid
 
 import pytest
 
-from conftest import PEER_SCRIPT, read_json_line, start_target, stop
+from conftest import PEER_SCRIPT, start_target, stop
+from kvferry.cluster import netns
 
 pytestmark = pytest.mark.netns
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
-
-
 @pytest.fixture
 def two_namespaces():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
-    if shutil.which("ip") is None:
-        pytest.skip("needs iproute2 (ip)")
-    tag = uuid.uuid4().hex[:6]
-    ns_a, ns_b = f"kvfa{tag}", f"kvfb{tag}"
-    veth_a, veth_b = f"kva{tag}", f"kvb{tag}"
-    created: list[str] = []
-    try:
-        for ns in (ns_a, ns_b):
-            _ip("netns", "add", ns)
-            created.append(ns)
-        _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
-        _ip("link", "set", veth_a, "netns", ns_a)
-        _ip("link", "set", veth_b, "netns", ns_b)
-        for ns, dev, addr in ((ns_a, veth_a, "10.77.0.1/24"), (ns_b, veth_b, "10.77.0.2/24")):
-            _ip("-n", ns, "addr", "add", addr, "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield ns_a, ns_b, veth_a, veth_b
-    finally:
-        for ns in created:  # deleting a namespace removes its end of the veth pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with netns.two_hosts("kv", "10.77.0") as (a, b):
+        yield a.netns, b.netns, a.dev, b.dev
 
 
 def test_write_notify_rounds_across_namespaces(two_namespaces):

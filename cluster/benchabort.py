@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .faultsuite import post, start
 from .localcluster import LocalCluster
+from .router import ABORT_RELEASE_WINDOW, latency_summary
 from .workload import make_prompt
 
 TAG = "~abort-bench~"
@@ -42,12 +43,7 @@ WARMUP = 5
 
 
 def _summary(values: list[float]) -> dict:
-    if not values:
-        return {"count": 0}
-    v = sorted(values)
-    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]
-    return {"count": len(v), "p50_ms": pick(0.5), "p90_ms": pick(0.9), "p99_ms": pick(0.99),
-            "max_ms": v[-1], "over_2ms": sum(x > 2.0 for x in v)}
+    return {**latency_summary(values), "over_2ms": sum(x > 2.0 for x in values)}
 
 
 def run_case(cluster: LocalCluster, case: str, n: int, seed: int) -> tuple[dict, dict]:
@@ -79,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transports", choices=["shm", "tcp"], default=None)
     p.add_argument("--log-dir")
     args = p.parse_args(argv)
+    if not 0 < args.requests + WARMUP <= ABORT_RELEASE_WINDOW:
+        p.error(f"--requests {args.requests}: the router keeps the latest "
+                f"{ABORT_RELEASE_WINDOW} samples, {WARMUP} of them for the warm-up")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvferry-bench-abort-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     extra = ["--fault", f"at:before-write:pause:{TAG}:1.0"]
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         s = quarantined if case == "quarantined" else every
         print(json.dumps({"bench": "abort_release", "case": case,
                           "transport": args.transports or "ucx-default",
-                          **{k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()},
+                          **s,
                           "quarantined_share": round(quarantined.get("count", 0) / max(1, every.get("count", 0)), 3)}),
               flush=True)
     return 0

@@ -128,10 +128,10 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
     from kvferry.transfer import TransferConfig, TransferEngine
 
     from .decode import DecodeRank
-    from .launch import run_worker
+    from .launch import freeze_long_lived_objects, run_worker
     from .prefill import PrefillRank
     from .rendezvous import RankCard
-    from .runtime import RankRuntime, freeze_long_lived_objects
+    from .runtime import RankRuntime
 
     _pin(0 if role == "writer" else 1)
     engine = TransferEngine(TransferConfig(transports="shm", name=f"bench-{role}",
@@ -184,17 +184,17 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
 
 
 def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: int,
-                    inflight: int) -> tuple[float, list[float]]:
+                    inflight: int, phase_tag: str) -> tuple[float, list[float]]:
     """Keep ``inflight`` requests in the protocol: each one finished (DONE from the owner,
-    RELEASED from both ranks) lets the next one in. Returns the time the requests after
-    the warm-up took, and their latencies."""
+    RELEASED from both ranks) lets the next one in. Request ids carry ``phase_tag`` (ids
+    never repeat across phases). Returns the time the requests after the warm-up took,
+    and their latencies."""
     started: dict[str, float] = {}
     seen: dict[str, set] = {}
     latencies: list[float] = []
     failed: list[str] = []
     posted = done = 0
     t0 = time.perf_counter()
-    cycle = next(_CYCLE)
 
     def on_message(msg) -> None:
         nonlocal done, posted, t0
@@ -217,7 +217,7 @@ def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: i
             posted += 1
 
     def post(i: int) -> None:
-        rid = f"bench-{cycle}-{i}"
+        rid = f"bench-{phase_tag}-{i}"
         started[rid], seen[rid] = time.perf_counter(), set()
         rt.send(WRITER, m.PREFILL, rid=rid, tokens=tokens, owner=OWNER,
                 owner_inc=cards[OWNER].incarnation)
@@ -236,9 +236,6 @@ def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: i
             raise RuntimeError(f"{total - done} requests did not finish: {sorted(seen)[:5]}")
         rt.pump(0.05)
     return time.perf_counter() - t0, latencies
-
-
-_CYCLE = iter(range(1 << 30))
 
 
 def _report(results: dict[str, list[tuple[float, list[float]]]], pages: int, args) -> None:
@@ -308,12 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     for pages in sizes:
         tokens = np.zeros(pages * PAGE_SIZE, dtype="<i4").tobytes()
         results: dict[str, list[tuple[float, list[float]]]] = {"raw": [], "protocol": []}
-        for _ in range(args.cycles):
+        for cycle in range(args.cycles):
             phase(("raw", pages))
             results["raw"].append(queues[WRITER][1].get(timeout=600))
             phase(("protocol", pages))
             results["protocol"].append(_drive_protocol(rt, m, cards, tokens, total, warm,
-                                                       pages, args.inflight))
+                                                       pages, args.inflight,
+                                                       f"{pages}p-{cycle}"))
             for r in (WRITER, OWNER):
                 rt.send(r, m.SHUTDOWN)     # ends the phase's serving loop
         _report(results, pages, args)

@@ -41,6 +41,7 @@ from kvferry.transfer.wire import Message
 from . import messages as m
 from .books import RankBooks
 from .runtime import RankRuntime
+from .topology import head_range
 
 log = logging.getLogger("kvferry.cluster")
 
@@ -122,7 +123,6 @@ class DecodeRank(RankBooks):
         self.canaries = CanaryTable(pool.num_pages)
         self.reqs: dict[str, OwnedRequest] = {}
         self._init_books()
-        self.head_ranges: dict[int, tuple[int, int]] = {}
         runtime.set_handler(self.on_message)
 
     # -------------------------------------------------------------- messages
@@ -205,7 +205,7 @@ class DecodeRank(RankBooks):
                                               f"{list(notice.generations)[:8]}; the prompt of "
                                               f"{req.prompt_len} tokens needs {need}: "
                                               f"{[(g.page, g.generation) for g in mine][:8]}")
-            lo, hi = self._head_range(w, req.writers)
+            lo, hi = head_range(req.writers.index(w), len(req.writers), self.pool.kv_heads)
             slice_bytes = self.pool.kv[0, :, :, lo:hi].numel() * self.pool.kv.element_size()
             if notice.bytes != need * slice_bytes:
                 raise IntegrityError(req.rid, f"writer rank {w} posted {notice.bytes} bytes; "
@@ -225,12 +225,6 @@ class DecodeRank(RankBooks):
             if bad:
                 raise IntegrityError(req.rid, f"checksum mismatch on {len(bad)} of {need} pages "
                                               f"written by rank {w} (first: {bad[:4]})")
-
-    def _head_range(self, writer: int, writers: list[int]) -> tuple[int, int]:
-        t = len(writers)
-        i = writers.index(writer)
-        per = self.pool.kv_heads // t
-        return i * per, (i + 1) * per
 
     # -------------------------------------------------------------- decoding
     def step(self) -> bool:

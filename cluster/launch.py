@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -37,8 +38,8 @@ from .models import build_model, pool_config
 from .prefill import PrefillRank
 from .rendezvous import RankCard, RendezvousError, gather, publish, publish_failure
 from .router import Router
-from .runtime import RankRuntime, freeze_long_lived_objects
-from .topology import Role, Topology
+from .runtime import RankRuntime
+from .topology import Role, Topology, head_range
 
 log = logging.getLogger("kvferry.cluster")
 
@@ -67,6 +68,15 @@ def init_distributed() -> tuple[int, int, object]:
     dist.init_process_group("gloo", timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
     store = dist.distributed_c10d._get_default_store()
     return dist.get_rank(), dist.get_world_size(), store
+
+
+def freeze_long_lived_objects() -> None:
+    """Called once a rank is set up: everything allocated so far (torch, the model, the
+    codec tables) lives as long as the rank, so it is moved out of the collector's sight.
+    A full collection then walks only what the protocol allocates, instead of stalling an
+    exchange for tens of milliseconds every so often."""
+    gc.collect()
+    gc.freeze()
 
 
 class StopFlag:
@@ -163,8 +173,8 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
     router = topology.router_rank
     if role is Role.PREFILL:
         _, index = topology.group_of(runtime.rank)
-        per = model.kv_heads // cfg.tp
-        worker = PrefillRank(runtime, model, pool, segment, (index * per, (index + 1) * per),
+        worker = PrefillRank(runtime, model, pool, segment,
+                             head_range(index, cfg.tp, model.kv_heads),
                              router, unsafe=cfg.unsafe_free_on_abort,
                              max_batch_bytes=batch_bound(cfg.abort_deadline_s),
                              integrity=cfg.integrity)
@@ -241,17 +251,15 @@ async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     try:
-        await site.start()
-    except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, exc)
-        await runner.cleanup()
-        for rank in range(1, topology.world_size):
-            runtime.send(rank, m.SHUTDOWN)
-        return 3
-    log.info("kvferry: serving on http://%s:%d (prefill groups %s, decode ranks %s, context "
-             "length %d)", cfg.host, cfg.port, topology.prefill_groups, topology.decode_ranks,
-             router.context_length)
-    try:
+        try:
+            await site.start()
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, exc)
+            stop.set("no port to listen on")
+            return 3
+        log.info("kvferry: serving on http://%s:%d (prefill groups %s, decode ranks %s, "
+                 "context length %d)", cfg.host, cfg.port, topology.prefill_groups,
+                 topology.decode_ranks, router.context_length)
         next_check = 0.0
         while not stop.stop:
             runtime.pump(0)

@@ -30,7 +30,7 @@ import torch
 
 from kvferry.engine.allocator import OutOfPages, PageAllocator
 from kvferry.engine.integrity import page_checksums
-from kvferry.engine.pool import KVPool
+from kvferry.engine.pool import KVPool, coalesce_runs
 from kvferry.engine.tokenizer import decode as detokenize
 from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
 from kvferry.transfer.wire import Message
@@ -59,7 +59,6 @@ WRITER_TRANSITIONS: dict[WriterState, frozenset[WriterState]] = {
     WriterState.ABORTING: frozenset({WriterState.ABORTED}),
     WriterState.ABORTED: frozenset(),
 }
-TERMINAL_WRITER_STATES = frozenset(s for s, out in WRITER_TRANSITIONS.items() if not out)
 
 
 @dataclass
@@ -89,20 +88,6 @@ class WriteJob:
             raise RuntimeError(f"request {self.rid}: writer cannot go from {self.state.value} "
                                f"to {new.value}")
         self.state = new
-
-
-
-
-def coalesce_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Merge byte runs that touch: a writer of every head copies each page as one run
-    instead of one per (layer, K/V)."""
-    out: list[tuple[int, int]] = []
-    for off, n in runs:
-        if out and out[-1][0] + out[-1][1] == off:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((off, n))
-    return out
 
 
 class PrefillRank(RankBooks):

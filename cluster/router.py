@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import deque
 import logging
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +39,17 @@ log = logging.getLogger("kvferry.cluster")
 S = RequestState
 HEARTBEAT_TIMEOUT_S = 5.0
 TOKENS_GRACE_S = 1.0
+ABORT_RELEASE_WINDOW = 2000   # the owners' latest abort-to-release times kept for /status
+
+
+def latency_summary(values_ms: list[float]) -> dict:
+    """count, p50/p90/p99 and max of a list of milliseconds."""
+    if not values_ms:
+        return {"count": 0}
+    v = sorted(values_ms)
+    pick = lambda q: round(v[min(len(v) - 1, int(q * len(v)))], 3)
+    return {"count": len(v), "p50_ms": pick(0.5), "p90_ms": pick(0.9), "p99_ms": pick(0.99),
+            "max_ms": round(v[-1], 3)}
 
 
 class Unavailable(Exception):
@@ -130,7 +141,7 @@ class Router:
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
         self._rr = itertools.count()
-        self.abort_release_ms: deque[tuple[str, float]] = deque(maxlen=100_000)
+        self.abort_release_ms: deque[tuple[str, float]] = deque(maxlen=ABORT_RELEASE_WINDOW)
         metrics.context_length.set(self.context_length)
         runtime.set_handler(self.on_message)
         runtime.on_send_failure = self._on_send_failure
@@ -243,10 +254,7 @@ class Router:
         if routed is None or not routed.req.live:
             return
         self.metrics.aborts.labels(source).inc()
-        # Writers first: they must stop, flush and ack; the owner only waits for their acks.
-        for rank in [*routed.writers, routed.owner]:
-            self.rt.send(rank, m.ABORT, rid=rid, owner=routed.owner, writers=routed.writers,
-                         source=source, reason=reason)
+        self._fan_out_abort(routed, source, reason)
         outcome = "aborted" if source in ("client", "deadline") else "failed"
         self._finish(routed, outcome, f"{source}: {reason}")
 
@@ -298,10 +306,16 @@ class Router:
         elif msg.kind == "ABORT":
             self.metrics.aborts.labels(msg.source).inc()
             self._finish(routed, "failed", f"{msg.source}: {msg.reason}")
-            for rank in [routed.owner, *routed.writers]:
-                if rank != msg.src:
-                    self.rt.send(rank, m.ABORT, rid=routed.rid, owner=routed.owner,
-                                 writers=routed.writers, source=msg.source, reason=msg.reason)
+            self._fan_out_abort(routed, msg.source, msg.reason, skip=msg.src)
+
+    def _fan_out_abort(self, routed: RoutedRequest, source: str, reason: str,
+                       skip: int | None = None) -> None:
+        """ABORT to every writer, then the owner (writers must stop, flush and ack; the
+        owner only waits for their acks), except ``skip``, the rank it came from."""
+        for rank in [*routed.writers, routed.owner]:
+            if rank != skip:
+                self.rt.send(rank, m.ABORT, rid=routed.rid, owner=routed.owner,
+                             writers=routed.writers, source=source, reason=reason)
 
     def _place_tokens(self, routed: RoutedRequest, offset: int, tokens: list[int]) -> None:
         """Put a chunk where it belongs: chunks may arrive out of order, and only the
@@ -381,18 +395,13 @@ class Router:
         return rows
 
     def abort_release_summary(self) -> dict:
-        """Abort-to-release times measured by the owners: all, and those that waited in
-        quarantine for writers' acks."""
-        def summary(values: list[float]) -> dict:
-            if not values:
-                return {"count": 0}
-            v = sorted(values)
-            pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]
-            return {"count": len(v), "p50_ms": round(pick(0.5), 3), "p99_ms": round(pick(0.99), 3),
-                    "max_ms": round(v[-1], 3)}
-        return {"all": summary([ms for _, ms in self.abort_release_ms]),
-                "quarantined": summary([ms for how, ms in self.abort_release_ms if how != "freed"]),
-                "recent": [[how, round(ms, 3)] for how, ms in list(self.abort_release_ms)[-2000:]]}
+        """The latest ``ABORT_RELEASE_WINDOW`` abort-to-release times measured by the
+        owners (all of them are in the ``kvferry_abort_release_seconds`` histogram): all,
+        those that waited in quarantine for writers' acks, and each one."""
+        return {"all": latency_summary([ms for _, ms in self.abort_release_ms]),
+                "quarantined": latency_summary([ms for how, ms in self.abort_release_ms
+                                                if how != "freed"]),
+                "recent": [[how, round(ms, 3)] for how, ms in self.abort_release_ms]}
 
     def status(self) -> dict:
         live = sum(1 for r in self.requests.values() if r.req.live)

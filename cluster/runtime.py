@@ -11,7 +11,6 @@ its writes are refused until it comes back with a new incarnation.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import itertools
 import logging
@@ -55,15 +54,6 @@ class _Timer:
 
     def cancel(self) -> None:
         self.cancelled = True
-
-
-def freeze_long_lived_objects() -> None:
-    """Called once a rank is set up: everything allocated so far (torch, the model, the
-    codec tables) lives as long as the rank, so it is moved out of the collector's sight.
-    A full collection then walks only what the protocol allocates, instead of stalling an
-    exchange for tens of milliseconds every so often."""
-    gc.collect()
-    gc.freeze()
 
 
 def process_gone(pid: int) -> bool:
@@ -272,7 +262,8 @@ class RankRuntime:
 
     # ------------------------------------------------------------------ batches, timers
     def watch(self, batch: Batch, callback: Callable[[Batch], None]) -> None:
-        """Call ``callback(batch)`` from :meth:`pump` once the batch settles."""
+        """Call ``callback(batch)`` once the batch settles: from :meth:`pump`, or right
+        after the message handler that posted it returns."""
         self._watches.append((batch, callback))
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> _Timer:
@@ -284,11 +275,10 @@ class RankRuntime:
         """Drive the engine (sleeping on its event fd up to ``timeout_s`` when idle, or
         polling that long with ``stay_awake``), deliver messages, settle watched batches,
         fire due timers."""
-        if self._watches and self._settle_watches():
-            timeout_s = 0.0   # work was done (a direct write completes as it is posted)
         if self._watches:
-            timeout_s = min(timeout_s, 0.0005)
-        elif self._timers:
+            # settled already (a direct write completes as it is posted): go on at once
+            timeout_s = 0.0 if self._settle_watches() else min(timeout_s, 0.0005)
+        if self._timers:
             timeout_s = min(timeout_s, self.next_timer_in())
         try:
             self.engine.progress(timeout_s, stay_awake)

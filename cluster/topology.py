@@ -18,6 +18,13 @@ class Role(enum.Enum):
     DECODE = "decode"
 
 
+def head_range(position: int, group_size: int, kv_heads: int) -> tuple[int, int]:
+    """The KV heads ``[lo, hi)`` that member ``position`` of a prefill group of
+    ``group_size`` computes and writes (the decode rank checks what lands against it)."""
+    per = kv_heads // group_size
+    return position * per, (position + 1) * per
+
+
 class TopologyError(ValueError):
     """The world size and the role counts do not add up."""
 

@@ -26,7 +26,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-
 from .admission import AdmissionRejected, admit, pages_needed, pool_capacity_tokens
 from .allocator import PageAllocator, PageGrant
 from .capacity import enforce_startup_capacity

@@ -114,6 +114,18 @@ def check_pool_shape(kv: torch.Tensor, layers: int, kv_heads: int, head_dim: int
                          f"model needs {(layers, kv_heads, head_dim)}")
 
 
+def coalesce_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge byte runs ``(offset, nbytes)`` that touch. Of :meth:`KVPool.head_slice_runs`:
+    a writer of every head copies each page as one run instead of one per (layer, K/V)."""
+    out: list[tuple[int, int]] = []
+    for off, n in runs:
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((off, n))
+    return out
+
+
 class KVPool:
     """The rank's KV pages.
 

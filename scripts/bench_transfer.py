@@ -125,7 +125,8 @@ class Bench:
         self.transports_used = self.eng.describe()["peers"]["bench-target"]["transports"]
 
     def base(self, **rec) -> dict:
-        copy = {"copy": "streaming"} if self.path == "direct" else {}
+        copy = ({"copy": "streaming" if self.eng.config.streaming_stores else "memcpy"}
+                if self.path == "direct" else {})
         return {"engine": "kvferry", "transport": self.transport, "dest": self.dest,
                 "path": self.path, **copy, "ucx_transports": self.transports_used, **rec}
 

@@ -58,8 +58,7 @@ class Batch:
         """Progress the engine once (non-blocking) and report the batch's status."""
         if self._final is None:
             self.engine.progress(0)
-            self._evaluate()
-        return self._final or BatchStatus.PENDING
+        return self.peek()
 
     def peek(self) -> BatchStatus:
         """The batch's status as of the engine's last progress (does not drive it)."""

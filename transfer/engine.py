@@ -463,9 +463,9 @@ class TransferEngine:
         if write and self.config.fault_skip_page is not None and n > 1:
             skip = self.config.fault_skip_page % n
         handle = ffi.new("kvf_batch *")
-        bad = lib.kvf_rma_pages(peer.ep, write, self.config.streaming_stores, seg.base, seg.length, rseg.rkey, rseg.base,
-                                rseg.length, rseg.direct or 0, ffi.from_buffer(arr), n,
-                                skip, handle)
+        bad = lib.kvf_rma_pages(peer.ep, write, self.config.streaming_stores, seg.base,
+                                seg.length, rseg.rkey, rseg.base, rseg.length,
+                                rseg.direct or 0, ffi.from_buffer(arr), n, skip, handle)
         if bad >= 0:
             self.counters.bounds_refused += 1
             check_pages(arr, seg.length, rseg.length)  # raises with the numbers
@@ -479,7 +479,7 @@ class TransferEngine:
         counters.pages_posted += int(handle.posted)
         counters.pages_direct += int(handle.direct)
         if write and handle.posted != handle.direct:
-            peer.unflushed.append(handle)
+            self._hold_notices_for(peer, handle)
         return self._track(peer, "write" if write else "read", nbytes, n, handle,
                            (arr, seg, rseg))
 
@@ -516,7 +516,7 @@ class TransferEngine:
             counters.notifies += 1
             if flush:
                 counters.notifies_flushed += 1
-                peer.unflushed.append(handle)
+                self._hold_notices_for(peer, handle)
         counters.messages_sent += 1
         return self._track(peer, "notify" if flushed else "send", len(payload), 0, handle,
                            None)
@@ -530,13 +530,21 @@ class TransferEngine:
             pending[:] = [h for h in pending if h.outstanding != 0 or h.status != 0]
         return bool(pending)
 
+    def _hold_notices_for(self, peer: Peer, handle: Any) -> None:
+        """Later notices to ``peer`` flush until ``handle`` is done. Finished handles are
+        pruned every 64 additions, so writes without notices between them do not pile
+        up."""
+        peer.unflushed.append(handle)
+        if len(peer.unflushed) % 64 == 0:
+            self._needs_flush(peer)
+
     def _send_raw(self, peer: Peer, data: bytes, flushed: bool = False) -> Batch:
         """Post already-encoded bytes (the envelope is the caller's business)."""
         handle = ffi.new("kvf_batch *")
         if flushed:
             lib.kvf_flush_then_send(peer.ep, 0, data, len(data), handle)
             self.counters.notifies += 1
-            peer.unflushed.append(handle)
+            self._hold_notices_for(peer, handle)
         else:
             lib.kvf_am_send(peer.ep, 0, data, len(data), handle)
         self.counters.messages_sent += 1

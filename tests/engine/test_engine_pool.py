@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from kvferry.engine import KVPool, PoolConfig, PoolShapeError
+from kvferry.engine.pool import coalesce_runs
 
 
 def test_pool_shape_and_capacity_come_from_the_tensor():
@@ -63,6 +64,16 @@ def test_head_slice_runs_cover_exactly_the_heads():
     for offset, nbytes in runs:
         assert bool((raw[offset : offset + nbytes].view(torch.bfloat16) == 1.0).all())
     assert sum(n for _, n in runs) == 3 * 2 * 2 * 2 * 4 * 2
+
+
+def test_coalesced_runs_are_one_per_page_for_every_head_and_unchanged_for_some():
+    config = PoolConfig(layers=3, kv_heads=4, head_dim=4, page_size=2, num_pages=5, dtype=torch.bfloat16)
+    pool = KVPool(config, zero=True)
+    page_bytes = pool.kv[0].numel() * pool.kv.element_size()
+    assert coalesce_runs(pool.head_slice_runs(2, 0, 4)) == [(2 * page_bytes, page_bytes)]
+    some = pool.head_slice_runs(2, 1, 3)
+    assert coalesce_runs(some) == some          # separate runs stay separate
+    assert coalesce_runs([(0, 4), (4, 4), (16, 4), (20, 2)]) == [(0, 8), (16, 6)]
 
 
 def test_page_view_and_bounds():

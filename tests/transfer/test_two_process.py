@@ -8,7 +8,7 @@ import pytest
 
 from conftest import close_link, make_link
 from transfer_peer import pattern, scattered_pages
-from kvferry.transfer import BatchStatus
+from kvferry.transfer import BatchStatus, TransferEngine
 
 
 def _round(link, src, k: int, npages: int, page: int, seed: int = 11) -> dict:
@@ -73,26 +73,40 @@ def test_injected_skipped_page_is_caught(transports):
         close_link(lk)
 
 
-@pytest.mark.parametrize("mode", ["allocate", "register"])
-def test_notice_posted_at_once_waits_for_puts_only_when_it_must(mode):
-    """A notice posted right behind its write, without waiting for the write: the target
-    checks the bytes on arrival either way. Over the direct path (a UCX-allocated segment
-    mapped here) the copy is done when ``write`` returns, so the notice needs no endpoint
-    flush; after puts through UCX (a registered destination) every notice is flushed."""
+def _notices_behind_unwaited_writes(mode: str, rounds: int = 6):
+    """Rounds of a write posted without waiting, then a notice; the target checks the
+    bytes on arrival. Returns the link's segment and the engine's counters."""
     lk = make_link("shm", mode=mode, size=8 << 20)
     try:
         src = lk.eng.register(np.zeros(4 << 20, dtype=np.uint8))
-        for k in range(6):
+        for k in range(rounds):
             src.as_numpy()[:] = pattern(11, k, src.length)
             pages = scattered_pages(64, 16 << 10, src.length, lk.rseg.length, seed=2000 + k)
             lk.eng.write(lk.peer, src, lk.rseg, pages)
             reply = lk.request({"op": "check", "round": k, "seed": 11, "src_len": src.length,
                                 "pages": pages.tolist()}, notify=True)
             assert reply["ok"], f"round {k}: pages {reply['bad_pages']} differ"
-        c = lk.eng.counters
-        if mode == "allocate":
-            assert lk.rseg.direct is not None and c.notifies_flushed == 0
-        else:
-            assert lk.rseg.direct is None and c.notifies_flushed == c.notifies == 6
+        return lk.rseg, lk.eng.counters
     finally:
         close_link(lk)
+
+
+@pytest.mark.parametrize("mode", ["allocate", "register"])
+def test_notice_posted_at_once_waits_for_puts_only_when_it_must(mode):
+    """Over the direct path (a UCX-allocated segment mapped here) the copy is done when
+    ``write`` returns, so the notice needs no endpoint flush; after puts through UCX (a
+    registered destination) every notice is flushed."""
+    rseg, c = _notices_behind_unwaited_writes(mode)
+    if mode == "allocate":
+        assert rseg.direct is not None and c.notifies_flushed == 0
+    else:
+        assert rseg.direct is None and c.notifies_flushed == c.notifies == 6
+
+
+def test_a_notice_skipping_its_flush_behind_puts_is_caught(monkeypatch):
+    """Broken mode: notices never flush. Here (cma, tcp) the puts happen to land before
+    the notice anyway, so the bytes check passes; the flush count is what catches it."""
+    monkeypatch.setattr(TransferEngine, "_needs_flush", staticmethod(lambda peer: False))
+    rseg, c = _notices_behind_unwaited_writes("register")
+    assert rseg.direct is None
+    assert c.notifies == 6 and c.notifies_flushed != c.notifies

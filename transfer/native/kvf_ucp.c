@@ -277,9 +277,6 @@ void kvf_worker_configure(kvf_worker *w, int64_t max_sender, int64_t max_payload
     w->busy_poll_us = busy_poll_us > 0 ? busy_poll_us : 0;
 }
 
-/* Microseconds since the worker last made progress or received a message. */
-int64_t kvf_worker_idle_us(kvf_worker *w) { return kvf_now_us() - w->last_activity_us; }
-
 unsigned kvf_worker_progress(kvf_worker *w)
 {
     unsigned n = ucp_worker_progress(w->worker);
@@ -517,8 +514,16 @@ static void kvf_copy_streaming(char *dst, const char *src, size_t n)
     memcpy(dst, src, n);
 }
 
-static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *local_base, void *rkey,
-                                   uint64_t remote_base, char *direct_base,
+/* One page written into another process's memory, as the direct path and the benchmark's
+ * ceiling copy it. The caller fences (streaming stores are weakly ordered). */
+static void kvf_copy_out(char *dst, const char *src, size_t n, int streaming)
+{
+    if (streaming) kvf_copy_streaming(dst, src, n);
+    else memcpy(dst, src, n);
+}
+
+static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *local_base,
+                                   void *rkey, uint64_t remote_base, char *direct_base,
                                    const int64_t *triples, int64_t n, int64_t skip,
                                    kvf_batch *batch)
 {
@@ -532,8 +537,7 @@ static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *loc
         char *local = local_base + t[0];
         if (i == skip) continue; /* injected fault: this page is never transferred */
         if (direct_base != NULL) {
-            if (write && streaming) kvf_copy_streaming(direct_base + t[1], local, (size_t)t[2]);
-            else if (write) memcpy(direct_base + t[1], local, (size_t)t[2]);
+            if (write) kvf_copy_out(direct_base + t[1], local, (size_t)t[2], streaming);
             else memcpy(local, direct_base + t[1], (size_t)t[2]);
             batch->direct++;
         } else {
@@ -556,14 +560,15 @@ static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *loc
     return UCS_OK;
 }
 
-/* One call per batch: bounds-check every page against both segments, then post them all
- * (a write ends with an endpoint flush, so it completes only once visible at the target).
+/* One call per batch: bounds-check every page against both segments, then post them all.
+ * A write completes only once visible at the target: pages put through UCX are followed by
+ * an endpoint flush; direct pages are visible once the copy's fences have run.
  * Returns -1 when posted (errors land in batch->status), or the index of the first page
  * out of bounds, in which case nothing was posted. batch->bytes gets the byte count. */
-int64_t kvf_rma_pages(void *ep, int write, int streaming, uintptr_t local_base, int64_t local_len,
-                      void *rkey, uint64_t remote_base, int64_t remote_len,
-                      uintptr_t direct_base, const void *triples, int64_t n, int64_t skip,
-                      kvf_batch *batch)
+int64_t kvf_rma_pages(void *ep, int write, int streaming, uintptr_t local_base,
+                      int64_t local_len, void *rkey, uint64_t remote_base,
+                      int64_t remote_len, uintptr_t direct_base, const void *triples,
+                      int64_t n, int64_t skip, kvf_batch *batch)
 {
     int64_t total = 0, bad;
     ucs_status_t st;
@@ -572,8 +577,6 @@ int64_t kvf_rma_pages(void *ep, int write, int streaming, uintptr_t local_base, 
     batch->bytes = total;
     st = kvf_post_pages(ep, write, streaming, (char *)local_base, rkey, remote_base,
                         (char *)direct_base, (const int64_t *)triples, n, skip, batch);
-    /* Direct (load/store) pages are visible once the release fence above has run: only
-     * pages posted through UCX need the endpoint flush. */
     if (st == UCS_OK && write && batch->posted != batch->direct) kvf_flush(ep, batch);
     return -1;
 }
@@ -725,8 +728,7 @@ int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t
     int64_t i;
     for (i = 0; i < n; ++i) {
         const int64_t *t = triples + 3 * i;
-        if (streaming) kvf_copy_streaming(dst + t[1], src + t[0], (size_t)t[2]);
-        else memcpy(dst + t[1], src + t[0], (size_t)t[2]);
+        kvf_copy_out(dst + t[1], src + t[0], (size_t)t[2], streaming);
     }
 #if defined(__x86_64__)
     if (streaming) _mm_sfence();

@@ -50,7 +50,6 @@ unsigned kvf_worker_progress(kvf_worker *w);
 int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us, int stay_awake);
 void kvf_worker_configure(kvf_worker *w, int64_t max_sender, int64_t max_payload,
                           int64_t busy_poll_us);
-int64_t kvf_worker_idle_us(kvf_worker *w);
 
 int kvf_ep_create(kvf_worker *w, const void *addr, void **ep);
 int kvf_ep_transports(void *ep, char *out, size_t cap);
@@ -65,10 +64,10 @@ int kvf_rkey_unpack(void *ep, const void *buffer, void **rkey);
 void kvf_rkey_destroy(void *rkey);
 int kvf_rkey_ptr(void *rkey, uint64_t remote_addr, void **local);
 
-int64_t kvf_rma_pages(void *ep, int write, int streaming, uintptr_t local_base, int64_t local_len,
-                      void *rkey, uint64_t remote_base, int64_t remote_len,
-                      uintptr_t direct_base, const void *triples, int64_t n, int64_t skip,
-                      kvf_batch *batch);
+int64_t kvf_rma_pages(void *ep, int write, int streaming, uintptr_t local_base,
+                      int64_t local_len, void *rkey, uint64_t remote_base,
+                      int64_t remote_len, uintptr_t direct_base, const void *triples,
+                      int64_t n, int64_t skip, kvf_batch *batch);
 int kvf_flush(void *ep, kvf_batch *batch);
 int kvf_flush_then_send(void *ep, uint16_t am_id, const void *payload, size_t length,
                         kvf_batch *batch);

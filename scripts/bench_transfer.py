@@ -5,7 +5,10 @@ Workloads (per transport, shm and tcp): 256 x 256 KiB and 4096 x 16 KiB scattere
 every page set once), and 8 x 16 KiB write + notice latency: p50/p99 of the time from
 posting the write to the notice being delivered to the target's handler (both processes
 read the same CLOCK_MONOTONIC); after taking its timestamp the target checks the 8 pages
-byte-exact (each carries the round number) and the run fails on any mismatch.
+byte-exact (each carries the round number) and the run fails on any mismatch. Both ways
+of posting it are timed (``api``): ``write`` then ``notify``, and one ``write(..., notice=)``.
+Direct copies below ``streaming_min_bytes`` (the latency workload's) go through the caches;
+larger batches use streaming stores (``copy`` says which).
 In the same run: a memcpy of the same pages into pre-faulted memory (the ceiling), the
 idle target's CPU use, and the CPU cost of one write + notice + delivery measured in one
 process (two engines, no wake-ups: the software cost alone).
@@ -124,9 +127,13 @@ class Bench:
         self.path = "direct" if self.rseg.direct is not None else "ucp_put"
         self.transports_used = self.eng.describe()["peers"]["bench-target"]["transports"]
 
-    def base(self, **rec) -> dict:
-        copy = ({"copy": "streaming" if self.eng.config.streaming_stores else "memcpy"}
-                if self.path == "direct" else {})
+    def base(self, copied_bytes: int | None = None, **rec) -> dict:
+        """Keys shared by this bench's lines; ``copied_bytes`` (a batch's size) adds
+        which copy the direct path used for it."""
+        cfg = self.eng.config
+        streams = cfg.streaming_stores and (copied_bytes or 0) >= cfg.streaming_min_bytes
+        copy = ({"copy": "streaming" if streams else "memcpy"}
+                if self.path == "direct" and copied_bytes is not None else {})
         return {"engine": "kvferry", "transport": self.transport, "dest": self.dest,
                 "path": self.path, **copy, "ucx_transports": self.transports_used, **rec}
 
@@ -143,13 +150,14 @@ class Bench:
                 times.append(dt)
         nbytes = npages * page
         rates = sorted(nbytes / t / 1e9 for t in times)
-        emit(**self.base(op="write", pages=npages, page_bytes=page, batch_bytes=nbytes,
+        emit(**self.base(nbytes, op="write", pages=npages, page_bytes=page, batch_bytes=nbytes,
                          gbps=round(statistics.median(rates), 3),
                          gbps_min=round(rates[0], 3), gbps_max=round(rates[-1], 3),
                          batches=len(times)))
 
-    def latency(self, npages: int = 8, page: int = 16 << 10) -> None:
-        """Write npages, notify; the target timestamps delivery, then checks the pages."""
+    def latency(self, fused: bool, npages: int = 8, page: int = 16 << 10) -> None:
+        """Write npages, notify; the target timestamps delivery, then checks the pages.
+        ``fused``: one ``write(..., notice=)`` call, else ``write`` then ``notify``."""
         lat = []
         sets = [scattered(npages, page, self.src.length, self.rseg.length, seed=s)
                 for s in range(16)]
@@ -162,8 +170,11 @@ class Bench:
             payload = msgpack.packb({"op": "lat", "i": i, "pages": pages.tolist()})
             n = len(self.replies)
             t0 = time.monotonic_ns()
-            self.eng.write(self.peer, self.src, self.rseg, pages)
-            self.eng.notify(self.peer, payload)
+            if fused:
+                self.eng.write(self.peer, self.src, self.rseg, pages, notice=payload)
+            else:
+                self.eng.write(self.peer, self.src, self.rseg, pages)
+                self.eng.notify(self.peer, payload)
             deadline = time.monotonic() + 10
             while len(self.replies) <= n:
                 if time.monotonic() > deadline:
@@ -178,7 +189,8 @@ class Bench:
         for lo in np.unique(np.concatenate([p[:, 0] for p in sets])):  # plain pattern again
             self.src_buf[lo:lo + 8] = (np.arange(lo, lo + 8) % 251).astype(np.uint8)
         lat.sort()
-        emit(**self.base(op="write+notify", pages=npages, page_bytes=page,
+        emit(**self.base(npages * page, op="write+notify", api=API[fused], pages=npages,
+                         page_bytes=page,
                          p50_us=round(lat[len(lat) // 2], 1),
                          p99_us=round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
                          iters=len(lat), checked="byte-exact",
@@ -200,7 +212,11 @@ class Bench:
         self.eng.shutdown()
 
 
-def cpu_per_op(args, transport: str, npages: int = 8, page: int = 16 << 10) -> None:
+API = {True: "write(notice=)", False: "write,notify"}
+
+
+def cpu_per_op(args, transport: str, fused: bool, npages: int = 8,
+               page: int = 16 << 10) -> None:
     """Software cost of write + notice + delivery: two engines in this process, the target
     drained right after each notice, so no wake-up or scheduling is counted."""
     a = TransferEngine(TransferConfig(transports=transport, name="cpu-initiator"))
@@ -218,8 +234,11 @@ def cpu_per_op(args, transport: str, npages: int = 8, page: int = 16 << 10) -> N
         iters = args.cpu_iters
         c0, t0 = time.process_time(), time.perf_counter()
         for i in range(iters):
-            a.write(peer, src, rseg, sets[i % 16])
-            a.notify(peer, payload)
+            if fused:
+                a.write(peer, src, rseg, sets[i % 16], notice=payload)
+            else:
+                a.write(peer, src, rseg, sets[i % 16])
+                a.notify(peer, payload)
             deadline = time.monotonic() + 10
             while not got:
                 b.progress(0)
@@ -228,7 +247,8 @@ def cpu_per_op(args, transport: str, npages: int = 8, page: int = 16 << 10) -> N
                     raise TimeoutError("in-process notice missing")
             got.pop()
         cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-        emit(engine="kvferry", transport=transport, op="write+notify cpu", pages=npages,
+        emit(engine="kvferry", transport=transport, op="write+notify cpu", api=API[fused],
+             pages=npages,
              page_bytes=page, cpu_us=round(cpu / iters * 1e6, 2),
              wall_us=round(wall / iters * 1e6, 2), iters=iters,
              path="direct" if rseg.direct is not None else "ucp_put")
@@ -291,7 +311,8 @@ def main(argv=None) -> int:
     for npages, page in workloads:
         memcpy_ceiling(args, npages, page)
     for transport in args.transports.split(","):
-        cpu_per_op(args, transport)
+        for fused in (False, True):
+            cpu_per_op(args, transport, fused)
     for transport in args.transports.split(","):
         dests = args.dests.split(",") if transport == "shm" else ["allocate"]
         for dest in dests:
@@ -299,7 +320,8 @@ def main(argv=None) -> int:
             try:
                 for npages, page in workloads:
                     b.throughput(npages, page)
-                b.latency()
+                for fused in (False, True):
+                    b.latency(fused)
                 b.idle_cpu()
             finally:
                 b.close()

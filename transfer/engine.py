@@ -81,6 +81,7 @@ class TransferConfig:
     name: str = ""
     direct_copy: bool = True          # copy pages directly into mapped remote memory
     streaming_stores: bool = True     # ... with non-temporal stores (no read-for-ownership)
+    streaming_min_bytes: int = 1 << 20  # ... for batches of at least this many bytes
     prefault_direct: bool = True      # ... mapped with its page tables populated up front
     max_message_bytes: int = 256 << 10  # payload limit of notify/send (and of receipt)
     spin_us: int = 50                 # busy-poll at least this long before sleeping
@@ -238,6 +239,9 @@ class TransferEngine:
         self._inbox: deque[IncomingMessage] = deque()
         self._seq = itertools.count(1)
         self._closed = False
+        # -1: never stream; else the batch size (bytes) from which direct copies stream
+        self._streaming_min_bytes = (max(0, self.config.streaming_min_bytes)
+                                     if self.config.streaming_stores else -1)
         log.info("transfer engine %s: %s", self.name, self.describe())
 
     # ----------------------------------------------------------------- description
@@ -441,10 +445,18 @@ class TransferEngine:
                       rseg.length, 1e3 * (time.monotonic() - t0))
 
     # ------------------------------------------------------------------- batches
-    def write(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any) -> Batch:
+    def write(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any,
+              notice: bytes | None = None) -> Batch:
         """Put pages (local offset, remote offset, length) from ``seg`` into ``rseg``.
-        The batch completes once every page is visible at the target (flushed)."""
-        return self._rma(peer, seg, rseg, pages, write=True)
+        The batch completes once every page is visible at the target (flushed).
+
+        With ``notice``, the same call then posts it as :meth:`notify` would (delivered
+        only after these pages and every earlier write on this peer are visible), and
+        the batch completes once the notice is sent too. Nothing is noticed if posting
+        the pages fails. One native call: the low-latency path for small writes."""
+        if notice is None:
+            return self._rma(peer, seg, rseg, pages, write=True)
+        return self._write_notice(peer, seg, rseg, pages, notice)
 
     def read(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any) -> Batch:
         """Get pages (local offset, remote offset, length) from ``rseg`` into ``seg``."""
@@ -452,24 +464,45 @@ class TransferEngine:
 
     def _rma(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any,
              write: bool) -> Batch:
+        arr = self._checked_pages(peer, seg, rseg, pages)
+        n = arr.shape[0]
+        skip = self._skip(n, write)
+        handle = ffi.new("kvf_batch *")
+        bad = lib.kvf_rma_pages(peer.ep, write, self._streaming_min_bytes, seg.base,
+                                seg.length, rseg.rkey, rseg.base, rseg.length,
+                                rseg.direct or 0, ffi.from_buffer(arr), n, skip, handle)
+        if bad >= 0:
+            self._refuse_pages(arr, seg, rseg, bad)
+        nbytes = self._count_write(peer, handle, write)
+        return self._track(peer, "write" if write else "read", nbytes, n, handle,
+                           (arr, seg, rseg))
+
+    def _checked_pages(self, peer: Peer, seg: Segment, rseg: RemoteSegment,
+                       pages: Any) -> np.ndarray:
+        """The page list as an int64 [n, 3] array, once peer and segments are usable
+        (offsets are bounds-checked natively, before anything is posted)."""
         self._require_peer(peer)
         if rseg.peer is not peer:
             raise TransferError(f"remote segment belongs to {rseg.peer.name}, not {peer.name}")
         if not seg.registered:
             raise TransferError("local segment is not registered")
-        arr = as_page_array(pages)
-        n = arr.shape[0]
-        skip = -1
+        return as_page_array(pages)
+
+    def _skip(self, n: int, write: bool) -> int:
+        """The page an injected fault leaves out of a write (-1: none)."""
         if write and self.config.fault_skip_page is not None and n > 1:
-            skip = self.config.fault_skip_page % n
-        handle = ffi.new("kvf_batch *")
-        bad = lib.kvf_rma_pages(peer.ep, write, self.config.streaming_stores, seg.base,
-                                seg.length, rseg.rkey, rseg.base, rseg.length,
-                                rseg.direct or 0, ffi.from_buffer(arr), n, skip, handle)
-        if bad >= 0:
-            self.counters.bounds_refused += 1
-            check_pages(arr, seg.length, rseg.length)  # raises with the numbers
-            raise AssertionError(f"native and numpy bounds checks disagree on page {bad}")
+            return self.config.fault_skip_page % n
+        return -1
+
+    def _refuse_pages(self, arr: np.ndarray, seg: Segment, rseg: RemoteSegment,
+                      bad: int) -> None:
+        self.counters.bounds_refused += 1
+        check_pages(arr, seg.length, rseg.length)  # raises with the numbers
+        raise AssertionError(f"native and numpy bounds checks disagree on page {bad}")
+
+    def _count_write(self, peer: Peer, handle: Any, write: bool) -> int:
+        """Count a posted batch's bytes and pages; a write with puts through UCX makes
+        later notices to ``peer`` flush first. Returns the batch's bytes."""
         nbytes = int(handle.bytes)
         counters = self.counters
         if write:
@@ -480,8 +513,36 @@ class TransferEngine:
         counters.pages_direct += int(handle.direct)
         if write and handle.posted != handle.direct:
             self._hold_notices_for(peer, handle)
-        return self._track(peer, "write" if write else "read", nbytes, n, handle,
-                           (arr, seg, rseg))
+        return nbytes
+
+    def _write_notice(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any,
+                      notice: bytes) -> Batch:
+        arr = self._checked_pages(peer, seg, rseg, pages)
+        if len(notice) > self.config.max_message_bytes:
+            raise WireError(f"notice of {len(notice)} bytes exceeds max_message_bytes "
+                            f"{self.config.max_message_bytes}")
+        if type(notice) is not bytes:
+            notice = bytes(notice)
+        n = arr.shape[0]
+        skip = self._skip(n, write=True)
+        handle = ffi.new("kvf_batch *")
+        flush = self._needs_flush(peer)
+        bad = lib.kvf_write_notice(peer.ep, self._streaming_min_bytes, seg.base, seg.length,
+                                   rseg.rkey, rseg.base, rseg.length, rseg.direct or 0,
+                                   ffi.from_buffer(arr), n, skip, flush, self.address,
+                                   len(self.address), self.incarnation, next(self._seq),
+                                   notice, len(notice), handle)
+        if bad >= 0:
+            self._refuse_pages(arr, seg, rseg, bad)
+        nbytes = self._count_write(peer, handle, True)
+        counters = self.counters
+        counters.messages_sent += 1
+        counters.notifies += 1
+        if flush or handle.posted != handle.direct:
+            counters.notifies_flushed += 1
+            if handle.posted == handle.direct:   # else held already, as a write's
+                self._hold_notices_for(peer, handle)
+        return self._track(peer, "write+notify", nbytes, n, handle, (arr, seg, rseg))
 
     def quiesce(self, peer: Peer) -> Batch:
         """Completes when every earlier write to ``peer`` is visible at the target."""

@@ -87,10 +87,15 @@ class Link:
         n = len(self.replies)
         data = msgpack.packb(obj)
         (self.eng.notify if notify else self.eng.send)(self.peer, data).wait(timeout_s)
+        return self.wait_reply(n, timeout_s, obj.get("op"))
+
+    def wait_reply(self, n: int, timeout_s: float = 10.0, what: str | None = None) -> dict:
+        """The target's reply number ``n`` (0-based), waiting for it (bounded)."""
         deadline = time.monotonic() + timeout_s
         while len(self.replies) <= n:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no reply to {obj.get('op')} within {timeout_s} s")
+                raise TimeoutError(f"no reply to {what or 'request ' + str(n)} within "
+                                   f"{timeout_s} s")
             self.eng.progress(0.02)
         return self.replies[n]
 

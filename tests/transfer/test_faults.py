@@ -81,21 +81,26 @@ BAD_PAGES = [
 ]
 
 
+@pytest.mark.parametrize("with_notice", [False, True], ids=["write", "write+notice"])
 @pytest.mark.parametrize("pages,why", BAD_PAGES)
-def test_out_of_range_refused_before_posting(pages, why):
+def test_out_of_range_refused_before_posting(pages, why, with_notice):
     lk = make_link("shm")
     try:
         src = lk.eng.register(np.full(1 << 20, 7, dtype=np.uint8))
         before = lk.eng.counters.pages_posted
+        notice = msgpack.packb({"op": "ping"}) if with_notice else None
         with pytest.raises(SegmentBoundsError, match=why) as info:
-            lk.eng.write(lk.peer, src, lk.rseg, pages)
+            lk.eng.write(lk.peer, src, lk.rseg, pages, notice=notice)
         assert lk.eng.counters.pages_posted == before
         assert lk.eng.counters.bounds_refused == 1
+        assert lk.eng.counters.notifies == 0
         assert info.value.remote_len == 16 << 20 and info.value.local_len == 1 << 20
-        # the valid first page of a mixed list was not posted either
+        # the valid first page of a mixed list was not posted either, nor the notice (its
+        # reply would come first, with ok True)
         reply = lk.request({"op": "check", "round": 0, "seed": 0, "src_len": 4096,
                             "pages": [[0, 0, 4096]]})
         assert reply["ok"] is False  # target still holds zeros, not the pattern
+        assert len(lk.replies) == 1
     finally:
         close_link(lk)
 

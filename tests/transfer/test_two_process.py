@@ -3,6 +3,7 @@ byte-exact, write+notify rounds checked by the target on arrival, and the same c
 against an injected fault (a skipped page) to show they can fail."""
 from __future__ import annotations
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -110,3 +111,58 @@ def test_a_notice_skipping_its_flush_behind_puts_is_caught(monkeypatch):
     rseg, c = _notices_behind_unwaited_writes("register")
     assert rseg.direct is None
     assert c.notifies == 6 and c.notifies_flushed != c.notifies
+
+
+def _noticed_round(lk, src, k: int, npages: int, page: int, seed: int = 13) -> dict:
+    """One write whose notice (posted by the same call) asks the target to check it."""
+    src.as_numpy()[:] = pattern(seed, k, src.length)
+    pages = scattered_pages(npages, page, src.length, lk.rseg.length, seed=3000 + k)
+    n = len(lk.replies)
+    notice = msgpack.packb({"op": "check", "round": k, "seed": seed, "src_len": src.length,
+                            "pages": pages.tolist()})
+    lk.eng.write(lk.peer, src, lk.rseg, pages, notice=notice).wait(10.0)
+    return lk.wait_reply(n)
+
+
+def test_write_with_notice_checked_on_arrival(link):
+    """Rounds of small (cached copy) and large (streaming copy) writes whose notice rides
+    in the same call; the target checks every page when the notice arrives."""
+    src = link.eng.register(np.zeros(8 << 20, dtype=np.uint8))
+    sizes = [(8, 16 << 10), (128, 16 << 10), (3, 4096), (64, 64 << 10)]
+    for k in range(12):
+        npages, page = sizes[k % len(sizes)]
+        reply = _noticed_round(link, src, k, npages, page)
+        assert reply == {"round": k, "ok": True, "bad_pages": []}
+    c = link.eng.counters
+    assert c.notifies == 12 and c.failures == 0
+    if link.rseg.direct is not None:
+        assert c.notifies_flushed == 0      # direct copies are visible when posted
+    else:
+        assert c.notifies_flushed == 12     # puts through UCX: every notice flushes
+
+
+@pytest.mark.parametrize("transports", ["shm", "tcp"])
+def test_write_with_notice_skipping_a_page_is_caught(transports):
+    """Broken mode: the engine skips one page of the write; the notice still goes, and
+    the target's check names the page."""
+    lk = make_link(transports, fault_skip_page=2)
+    try:
+        src = lk.eng.register(np.zeros(4 << 20, dtype=np.uint8))
+        reply = _noticed_round(lk, src, 0, npages=16, page=16 << 10)
+        assert not reply["ok"] and reply["bad_pages"] == [2]
+    finally:
+        close_link(lk)
+
+
+@pytest.mark.parametrize("streaming_min_bytes", [0, 1 << 20, 1 << 62],
+                         ids=["always-stream", "stream-large", "never-stream"])
+def test_direct_copies_byte_exact_either_side_of_the_streaming_threshold(streaming_min_bytes):
+    lk = make_link("shm", streaming_min_bytes=streaming_min_bytes)
+    try:
+        assert lk.rseg.direct is not None
+        src = lk.eng.register(np.zeros(8 << 20, dtype=np.uint8))
+        for k, (npages, page) in enumerate([(8, 16 << 10), (96, 16 << 10), (5, 1000)]):
+            assert _round(lk, src, k, npages, page)["ok"]
+            assert _noticed_round(lk, src, k + 10, npages, page)["ok"]
+    finally:
+        close_link(lk)

@@ -565,16 +565,20 @@ static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *loc
  * an endpoint flush; direct pages are visible once the copy's fences have run.
  * Returns -1 when posted (errors land in batch->status), or the index of the first page
  * out of bounds, in which case nothing was posted. batch->bytes gets the byte count. */
-int64_t kvf_rma_pages(void *ep, int write, int streaming, uintptr_t local_base,
-                      int64_t local_len, void *rkey, uint64_t remote_base,
-                      int64_t remote_len, uintptr_t direct_base, const void *triples,
-                      int64_t n, int64_t skip, kvf_batch *batch)
+int64_t kvf_rma_pages(void *ep, int write, int64_t streaming_min_bytes,
+                      uintptr_t local_base, int64_t local_len, void *rkey,
+                      uint64_t remote_base, int64_t remote_len, uintptr_t direct_base,
+                      const void *triples, int64_t n, int64_t skip, kvf_batch *batch)
 {
     int64_t total = 0, bad;
+    int streaming;
     ucs_status_t st;
     bad = kvf_check_pages((const int64_t *)triples, n, local_len, remote_len, &total);
     if (bad >= 0) return bad;
     batch->bytes = total;
+    /* Small batches go through the caches (the reader finds them there); large ones
+     * stream past them (no read-for-ownership, no eviction of the reader's data). */
+    streaming = streaming_min_bytes >= 0 && total >= streaming_min_bytes;
     st = kvf_post_pages(ep, write, streaming, (char *)local_base, rkey, remote_base,
                         (char *)direct_base, (const int64_t *)triples, n, skip, batch);
     if (st == UCS_OK && write && batch->posted != batch->direct) kvf_flush(ep, batch);
@@ -705,6 +709,32 @@ int kvf_send_envelope(void *ep, int flags, const char *sender, size_t sender_len
         return UCS_ERR_MESSAGE_TRUNCATED;
     }
     return (flags & 2) ? kvf_flush_then_post(ep, ctx) : kvf_post_send(ctx);
+}
+
+/* A write and its notice in one call: bounds-check, post the pages, then post the notice
+ * envelope on the same endpoint, behind an endpoint flush when a put went through UCX
+ * (or `flush` asks for one: an earlier put may still be outstanding). One batch tracks
+ * both; the notice is not sent if posting the pages failed. Returns as kvf_rma_pages. */
+int64_t kvf_write_notice(void *ep, int64_t streaming_min_bytes, uintptr_t local_base,
+                         int64_t local_len, void *rkey, uint64_t remote_base,
+                         int64_t remote_len, uintptr_t direct_base, const void *triples,
+                         int64_t n, int64_t skip, int flush, const char *sender,
+                         size_t sender_length, uint64_t incarnation, uint64_t seq,
+                         const char *payload, size_t payload_length, kvf_batch *batch)
+{
+    int64_t total = 0, bad;
+    ucs_status_t st;
+    bad = kvf_check_pages((const int64_t *)triples, n, local_len, remote_len, &total);
+    if (bad >= 0) return bad;
+    batch->bytes = total;
+    st = kvf_post_pages(ep, 1, streaming_min_bytes >= 0 && total >= streaming_min_bytes,
+                        (char *)local_base, rkey, remote_base, (char *)direct_base,
+                        (const int64_t *)triples, n, skip, batch);
+    if (st != UCS_OK) return -1;
+    if (batch->posted != batch->direct) flush = 1;
+    kvf_send_envelope(ep, 1 | (flush ? 2 : 0), sender, sender_length, incarnation, seq,
+                      payload, payload_length, batch);
+    return -1;
 }
 
 kvf_msg *kvf_am_pop(kvf_worker *w)

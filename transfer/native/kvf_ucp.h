@@ -64,10 +64,16 @@ int kvf_rkey_unpack(void *ep, const void *buffer, void **rkey);
 void kvf_rkey_destroy(void *rkey);
 int kvf_rkey_ptr(void *rkey, uint64_t remote_addr, void **local);
 
-int64_t kvf_rma_pages(void *ep, int write, int streaming, uintptr_t local_base,
-                      int64_t local_len, void *rkey, uint64_t remote_base,
-                      int64_t remote_len, uintptr_t direct_base, const void *triples,
-                      int64_t n, int64_t skip, kvf_batch *batch);
+int64_t kvf_rma_pages(void *ep, int write, int64_t streaming_min_bytes,
+                      uintptr_t local_base, int64_t local_len, void *rkey,
+                      uint64_t remote_base, int64_t remote_len, uintptr_t direct_base,
+                      const void *triples, int64_t n, int64_t skip, kvf_batch *batch);
+int64_t kvf_write_notice(void *ep, int64_t streaming_min_bytes, uintptr_t local_base,
+                         int64_t local_len, void *rkey, uint64_t remote_base,
+                         int64_t remote_len, uintptr_t direct_base, const void *triples,
+                         int64_t n, int64_t skip, int flush, const char *sender,
+                         size_t sender_length, uint64_t incarnation, uint64_t seq,
+                         const char *payload, size_t payload_length, kvf_batch *batch);
 int kvf_flush(void *ep, kvf_batch *batch);
 int kvf_flush_then_send(void *ep, uint16_t am_id, const void *payload, size_t length,
                         kvf_batch *batch);

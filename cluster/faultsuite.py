@@ -11,7 +11,7 @@ answered (text or error) within its deadline; no page is held on any rank after 
 and the cluster's counters moved as expected. In unsafe mode every mid-transfer scenario
 must leak, which shows the suite can fail: pages freed at abort (``--unsafe-free-on-abort``)
 for the abort sources, and released at the deadline once the writer is severed, without
-proof (``--unsafe-release-on-sever``), for the stalled writer.
+proof (``--unsafe-release-on-sever``), for the stalled and the partitioned writer.
 
 Matrix (source x point; cells that cannot happen are not run):
 
@@ -25,6 +25,12 @@ Matrix (source x point; cells that cannot happen are not run):
     stall       mid-transfer (the writer is SIGSTOPped past the abort deadline, then resumes
                 and its in-flight write lands: the owner severed it at the deadline, but
                 releases only on its late ack or its death)
+    partition   mid-transfer (two nodes, tcp: the link to the owner's node goes down with the
+                writer's second half in flight; the owner severs the writer at the deadline
+                but, unable to prove a remote writer stopped, keeps the pages quarantined
+                until the writer's late ack once the link is back. Needs root and iproute2
+                for a network namespace; without them the row is printed as skipped and
+                not counted)
 
 Prints a table, then one JSON line (the last line) with ``scenarios``, ``passed``,
 ``unsafe_scenarios``, ``unsafe_leaks_found``.
@@ -33,18 +39,22 @@ Prints a table, then one JSON line (the last line) with ``scenarios``, ``passed`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
+import re
 import socket
 import sys
 import tempfile
 import time
 import urllib.error
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
-from . import localcluster
-from .localcluster import LocalCluster
+from . import localcluster, netns
+from .localcluster import LocalCluster, LogTail, TwoNodeCluster
 from .workload import MARKER_RE, expected_replay, make_prompt
 
 CONTEXT = 2048
@@ -56,6 +66,18 @@ ABORT_DEADLINE = 2.0
 REQUEST_TIMEOUT = 20.0
 HOLD_S = 3.0          # how long an injected in-flight write stays in flight
 CLIENT_CANCEL_S = 0.4
+# The partition row. The link is down from A's pause until the owner severed A's writer
+# (transfer timeout + abort deadline) and was watched keeping A's pages quarantined; all of
+# it stays under the tcp transport's TCP_USER_TIMEOUT (4 s, kvferry.transfer.engine): past
+# that the kernel closes every connection with data in flight and the partition turns
+# into a peer failure, which is not what this row tests.
+PARTITION_ABORT_DEADLINE = 1.0
+QUARANTINE_WATCH_S = 1.0   # how long the owner is watched, link down, after severing
+PARTITION_HOLD_S = 5.0     # A's second half stays in flight this long: past the partition,
+                           # landing (unsafe) while the victim, sent once the link is back,
+                           # decodes from A's released pages
+PARTITION_STEP_S = 0.02    # the partition group decodes slowly: the victim still reads its
+                           # prompt pages when A's half lands
 
 POINTS = ("before-write", "mid-transfer", "after-write", "after-notice")
 
@@ -105,6 +127,9 @@ def scenarios() -> list[Scenario]:
     out.append(Scenario("stall", "mid-transfer",
                         (f"at:mid-transfer:stop:{tag('stall', 'mid-transfer')}:{TRANSFER_TIMEOUT + ABORT_DEADLINE + 1}",),
                         group="stall"))
+    out.append(Scenario("partition", "mid-transfer",
+                        (f"at:mid-transfer:pause:{tag('partition', 'mid-transfer')}:{PARTITION_HOLD_S}",),
+                        group="partition"))
     # Last: under torchrun a dead rank stops the whole group (fail-stop), so nothing after it.
     out.append(Scenario("crash", "mid-transfer", (f"at:mid-transfer:kill:{tag('crash', 'mid-transfer')}",),
                         group="crash"))
@@ -112,13 +137,63 @@ def scenarios() -> list[Scenario]:
 
 
 # ------------------------------------------------------------------ cluster handling
+@dataclass(frozen=True)
+class Group:
+    """The scenarios that share one cluster, and how that cluster is started."""
+
+    name: str
+    nproc: int
+    args: tuple[str, ...]
+    unsafe_flag: str = "--unsafe-free-on-abort"
+    nodes: int = 1     # 2: the last rank on a second node, behind a link that can go down
+
+    @property
+    def skip_reason(self) -> str | None:
+        """Why this machine cannot run the group (a second node needs a namespace)."""
+        return netns.unavailable_reason() if self.nodes == 2 else None
+
+
+GROUPS = (
+    Group("main", 3, ()),
+    # the stall and the partition: released once severed, without proof, in unsafe mode
+    Group("stall", 4, ("--prefill", "2", "--fault", f"decode-delay:{STALL_STEP_S}"),
+          "--unsafe-release-on-sever"),
+    # node 0: router and two prefill ranks (one writes A, the other B: the owner severed
+    # A's writer); node 1: the decode rank
+    Group("partition", 4, ("--prefill", "2", "--fault", f"decode-delay:{PARTITION_STEP_S}",
+                           "--abort-deadline", str(PARTITION_ABORT_DEADLINE)),
+          "--unsafe-release-on-sever", nodes=2),
+    # Last: under torchrun a dead rank stops the whole group (fail-stop).
+    Group("crash", 4, ("--prefill", "2", "--transports", "tcp")),
+)
+
+
+def suite_args(args: list[str]) -> list[str]:
+    """The suite's context, pool and deadlines; ``args`` come after them, so a group may
+    override one."""
+    return ["--context-length", str(CONTEXT), "--pool-tokens", "16384",
+            "--transfer-timeout", str(TRANSFER_TIMEOUT), "--abort-deadline", str(ABORT_DEADLINE),
+            "--request-timeout", str(REQUEST_TIMEOUT), *args]
+
+
 def start(nproc: int, args: list[str], log_dir: Path) -> LocalCluster:
-    """A local cluster with the suite's context, pool and deadlines; ``args`` come after
-    them, so a group may override one."""
-    return localcluster.start(nproc, [
-        "--context-length", str(CONTEXT), "--pool-tokens", "16384",
-        "--transfer-timeout", str(TRANSFER_TIMEOUT), "--abort-deadline", str(ABORT_DEADLINE),
-        "--request-timeout", str(REQUEST_TIMEOUT), *args], log_dir)
+    """A local cluster with :func:`suite_args`."""
+    return localcluster.start(nproc, suite_args(args), log_dir)
+
+
+@contextlib.contextmanager
+def open_cluster(group: Group, args: list[str], log_dir: Path) -> Iterator[LocalCluster]:
+    """The group's cluster with ``args`` (its own, its scenarios' faults, the unsafe flag),
+    stopped (and a second node's namespace removed) on leaving."""
+    if group.nodes == 2:
+        with localcluster.two_nodes(group.nproc - 1, 1, suite_args(args), log_dir) as cluster:
+            yield cluster
+        return
+    cluster = start(group.nproc, args, log_dir)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 # ------------------------------------------------------------------ one scenario
@@ -159,13 +234,28 @@ def post(cluster: LocalCluster, prompt: str, max_tokens: int, cancel_after: floa
     return status, body, time.monotonic() - t0
 
 
+@dataclass(frozen=True)
+class Pair:
+    """A scenario's two requests: A carries the fault tag, B is the victim."""
+
+    mark_a: str
+    mark_b: str
+    prompt_a: str
+    prompt_b: str
+
+    @classmethod
+    def of(cls, sc: Scenario, index: int) -> "Pair":
+        mark_a, mark_b = _marker(2 * index, index + 1), _marker(2 * index + 1, index + 1)
+        length = CONTEXT + 5 if sc.source == "admission" else PROMPT
+        return cls(mark_a, mark_b, sc.tag + make_prompt(mark_a, length - len(sc.tag)),
+                   make_prompt(mark_b, PROMPT))
+
+
 def run_scenario(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) -> Outcome:
     out = Outcome(sc.name, unsafe)
     t0 = time.monotonic()
-    mark_a, mark_b = _marker(2 * index, index + 1), _marker(2 * index + 1, index + 1)
-    length = CONTEXT + 5 if sc.source == "admission" else PROMPT
-    prompt_a = sc.tag + make_prompt(mark_a, length - len(sc.tag))
-    prompt_b = make_prompt(mark_b, PROMPT)
+    pair = Pair.of(sc, index)
+    prompt_a, prompt_b = pair.prompt_a, pair.prompt_b
     before = cluster.metrics()
     try:
         out.a_status, body_a, took_a = post(cluster, prompt_a,
@@ -175,15 +265,7 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) 
         if sc.source != "crash":
             raise
         out.a_status, body_a, took_a = None, {"error": f"connection lost: {exc}"}, time.monotonic() - t0
-    if took_a > REQUEST_TIMEOUT + 5:
-        out.answered_in_time = False
-        out.problems.append(f"A answered after {took_a:.1f} s")
-    if sc.expect_a == "rejected" and out.a_status != 400:
-        out.problems.append(f"A: expected 400, got {out.a_status}")
-    if sc.expect_a == "error" and out.a_status == 200:
-        out.problems.append("A: a faulted request was answered 200")
-    if out.a_status == 200 and body_a.get("text") != expected_replay(prompt_a, sc.max_tokens):
-        out.problems.append("A: answered 200 with a wrong replay")
+    _check_a(sc, out, prompt_a, body_a, took_a)
     if sc.source == "crash":
         return _after_crash(cluster, out, t0)
     # Give an unsafe owner the moment it needs to free A's pages, so B gets them. For the
@@ -194,25 +276,118 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) 
         time.sleep(ABORT_DEADLINE + 0.3)
     elif sc.source != "admission":
         time.sleep(0.3)
-    out.b_status, body_b, took_b = post(cluster, prompt_b, b_tokens, None)
+    out.b_status, body_b, _ = post(cluster, prompt_b, b_tokens, None)
+    _check_b_and_after(cluster, sc, out, pair, body_a, body_b, before)
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def _check_a(sc: Scenario, out: Outcome, prompt_a: str, body_a: dict, took_a: float) -> None:
+    if took_a > REQUEST_TIMEOUT + 5:
+        out.answered_in_time = False
+        out.problems.append(f"A answered after {took_a:.1f} s")
+    if sc.expect_a == "rejected" and out.a_status != 400:
+        out.problems.append(f"A: expected 400, got {out.a_status}")
+    if sc.expect_a == "error" and out.a_status == 200:
+        out.problems.append("A: a faulted request was answered 200")
+    if out.a_status == 200 and body_a.get("text") != expected_replay(prompt_a, sc.max_tokens):
+        out.problems.append("A: answered 200 with a wrong replay")
+
+
+def _check_b_and_after(cluster: LocalCluster, sc: Scenario, out: Outcome, pair: Pair,
+                       body_a: dict, body_b: dict, before: dict, every_rank: bool = False) -> None:
+    """B's answer, both answers' markers, the pools after quiesce (``every_rank``: also on
+    ranks the router no longer routes to, see :meth:`LocalCluster.held`), the counters."""
     if out.b_status != 200:
         out.problems.append(f"B: expected 200, got {out.b_status}: {str(body_b)[:200]}")
-    elif body_b.get("text") != expected_replay(prompt_b, b_tokens):
+    elif body_b.get("text") != expected_replay(pair.prompt_b, PROMPT):
         out.problems.append("B: answered 200 with a wrong replay")
     texts = [str(body_a.get("text", "")) + str(body_a.get("message", "")),
              str(body_b.get("text", "")) + str(body_b.get("message", ""))]
-    own = [mark_a, mark_b]
-    for text, mine in zip(texts, own):
+    for text, mine in zip(texts, (pair.mark_a, pair.mark_b)):
         out.foreign += [m for m in set(MARKER_RE.findall(text)) if m != mine]
     if out.foreign:
         out.problems.append(f"foreign markers {sorted(set(out.foreign))}")
-    out.held_after = cluster.quiesce(HOLD_S + ABORT_DEADLINE + 6)
+    out.held_after = cluster.quiesce(HOLD_S + ABORT_DEADLINE + 6, every_rank)
     if out.held_after:
         out.problems.append(f"{out.held_after} pages still held after quiesce")
     after = cluster.metrics()
     out.problems += _check_counters(sc, before, after, out)
+
+
+def run_partition(cluster: TwoNodeCluster, sc: Scenario, unsafe: bool, index: int) -> Outcome:
+    """A's writer (node 0) pauses with A's second half in flight to the owner (node 1); the
+    link goes down. The owner times A out, aborts, and at its deadline severs the writer it
+    cannot reach. Safe: A's pages stay quarantined through the partition (watched on the
+    owner's log) and are released on the writer's late ack once the link is back. Unsafe
+    (``--unsafe-release-on-sever``): released at the deadline; B, sent once the link is
+    back, gets them and A's half lands in them while B decodes. A is answered whenever the
+    owner's failure reaches the router (after the link is back, at the latest at the
+    router's own deadline), so B is sent without waiting for A."""
+    out = Outcome(sc.name, unsafe)
+    t0 = time.monotonic()
+    pair = Pair.of(sc, index)
+    before = cluster.metrics()
+    node0, node1 = LogTail.at_end(cluster.log), LogTail.at_end(cluster.node1_log)
+    with ThreadPoolExecutor(1) as pool:
+        answer_a = pool.submit(post, cluster, pair.prompt_a, sc.max_tokens, None)
+        rid = _logged(out, lambda: node0.wait_for(r"fault: request (\S+): pause at mid-transfer", 30)[1])
+        if rid is not None:
+            try:
+                cluster.partition()
+                _while_partitioned(node1, rid, unsafe, out)
+            finally:
+                cluster.heal()
+        _logged(out, lambda: _wait_ranks_heard(cluster, REQUEST_TIMEOUT))
+        out.b_status, body_b, _ = post(cluster, pair.prompt_b, PROMPT, None)
+        out.a_status, body_a, took_a = answer_a.result()
+    _check_a(sc, out, pair.prompt_a, body_a, took_a)
+    if rid is not None and not unsafe:
+        # released only now, on the writer's late ack after its half landed: the proof
+        _logged(out, lambda: node1.wait_for(rf"request {re.escape(rid)}: \d+ pages released \(severed\)",
+                                            PARTITION_HOLD_S + 10))
+    _check_b_and_after(cluster, sc, out, pair, body_a, body_b, before, every_rank=True)
     out.seconds = time.monotonic() - t0
     return out
+
+
+def _while_partitioned(node1: LogTail, rid: str, unsafe: bool, out: Outcome) -> None:
+    """With the link down: wait for the owner to sever A's writer; unsafe, for it to release
+    A's pages anyway; safe, watch that it keeps them quarantined."""
+    if _logged(out, lambda: node1.wait_for(
+            rf"severed rank \d+ .*request {re.escape(rid)}",
+            TRANSFER_TIMEOUT + PARTITION_ABORT_DEADLINE + 10)) is None:
+        return
+    released = rf"request {re.escape(rid)}: \d+ pages released \((\w+)\)"
+    if unsafe:
+        _logged(out, lambda: node1.wait_for(released, 10))
+        return
+    watch_until = time.monotonic() + QUARANTINE_WATCH_S
+    while time.monotonic() < watch_until:
+        if (found := re.search(released, node1.text())) is not None:
+            out.problems.append(f"A's pages released ({found[1]}) while the writer was unreachable")
+            return
+        time.sleep(0.1)
+
+
+def _logged(out: Outcome, wait: Callable[[], object]) -> object | None:
+    """``wait()``, or None with its TimeoutError recorded as one of the row's problems."""
+    try:
+        return wait()
+    except TimeoutError as exc:
+        out.problems.append(str(exc).split("\n", 1)[0])
+        return None
+
+
+def _wait_ranks_heard(cluster: LocalCluster, timeout_s: float) -> None:
+    """Until the router hears from every rank again: one silent through the partition was
+    marked unhealthy (no heartbeat), which would refuse B."""
+    deadline = time.monotonic() + timeout_s
+    while any(why.startswith("no heartbeat") for why in cluster.status()["unhealthy"].values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks still silent {timeout_s:.0f} s after the link came back: "
+                               f"{cluster.status()['unhealthy']}")
+        time.sleep(0.1)
 
 
 def _after_crash(cluster: LocalCluster, out: Outcome, t0: float) -> Outcome:
@@ -254,37 +429,61 @@ def _check_counters(sc: Scenario, before: dict, after: dict, out: Outcome) -> li
 
 
 # ------------------------------------------------------------------ the suite
+def unsafe_scenario(sc: Scenario) -> bool:
+    """Run in unsafe mode too: a write is in flight at the abort (a crashed writer's is
+    not: its process is gone)."""
+    return sc.mid_transfer and sc.source != "crash"
+
+
+def skipped() -> dict[str, str]:
+    """The scenarios this machine cannot run, with the reason."""
+    groups = {g.name: g for g in GROUPS}
+    return {s.name: why for s in scenarios() if (why := groups[s.group].skip_reason) is not None}
+
+
 def run_suite(unsafe_too: bool, log_dir: Path, only: str | None = None) -> dict:
+    """Every group's scenarios on its own cluster, safe mode, then (``unsafe_too``) the
+    unsafe ones in unsafe mode. A group this machine cannot run is printed as skipped and
+    not counted (``report["skipped"]``: scenario -> reason)."""
     all_sc = [s for s in scenarios() if only is None or only in s.name]
     results: list[Outcome] = []
+    skips: dict[str, str] = {}
     for unsafe in ([False, True] if unsafe_too else [False]):
-        for group, nproc, extra in (("main", 3, []),
-                                    ("stall", 4, ["--prefill", "2", "--fault", f"decode-delay:{STALL_STEP_S}"]),
-                                    ("crash", 4, ["--prefill", "2", "--transports", "tcp"])):
-            group_sc = [s for s in all_sc if s.group == group]
-            if unsafe:   # the scenarios where a write is in flight at the abort
-                group_sc = [s for s in group_sc if s.mid_transfer and s.source != "crash"]
+        for group in GROUPS:
+            group_sc = [s for s in all_sc if s.group == group.name
+                        and (not unsafe or unsafe_scenario(s))]
             if not group_sc:
                 continue
-            faults = [f for s in group_sc for f in s.faults]
-            args = extra + [a for f in faults for a in ("--fault", f)]
-            if unsafe:
-                # main: free at abort; stall: release once severed, without proof
-                args.append("--unsafe-free-on-abort" if group == "main" else "--unsafe-release-on-sever")
-            cluster = start(nproc, args, log_dir)
-            try:
-                for i, sc in enumerate(group_sc):
-                    res = run_scenario(cluster, sc, unsafe, i + (100 if unsafe else 0))
-                    results.append(res)
-                    _print_row(res)
-            finally:
-                cluster.stop()
+            if group.skip_reason is not None:
+                for sc in group_sc:
+                    skips[sc.name] = group.skip_reason
+                    _print_skip(sc, unsafe, group.skip_reason)
+                continue
+            results += _run_group(group, group_sc, unsafe, log_dir)
     safe = [r for r in results if not r.unsafe]
     unsafe_runs = [r for r in results if r.unsafe]
     summary = {"scenarios": len(safe), "passed": sum(r.passed for r in safe),
                "unsafe_scenarios": len(unsafe_runs),
                "unsafe_leaks_found": sum(r.leak for r in unsafe_runs)}
-    return {"summary": summary, "results": results}
+    return {"summary": summary, "results": results, "skipped": skips}
+
+
+def _run_group(group: Group, group_sc: list[Scenario], unsafe: bool, log_dir: Path) -> list[Outcome]:
+    args = [*group.args, *(a for s in group_sc for f in s.faults for a in ("--fault", f))]
+    if unsafe:
+        args.append(group.unsafe_flag)
+    run: Callable[..., Outcome] = run_partition if group.nodes == 2 else run_scenario
+    results = []
+    with open_cluster(group, args, log_dir) as cluster:
+        for i, sc in enumerate(group_sc):
+            res = run(cluster, sc, unsafe, i + (100 if unsafe else 0))
+            results.append(res)
+            _print_row(res)
+    return results
+
+
+def _print_skip(sc: Scenario, unsafe: bool, reason: str) -> None:
+    print(f"{sc.name:<26} {'UNSAFE' if unsafe else 'safe':<6} skipped: {reason}", flush=True)
 
 
 def _print_row(r: Outcome) -> None:

@@ -1,11 +1,15 @@
 """A local cluster under ``torchrun --standalone``, driven over HTTP: what the fault suite,
-the soak, the benchmarks and the integration tests start and talk to. Every wait is bounded.
+the soak, the benchmarks and the integration tests start and talk to; or a two-node cluster
+on one machine (:func:`two_nodes`), its second node behind a link that can be taken down.
+Every wait is bounded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,7 +19,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, Iterator, NamedTuple
+
+from . import netns
 
 STARTUP_TIMEOUT_S = 120.0
 
@@ -32,6 +38,35 @@ def startup_report(log: Path, tail_chars: int = 2000) -> str:
     text = log.read_text(errors="replace")
     errors = [line for line in text.splitlines() if " ERROR " in line][:8]
     return "\n".join([*errors, "--- log tail ---", text[-tail_chars:]])
+
+
+@dataclass
+class LogTail:
+    """A log from ``offset`` on: what the ranks wrote since a scenario began, so that a wait
+    on a line is never satisfied by an earlier scenario's."""
+
+    path: Path
+    offset: int = 0
+
+    @classmethod
+    def at_end(cls, path: Path) -> "LogTail":
+        return cls(path, path.stat().st_size)
+
+    def text(self) -> str:
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            return f.read().decode(errors="replace")
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
+        """The first match of the regular expression ``pattern``; TimeoutError, with the
+        tail, if none appears within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while (found := re.search(pattern, text := self.text())) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no /{pattern}/ in {self.path.name} within {timeout_s:.0f} s:"
+                                   f"\n{text[-3000:]}")
+            time.sleep(0.1)
+        return found
 
 
 class Reply(NamedTuple):
@@ -80,32 +115,62 @@ class LocalCluster:
     def status(self) -> dict:
         return self.call("GET", "/status", timeout=10).body
 
-    def held(self) -> int:
-        """Pages owned or quarantined on any healthy rank (a crashed rank's pool is gone)."""
+    def held(self, every_rank: bool = False) -> int:
+        """Pages owned or quarantined on any healthy rank (a crashed rank's pool is gone),
+        or, with ``every_rank``, on any rank at all: when none died, a rank the router
+        stopped routing to (severed, silent for a while) still has to free its pages."""
         st = self.status()
-        dead = {str(r) for r in st.get("unhealthy", {})}
+        dead = set() if every_rank else {str(r) for r in st.get("unhealthy", {})}
         used = sum(r.get("owned", 0) + r.get("quarantined", 0)
                    for rank, r in st["ranks"].items() if rank not in dead)
         held = sum(n for rank, n in st["held_pages"].items() if rank not in dead)
         return max(used, held)
 
-    def quiesce(self, timeout_s: float = 20.0) -> int:
-        """Wait until no rank holds a page (ranks report every 0.5 s); the pages still held."""
+    def quiesce(self, timeout_s: float = 20.0, every_rank: bool = False) -> int:
+        """Wait until no rank holds a page (ranks report every 0.5 s); the pages still held.
+        ``every_rank``: as for :meth:`held`."""
         deadline = time.monotonic() + timeout_s
         while True:
-            held = self.held()
+            held = self.held(every_rank)
             if held == 0 or time.monotonic() > deadline:
                 return held
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
+        _stop_group(self.proc)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group ``proc`` leads; SIGKILL it if it is not gone in 15 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+@dataclass
+class TwoNodeCluster(LocalCluster):
+    """Node 0 (``proc``, ``log``: the router and the first ranks) in the root namespace,
+    node 1 (the last ranks) in a namespace of its own behind a veth pair, over tcp. The
+    router is reached on 127.0.0.1 as in any local cluster; node 1's end of the link can be
+    taken down and brought back (a partition between the nodes, both sides alive)."""
+
+    node1: subprocess.Popen
+    node1_log: Path
+    node1_host: netns.Host
+
+    def partition(self) -> None:
+        self.node1_host.set_link(False)
+
+    def heal(self) -> None:
+        self.node1_host.set_link(True)
+
+    def stop(self) -> None:
+        _stop_group(self.node1)
+        _stop_group(self.proc)
 
 
 PORT_ATTEMPTS = 3
@@ -116,16 +181,26 @@ def start(nproc: int, args: list[str], log_dir: Path,
     """Start ``nproc`` ranks with ``args`` and wait for /health; the log goes to ``log_dir``.
     The HTTP port is picked free but bound only later, by the router: if another process
     took it meanwhile, the cluster is started again on another port."""
-    for _ in range(PORT_ATTEMPTS - 1):
-        try:
-            return _start_once(nproc, args, log_dir, startup_s)
-        except PortTaken:
-            continue
-    return _start_once(nproc, args, log_dir, startup_s)
+    return _with_port_retries(lambda: _start_once(nproc, args, log_dir, startup_s))
 
 
 class PortTaken(RuntimeError):
     """The router could not listen on the port picked for it."""
+
+
+def _with_port_retries(start_once: Callable[[], LocalCluster]) -> LocalCluster:
+    for _ in range(PORT_ATTEMPTS - 1):
+        try:
+            return start_once()
+        except PortTaken:
+            continue
+    return start_once()
+
+
+def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
 
 
 def _start_once(nproc: int, args: list[str], log_dir: Path, startup_s: float) -> LocalCluster:
@@ -133,23 +208,72 @@ def _start_once(nproc: int, args: list[str], log_dir: Path, startup_s: float) ->
     log = Path(log_dir) / f"cluster-{port}.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "kvferry.cluster.launch", "--port", str(port), *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    cluster = LocalCluster(proc, f"http://127.0.0.1:{port}", log)
+    cluster = LocalCluster(_spawn(cmd, log), f"http://127.0.0.1:{port}", log)
+    _wait_healthy(cluster, [(cluster.proc, log)], port, startup_s)
+    return cluster
+
+
+def _wait_healthy(cluster: LocalCluster, nodes: list[tuple[subprocess.Popen, Path]], port: int,
+                  startup_s: float, taken: tuple[str, ...] = ()) -> None:
+    """Wait for the router's /health; stop the cluster and raise if a node exits first
+    (PortTaken if node 0's log says one of its ports was taken) or the deadline passes."""
     deadline = time.monotonic() + startup_s
     while True:
-        if proc.poll() is not None:
-            report = startup_report(log)
-            if f"cannot listen on 127.0.0.1:{port}" in report:
-                raise PortTaken(report)
-            raise RuntimeError(f"cluster exited during start-up:\n{report}")
+        for proc, log in nodes:
+            if proc.poll() is not None:
+                report = startup_report(log)
+                cluster.stop()
+                if any(s in startup_report(nodes[0][1])
+                       for s in (f"cannot listen on 127.0.0.1:{port}", *taken)):
+                    raise PortTaken(report)
+                raise RuntimeError(f"cluster exited during start-up ({log.name}):\n{report}")
         try:
             if cluster.call("GET", "/health", timeout=2).status == 200:
-                return cluster
+                return
         except OSError:
             pass
         if time.monotonic() > deadline:
             cluster.stop()
-            raise RuntimeError(f"cluster not healthy within {startup_s:.0f} s:\n{startup_report(log)}")
+            report = "\n".join(f"{log.name}:\n{startup_report(log)}" for _, log in nodes)
+            raise RuntimeError(f"cluster not healthy within {startup_s:.0f} s:\n{report}")
         time.sleep(0.3)
+
+
+# ------------------------------------------------------------------ two nodes
+TWO_NODE_NET = "10.79"   # node 0's end of the link is in the root namespace: a /24 under
+                         # this that no route of this machine uses yet is picked per cluster
+
+
+@contextlib.contextmanager
+def two_nodes(nproc0: int, nproc1: int, args: list[str], log_dir: Path,
+              startup_s: float = STARTUP_TIMEOUT_S) -> Iterator[TwoNodeCluster]:
+    """A two-node cluster, as ``scripts/serve-node.sh`` starts one on two hosts: torchrun's
+    static rendezvous through node 0, ``nproc0`` ranks on node 0 (the router first) and
+    ``nproc1`` on node 1, tcp only, each node's UCX and gloo on its end of the veth pair.
+    Needs root and iproute2 (:func:`netns.unavailable_reason`). The nodes are stopped and
+    the namespace and the link removed on leaving, also on failure."""
+    with netns.two_hosts("kf", netns.unused_subnet(TWO_NODE_NET), root_a=True) as (a, b):
+        cluster = _with_port_retries(
+            lambda: _start_two_nodes(a, b, nproc0, nproc1, args, log_dir, startup_s))
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+def _start_two_nodes(a: netns.Host, b: netns.Host, nproc0: int, nproc1: int, args: list[str],
+                     log_dir: Path, startup_s: float) -> TwoNodeCluster:
+    port, master_port = free_port(), free_port()
+    logs = [Path(log_dir) / f"cluster-{port}-node{i}.log" for i in (0, 1)]
+    procs = [_spawn(host.command(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={i}",
+         f"--nproc-per-node={nproc}", "--rdzv-backend=static", f"--master-addr={a.addr}",
+         f"--master-port={master_port}", "-m", "kvferry.cluster.launch",
+         "--transports", "tcp", "--port", str(port), *args],
+        env={"UCX_NET_DEVICES": host.dev, "GLOO_SOCKET_IFNAME": host.dev}), log)
+        for i, (host, nproc, log) in enumerate(zip((a, b), (nproc0, nproc1), logs))]
+    cluster = TwoNodeCluster(procs[0], f"http://127.0.0.1:{port}", logs[0],
+                             node1=procs[1], node1_log=logs[1], node1_host=b)
+    _wait_healthy(cluster, list(zip(procs, logs)), port, startup_s,
+                  taken=("Address already in use",))
+    return cluster

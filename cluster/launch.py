@@ -201,7 +201,7 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
 
 def run_worker(runtime: RankRuntime, worker, decode: bool, stopped) -> None:
     """A prefill or decode rank's loop until ``stopped()``. With requests in the protocol
-    it polls in C (yielding the CPU between polls), so an ABORT, an ack or a notice costs
+    it polls in C (napping 5 µs between polls), so an ABORT, an ack or a notice costs
     no wake-up; idle, it polls ``busy_poll_us`` after the last message, then sleeps on the
     engine's event fd. A decode rank with running requests steps them between polls.
     ``pump`` shortens every wait to the next timer."""

@@ -663,7 +663,7 @@ class TransferEngine:
         do, polls for ``spin_us`` and for as long as the last activity is within
         ``busy_poll_us`` (a message then costs no wake-up), then sleeps on the event fd
         for the rest of ``timeout_s`` (an idle engine burns no CPU). ``stay_awake``
-        polls for all of ``timeout_s`` (yielding the CPU between polls): for a caller
+        polls for all of ``timeout_s`` (napping 5 µs between polls): for a caller
         that expects a message soon, since waking a sleeping thread, and on a VM its
         halted vCPU, can take milliseconds."""
         self._require_open()

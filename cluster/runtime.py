@@ -202,16 +202,31 @@ class RankRuntime:
         batch = self._guarded(rank, kind, post)
         if batch is not None:
             self.counters.sent += 1
+            # A send can fail after it was posted (a tcp connection reset under a long
+            # partition): watched until it settles, so that failure is reported too.
+            if batch.peek() is BatchStatus.PENDING:
+                self.watch(batch, lambda b: self._check_sent(rank, kind, b))
+            else:
+                self._check_sent(rank, kind, batch)
         return batch
+
+    def _check_sent(self, rank: int, kind: str, batch: Batch) -> None:
+        if batch.error is not None:
+            self._send_failed(rank, kind, batch.error)
 
     def _guarded(self, rank: int, kind: str, op) -> Batch | None:
         try:
             return op(self.peer(rank, severed_ok=(kind == "ABORT")))
         except (TransferError, OSError) as exc:
-            self.counters.send_failures += 1
-            log.warning("rank %d: %s to rank %d failed: %s", self.rank, kind, rank, exc)
-            self.on_send_failure(rank, exc)
+            self._send_failed(rank, kind, exc)
             return None
+
+    def _send_failed(self, rank: int, kind: str, exc: Exception) -> None:
+        """Counted, logged and reported to ``on_send_failure``; the failed batch has
+        marked the endpoint failed, so the next message to ``rank`` reconnects."""
+        self.counters.send_failures += 1
+        log.warning("rank %d: %s to rank %d failed: %s", self.rank, kind, rank, exc)
+        self.on_send_failure(rank, exc)
 
     def write(self, rank: int, local: Segment, pages) -> Batch:
         """One-sided write of (local offset, remote offset, length) triples into ``rank``'s

@@ -11,9 +11,10 @@ from kvferry.cluster.faults import FaultPlan, FaultSpecError
 from kvferry.cluster.prefill import WRITER_TRANSITIONS, WriterState
 from kvferry.cluster.rendezvous import RankCard, RendezvousError
 from kvferry.cluster.router import Ledger
+from kvferry.cluster.runtime import RankRuntime
 from kvferry.cluster.topology import Role, Topology, TopologyError
 from kvferry.cluster.workload import MARKER_RE, expected_replay, make_prompt
-from kvferry.transfer import WireError
+from kvferry.transfer import BatchStatus, PeerFailedError, WireError
 
 
 # ---------------------------------------------------------------- topology
@@ -187,3 +188,69 @@ def test_every_page_of_a_prompt_holds_a_whole_marker(length, start):
 
 def test_expected_replay_cycles_through_the_prompt():
     assert expected_replay("abc", 7) == "abcabca"
+
+
+# ---------------------------------------------------------------- sends that fail later
+class _Sent:
+    """A posted send whose outcome comes later, as over tcp."""
+
+    def __init__(self) -> None:
+        self.status, self.error = BatchStatus.PENDING, None
+
+    def peek(self) -> BatchStatus:
+        return self.status
+
+    def fail(self, why: str) -> None:
+        self.status, self.error = BatchStatus.FAILED, PeerFailedError("rank1", why)
+
+
+class _Engine:
+    """What RankRuntime calls on its transfer engine when it sends."""
+
+    incarnation = 7
+
+    def __init__(self) -> None:
+        self.sent: list[_Sent] = []
+
+    def set_message_handler(self, fn) -> None:
+        pass
+
+    def connect(self, address: bytes, name: str = "") -> object:
+        return object()
+
+    def peer_alive(self, peer) -> bool:
+        return True
+
+    def send(self, peer, payload: bytes) -> _Sent:
+        self.sent.append(_Sent())
+        return self.sent[-1]
+
+    def progress(self, timeout_s: float = 0, stay_awake: bool = False) -> int:
+        return 0
+
+
+def _runtime(engine: _Engine) -> RankRuntime:
+    cards = {r: RankCard(rank=r, role="decode", address=b"a%d" % r, incarnation=7, segment=None,
+                         num_pages=0, page_size=16, capacity_tokens=0, context_length=0,
+                         host="h", pid=1) for r in (0, 1)}
+    return RankRuntime(0, engine, cards)
+
+
+def test_a_send_that_fails_after_posting_is_reported():
+    """A control message posted fine and failed later (a tcp connection reset under a long
+    partition) reaches on_send_failure; one that completes does not."""
+    engine = _Engine()
+    rt = _runtime(engine)
+    reported: list[tuple[int, str]] = []
+    rt.on_send_failure = lambda rank, exc: reported.append((rank, str(exc)))
+    rt.send(1, m.SHUTDOWN)
+    rt.send(1, m.SHUTDOWN)
+    rt.pump(0)
+    assert reported == [] and rt.counters.send_failures == 0
+    engine.sent[0].status = BatchStatus.COMPLETED
+    engine.sent[1].fail("connection reset by peer")
+    rt.pump(0)
+    assert len(reported) == 1 and reported[0][0] == 1 and "connection reset" in reported[0][1]
+    assert rt.counters.send_failures == 1
+    rt.pump(0)
+    assert len(reported) == 1, "reported once"

@@ -82,6 +82,7 @@ class WriteJob:
     held_timer: object | None = None
     held_target: int | None = None         # the owner's pool, mapped here (shared memory)
     acked: bool = False
+    kv_ready: bool = False                 # prompt KV computed (and checksummed)
 
     def move(self, new: WriterState) -> None:
         if new not in WRITER_TRANSITIONS[self.state]:
@@ -143,9 +144,16 @@ class PrefillRank(RankBooks):
         with torch.no_grad():
             self.model.prefill(self.pool.kv, torch.from_numpy(tokens.astype(np.int64)),
                                job.src_pages, head_range=self.heads)
+        # An ABORT that arrived during the prefill is handled before the rest.
+        self.rt.defer(lambda: self._after_prefill(job))
+
+    def _after_prefill(self, job: WriteJob) -> None:
+        if job.state is not WriterState.WAITING:
+            return   # aborted meanwhile: acked at once, nothing was posted
         if self.integrity:   # the owner checks what lands against these (I5)
             lo, hi = self.heads
             job.checksums = page_checksums(self.pool.kv[:, :, :, lo:hi], job.src_pages).tolist()
+        job.kv_ready = True
         self._maybe_write(job)
 
     def _on_plan(self, msg: Message) -> None:
@@ -163,7 +171,7 @@ class PrefillRank(RankBooks):
 
     # -------------------------------------------------------------- writing
     def _maybe_write(self, job: WriteJob) -> None:
-        if job.state is not WriterState.WAITING or job.tokens is None or job.dst_pages is None:
+        if job.state is not WriterState.WAITING or not job.kv_ready or job.dst_pages is None:
             return
         if job.text is None:   # only fault hooks read the prompt as text
             job.text = detokenize(job.tokens.tolist()) if self.rt.faults.enabled else ""

@@ -84,6 +84,7 @@ class RankRuntime:
         self._watches: list[tuple[Batch, Callable[[Batch], None]]] = []
         self._timers: list[_Timer] = []
         self._timer_order = itertools.count()
+        self._deferred: list[Callable[[], None]] = []
         self._handler: Callable[[Message], None] = lambda msg: None
         self.on_send_failure: Callable[[int, Exception], None] = lambda rank, exc: None
         engine.set_message_handler(self._on_payload)
@@ -286,10 +287,19 @@ class RankRuntime:
         heapq.heappush(self._timers, timer)
         return timer
 
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` from the next :meth:`pump`, after the engine's next progress and
+        the messages it delivers: an ABORT that arrived during a long step (a prefill) is
+        handled before the step's sequel (the checksums and the writes) runs."""
+        self._deferred.append(fn)
+
     def pump(self, timeout_s: float = 0.0, stay_awake: bool = False) -> None:
         """Drive the engine (sleeping on its event fd up to ``timeout_s`` when idle, or
         polling that long with ``stay_awake``), deliver messages, settle watched batches,
-        fire due timers."""
+        fire due timers, then call what was deferred before this pump."""
+        deferred, self._deferred = self._deferred, []
+        if deferred:
+            timeout_s = 0.0
         if self._watches:
             # settled already (a direct write completes as it is posted): go on at once
             timeout_s = 0.0 if self._settle_watches() else min(timeout_s, 0.0005)
@@ -306,6 +316,10 @@ class RankRuntime:
             timer = heapq.heappop(self._timers)
             if not timer.cancelled:
                 timer.fn()
+        for fn in deferred:
+            fn()
+        if deferred and self._watches:
+            self._settle_watches()
 
     def _settle_watches(self) -> bool:
         """Call back every watched batch that has settled; True if any had."""

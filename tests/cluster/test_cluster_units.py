@@ -211,9 +211,11 @@ class _Engine:
 
     def __init__(self) -> None:
         self.sent: list[_Sent] = []
+        self.arriving: list[bytes] = []     # delivered by the next progress
+        self.handler = None
 
     def set_message_handler(self, fn) -> None:
-        pass
+        self.handler = fn
 
     def connect(self, address: bytes, name: str = "") -> object:
         return object()
@@ -226,7 +228,10 @@ class _Engine:
         return self.sent[-1]
 
     def progress(self, timeout_s: float = 0, stay_awake: bool = False) -> int:
-        return 0
+        arriving, self.arriving = self.arriving, []
+        for payload in arriving:
+            self.handler(b"rank1", payload)
+        return len(arriving)
 
 
 def _runtime(engine: _Engine) -> RankRuntime:
@@ -254,3 +259,27 @@ def test_a_send_that_fails_after_posting_is_reported():
     assert rt.counters.send_failures == 1
     rt.pump(0)
     assert len(reported) == 1, "reported once"
+
+
+def test_deferred_work_runs_after_the_messages_that_arrived_meanwhile():
+    """What a handler defers (a writer's checksums and writes after its prefill) runs only
+    after the next progress has delivered what arrived during the handler (an ABORT)."""
+    engine = _Engine()
+    rt = _runtime(engine)
+    order: list[str] = []
+
+    def on_message(msg) -> None:
+        order.append(msg.kind)
+        if msg.kind == "PREFILL":      # a long step; an ABORT arrives during it
+            rt.defer(lambda: order.append("sequel"))
+            engine.arriving.append(m.encode(m.ABORT.make(
+                src=1, inc=7, seq=2, rid="r", owner=2, writers=[1], source="client",
+                reason="gone")))
+
+    rt.set_handler(on_message)
+    engine.arriving.append(m.encode(m.PREFILL.make(src=1, inc=7, seq=1, rid="r",
+                                                   tokens=b"\0" * 64, owner=2, owner_inc=7)))
+    rt.pump(0)
+    assert order == ["PREFILL"]
+    rt.pump(0)
+    assert order == ["PREFILL", "ABORT", "sequel"]

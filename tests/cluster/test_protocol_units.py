@@ -57,6 +57,9 @@ class RecordingRuntime:
     def watch(self, batch, callback) -> None:
         callback(batch)
 
+    def defer(self, fn) -> None:
+        fn()
+
     def call_later(self, delay, fn):
         raise AssertionError("no timers expected here")
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -20,6 +21,7 @@ from kvferry.cluster.workload import expected_replay, make_prompt
 from kvferry.engine.monolithic import MonolithicEngine
 from kvferry.engine.pool import KVPool
 
+from kvferry.cluster.launch import STATS_INTERVAL_S
 from kvferry.cluster.localcluster import start
 
 pytestmark = pytest.mark.slow
@@ -60,6 +62,17 @@ def metric(text: str, name: str, **labels) -> float:
         if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def reported_metric(cluster, name: str, at_least: float, **labels) -> float:
+    """The metric once the ranks' reports show at least ``at_least``, or its value after
+    a few report periods: counters kept by the ranks reach /metrics with their next report."""
+    deadline = time.monotonic() + 6 * STATS_INTERVAL_S
+    while True:
+        value = metric(cluster.metrics_text(), name, **labels)
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(STATS_INTERVAL_S / 5)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +132,7 @@ def test_corrupted_page_fails_only_its_request(p1_cluster):
     assert "integrity" in failed.body["message"] and "checksum" in failed.body["message"]
     assert re.search(r"req-[0-9a-f]+-\d+", failed.body["message"])
     assert "text" not in failed.body
-    metrics = p1_cluster.metrics_text()
-    assert metric(metrics, "kvferry_integrity_failures") >= 1
+    assert reported_metric(p1_cluster, "kvferry_integrity_failures", 1) >= 1
     assert p1_cluster.quiesce() == 0
 
 

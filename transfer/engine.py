@@ -518,11 +518,7 @@ class TransferEngine:
     def _write_notice(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any,
                       notice: bytes) -> Batch:
         arr = self._checked_pages(peer, seg, rseg, pages)
-        if len(notice) > self.config.max_message_bytes:
-            raise WireError(f"notice of {len(notice)} bytes exceeds max_message_bytes "
-                            f"{self.config.max_message_bytes}")
-        if type(notice) is not bytes:
-            notice = bytes(notice)
+        notice = self._checked_payload(notice)
         n = arr.shape[0]
         skip = self._skip(n, write=True)
         handle = ffi.new("kvf_batch *")
@@ -562,11 +558,7 @@ class TransferEngine:
 
     def _message(self, peer: Peer, payload: bytes, flushed: bool) -> Batch:
         self._require_peer(peer)
-        if len(payload) > self.config.max_message_bytes:
-            raise WireError(f"payload of {len(payload)} bytes exceeds max_message_bytes "
-                            f"{self.config.max_message_bytes}")
-        if type(payload) is not bytes:
-            payload = bytes(payload)
+        payload = self._checked_payload(payload)
         handle = ffi.new("kvf_batch *")
         flush = flushed and self._needs_flush(peer)
         lib.kvf_send_envelope(peer.ep, int(flushed) | (int(flush) << 1), self.address,
@@ -581,6 +573,13 @@ class TransferEngine:
         counters.messages_sent += 1
         return self._track(peer, "notify" if flushed else "send", len(payload), 0, handle,
                            None)
+
+    def _checked_payload(self, payload: bytes) -> bytes:
+        """``payload`` as bytes, refused (WireError, nothing sent) over the size limit."""
+        if len(payload) > self.config.max_message_bytes:
+            raise WireError(f"payload of {len(payload)} bytes exceeds max_message_bytes "
+                            f"{self.config.max_message_bytes}")
+        return payload if type(payload) is bytes else bytes(payload)
 
     @staticmethod
     def _needs_flush(peer: Peer) -> bool:

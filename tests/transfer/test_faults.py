@@ -159,6 +159,11 @@ def test_payload_limit_enforced_on_send():
         peer = a.connect(b.address)
         with pytest.raises(WireError, match="exceeds"):
             a.send(peer, b"x" * 1025)
+        seg, dst = a.allocate(1 << 16), b.allocate(1 << 16)
+        rseg = a.open_segment(peer, dst.descriptor())
+        with pytest.raises(WireError, match="exceeds"):   # nothing written either
+            a.write(peer, seg, rseg, [[0, 0, 4096]], notice=b"x" * 1025)
+        assert a.counters.pages_posted == 0 and a.counters.notifies == 0
 
 
 def test_closed_peer_refuses_work():

@@ -292,11 +292,12 @@ unsigned kvf_worker_progress(kvf_worker *w)
  * timeout_ms (a caller expecting a reply soon: a sleeping vCPU can take milliseconds to
  * wake). Past spin_us the loop yields the CPU on every turn so that a busy-polling rank
  * never starves a runnable neighbour. The GIL is released by cffi around this call. */
-/* A short nap between polls once the spin window is over. sched_yield() is not enough:
- * under EEVDF a task that just ran a long step (a prefill) is "ineligible" and a yielding
- * spinner on its CPU is picked again, so the task a message waits for can sit out a whole
- * slice (measured: aborts acked 2-3 ms late). Sleeping takes the poller off the run queue.
- * The thread's timer slack is set to 1 us on first use, or a 5 us sleep lasts 50-100 us. */
+/* A short nap between polls once the spin window is over, where a sched_yield() loop
+ * kept its CPU busy: a target yield-spinning while its peer copied pages cut the copy to
+ * 10 GB/s against 15.9 with naps (two vCPUs that seem to share a host core), and a yielding
+ * spinner does not reliably hand its CPU to a rank that just ran a long step. A message
+ * that arrives during a nap waits for it (about 25 us here). The thread's timer slack is
+ * set to 1 us on first use, or a 5 us sleep lasts 50-100 us. */
 #define KVF_NAP_NS 5000
 static __thread int kvf_slack_set;
 
@@ -541,6 +542,14 @@ static void kvf_copy_out(char *dst, const char *src, size_t n, int streaming)
     else memcpy(dst, src, n);
 }
 
+/* Streaming stores for batches of at least streaming_min_bytes (-1: never). Small batches
+ * are copied through the caches, which often still hold their lines; large ones stream
+ * past them (no read-for-ownership, no eviction of everything else). */
+static int kvf_streams(int64_t streaming_min_bytes, int64_t total)
+{
+    return streaming_min_bytes >= 0 && total >= streaming_min_bytes;
+}
+
 static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *local_base,
                                    void *rkey, uint64_t remote_base, char *direct_base,
                                    const int64_t *triples, int64_t n, int64_t skip,
@@ -590,16 +599,13 @@ int64_t kvf_rma_pages(void *ep, int write, int64_t streaming_min_bytes,
                       const void *triples, int64_t n, int64_t skip, kvf_batch *batch)
 {
     int64_t total = 0, bad;
-    int streaming;
     ucs_status_t st;
     bad = kvf_check_pages((const int64_t *)triples, n, local_len, remote_len, &total);
     if (bad >= 0) return bad;
     batch->bytes = total;
-    /* Small batches go through the caches (the reader finds them there); large ones
-     * stream past them (no read-for-ownership, no eviction of the reader's data). */
-    streaming = streaming_min_bytes >= 0 && total >= streaming_min_bytes;
-    st = kvf_post_pages(ep, write, streaming, (char *)local_base, rkey, remote_base,
-                        (char *)direct_base, (const int64_t *)triples, n, skip, batch);
+    st = kvf_post_pages(ep, write, kvf_streams(streaming_min_bytes, total),
+                        (char *)local_base, rkey, remote_base, (char *)direct_base,
+                        (const int64_t *)triples, n, skip, batch);
     if (st == UCS_OK && write && batch->posted != batch->direct) kvf_flush(ep, batch);
     return -1;
 }
@@ -746,7 +752,7 @@ int64_t kvf_write_notice(void *ep, int64_t streaming_min_bytes, uintptr_t local_
     bad = kvf_check_pages((const int64_t *)triples, n, local_len, remote_len, &total);
     if (bad >= 0) return bad;
     batch->bytes = total;
-    st = kvf_post_pages(ep, 1, streaming_min_bytes >= 0 && total >= streaming_min_bytes,
+    st = kvf_post_pages(ep, 1, kvf_streams(streaming_min_bytes, total),
                         (char *)local_base, rkey, remote_base, (char *)direct_base,
                         (const int64_t *)triples, n, skip, batch);
     if (st != UCS_OK) return -1;

@@ -135,9 +135,7 @@ class Bench:
     def base(self, copied_bytes: int | None = None, **rec) -> dict:
         """Keys shared by this bench's lines; ``copied_bytes`` (a batch's size) adds
         which copy the direct path used for it."""
-        cfg = self.eng.config
-        streams = cfg.streaming_stores and (copied_bytes or 0) >= cfg.streaming_min_bytes
-        copy = ({"copy": "streaming" if streams else "memcpy"}
+        copy = ({"copy": "streaming" if self.eng.copies_streaming(copied_bytes) else "memcpy"}
                 if self.path == "direct" and copied_bytes is not None else {})
         return {"engine": "kvferry", "transport": self.transport, "dest": self.dest,
                 "path": self.path, **copy, "ucx_transports": self.transports_used, **rec}

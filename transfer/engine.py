@@ -454,55 +454,40 @@ class TransferEngine:
         only after these pages and every earlier write on this peer are visible), and
         the batch completes once the notice is sent too. Nothing is noticed if posting
         the pages fails. One native call: the low-latency path for small writes."""
-        if notice is None:
-            return self._rma(peer, seg, rseg, pages, write=True)
-        return self._write_notice(peer, seg, rseg, pages, notice)
+        return self._rma(peer, seg, rseg, pages, write=True, notice=notice)
 
     def read(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any) -> Batch:
         """Get pages (local offset, remote offset, length) from ``rseg`` into ``seg``."""
         return self._rma(peer, seg, rseg, pages, write=False)
 
     def _rma(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any,
-             write: bool) -> Batch:
-        arr = self._checked_pages(peer, seg, rseg, pages)
-        n = arr.shape[0]
-        skip = self._skip(n, write)
-        handle = ffi.new("kvf_batch *")
-        bad = lib.kvf_rma_pages(peer.ep, write, self._streaming_min_bytes, seg.base,
-                                seg.length, rseg.rkey, rseg.base, rseg.length,
-                                rseg.direct or 0, ffi.from_buffer(arr), n, skip, handle)
-        if bad >= 0:
-            self._refuse_pages(arr, seg, rseg, bad)
-        nbytes = self._count_write(peer, handle, write)
-        return self._track(peer, "write" if write else "read", nbytes, n, handle,
-                           (arr, seg, rseg))
-
-    def _checked_pages(self, peer: Peer, seg: Segment, rseg: RemoteSegment,
-                       pages: Any) -> np.ndarray:
-        """The page list as an int64 [n, 3] array, once peer and segments are usable
-        (offsets are bounds-checked natively, before anything is posted)."""
+             write: bool, notice: bytes | None = None) -> Batch:
         self._require_peer(peer)
         if rseg.peer is not peer:
             raise TransferError(f"remote segment belongs to {rseg.peer.name}, not {peer.name}")
         if not seg.registered:
             raise TransferError("local segment is not registered")
-        return as_page_array(pages)
-
-    def _skip(self, n: int, write: bool) -> int:
-        """The page an injected fault leaves out of a write (-1: none)."""
+        arr = as_page_array(pages)
+        n = arr.shape[0]
+        skip = -1
         if write and self.config.fault_skip_page is not None and n > 1:
-            return self.config.fault_skip_page % n
-        return -1
-
-    def _refuse_pages(self, arr: np.ndarray, seg: Segment, rseg: RemoteSegment,
-                      bad: int) -> None:
-        self.counters.bounds_refused += 1
-        check_pages(arr, seg.length, rseg.length)  # raises with the numbers
-        raise AssertionError(f"native and numpy bounds checks disagree on page {bad}")
-
-    def _count_write(self, peer: Peer, handle: Any, write: bool) -> int:
-        """Count a posted batch's bytes and pages; a write with puts through UCX makes
-        later notices to ``peer`` flush first. Returns the batch's bytes."""
+            skip = self.config.fault_skip_page % n
+        handle = ffi.new("kvf_batch *")
+        pages_args = (self._streaming_min_bytes, seg.base, seg.length, rseg.rkey, rseg.base,
+                      rseg.length, rseg.direct or 0, ffi.from_buffer(arr), n, skip)
+        flush = False
+        if notice is None:
+            bad = lib.kvf_rma_pages(peer.ep, write, *pages_args, handle)
+        else:
+            notice = self._checked_payload(notice)
+            flush = self._needs_flush(peer)
+            bad = lib.kvf_write_notice(peer.ep, *pages_args, flush, self.address,
+                                       len(self.address), self.incarnation, next(self._seq),
+                                       notice, len(notice), handle)
+        if bad >= 0:
+            self.counters.bounds_refused += 1
+            check_pages(arr, seg.length, rseg.length)  # raises with the numbers
+            raise AssertionError(f"native and numpy bounds checks disagree on page {bad}")
         nbytes = int(handle.bytes)
         counters = self.counters
         if write:
@@ -511,34 +496,20 @@ class TransferEngine:
             counters.bytes_read += nbytes
         counters.pages_posted += int(handle.posted)
         counters.pages_direct += int(handle.direct)
-        if write and handle.posted != handle.direct:
+        puts = write and handle.posted != handle.direct
+        if puts or flush:   # later notices to peer flush until this batch is done
             self._hold_notices_for(peer, handle)
-        return nbytes
+        op = "write" if write else "read"
+        if notice is not None:
+            op = "write+notify"
+            counters.messages_sent += 1
+            counters.notifies += 1
+            counters.notifies_flushed += puts or flush
+        return self._track(peer, op, nbytes, n, handle, (arr, seg, rseg))
 
-    def _write_notice(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any,
-                      notice: bytes) -> Batch:
-        arr = self._checked_pages(peer, seg, rseg, pages)
-        notice = self._checked_payload(notice)
-        n = arr.shape[0]
-        skip = self._skip(n, write=True)
-        handle = ffi.new("kvf_batch *")
-        flush = self._needs_flush(peer)
-        bad = lib.kvf_write_notice(peer.ep, self._streaming_min_bytes, seg.base, seg.length,
-                                   rseg.rkey, rseg.base, rseg.length, rseg.direct or 0,
-                                   ffi.from_buffer(arr), n, skip, flush, self.address,
-                                   len(self.address), self.incarnation, next(self._seq),
-                                   notice, len(notice), handle)
-        if bad >= 0:
-            self._refuse_pages(arr, seg, rseg, bad)
-        nbytes = self._count_write(peer, handle, True)
-        counters = self.counters
-        counters.messages_sent += 1
-        counters.notifies += 1
-        if flush or handle.posted != handle.direct:
-            counters.notifies_flushed += 1
-            if handle.posted == handle.direct:   # else held already, as a write's
-                self._hold_notices_for(peer, handle)
-        return self._track(peer, "write+notify", nbytes, n, handle, (arr, seg, rseg))
+    def copies_streaming(self, nbytes: int) -> bool:
+        """Whether a direct write of ``nbytes`` in one batch uses streaming stores."""
+        return 0 <= self._streaming_min_bytes <= nbytes
 
     def quiesce(self, peer: Peer) -> Batch:
         """Completes when every earlier write to ``peer`` is visible at the target."""

@@ -241,9 +241,13 @@ def _runtime(engine: _Engine) -> RankRuntime:
     return RankRuntime(0, engine, cards)
 
 
-def test_a_send_that_fails_after_posting_is_reported():
-    """A control message posted fine and failed later (a tcp connection reset under a long
-    partition) reaches on_send_failure; one that completes does not."""
+@pytest.mark.parametrize("watched", [True, False], ids=["watched", "broken-unwatched"])
+def test_a_send_that_fails_after_posting_is_reported(watched, monkeypatch):
+    """I6: a control message posted fine and failed later (a tcp connection reset under a
+    long partition) reaches on_send_failure; one that completes does not. Broken mode: the
+    outcome of a posted send is never looked at, and the failure goes unseen."""
+    if not watched:
+        monkeypatch.setattr(RankRuntime, "_check_sent", lambda self, rank, kind, batch: None)
     engine = _Engine()
     rt = _runtime(engine)
     reported: list[tuple[int, str]] = []
@@ -255,6 +259,9 @@ def test_a_send_that_fails_after_posting_is_reported():
     engine.sent[0].status = BatchStatus.COMPLETED
     engine.sent[1].fail("connection reset by peer")
     rt.pump(0)
+    if not watched:
+        assert reported == [] and rt.counters.send_failures == 0   # the test sees the miss
+        return
     assert len(reported) == 1 and reported[0][0] == 1 and "connection reset" in reported[0][1]
     assert rt.counters.send_failures == 1
     rt.pump(0)

@@ -37,6 +37,8 @@ class RecordingRuntime:
         self.writes: list[tuple[int, np.ndarray]] = []
         self.handler = None
         self.on_send_failure = None
+        self.deferred: list = []
+        self.defer_at_once = False   # broken mode: deferred work runs inside the handler
 
     def set_handler(self, fn) -> None:
         self.handler = fn
@@ -58,7 +60,16 @@ class RecordingRuntime:
         callback(batch)
 
     def defer(self, fn) -> None:
-        fn()
+        if self.defer_at_once:
+            fn()
+        else:
+            self.deferred.append(fn)
+
+    def pump(self) -> None:
+        """What RankRuntime.pump does once the messages delivered so far are handled."""
+        deferred, self.deferred = self.deferred, []
+        for fn in deferred:
+            fn()
 
     def call_later(self, delay, fn):
         raise AssertionError("no timers expected here")
@@ -96,11 +107,32 @@ def test_an_abort_that_overtakes_its_request_keeps_it_from_transfer(tombstones_k
     rt.deliver(m.PLAN, src=2, rid="r1", pages=[5, 6], generations=[1, 1])
     rt.deliver(m.PREFILL, src=0, rid="r1", tokens=np.arange(20, dtype="<i4").tobytes(),
                owner=2, owner_inc=1)
+    rt.pump()
     if tombstones_kept:
         assert rt.writes == [] and "NOTICE" not in rt.kinds()
         assert writer.allocator.counts()["owned"] == 0
     else:
         assert rt.writes and "NOTICE" in rt.kinds()   # the test catches the broken writer
+
+
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "broken-at-once"])
+def test_an_abort_that_arrives_during_the_prefill_keeps_it_from_transfer(deferred):
+    """I2: the PLAN came early, the ABORT arrives while the writer computes the prefill.
+    The writer's checksums and writes wait for the next pump, after that ABORT: nothing is
+    posted, the ack goes at once, the source pages are freed. Broken mode (the sequel run
+    inside the PREFILL handler) posts the aborted request's writes, and the test sees it."""
+    writer, rt = _writer()
+    rt.defer_at_once = not deferred
+    rt.deliver(m.PLAN, src=2, rid="r3", pages=[5, 6], generations=[1, 1])
+    rt.deliver(m.PREFILL, src=0, rid="r3", tokens=np.arange(20, dtype="<i4").tobytes(),
+               owner=2, owner_inc=1)
+    rt.deliver(m.ABORT, src=0, rid="r3", owner=2, writers=[1], source="client", reason="gone")
+    rt.pump()
+    if deferred:
+        assert rt.writes == [] and rt.kinds() == ["ABORT_ACK", "RELEASED"]
+        assert writer.allocator.counts()["owned"] == 0
+    else:
+        assert rt.writes and "NOTICE" in rt.kinds()   # the test catches the broken order
 
 
 def test_a_writer_acks_again_when_the_owner_asks_again():

@@ -22,6 +22,17 @@ def _round(link, src, k: int, npages: int, page: int, seed: int = 11) -> dict:
                          "pages": pages.tolist()}, notify=True)
 
 
+def _noticed_round(lk, src, k: int, npages: int, page: int, seed: int = 13) -> dict:
+    """One write whose notice (posted by the same call) asks the target to check it."""
+    src.as_numpy()[:] = pattern(seed, k, src.length)
+    pages = scattered_pages(npages, page, src.length, lk.rseg.length, seed=3000 + k)
+    n = len(lk.replies)
+    notice = msgpack.packb({"op": "check", "round": k, "seed": seed, "src_len": src.length,
+                            "pages": pages.tolist()})
+    lk.eng.write(lk.peer, src, lk.rseg, pages, notice=notice).wait(10.0)
+    return lk.wait_reply(n)
+
+
 def test_scattered_write_byte_exact(link):
     src = link.eng.register(np.zeros(8 << 20, dtype=np.uint8))
     reply = _round(link, src, 0, npages=256, page=16 << 10)
@@ -62,13 +73,16 @@ def test_registered_destination_one_sided(transports):
         close_link(lk)
 
 
+@pytest.mark.parametrize("noticed", [False, True], ids=["write,notify", "write(notice=)"])
 @pytest.mark.parametrize("transports", ["shm", "tcp"])
-def test_injected_skipped_page_is_caught(transports):
-    """Broken mode: the engine silently skips one page; the byte check must notice."""
+def test_injected_skipped_page_is_caught(transports, noticed):
+    """Broken mode: the engine silently skips one page (the notice still goes); the
+    target's byte check must name the page."""
     lk = make_link(transports, fault_skip_page=3)
     try:
         src = lk.eng.register(np.zeros(4 << 20, dtype=np.uint8))
-        reply = _round(lk, src, 0, npages=32, page=16 << 10)
+        round_ = _noticed_round if noticed else _round
+        reply = round_(lk, src, 0, npages=32, page=16 << 10)
         assert not reply["ok"] and reply["bad_pages"] == [3]
     finally:
         close_link(lk)
@@ -113,17 +127,6 @@ def test_a_notice_skipping_its_flush_behind_puts_is_caught(monkeypatch):
     assert c.notifies == 6 and c.notifies_flushed != c.notifies
 
 
-def _noticed_round(lk, src, k: int, npages: int, page: int, seed: int = 13) -> dict:
-    """One write whose notice (posted by the same call) asks the target to check it."""
-    src.as_numpy()[:] = pattern(seed, k, src.length)
-    pages = scattered_pages(npages, page, src.length, lk.rseg.length, seed=3000 + k)
-    n = len(lk.replies)
-    notice = msgpack.packb({"op": "check", "round": k, "seed": seed, "src_len": src.length,
-                            "pages": pages.tolist()})
-    lk.eng.write(lk.peer, src, lk.rseg, pages, notice=notice).wait(10.0)
-    return lk.wait_reply(n)
-
-
 def test_write_with_notice_checked_on_arrival(link):
     """Rounds of small (cached copy) and large (streaming copy) writes whose notice rides
     in the same call; the target checks every page when the notice arrives."""
@@ -139,19 +142,6 @@ def test_write_with_notice_checked_on_arrival(link):
         assert c.notifies_flushed == 0      # direct copies are visible when posted
     else:
         assert c.notifies_flushed == 12     # puts through UCX: every notice flushes
-
-
-@pytest.mark.parametrize("transports", ["shm", "tcp"])
-def test_write_with_notice_skipping_a_page_is_caught(transports):
-    """Broken mode: the engine skips one page of the write; the notice still goes, and
-    the target's check names the page."""
-    lk = make_link(transports, fault_skip_page=2)
-    try:
-        src = lk.eng.register(np.zeros(4 << 20, dtype=np.uint8))
-        reply = _noticed_round(lk, src, 0, npages=16, page=16 << 10)
-        assert not reply["ok"] and reply["bad_pages"] == [2]
-    finally:
-        close_link(lk)
 
 
 @pytest.mark.parametrize("streaming_min_bytes", [0, 1 << 20, 1 << 62],

@@ -12,7 +12,6 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <poll.h>
-#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -285,13 +284,6 @@ unsigned kvf_worker_progress(kvf_worker *w)
     return n;
 }
 
-/* Progress; if nothing happened, poll until the later of now + spin_us and the end of the
- * busy window (busy_poll_us after the last activity), then arm the event fd and sleep in
- * poll() for the rest of timeout_ms. Under traffic the window keeps the thread awake, so
- * a message costs no wake-up; an idle worker sleeps. stay_awake: poll for all of
- * timeout_ms (a caller expecting a reply soon: a sleeping vCPU can take milliseconds to
- * wake). Past spin_us the loop yields the CPU on every turn so that a busy-polling rank
- * never starves a runnable neighbour. The GIL is released by cffi around this call. */
 /* A short nap between polls once the spin window is over, where a sched_yield() loop
  * kept its CPU busy: a target yield-spinning while its peer copied pages cut the copy to
  * 10 GB/s against 15.9 with naps (two vCPUs that seem to share a host core), and a yielding
@@ -311,17 +303,24 @@ static void kvf_nap(void)
     nanosleep(&nap, NULL);
 }
 
+/* Progress; if nothing happened, poll until the later of now + spin_us and the end of the
+ * busy window (busy_poll_us after the last activity), then arm the event fd and sleep in
+ * poll() for the rest of timeout_ms. Under traffic the window keeps the thread awake, so
+ * a message costs no wake-up; an idle worker sleeps. stay_awake: poll for all of
+ * timeout_ms (a caller expecting a reply soon: a sleeping vCPU can take milliseconds to
+ * wake). Past spin_us the loop naps between polls (kvf_nap). The GIL is released by cffi
+ * around this call. */
 int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us, int stay_awake)
 {
     unsigned n = kvf_worker_progress(w);
-    int64_t now, deadline, spin_until, yield_after, remaining_ms;
+    int64_t now, deadline, spin_until, nap_after, remaining_ms;
     struct pollfd pfd;
     ucs_status_t st;
     if (n || w->head || timeout_ms == 0) return (int)n;
     now = kvf_now_us();
     deadline = now + (int64_t)timeout_ms * 1000;
-    yield_after = now + (spin_us > 0 ? spin_us : 0);
-    spin_until = yield_after;
+    nap_after = now + (spin_us > 0 ? spin_us : 0);
+    spin_until = nap_after;
     if (w->last_activity_us + w->busy_poll_us > spin_until) {
         spin_until = w->last_activity_us + w->busy_poll_us;
     }
@@ -333,7 +332,7 @@ int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us, int stay_awake)
             return (int)n;
         }
         now = kvf_now_us();
-        if (now >= yield_after) kvf_nap();
+        if (now >= nap_after) kvf_nap();
     }
     if (now >= deadline) return 0;
     st = ucp_worker_arm(w->worker);
@@ -588,6 +587,24 @@ static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *loc
     return UCS_OK;
 }
 
+/* Bounds-check every page against both segments, then post them all (*st: the posting's
+ * status). Returns -1, or the index of the first page out of bounds (nothing posted). */
+static int64_t kvf_check_and_post(void *ep, int write, int64_t streaming_min_bytes,
+                                  uintptr_t local_base, int64_t local_len, void *rkey,
+                                  uint64_t remote_base, int64_t remote_len,
+                                  uintptr_t direct_base, const void *triples, int64_t n,
+                                  int64_t skip, kvf_batch *batch, ucs_status_t *st)
+{
+    int64_t total = 0;
+    int64_t bad = kvf_check_pages((const int64_t *)triples, n, local_len, remote_len, &total);
+    if (bad >= 0) return bad;
+    batch->bytes = total;
+    *st = kvf_post_pages(ep, write, kvf_streams(streaming_min_bytes, total),
+                         (char *)local_base, rkey, remote_base, (char *)direct_base,
+                         (const int64_t *)triples, n, skip, batch);
+    return -1;
+}
+
 /* One call per batch: bounds-check every page against both segments, then post them all.
  * A write completes only once visible at the target: pages put through UCX are followed by
  * an endpoint flush; direct pages are visible once the copy's fences have run.
@@ -598,14 +615,11 @@ int64_t kvf_rma_pages(void *ep, int write, int64_t streaming_min_bytes,
                       uint64_t remote_base, int64_t remote_len, uintptr_t direct_base,
                       const void *triples, int64_t n, int64_t skip, kvf_batch *batch)
 {
-    int64_t total = 0, bad;
-    ucs_status_t st;
-    bad = kvf_check_pages((const int64_t *)triples, n, local_len, remote_len, &total);
+    ucs_status_t st = UCS_OK;
+    int64_t bad = kvf_check_and_post(ep, write, streaming_min_bytes, local_base, local_len,
+                                     rkey, remote_base, remote_len, direct_base, triples, n,
+                                     skip, batch, &st);
     if (bad >= 0) return bad;
-    batch->bytes = total;
-    st = kvf_post_pages(ep, write, kvf_streams(streaming_min_bytes, total),
-                        (char *)local_base, rkey, remote_base, (char *)direct_base,
-                        (const int64_t *)triples, n, skip, batch);
     if (st == UCS_OK && write && batch->posted != batch->direct) kvf_flush(ep, batch);
     return -1;
 }
@@ -747,14 +761,11 @@ int64_t kvf_write_notice(void *ep, int64_t streaming_min_bytes, uintptr_t local_
                          size_t sender_length, uint64_t incarnation, uint64_t seq,
                          const char *payload, size_t payload_length, kvf_batch *batch)
 {
-    int64_t total = 0, bad;
-    ucs_status_t st;
-    bad = kvf_check_pages((const int64_t *)triples, n, local_len, remote_len, &total);
+    ucs_status_t st = UCS_OK;
+    int64_t bad = kvf_check_and_post(ep, 1, streaming_min_bytes, local_base, local_len,
+                                     rkey, remote_base, remote_len, direct_base, triples, n,
+                                     skip, batch, &st);
     if (bad >= 0) return bad;
-    batch->bytes = total;
-    st = kvf_post_pages(ep, 1, kvf_streams(streaming_min_bytes, total),
-                        (char *)local_base, rkey, remote_base, (char *)direct_base,
-                        (const int64_t *)triples, n, skip, batch);
     if (st != UCS_OK) return -1;
     if (batch->posted != batch->direct) flush = 1;
     kvf_send_envelope(ep, 1 | (flush ? 2 : 0), sender, sender_length, incarnation, seq,

@@ -167,6 +167,7 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
     freeze_long_lived_objects()   # as a serving rank does (launch.py)
     while (cmd := inbox.get()) != "stop":
         case, pages = cmd
+        cpu0 = time.process_time()
         if case == "raw":
             engine.set_message_handler(on_raw)
             outbox.put("ready")
@@ -180,6 +181,7 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
             stop.clear()
             outbox.put("ready")
             run_worker(rt, worker, decode=(role == "owner"), stopped=lambda: bool(stop))
+        outbox.put(time.process_time() - cpu0)
     engine.shutdown()
 
 
@@ -238,7 +240,8 @@ def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: i
     return time.perf_counter() - t0, latencies
 
 
-def _report(results: dict[str, list[tuple[float, list[float]]]], pages: int, args) -> None:
+def _report(results: dict[str, list[tuple[float, list[float]]]],
+            cpu: dict[str, dict[str, list[float]]], pages: int, args) -> None:
     request_bytes = pages * LAYERS * 2 * KV_HEADS * PAGE_SIZE * HEAD_DIM * 2
     rates: dict[str, list[float]] = {}
     for case, runs in results.items():
@@ -249,7 +252,10 @@ def _report(results: dict[str, list[tuple[float, list[float]]]], pages: int, arg
                           "gbps": round(statistics.median(rates[case]), 3),
                           "gbps_per_cycle": [round(x, 3) for x in rates[case]],
                           "p50_ms": round(1e3 * statistics.median(
-                              [x for _, lat in runs for x in lat]), 3)}), flush=True)
+                              [x for _, lat in runs for x in lat]), 3),
+                          "cpu_ms_per_request": {role: round(1e3 * statistics.median(v), 3)
+                                                 for role, v in cpu[case].items()}}),
+              flush=True)
     ratios = [pr / rr for pr, rr in zip(rates["protocol"], rates["raw"])]
     print(json.dumps({"bench": "protocol_cost", "case": "ratio", "pages_per_request": pages,
                       "bytes_per_request": request_bytes,
@@ -271,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     pool_pages = (max(sizes) + 1) * args.inflight   # + the page decode writes into
     from kvferry.transfer import TransferConfig, TransferEngine
     from . import messages as m
+    from .launch import freeze_long_lived_objects
     from .rendezvous import RankCard
     from .runtime import RankRuntime
 
@@ -284,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     for proc in procs:
         proc.start()
     _pin(1)
-    engine = TransferEngine(TransferConfig(transports="shm", name="bench-driver", max_message_bytes=4 << 20))
+    # The driver sleeps on its event fd between messages, as the router does (it never
+    # polls): on two cores, polling here would take CPU from the owner beside it.
+    engine = TransferEngine(TransferConfig(transports="shm", name="bench-driver",
+                                           max_message_bytes=4 << 20, spin_us=0,
+                                           busy_poll_us=0))
     cards = {0: RankCard(rank=0, role="router", address=engine.address, incarnation=engine.incarnation,
                          segment=None, num_pages=0, page_size=PAGE_SIZE, capacity_tokens=0,
                          context_length=0, host=socket.gethostname(), pid=os.getpid())}
@@ -294,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in (WRITER, OWNER):
         queues[r][0].put(packed)
     rt = RankRuntime(0, engine, cards)
+    freeze_long_lived_objects()   # as the router does (launch.py)
 
     def phase(cmd: tuple[str, int]) -> None:
         for r in (WRITER, OWNER):
@@ -305,16 +317,28 @@ def main(argv: list[str] | None = None) -> int:
     for pages in sizes:
         tokens = np.zeros(pages * PAGE_SIZE, dtype="<i4").tobytes()
         results: dict[str, list[tuple[float, list[float]]]] = {"raw": [], "protocol": []}
+        cpu: dict[str, dict[str, list[float]]] = {case: {"writer": [], "owner": [], "driver": []}
+                                                  for case in results}
+
+        def phase_cpu(case: str, driver_s: float) -> None:
+            for r, role in ((WRITER, "writer"), (OWNER, "owner")):
+                cpu[case][role].append(queues[r][1].get(timeout=120) / total)
+            cpu[case]["driver"].append(driver_s / total)
+
         for cycle in range(args.cycles):
             phase(("raw", pages))
             results["raw"].append(queues[WRITER][1].get(timeout=600))
+            phase_cpu("raw", 0.0)
             phase(("protocol", pages))
+            c0 = time.process_time()
             results["protocol"].append(_drive_protocol(rt, m, cards, tokens, total, warm,
                                                        pages, args.inflight,
                                                        f"{pages}p-{cycle}"))
+            driver_s = time.process_time() - c0
             for r in (WRITER, OWNER):
                 rt.send(r, m.SHUTDOWN)     # ends the phase's serving loop
-        _report(results, pages, args)
+            phase_cpu("protocol", driver_s)
+        _report(results, cpu, pages, args)
     for r in (WRITER, OWNER):
         queues[r][0].put("stop")
     for _ in range(50):

@@ -40,10 +40,13 @@ from .rendezvous import RankCard, RendezvousError, gather, publish, publish_fail
 from .router import Router
 from .runtime import RankRuntime
 from .topology import Role, Topology, head_range
+from .wakeup import EngineWaker
 
 log = logging.getLogger("kvferry.cluster")
 
 STATS_INTERVAL_S = 0.5
+HEARTBEAT_CHECK_S = 0.5
+ROUTER_MAX_SLEEP_S = 0.05   # a stop asked for by a signal is seen within this
 RENDEZVOUS_TIMEOUT_S = 120.0
 
 
@@ -250,6 +253,7 @@ async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int
     runner = web.AppRunner(door.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
+    waker = None
     try:
         try:
             await site.start()
@@ -260,15 +264,21 @@ async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int
         log.info("kvferry: serving on http://%s:%d (prefill groups %s, decode ranks %s, "
                  "context length %d)", cfg.host, cfg.port, topology.prefill_groups,
                  topology.decode_ranks, router.context_length)
+        waker = EngineWaker(runtime.engine, asyncio.get_running_loop())
+        runtime.on_new_work = waker.wake
         next_check = 0.0
         while not stop.stop:
             runtime.pump(0)
-            if time.monotonic() >= next_check:
+            now = time.monotonic()
+            if now >= next_check:
                 router.check_heartbeats()
-                next_check = time.monotonic() + 0.5
-            await asyncio.sleep(0.0005 if router.requests else 0.005)
+                next_check = now + HEARTBEAT_CHECK_S
+            await waker.sleep(runtime.sleep_bound(min(next_check - now, ROUTER_MAX_SLEEP_S)))
     finally:
         log.info("router stopping: %s", stop.reason)
+        if waker is not None:
+            runtime.on_new_work = lambda: None
+            waker.close()
         for rank in range(1, topology.world_size):
             runtime.send(rank, m.SHUTDOWN)
         deadline = time.monotonic() + 1.0

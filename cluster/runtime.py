@@ -31,6 +31,7 @@ log = logging.getLogger("kvferry.cluster")
 
 DEDUP_WINDOW = 4096
 DRAIN_S = 0.2   # progress after a writer's death before its quarantined pages are released
+WATCH_POLL_S = 0.0005   # the longest sleep while a watched batch is pending
 
 
 @dataclass
@@ -87,6 +88,9 @@ class RankRuntime:
         self._deferred: list[Callable[[], None]] = []
         self._handler: Callable[[Message], None] = lambda msg: None
         self.on_send_failure: Callable[[int, Exception], None] = lambda rank, exc: None
+        # Called when a watch, a timer or a deferred call is added: a loop that sleeps
+        # outside pump (the router's asyncio loop) wakes and asks sleep_bound again.
+        self.on_new_work: Callable[[], None] = lambda: None
         engine.set_message_handler(self._on_payload)
 
     # ------------------------------------------------------------------ peers
@@ -281,10 +285,12 @@ class RankRuntime:
         """Call ``callback(batch)`` once the batch settles: from :meth:`pump`, or right
         after the message handler that posted it returns."""
         self._watches.append((batch, callback))
+        self.on_new_work()
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> _Timer:
         timer = _Timer(time.monotonic() + delay_s, next(self._timer_order), fn)
         heapq.heappush(self._timers, timer)
+        self.on_new_work()
         return timer
 
     def defer(self, fn: Callable[[], None]) -> None:
@@ -292,19 +298,16 @@ class RankRuntime:
         the messages it delivers: an ABORT that arrived during a long step (a prefill) is
         handled before the step's sequel (the checksums and the writes) runs."""
         self._deferred.append(fn)
+        self.on_new_work()
 
     def pump(self, timeout_s: float = 0.0, stay_awake: bool = False) -> None:
         """Drive the engine (sleeping on its event fd up to ``timeout_s`` when idle, or
         polling that long with ``stay_awake``), deliver messages, settle watched batches,
         fire due timers, then call what was deferred before this pump."""
         deferred, self._deferred = self._deferred, []
-        if deferred:
-            timeout_s = 0.0
-        if self._watches:
-            # settled already (a direct write completes as it is posted): go on at once
-            timeout_s = 0.0 if self._settle_watches() else min(timeout_s, 0.0005)
-        if self._timers:
-            timeout_s = min(timeout_s, self.next_timer_in())
+        # settled already (a direct write completes as it is posted): go on at once
+        settled = self._settle_watches() if self._watches else False
+        timeout_s = 0.0 if deferred or settled else self.sleep_bound(timeout_s)
         try:
             self.engine.progress(timeout_s, stay_awake)
         except TransferError as exc:
@@ -332,6 +335,19 @@ class RankRuntime:
         settled = len(pending) < len(current)
         self._watches = pending + self._watches  # callbacks may have added watches
         return settled
+
+    def sleep_bound(self, timeout_s: float) -> float:
+        """How long a loop may sleep on the engine's event fd before its next
+        :meth:`pump`: ``timeout_s`` at most, nothing with deferred calls waiting,
+        ``WATCH_POLL_S`` while a watched batch is pending (its completion may raise no
+        event), and no later than the next timer."""
+        if self._deferred:
+            return 0.0
+        if self._watches:
+            timeout_s = min(timeout_s, WATCH_POLL_S)
+        if self._timers:
+            timeout_s = min(timeout_s, self.next_timer_in())
+        return timeout_s
 
     def next_timer_in(self) -> float | None:
         return max(0.0, self._timers[0].when - time.monotonic()) if self._timers else None

@@ -788,6 +788,8 @@ void kvf_msg_free(kvf_msg *m) { free(m); }
 
 int64_t kvf_am_dropped(kvf_worker *w) { return w->dropped; }
 
+int kvf_am_pending(kvf_worker *w) { return w->head != NULL; }
+
 int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t n,
                      int streaming)
 {

@@ -277,7 +277,6 @@ async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int
     finally:
         log.info("router stopping: %s", stop.reason)
         if waker is not None:
-            runtime.on_new_work = lambda: None
             waker.close()
         for rank in range(1, topology.world_size):
             runtime.send(rank, m.SHUTDOWN)

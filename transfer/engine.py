@@ -71,7 +71,6 @@ TRANSPORT_PRESETS = {"shm": "sm,self", "tcp": "tcp,self"}
 TCP_FAILURE_OPTIONS = {"TCP_KEEPIDLE": "1s", "TCP_KEEPINTVL": "1s", "TCP_KEEPCNT": "3",
                        "TCP_USER_TIMEOUT": "4s"}
 MessageHandler = Callable[[bytes, bytes], None]
-UCS_ERR_BUSY = -15    # ucp_worker_arm: events are pending
 
 
 @dataclass
@@ -271,11 +270,10 @@ class TransferEngine:
         becomes readable at the next event. False: work is pending (UCX events, or
         messages not yet delivered): call :meth:`progress` and arm again."""
         self._require_open()
-        status = int(lib.kvf_worker_arm(self._worker))
-        if status == UCS_ERR_BUSY:
-            return False
-        _check(status, "arm the worker's event fd")
-        return lib.kvf_am_pending(self._worker) == 0
+        armed = int(lib.kvf_worker_arm(self._worker))
+        if armed < 0:
+            _check(armed, "arm the worker's event fd")
+        return armed == 1
 
     # --------------------------------------------------------------------- memory
     def register(self, buf: Any) -> Segment:

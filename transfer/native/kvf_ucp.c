@@ -267,7 +267,16 @@ void kvf_worker_address_release(kvf_worker *w, void *addr)
 
 int kvf_worker_efd(kvf_worker *w, int *fd) { *fd = w->efd; return UCS_OK; }
 
-int kvf_worker_arm(kvf_worker *w) { return ucp_worker_arm(w->worker); }
+/* Arm the event fd before sleeping on it outside kvf_worker_wait: 1 when armed (the fd
+ * signals the next event), 0 when work is pending (UCX events, or received messages not
+ * yet popped), else the ucs_status_t of the failure. */
+int kvf_worker_arm(kvf_worker *w)
+{
+    ucs_status_t st = ucp_worker_arm(w->worker);
+    if (st == UCS_ERR_BUSY) return 0;
+    if (st != UCS_OK) return (int)st;
+    return w->head == NULL;
+}
 
 void kvf_worker_configure(kvf_worker *w, int64_t max_sender, int64_t max_payload,
                           int64_t busy_poll_us)
@@ -787,8 +796,6 @@ kvf_msg *kvf_am_pop(kvf_worker *w)
 void kvf_msg_free(kvf_msg *m) { free(m); }
 
 int64_t kvf_am_dropped(kvf_worker *w) { return w->dropped; }
-
-int kvf_am_pending(kvf_worker *w) { return w->head != NULL; }
 
 int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t n,
                      int streaming)

@@ -90,8 +90,6 @@ int kvf_envelope_parse(const char *data, size_t length, int64_t max_sender,
 kvf_msg *kvf_am_pop(kvf_worker *w);
 void kvf_msg_free(kvf_msg *m);
 int64_t kvf_am_dropped(kvf_worker *w);
-/* 1 when received messages wait for kvf_am_pop. */
-int kvf_am_pending(kvf_worker *w);
 int kvf_prefault(uintptr_t address, int64_t length);
 int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t n,
                      int streaming);

@@ -1,5 +1,10 @@
-"""Abort-to-release time with healthy peers, measured by the owner (decode rank) from the
-abort's arrival to its pages' release, through a real local cluster.
+"""Abort-to-release time with healthy peers, through a real local cluster, two ways:
+
+- by the owner (decode rank), from the abort's first sign there (its ABORT, or a writer's
+  ack that overtook it) to its pages' release;
+- from the router's ABORT to the owner's release (``from_router_*``), on one monotonic
+  clock (every rank runs on this host). This one also counts the ABORT's way to the
+  owner, and what the owner was doing when it arrived (a decode step, say).
 
 Cases, each with ``--requests`` client-cancelled requests sent one at a time:
 
@@ -9,7 +14,8 @@ Cases, each with ``--requests`` client-cancelled requests sent one at a time:
 - ``random``: plain requests cancelled after a random 0-30 ms, wherever they are.
 
 The first few requests of each case warm the endpoints up and are not counted. Prints one
-JSON line per case (keys: bench, case, count, p50_ms, p99_ms, max_ms).
+JSON line per case (keys: bench, case, count, p50_ms, p90_ms, p99_ms, max_ms, over_2ms,
+the same with ``from_router_`` in front, and quarantined_share).
 """
 
 from __future__ import annotations
@@ -46,14 +52,16 @@ def _summary(values: list[float]) -> dict:
     return {**latency_summary(values), "over_2ms": sum(x > 2.0 for x in values)}
 
 
-def run_case(cluster: LocalCluster, case: str, n: int, seed: int) -> tuple[dict, dict]:
-    """Samples after ``WARMUP`` requests (the first ones also open the endpoints)."""
+def run_case(cluster: LocalCluster, case: str, n: int, seed: int) -> tuple[dict, dict, dict]:
+    """Samples after ``WARMUP`` requests (the first ones also open the endpoints): all
+    owners' times, those that waited for acks, and the router's round trips."""
     rng = random.Random(seed)
-    samples_before = 0
+    samples_before = router_before = 0
     for i in range(n + WARMUP):
         if i == WARMUP:
             st = cluster.status()
             samples_before = len(st["abort_release"]["recent"])
+            router_before = len(st["abort_release"]["recent_from_router"])
         marker = "@" + f"{(seed * 31 + i) & 0xFFFFF:05x}" + "@"
         if case == "quarantined":
             prompt = TAG + make_prompt(marker, 256)
@@ -66,7 +74,8 @@ def run_case(cluster: LocalCluster, case: str, n: int, seed: int) -> tuple[dict,
     st = cluster.status()
     recent = st["abort_release"]["recent"][samples_before:]
     return (_summary([ms for _, ms in recent]),
-            _summary([ms for how, ms in recent if how != "freed"]))
+            _summary([ms for how, ms in recent if how != "freed"]),
+            _summary(st["abort_release"]["recent_from_router"][router_before:]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,13 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     for case in ("quarantined", "random"):
         cluster = start(3, extra, log_dir)   # a fresh cluster per case: samples are per case
         try:
-            every, quarantined = run_case(cluster, case, args.requests, seed=7)
+            every, quarantined, trips = run_case(cluster, case, args.requests, seed=7)
         finally:
             cluster.stop()
         s = quarantined if case == "quarantined" else every
         print(json.dumps({"bench": "abort_release", "case": case,
                           "transport": args.transports or "ucx-default",
                           **s,
+                          **{f"from_router_{k}": v for k, v in trips.items()},
                           "quarantined_share": round(quarantined.get("count", 0) / max(1, every.get("count", 0)), 3)}),
               flush=True)
     return 0

@@ -290,7 +290,7 @@ class DecodeRank(RankBooks):
         if req.state is OwnerState.DECODING or req.writers_done():
             log.info("request %s aborted (%s: %s) after every writer finished; pages freed",
                      req.rid, source, reason)
-            self._close(req, "freed")
+            self._close(req, "acked" if req.acked else "freed")
             return
         if self.unsafe:
             log.error("UNSAFE: request %s aborted (%s); freeing %d pages without waiting for "
@@ -326,6 +326,12 @@ class DecodeRank(RankBooks):
         if req is None or msg.src not in req.writers:
             return
         req.acked.add(msg.src)
+        if req.state is OwnerState.AWAITING:
+            # A writer acks only an abort it was told of, after its flush: the request is
+            # over here too, even if the ABORT for it has not arrived yet (the router
+            # tells the writers first, and their ack can overtake its ABORT to us).
+            self._abort(req, "writer", f"writer rank {msg.src} acked an abort")
+            return
         if req.state is OwnerState.QUARANTINED and not self.rt.is_severed(msg.src):
             self._maybe_release(req, "acked")
         # a severed writer's late ack is picked up by _await_proof
@@ -388,7 +394,7 @@ class DecodeRank(RankBooks):
             log.info("request %s: %d pages released (%s) %.1f ms after the abort (%s)",
                      req.rid, len(pages), how, abort_ms, req.abort_reason or "writers finished")
         self.rt.send(self.router, m.RELEASED, rid=req.rid, pages=len(pages), how=how,
-                     abort_ms=abort_ms)
+                     abort_ms=abort_ms, released_ns=time.monotonic_ns())
 
     def _done(self, rid: str, outcome: str, error: str | None, count: int | None = None,
               transfer_ms: float | None = None) -> None:

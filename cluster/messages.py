@@ -74,7 +74,8 @@ RELEASED = CODEC.kind(
     "RELEASED", **_HEADER, rid=_RID,
     pages=Field(FieldType.INT),
     how=Field(FieldType.STR, max_len=32),       # freed, acked, severed, unsafe
-    abort_ms=Field(FieldType.FLOAT, optional=True))  # owner: from the abort to the release
+    abort_ms=Field(FieldType.FLOAT, optional=True),   # owner: from the abort to the release
+    released_ns=Field(FieldType.UINT64, optional=True))  # owner's CLOCK_MONOTONIC then
 STATS = CODEC.kind(
     "STATS", **_HEADER,
     free=Field(FieldType.INT), owned=Field(FieldType.INT), quarantined=Field(FieldType.INT),

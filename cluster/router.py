@@ -77,6 +77,7 @@ class RoutedRequest:
     deadline_timer: asyncio.TimerHandle | None = None
     expected_count: int | None = None   # from DONE(finished)
     early: dict[int, list[int]] = field(default_factory=dict)   # chunks ahead of a gap
+    aborted_ns: int | None = None       # when this router fanned the abort out (monotonic)
 
     @property
     def rid(self) -> str:
@@ -142,6 +143,8 @@ class Router:
         self._prefix = secrets.token_hex(3)
         self._rr = itertools.count()
         self.abort_release_ms: deque[tuple[str, float]] = deque(maxlen=ABORT_RELEASE_WINDOW)
+        # From this router's ABORT to the owner's release (see _time_abort).
+        self.abort_from_router_ms: deque[float] = deque(maxlen=ABORT_RELEASE_WINDOW)
         metrics.context_length.set(self.context_length)
         runtime.set_handler(self.on_message)
         runtime.on_send_failure = self._on_send_failure
@@ -275,6 +278,8 @@ class Router:
                 self._capacity_changed.set()
             routed = self.requests.get(msg.rid)
             if routed is not None:
+                if msg.src == routed.owner and routed.aborted_ns is not None:
+                    self._time_abort(routed, msg)
                 self._forget_if_released(routed)
             return
         routed = self.requests.get(msg.rid)
@@ -312,10 +317,21 @@ class Router:
                        skip: int | None = None) -> None:
         """ABORT to every writer, then the owner (writers must stop, flush and ack; the
         owner only waits for their acks), except ``skip``, the rank it came from."""
+        if routed.aborted_ns is None:
+            routed.aborted_ns = time.monotonic_ns()
         for rank in [*routed.writers, routed.owner]:
             if rank != skip:
                 self.rt.send(rank, m.ABORT, rid=routed.rid, owner=routed.owner,
                              writers=routed.writers, source=source, reason=reason)
+
+    def _time_abort(self, routed: RoutedRequest, released: Message) -> None:
+        """From this router's ABORT to the owner's release: on the owner's clock when it
+        runs on this host (one CLOCK_MONOTONIC), else until RELEASED arrived here (an
+        upper bound). Unlike the owner's own figure, which starts when the ABORT reached
+        it, this one holds whichever of the ABORT and the writers' acks came first."""
+        same_host = self.cards[routed.owner].host == self.cards[self.rt.rank].host
+        end_ns = released.released_ns if same_host and released.released_ns else time.monotonic_ns()
+        self.abort_from_router_ms.append(max(0.0, (end_ns - routed.aborted_ns) / 1e6))
 
     def _place_tokens(self, routed: RoutedRequest, offset: int, tokens: list[int]) -> None:
         """Put a chunk where it belongs: chunks may arrive out of order, and only the
@@ -401,7 +417,9 @@ class Router:
         return {"all": latency_summary([ms for _, ms in self.abort_release_ms]),
                 "quarantined": latency_summary([ms for how, ms in self.abort_release_ms
                                                 if how != "freed"]),
-                "recent": [[how, round(ms, 3)] for how, ms in self.abort_release_ms]}
+                "recent": [[how, round(ms, 3)] for how, ms in self.abort_release_ms],
+                "from_router": latency_summary(list(self.abort_from_router_ms)),
+                "recent_from_router": [round(ms, 3) for ms in self.abort_from_router_ms]}
 
     def status(self) -> dict:
         live = sum(1 for r in self.requests.values() if r.req.live)

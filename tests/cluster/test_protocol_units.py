@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvferry.cluster import messages as m
+from kvferry.cluster.decode import DecodeRank, OwnedRequest, OwnerState
 from kvferry.cluster.faults import FaultPlan
 from kvferry.cluster.metrics import ClusterMetrics
 from kvferry.cluster.prefill import PrefillRank
@@ -140,6 +141,61 @@ def test_a_writer_acks_again_when_the_owner_asks_again():
     for _ in range(2):
         rt.deliver(m.ABORT, src=2, rid="r2", owner=2, writers=[1], source="transfer", reason="t")
     assert rt.kinds() == ["ABORT_ACK", "ABORT_ACK"]
+
+
+# ---------------------------------------------------------------- I4 at an owner
+class _Timer:
+    def cancel(self) -> None:
+        pass
+
+
+class TimedRuntime(RecordingRuntime):
+    """An owner's runtime: timers are recorded, never fired; no rank is severed."""
+
+    def call_later(self, delay, fn):
+        return _Timer()
+
+    def is_severed(self, rank) -> bool:
+        return False
+
+
+def _owner() -> tuple[DecodeRank, TimedRuntime]:
+    model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
+    rt = TimedRuntime(rank=2)
+    owner = DecodeRank(rt, model, KVPool(model.pool_config(16, 64)), router=0,
+                       transfer_timeout_s=5.0, abort_deadline_s=1.0)
+    return owner, rt
+
+
+@pytest.mark.parametrize("every_writer", [True, False], ids=["every-writer", "broken-first-ack"])
+def test_acks_that_overtake_the_abort_release_only_once_every_writer_acked(every_writer,
+                                                                         monkeypatch):
+    """The router tells the writers before the owner, so a writer's ack can reach the
+    owner before the ABORT does. The owner treats the first ack as the abort: it
+    quarantines the pages, asks the other writer, and releases them only once that writer
+    acked too. Broken mode (an owner that counts one ack as all) releases the pages while
+    writer 3 may still write them, and the test sees it."""
+    if not every_writer:
+        monkeypatch.setattr(OwnedRequest, "writers_done", lambda self: bool(self.acked))
+    owner, rt = _owner()
+    rt.deliver(m.ASSIGN, src=0, rid="r5", prompt_len=40, max_tokens=8, writers=[1, 3],
+               last_token=7)
+    assert owner.allocator.counts()["owned"] == 3
+    rt.sent.clear()
+    rt.deliver(m.ABORT_ACK, src=1, rid="r5")
+    if not every_writer:
+        assert "RELEASED" in rt.kinds()   # the test catches the early release
+        return
+    assert owner.reqs["r5"].state is OwnerState.QUARANTINED
+    assert owner.allocator.counts()["quarantined"] == 3
+    assert [(to, k) for to, k, _ in rt.sent] == [(3, "ABORT")]
+    rt.deliver(m.ABORT_ACK, src=3, rid="r5")
+    released = [f for _, k, f in rt.sent if k == "RELEASED"]
+    assert [(f["pages"], f["how"]) for f in released] == [(3, "acked")]
+    assert owner.allocator.counts()["quarantined"] == 0
+    assert owner.allocator.counts()["free"] == 64
+    rt.deliver(m.ABORT, src=0, rid="r5", owner=2, writers=[1, 3], source="client", reason="gone")
+    assert [k for _, k, _ in rt.sent].count("RELEASED") == 1   # the late ABORT finds a tombstone
 
 
 # ---------------------------------------------------------------- I6 at the router

@@ -278,9 +278,12 @@ class DecodeRank(RankBooks):
         if req is None:
             self.tombstones.setdefault(msg.rid, time.monotonic())
             return
-        self._abort(req, msg.source, msg.reason)
+        # The router sends its ABORT to every writer as well as to us: asking them again
+        # now would only double the messages on the abort's critical path.
+        self._abort(req, msg.source, msg.reason, writers_told=msg.src == self.router)
 
-    def _abort(self, req: OwnedRequest, source: str, reason: str) -> None:
+    def _abort(self, req: OwnedRequest, source: str, reason: str,
+               writers_told: bool = False) -> None:
         if req.state in (OwnerState.QUARANTINED, OwnerState.CLOSED):
             return
         self.tombstones[req.rid] = time.monotonic()
@@ -302,19 +305,21 @@ class DecodeRank(RankBooks):
         req.abort_reason = f"{source}: {reason}"
         log.debug("request %s aborted (%s); %d pages quarantined until writers %s ack",
                   req.rid, req.abort_reason, len(req.grants), self._pending_writers(req))
-        self._ask_for_acks(req, source, reason)
+        self._ask_for_acks(req, source, reason, now=not writers_told)
         req.timer = self.rt.call_later(self.abort_deadline_s, lambda: self._abort_deadline(req))
 
     def _pending_writers(self, req: OwnedRequest) -> list[int]:
         return sorted(set(req.writers) - set(req.notices) - req.acked)
 
-    def _ask_for_acks(self, req: OwnedRequest, source: str, reason: str) -> None:
-        """(Re-)send ABORT to every writer that has not acked; repeats until released, so a
-        lost ABORT or ABORT_ACK costs a retry, not the deadline, and a severed writer that
-        comes back (a healed partition, a resumed process) still learns to ack."""
+    def _ask_for_acks(self, req: OwnedRequest, source: str, reason: str,
+                      now: bool = True) -> None:
+        """(Re-)send ABORT to every writer that has not acked (from the first retry on,
+        unless ``now``); repeats until released, so a lost ABORT or ABORT_ACK costs a
+        retry, not the deadline, and a severed writer that comes back (a healed
+        partition, a resumed process) still learns to ack."""
         if req.state is not OwnerState.QUARANTINED:
             return
-        for w in self._pending_writers(req):
+        for w in self._pending_writers(req) if now else []:
             self.rt.send(w, m.ABORT, rid=req.rid, owner=self.rt.rank, writers=req.writers,
                          source=source, reason=reason)
         pending = self._pending_writers(req)

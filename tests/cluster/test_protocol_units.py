@@ -145,15 +145,23 @@ def test_a_writer_acks_again_when_the_owner_asks_again():
 
 # ---------------------------------------------------------------- I4 at an owner
 class _Timer:
+    def __init__(self, delay: float, fn) -> None:
+        self.delay, self.fn, self.cancelled = delay, fn, False
+
     def cancel(self) -> None:
-        pass
+        self.cancelled = True
 
 
 class TimedRuntime(RecordingRuntime):
-    """An owner's runtime: timers are recorded, never fired; no rank is severed."""
+    """An owner's runtime: timers are recorded and fired by the test; no rank is severed."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank)
+        self.timers: list[_Timer] = []
 
     def call_later(self, delay, fn):
-        return _Timer()
+        self.timers.append(_Timer(delay, fn))
+        return self.timers[-1]
 
     def is_severed(self, rank) -> bool:
         return False
@@ -196,6 +204,24 @@ def test_acks_that_overtake_the_abort_release_only_once_every_writer_acked(every
     assert owner.allocator.counts()["free"] == 64
     rt.deliver(m.ABORT, src=0, rid="r5", owner=2, writers=[1, 3], source="client", reason="gone")
     assert [k for _, k, _ in rt.sent].count("RELEASED") == 1   # the late ABORT finds a tombstone
+
+
+def test_the_owner_asks_writers_again_only_after_the_routers_abort_had_time():
+    """The router's ABORT went to the writers too, so the owner does not repeat it at
+    once; if the router's copy to a writer was lost, the owner's first retry asks it,
+    well inside the abort deadline."""
+    owner, rt = _owner()
+    rt.deliver(m.ASSIGN, src=0, rid="r6", prompt_len=40, max_tokens=8, writers=[1],
+               last_token=7)
+    rt.sent.clear()
+    rt.deliver(m.ABORT, src=0, rid="r6", owner=2, writers=[1], source="client", reason="gone")
+    assert rt.kinds() == [] and owner.reqs["r6"].state is OwnerState.QUARANTINED
+    retries = [t for t in rt.timers if t.delay < owner.abort_deadline_s and not t.cancelled]
+    assert len(retries) == 1
+    retries[0].fn()
+    assert [(to, k) for to, k, _ in rt.sent] == [(1, "ABORT")]
+    rt.deliver(m.ABORT_ACK, src=1, rid="r6")
+    assert [f["how"] for _, k, f in rt.sent if k == "RELEASED"] == ["acked"]
 
 
 # ---------------------------------------------------------------- I6 at the router

@@ -293,7 +293,7 @@ class DecodeRank(RankBooks):
         if req.state is OwnerState.DECODING or req.writers_done():
             log.info("request %s aborted (%s: %s) after every writer finished; pages freed",
                      req.rid, source, reason)
-            self._close(req, "acked" if req.acked else "freed")
+            self._close(req, "acked" if req.acked - set(req.notices) else "freed")
             return
         if self.unsafe:
             log.error("UNSAFE: request %s aborted (%s); freeing %d pages without waiting for "
@@ -331,7 +331,7 @@ class DecodeRank(RankBooks):
         if req is None or msg.src not in req.writers:
             return
         req.acked.add(msg.src)
-        if req.state is OwnerState.AWAITING:
+        if req.state in (OwnerState.AWAITING, OwnerState.DECODING):
             # A writer acks only an abort it was told of, after its flush: the request is
             # over here too, even if the ABORT for it has not arrived yet (the router
             # tells the writers first, and their ack can overtake its ABORT to us).

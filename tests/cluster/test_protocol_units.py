@@ -167,11 +167,11 @@ class TimedRuntime(RecordingRuntime):
         return False
 
 
-def _owner() -> tuple[DecodeRank, TimedRuntime]:
+def _owner(integrity: bool = True) -> tuple[DecodeRank, TimedRuntime]:
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     rt = TimedRuntime(rank=2)
     owner = DecodeRank(rt, model, KVPool(model.pool_config(16, 64)), router=0,
-                       transfer_timeout_s=5.0, abort_deadline_s=1.0)
+                       transfer_timeout_s=5.0, abort_deadline_s=1.0, integrity=integrity)
     return owner, rt
 
 
@@ -204,6 +204,25 @@ def test_acks_that_overtake_the_abort_release_only_once_every_writer_acked(every
     assert owner.allocator.counts()["free"] == 64
     rt.deliver(m.ABORT, src=0, rid="r5", owner=2, writers=[1, 3], source="client", reason="gone")
     assert [k for _, k, _ in rt.sent].count("RELEASED") == 1   # the late ABORT finds a tombstone
+
+
+def test_an_ack_that_overtakes_the_abort_during_decode_stops_the_request():
+    """Every writer noticed and decode runs; the writer's ack of the router's abort
+    arrives first. The owner stops decoding and frees the pages at once ("freed": the
+    notices, not the ack, proved the writes done)."""
+    owner, rt = _owner(integrity=False)
+    rt.deliver(m.ASSIGN, src=0, rid="r7", prompt_len=40, max_tokens=8, writers=[1],
+               last_token=7)
+    plan = next(f for _, k, f in rt.sent if k == "PLAN")
+    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
+    rt.deliver(m.NOTICE, src=1, rid="r7", tokens=40, pages=plan["pages"][:3],
+               generations=plan["generations"][:3], checksums=[], bytes=3 * slice_bytes)
+    assert owner.busy() and owner.step()
+    rt.sent.clear()
+    rt.deliver(m.ABORT_ACK, src=1, rid="r7")
+    assert not owner.busy() and not owner.step()
+    assert [(k, f.get("how")) for _, k, f in rt.sent] == [("RELEASED", "freed")]
+    assert owner.allocator.counts()["free"] == 64
 
 
 def test_the_owner_asks_writers_again_only_after_the_routers_abort_had_time():

@@ -54,7 +54,7 @@ def _summary(values: list[float]) -> dict:
 
 def run_case(cluster: LocalCluster, case: str, n: int, seed: int) -> tuple[dict, dict, dict]:
     """Samples after ``WARMUP`` requests (the first ones also open the endpoints): all
-    owners' times, those that waited for acks, and the router's round trips."""
+    owners' times, those that waited for acks, and the times from the router's ABORT."""
     rng = random.Random(seed)
     samples_before = router_before = 0
     for i in range(n + WARMUP):
@@ -95,14 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     for case in ("quarantined", "random"):
         cluster = start(3, extra, log_dir)   # a fresh cluster per case: samples are per case
         try:
-            every, quarantined, trips = run_case(cluster, case, args.requests, seed=7)
+            every, quarantined, from_router = run_case(cluster, case, args.requests, seed=7)
         finally:
             cluster.stop()
         s = quarantined if case == "quarantined" else every
         print(json.dumps({"bench": "abort_release", "case": case,
                           "transport": args.transports or "ucx-default",
                           **s,
-                          **{f"from_router_{k}": v for k, v in trips.items()},
+                          **{f"from_router_{k}": v for k, v in from_router.items()},
                           "quarantined_share": round(quarantined.get("count", 0) / max(1, every.get("count", 0)), 3)}),
               flush=True)
     return 0

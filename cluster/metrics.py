@@ -46,8 +46,15 @@ class ClusterMetrics:
             "kvferry_transfer_seconds", "From write plan to the last writer's notice",
             registry=r, buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))
         self.abort_release = Histogram(
-            "kvferry_abort_release_seconds", "From an abort at the owner to its pages' release",
+            "kvferry_abort_release_seconds",
+            "From the abort's first sign at the owner (its ABORT or a writer's ack) to its "
+            "pages' release",
             registry=r, buckets=(.0001, .0002, .0005, .001, .002, .005, .01, .05, .1, 1, 5, 30))
+        self.abort_from_router = Histogram(
+            "kvferry_abort_from_router_seconds",
+            "From the router's ABORT to the owner's release (owner's clock on this host, "
+            "else until its RELEASED arrived)",
+            registry=r, buckets=(.0002, .0005, .001, .002, .005, .01, .02, .05, .1, 1, 5, 30))
         self.ttft = Histogram("kvferry_time_to_first_token_seconds", "Time to first token",
                               registry=r, buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30))
 

@@ -327,11 +327,13 @@ class Router:
     def _time_abort(self, routed: RoutedRequest, released: Message) -> None:
         """From this router's ABORT to the owner's release: on the owner's clock when it
         runs on this host (one CLOCK_MONOTONIC), else until RELEASED arrived here (an
-        upper bound). Unlike the owner's own figure, which starts when the ABORT reached
-        it, this one holds whichever of the ABORT and the writers' acks came first."""
+        upper bound). The owner's own figure starts when it learned of the abort; this
+        one also counts the way there, and what the owner was busy with meanwhile."""
         same_host = self.cards[routed.owner].host == self.cards[self.rt.rank].host
         end_ns = released.released_ns if same_host and released.released_ns else time.monotonic_ns()
-        self.abort_from_router_ms.append(max(0.0, (end_ns - routed.aborted_ns) / 1e6))
+        ms = max(0.0, (end_ns - routed.aborted_ns) / 1e6)
+        self.abort_from_router_ms.append(ms)
+        self.metrics.abort_from_router.observe(ms / 1e3)
 
     def _place_tokens(self, routed: RoutedRequest, offset: int, tokens: list[int]) -> None:
         """Put a chunk where it belongs: chunks may arrive out of order, and only the

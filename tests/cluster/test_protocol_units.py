@@ -3,6 +3,8 @@ messages that arrive late, early, twice or out of order."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -303,3 +305,26 @@ async def _until_done(routed):
         event = await routed.events.get()
         if event[0] == "done":
             return event
+
+
+@pytest.mark.parametrize("owner_host", ["h", "elsewhere"])
+def test_router_times_an_abort_to_the_owners_release(owner_host):
+    """On one host the owner's release time is read on the shared monotonic clock; an
+    owner on another host is timed until its RELEASED arrives (an upper bound)."""
+    async def run():
+        router, rt = _routed()
+        router.cards[2] = dataclasses.replace(router.cards[2], host=owner_host)
+        routed = await router.submit("abort me", 8)
+        router.abort(routed.rid, "client", "gone")
+        released_ns = routed.aborted_ns + 1_500_000     # the owner released 1.5 ms later
+        rt.deliver(m.RELEASED, src=1, rid=routed.rid, pages=1, how="aborted")
+        rt.deliver(m.RELEASED, src=2, rid=routed.rid, pages=1, how="acked", abort_ms=0.4,
+                   released_ns=released_ns)
+        arrived_by_ms = (time.monotonic_ns() - routed.aborted_ns) / 1e6
+        times = router.abort_release_summary()["recent_from_router"]
+        assert len(times) == 1                          # the owner's release, not the writer's
+        if owner_host == "h":
+            assert times == [1.5]
+        else:                                           # until its RELEASED arrived here
+            assert 0.0 <= times[0] <= arrived_by_ms + 1e-3
+    asyncio.run(run())

@@ -319,9 +319,10 @@ class DecodeRank(RankBooks):
         partition, a resumed process) still learns to ack."""
         if req.state is not OwnerState.QUARANTINED:
             return
-        for w in self._pending_writers(req) if now else []:
-            self.rt.send(w, m.ABORT, rid=req.rid, owner=self.rt.rank, writers=req.writers,
-                         source=source, reason=reason)
+        if now:
+            for w in self._pending_writers(req):
+                self.rt.send(w, m.ABORT, rid=req.rid, owner=self.rt.rank,
+                             writers=req.writers, source=source, reason=reason)
         pending = self._pending_writers(req)
         every = 1.0 if any(self.rt.is_severed(w) for w in pending) else max(0.05, self.abort_deadline_s / 8)
         self.rt.call_later(every, lambda: self._ask_for_acks(req, source, reason))
@@ -392,14 +393,15 @@ class DecodeRank(RankBooks):
             pages = self.allocator.free(req.rid)
         req.move(OwnerState.CLOSED)
         self.reqs.pop(req.rid, None)
-        self.tombstones[req.rid] = time.monotonic()
+        released_ns = time.monotonic_ns()   # the router times aborts on this clock too
+        self.tombstones[req.rid] = released_ns / 1e9
         abort_ms = None
         if req.abort_started:
-            abort_ms = 1e3 * (time.monotonic() - req.abort_started)
+            abort_ms = 1e3 * (released_ns / 1e9 - req.abort_started)
             log.info("request %s: %d pages released (%s) %.1f ms after the abort (%s)",
                      req.rid, len(pages), how, abort_ms, req.abort_reason or "writers finished")
         self.rt.send(self.router, m.RELEASED, rid=req.rid, pages=len(pages), how=how,
-                     abort_ms=abort_ms, released_ns=time.monotonic_ns())
+                     abort_ms=abort_ms, released_ns=released_ns)
 
     def _done(self, rid: str, outcome: str, error: str | None, count: int | None = None,
               transfer_ms: float | None = None) -> None:

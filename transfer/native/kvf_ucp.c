@@ -324,7 +324,7 @@ int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us, int stay_awake)
     unsigned n = kvf_worker_progress(w);
     int64_t now, deadline, spin_until, nap_after, remaining_ms;
     struct pollfd pfd;
-    ucs_status_t st;
+    int armed;
     if (n || w->head || timeout_ms == 0) return (int)n;
     now = kvf_now_us();
     deadline = now + (int64_t)timeout_ms * 1000;
@@ -344,9 +344,9 @@ int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us, int stay_awake)
         if (now >= nap_after) kvf_nap();
     }
     if (now >= deadline) return 0;
-    st = ucp_worker_arm(w->worker);
-    if (st == UCS_ERR_BUSY) return (int)kvf_worker_progress(w);
-    if (st != UCS_OK) return (int)st;
+    armed = kvf_worker_arm(w);
+    if (armed < 0) return armed;
+    if (armed == 0) return (int)kvf_worker_progress(w);
     pfd.fd = w->efd;
     pfd.events = POLLIN;
     pfd.revents = 0;

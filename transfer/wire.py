@@ -131,6 +131,9 @@ class Message:
             raise AttributeError(name) from None
 
 
+_INT_ONLY = {int}
+
+
 def _fast_check(spec: Field) -> Callable[[Any], bool]:
     """A predicate that accepts the common exact-type values of ``spec`` cheaply. What it
     does not accept goes through :func:`_check_value`, which accepts the rest (int
@@ -148,7 +151,12 @@ def _fast_check(spec: Field) -> Callable[[Any], bool]:
         return lambda v: type(v) is str and len(v) <= lim
     if t is FieldType.BYTES:
         return lambda v: type(v) is bytes and len(v) <= lim
-    return lambda v: False   # lists: always the full check (it is C-level already)
+    if t is FieldType.INT_LIST:
+        # the type set, min and max run in C, not per item; exact type int excludes bool
+        return lambda v: type(v) is list and len(v) <= lim and (
+            not v or (set(map(type, v)) == _INT_ONLY and INT64_MIN <= min(v)
+                      and max(v) <= INT64_MAX))
+    return lambda v: False   # str lists: always the full check
 
 
 _CONVERT: dict[FieldType, Callable[[Any], Any]] = {
@@ -169,7 +177,9 @@ class MessageKind:
         object.__setattr__(self, "_plan", plan)
         object.__setattr__(self, "_names", frozenset(self.fields))
 
-    def validate(self, values: Mapping[str, Any]) -> dict[str, Any]:
+    def validate(self, values: Mapping[str, Any], owned: bool = False) -> dict[str, Any]:
+        """The checked fields, lists and bytes copied unless ``owned`` (the decoder's own
+        fresh values: the message may keep them). Raises WireError."""
         if not values.keys() <= self._names:
             extra = set(values) - set(self.fields)
             raise WireError(f"{self.name}: unknown field(s) {sorted(map(str, extra))[:5]}")
@@ -181,8 +191,10 @@ class MessageKind:
                     raise WireError(f"{self.name}.{name}: required field missing")
                 out[name] = None
                 continue
-            if not fast(value):
-                _check_value(self.name, name, spec, value)
+            if fast(value):
+                out[name] = value if convert is None or owned else convert(value)
+                continue
+            _check_value(self.name, name, spec, value)
             out[name] = value if convert is None else convert(value)
         return out
 
@@ -251,4 +263,4 @@ class Codec:
             raise WireError(f"{self.protocol}.{kind}: fields must be a map")
         # strict_map_key admits only str and bytes keys; a bytes key is no field name, so
         # validate() refuses it as unknown
-        return Message(kind, self.kinds[kind].validate(values), checked=True)
+        return Message(kind, self.kinds[kind].validate(values, owned=True), checked=True)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvferry.transfer import SegmentDescriptor, WireError
 from kvferry.transfer.protocol import CODEC as TRANSFER_CODEC
-from kvferry.transfer.wire import Codec, Field, FieldType, Message
+from kvferry.transfer.wire import Codec, Field, FieldType, Message, _check_value, _fast_check
 
 codec = Codec("kvf.test", version=3, max_bytes=4096)
 NOTICE = codec.kind("NOTICE", request_id=Field(FieldType.STR, max_len=64),
@@ -119,3 +119,24 @@ def test_encode_validates():
 def test_segment_descriptor_round_trip(base, length, rkey, inc, allocated):
     d = SegmentDescriptor(base, length, rkey, inc, allocated)
     assert SegmentDescriptor.unpack(d.pack()) == d
+
+
+@given(st.lists(st.integers(-2**64, 2**64) | st.booleans(), max_size=40))
+def test_int_list_fast_check_agrees_with_full_check(values):
+    """The fast path for int lists accepts exactly what the full check accepts (bool
+    items, values past int64 and lists over max_len refused by both)."""
+    spec = NOTICE.fields["pages"]
+    try:
+        _check_value("NOTICE", "pages", spec, values)
+        accepted = True
+    except WireError:
+        accepted = False
+    assert _fast_check(spec)(values) is accepted
+
+
+def test_decoded_lists_are_the_decoders_own_and_made_ones_are_copied():
+    pages = [1, 2, 3]
+    msg = NOTICE.make(**{**_valid(), "pages": pages})
+    pages.append(4)
+    assert msg.pages == [1, 2, 3]
+    assert codec.decode(codec.encode(msg)).pages == [1, 2, 3]

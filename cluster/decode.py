@@ -335,8 +335,12 @@ class DecodeRank(RankBooks):
         if req.state in (OwnerState.AWAITING, OwnerState.DECODING):
             # A writer acks only an abort it was told of, after its flush: the request is
             # over here too, even if the ABORT for it has not arrived yet (the router
-            # tells the writers first, and their ack can overtake its ABORT to us).
-            self._abort(req, "writer", f"writer rank {msg.src} acked an abort")
+            # tells the writers first, and their ack can overtake its ABORT to us). The
+            # router told the other writers in the same fan-out (or, for a writer's own
+            # failure, on the ABORT that writer sent it), so asking them waits for the
+            # first retry.
+            self._abort(req, "writer", f"writer rank {msg.src} acked an abort",
+                        writers_told=True)
             return
         if req.state is OwnerState.QUARANTINED and not self.rt.is_severed(msg.src):
             self._maybe_release(req, "acked")

@@ -182,9 +182,10 @@ def test_acks_that_overtake_the_abort_release_only_once_every_writer_acked(every
                                                                          monkeypatch):
     """The router tells the writers before the owner, so a writer's ack can reach the
     owner before the ABORT does. The owner treats the first ack as the abort: it
-    quarantines the pages, asks the other writer, and releases them only once that writer
-    acked too. Broken mode (an owner that counts one ack as all) releases the pages while
-    writer 3 may still write them, and the test sees it."""
+    quarantines the pages, leaves asking the other writer to its first retry (the router
+    told it in the same fan-out), and releases them only once that writer acked too.
+    Broken mode (an owner that counts one ack as all) releases the pages while writer 3
+    may still write them, and the test sees it."""
     if not every_writer:
         monkeypatch.setattr(OwnedRequest, "writers_done", lambda self: bool(self.acked))
     owner, rt = _owner()
@@ -198,6 +199,10 @@ def test_acks_that_overtake_the_abort_release_only_once_every_writer_acked(every
         return
     assert owner.reqs["r5"].state is OwnerState.QUARANTINED
     assert owner.allocator.counts()["quarantined"] == 3
+    assert rt.sent == []
+    retry = [t for t in rt.timers if t.delay < owner.abort_deadline_s and not t.cancelled]
+    assert len(retry) == 1
+    retry[0].fn()
     assert [(to, k) for to, k, _ in rt.sent] == [(3, "ABORT")]
     rt.deliver(m.ABORT_ACK, src=3, rid="r5")
     released = [f for _, k, f in rt.sent if k == "RELEASED"]

@@ -6,18 +6,18 @@
   clock (every rank runs on this host). This one also counts the ABORT's way to the
   owner, and what the owner was doing when it arrived (a decode step, say).
 
-Cases, each with ``--requests`` client-cancelled requests sent one at a time:
+Cluster cases, each with ``--requests`` client-cancelled requests sent one at a time:
 
 - ``quarantined``: the writer holds its write before posting (an injected pause), so every
   abort finds the pages quarantined and waits for the writer's ABORT_ACK (which follows its
   flush): the protocol's round trip.
 - ``random``: plain requests cancelled after a random 0-30 ms, wherever they are.
 
-- ``relay``: the same exchange with none of the protocol's work, as the floor the others
-  are read against: three processes with the ranks' transfer engines, the driver (in the
-  router's place, asleep between aborts) sends a message to the writer and one to the
-  owner, the writer forwards one to the owner, and the owner takes the time it arrived;
-  writer and owner poll as ranks with a request in flight do.
+And the floor they are read against, ``relay``: the same exchange with none of the
+protocol's work, ``--requests`` times. Three processes with the ranks' transfer engines:
+the driver (in the router's place, asleep between aborts) sends a message to the writer
+and one to the owner, the writer forwards one to the owner, and the owner takes the time
+it arrived. Writer and owner poll, as ranks with a request in flight do.
 
 The first few requests of each case warm the endpoints up and are not counted. Prints one
 JSON line per case (keys: bench, case, count, p50_ms, p90_ms, p99_ms, max_ms, over_2ms;

@@ -178,8 +178,9 @@ class MessageKind:
         object.__setattr__(self, "_names", frozenset(self.fields))
 
     def validate(self, values: Mapping[str, Any], owned: bool = False) -> dict[str, Any]:
-        """The checked fields, lists and bytes copied unless ``owned`` (the decoder's own
-        fresh values: the message may keep them). Raises WireError."""
+        """The checked fields; raises WireError. Lists are copied, so that the message
+        keeps its own, unless ``owned`` (the decoder's fresh values); tuples and
+        bytearrays become lists and bytes."""
         if not values.keys() <= self._names:
             extra = set(values) - set(self.fields)
             raise WireError(f"{self.name}: unknown field(s) {sorted(map(str, extra))[:5]}")

@@ -50,8 +50,8 @@ class NullModel:
 
     layers, kv_heads, head_dim, stop_token = LAYERS, KV_HEADS, HEAD_DIM, None
 
-    def prefill(self, kv, tokens, page_row, *, head_range=None) -> None:
-        return None
+    def prefill_layers(self, kv, tokens, page_row, *, head_range=None):
+        yield from range(self.layers)
 
     def decode_step(self, kv, page_table, positions, tokens, prompt_lens) -> torch.Tensor:
         return torch.zeros(len(positions), dtype=torch.int64)

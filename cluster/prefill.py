@@ -10,7 +10,8 @@ Upholds:
   PLAN for it is ignored, so it never reaches transfer.
 - I4, writer side: on ABORT it stops posting, then sends ABORT_ACK with ``notify`` (flush,
   then send), and holds its own source pages until that flush. A writer that never
-  started, or already finished, acks at once.
+  started, or already finished, acks at once; one still computing the prefill stops after
+  the layer in progress (it polls between layers once a slice has passed).
 - I6: a failure here aborts the request towards the owner and the router, with the reason.
 """
 
@@ -24,6 +25,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -40,6 +42,8 @@ from .books import RankBooks
 from .runtime import RankRuntime
 
 log = logging.getLogger("kvferry.cluster")
+
+PREFILL_SLICE_S = 0.001   # longest a prefill computes layers before the loop polls again
 
 
 class WriterState(enum.Enum):
@@ -83,6 +87,7 @@ class WriteJob:
     held_target: int | None = None         # the owner's pool, mapped here (shared memory)
     acked: bool = False
     kv_ready: bool = False                 # prompt KV computed (and checksummed)
+    prefill: Iterator[int] | None = None   # the prefill's remaining layers (see _prefill_layer)
 
     def move(self, new: WriterState) -> None:
         if new not in WRITER_TRANSITIONS[self.state]:
@@ -94,7 +99,8 @@ class WriteJob:
 class PrefillRank(RankBooks):
     def __init__(self, runtime: RankRuntime, model, pool: KVPool, segment: Segment,
                  head_range: tuple[int, int], router: int, unsafe: bool = False,
-                 max_batch_bytes: int = 256 << 20, integrity: bool = True) -> None:
+                 max_batch_bytes: int = 256 << 20, integrity: bool = True,
+                 prefill_slice_s: float = PREFILL_SLICE_S) -> None:
         self.rt = runtime
         self.model = model
         self.pool = pool
@@ -103,6 +109,7 @@ class PrefillRank(RankBooks):
         self.router = router
         self.unsafe = unsafe
         self.integrity = integrity and not unsafe
+        self.prefill_slice_s = prefill_slice_s
         self.allocator = PageAllocator(pool.num_pages)
         self.jobs: dict[str, WriteJob] = {}
         self._init_books()
@@ -141,10 +148,28 @@ class PrefillRank(RankBooks):
         self.allocations += 1
         job.tokens = tokens
         job.src_pages = [g.page for g in grants]
+        job.prefill = self.model.prefill_layers(
+            self.pool.kv, torch.from_numpy(tokens.astype(np.int64)), job.src_pages,
+            head_range=self.heads)
+        self._prefill_some(job)
+
+    def _prefill_some(self, job: WriteJob) -> None:
+        """Prefill layers until ``prefill_slice_s`` has passed, then defer the rest: the
+        loop polls in between, so an ABORT that arrives during a long prefill waits for
+        about one slice and one layer, not the whole prefill; a fast one never yields."""
+        if job.state is not WriterState.WAITING:
+            job.prefill = None   # aborted meanwhile: acked at once, the rest never computed
+            return
+        until = time.monotonic() + self.prefill_slice_s
         with torch.no_grad():
-            self.model.prefill(self.pool.kv, torch.from_numpy(tokens.astype(np.int64)),
-                               job.src_pages, head_range=self.heads)
-        # An ABORT that arrived during the prefill is handled before the rest.
+            for layer in job.prefill:
+                if layer + 1 >= self.model.layers:
+                    break
+                if time.monotonic() >= until:
+                    self.rt.defer(lambda: self._prefill_some(job))
+                    return
+        job.prefill = None
+        # An ABORT that arrived during the last layers is handled before the rest.
         self.rt.defer(lambda: self._after_prefill(job))
 
     def _after_prefill(self, job: WriteJob) -> None:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Generator, Sequence
 
 import torch
 
 from .attention import paged_decode_attention, write_kv_pages, write_kv_tokens
 from .pool import PoolConfig, check_pool_shape
+from .stepwise import PrefillByLayers
 from .tokenizer import EOS, VOCAB_SIZE
 
 
@@ -61,7 +62,7 @@ class _Layer:
     w_down: torch.Tensor
 
 
-class LlamaModel:
+class LlamaModel(PrefillByLayers):
     stop_token: int | None = EOS
 
     def __init__(self, config: LlamaConfig = LlamaConfig(), device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
@@ -161,15 +162,18 @@ class LlamaModel:
     def _check_pool(self, kv: torch.Tensor) -> None:
         check_pool_shape(kv, self.layers, self.kv_heads, self.head_dim)
 
-    def prefill(
+    def prefill_layers(
         self,
         kv: torch.Tensor,
         tokens: Sequence[int] | torch.Tensor,
         page_row: Sequence[int] | torch.Tensor,
         *,
         head_range: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
-        """Write the prompt's K/V (heads ``head_range``) into pages; return the last logits."""
+    ) -> Generator[int, None, torch.Tensor]:
+        """Write the prompt's K/V (heads ``head_range``) into pages one layer at a time:
+        yields each layer's index once its K/V is in the pages, returns the last logits.
+        A caller that stops early (an abort) has written the layers yielded so far and
+        computed nothing more. ``prefill`` (same arguments) runs them all."""
         self._check_pool(kv)
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=self.device).reshape(-1)
         lo, hi = head_range or (0, self.kv_heads)
@@ -178,6 +182,7 @@ class LlamaModel:
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, h, positions)
             write_kv_pages(kv, layer, k[:, lo:hi].to(kv.device), v[:, lo:hi].to(kv.device), page_row, 0, head_lo=lo)
+            yield layer
             k, v = k.to(kv.dtype).to(self.dtype), v.to(kv.dtype).to(self.dtype)
             h = h + self._causal(q, k, v) @ block.wo
             h = h + self._mlp(block, h)

@@ -1,7 +1,8 @@
 """What the engine needs from a model, and the two models it ships.
 
-A model writes a prompt's K/V into pool pages (``prefill``) and produces next tokens from
-pages alone (``decode_step``). Decode convention, shared by both models: a step takes, per
+A model writes a prompt's K/V into pool pages (``prefill``, or ``prefill_layers``, which
+yields after each layer so that a caller can stop between layers) and produces next tokens
+from pages alone (``decode_step``). Decode convention, shared by both models: a step takes, per
 sequence, an input ``token`` at ``position``; it (re)writes that token's K/V at
 ``position`` and attends over positions ``0 .. position``. Decode starting from pages that
 another rank wrote therefore needs only: the page table, the prompt length, and the last
@@ -11,7 +12,7 @@ first step rewrites it with the same values).
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Generator, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -37,6 +38,11 @@ class PagedModel(Protocol):
         *,
         head_range: tuple[int, int] | None = None,
     ) -> None: ...
+
+    def prefill_layers(self, kv: torch.Tensor, tokens: Sequence[int] | torch.Tensor,
+                       page_row: Sequence[int] | torch.Tensor, *,
+                       head_range: tuple[int, int] | None = None) -> Generator[int, None, object]:
+        """``prefill`` one layer at a time: yields each layer's index once it is written."""
 
     def decode_step(
         self,

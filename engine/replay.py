@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Generator, Sequence
 
 import torch
 
 from .attention import paged_decode_attention, write_kv_pages, write_kv_tokens
 from .pool import PoolConfig, check_pool_shape
+from .stepwise import PrefillByLayers
 from .tokenizer import CONFLICT, TOKEN_BITS, VOCAB_SIZE
 
 
@@ -63,7 +64,7 @@ def sign_code(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return code
 
 
-class ReplayModel:
+class ReplayModel(PrefillByLayers):
     stop_token: int | None = None
 
     def __init__(self, config: ReplayConfig = ReplayConfig()) -> None:
@@ -95,7 +96,7 @@ class ReplayModel:
         check_pool_shape(kv, self.layers, self.kv_heads, self.head_dim)
 
     # --- prefill ----------------------------------------------------------------------
-    def prefill(
+    def prefill_layers(
         self,
         kv: torch.Tensor,
         tokens: Sequence[int] | torch.Tensor,
@@ -103,9 +104,11 @@ class ReplayModel:
         *,
         head_range: tuple[int, int] | None = None,
         start_pos: int = 0,
-    ) -> None:
-        """Write K/V of ``tokens`` at positions ``start_pos ..`` into the pages of ``page_row``,
-        for KV heads ``head_range`` (default all)."""
+    ) -> Generator[int, None, None]:
+        """Write K/V of ``tokens`` at positions ``start_pos ..`` into the pages of
+        ``page_row``, for KV heads ``head_range`` (default all), one layer at a time:
+        yields each layer's index once its K/V is in the pages. ``prefill`` (same
+        arguments) writes them all."""
         self._check_pool(kv)
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=kv.device).reshape(-1)
         lo, hi = head_range or (0, self.kv_heads)
@@ -114,6 +117,7 @@ class ReplayModel:
         v = self.value_codes(tokens)[:, None, :].expand(-1, hi - lo, -1)
         for layer in range(self.layers):
             write_kv_pages(kv, layer, k, v, page_row, start_pos, head_lo=lo)
+            yield layer
 
     # --- decode -----------------------------------------------------------------------
     def read_positions(self, kv: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,58 @@ def test_an_abort_that_arrives_during_the_prefill_keeps_it_from_transfer(deferre
         assert rt.writes and "NOTICE" in rt.kinds()   # the test catches the broken order
 
 
+class _CountingLayers(ReplayModel):
+    """The replay model, counting the prefill layers it computed."""
+
+    def __init__(self, config: ReplayConfig) -> None:
+        super().__init__(config)
+        self.computed = 0
+
+    def prefill_layers(self, *args, **kwargs):
+        for layer in super().prefill_layers(*args, **kwargs):
+            self.computed += 1
+            yield layer
+
+
+@pytest.mark.parametrize("slice_s", [0.0, float("inf")], ids=["between-layers", "broken-whole"])
+def test_an_abort_during_a_long_prefill_stops_it_between_layers(slice_s):
+    """A prefill yields to the loop between layers once its slice has passed (a zero
+    slice here: after every layer), so an ABORT that arrives meanwhile stops it: the other
+    layers are never computed, the ack goes at once, nothing is written. Broken mode (the
+    whole prefill inside the PREFILL handler) computes all four layers before it looks at
+    the ABORT, and the test sees it."""
+    model = _CountingLayers(ReplayConfig(layers=4, kv_heads=2, head_dim=32, max_positions=4096))
+    rt = RecordingRuntime(rank=1)
+    writer = PrefillRank(rt, model, KVPool(model.pool_config(16, 64)), segment=None,
+                         head_range=(0, 2), router=0, prefill_slice_s=slice_s)
+    rt.deliver(m.PLAN, src=2, rid="r8", pages=[5, 6], generations=[1, 1])
+    rt.deliver(m.PREFILL, src=0, rid="r8", tokens=np.arange(20, dtype="<i4").tobytes(),
+               owner=2, owner_inc=1)
+    rt.deliver(m.ABORT, src=0, rid="r8", owner=2, writers=[1], source="client", reason="gone")
+    rt.pump()
+    rt.pump()
+    if slice_s == 0.0:
+        assert model.computed == 1
+        assert rt.writes == [] and rt.kinds() == ["ABORT_ACK", "RELEASED"]
+        assert writer.allocator.counts()["owned"] == 0
+    else:
+        assert model.computed == 4   # the test catches the prefill that never yields
+
+
+def test_a_prefill_that_yields_between_layers_still_runs_them_all_and_writes():
+    model = _CountingLayers(ReplayConfig(layers=4, kv_heads=2, head_dim=32, max_positions=4096))
+    rt = RecordingRuntime(rank=1)
+    PrefillRank(rt, model, KVPool(model.pool_config(16, 64)), segment=None, head_range=(0, 2),
+                router=0, prefill_slice_s=0.0)
+    rt.deliver(m.PLAN, src=2, rid="r9", pages=[5, 6], generations=[1, 1])
+    rt.deliver(m.PREFILL, src=0, rid="r9", tokens=np.arange(20, dtype="<i4").tobytes(),
+               owner=2, owner_inc=1)
+    for _ in range(5):
+        rt.pump()
+    assert model.computed == 4
+    assert rt.writes and "NOTICE" in rt.kinds()
+
+
 def test_a_writer_acks_again_when_the_owner_asks_again():
     writer, rt = _writer()
     for _ in range(2):

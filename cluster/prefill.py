@@ -87,7 +87,7 @@ class WriteJob:
     held_target: int | None = None         # the owner's pool, mapped here (shared memory)
     acked: bool = False
     kv_ready: bool = False                 # prompt KV computed (and checksummed)
-    prefill: Iterator[int] | None = None   # the prefill's remaining layers (see _prefill_layer)
+    prefill: Iterator[int] | None = None   # the prefill's remaining layers (_prefill_some)
 
     def move(self, new: WriterState) -> None:
         if new not in WRITER_TRANSITIONS[self.state]:

@@ -2,8 +2,8 @@
 
 A model writes a prompt's K/V into pool pages (``prefill``, or ``prefill_layers``, which
 yields after each layer so that a caller can stop between layers) and produces next tokens
-from pages alone (``decode_step``). Decode convention, shared by both models: a step takes, per
-sequence, an input ``token`` at ``position``; it (re)writes that token's K/V at
+from pages alone (``decode_step``). Decode convention, shared by both models: a step
+takes, per sequence, an input ``token`` at ``position``; it (re)writes that token's K/V at
 ``position`` and attends over positions ``0 .. position``. Decode starting from pages that
 another rank wrote therefore needs only: the page table, the prompt length, and the last
 prompt token (at position ``prompt_len - 1``, whose K/V the prefill already wrote; the

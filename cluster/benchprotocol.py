@@ -41,11 +41,13 @@ import time
 import numpy as np
 import torch
 
+from kvferry.engine.stepwise import PrefillByLayers
+
 LAYERS, KV_HEADS, PAGE_SIZE, HEAD_DIM = 8, 8, 16, 128
 WRITER, OWNER = 1, 2
 
 
-class NullModel:
+class NullModel(PrefillByLayers):
     """Prefill writes nothing, decode emits token 0: the bench measures the protocol."""
 
     layers, kv_heads, head_dim, stop_token = LAYERS, KV_HEADS, HEAD_DIM, None

@@ -3,18 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Generator, TypeVar
-
-R = TypeVar("R")
-
-
-def run_to_end(steps: Generator[object, None, R]) -> R:
-    """Drive ``steps`` through every step; return what it returns."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as end:
-            return end.value
+from typing import Any
 
 
 class PrefillByLayers:
@@ -22,4 +11,9 @@ class PrefillByLayers:
     layer and returns what ``prefill_layers`` returns."""
 
     def prefill(self, kv: Any, tokens: Any, page_row: Any, **options: Any) -> Any:
-        return run_to_end(self.prefill_layers(kv, tokens, page_row, **options))
+        layers = self.prefill_layers(kv, tokens, page_row, **options)
+        while True:
+            try:
+                next(layers)
+            except StopIteration as end:
+                return end.value

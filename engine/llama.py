@@ -23,7 +23,8 @@ from typing import Generator, Sequence
 
 import torch
 
-from .attention import paged_decode_attention, write_kv_pages, write_kv_tokens
+from .attention import write_kv_pages, write_kv_tokens
+from .kernels import paged_decode_attention  # Triton on CUDA tensors, the torch reference elsewhere
 from .pool import PoolConfig, check_pool_shape
 from .stepwise import PrefillByLayers
 from .tokenizer import EOS, VOCAB_SIZE

@@ -1,0 +1,95 @@
+"""Page checksums in Triton, equal to :func:`kvferry.engine.integrity.page_checksums`.
+
+Each page's bytes are 32-bit words ``w_i`` (bytes when the page's byte count is not a
+multiple of 4); ``s1 = sum w_i mod P``, ``s2 = sum (i+1) w_i mod P`` with ``P = 2^31 - 1``,
+packed ``s1 * 2^31 + s2``. Integer arithmetic only, so any reduction order gives the
+reference's value exactly. Reductions mod the Mersenne prime fold with shifts and masks
+(``x mod P`` from ``(x & P) + (x >> 31)``), never a 64-bit division.
+
+Grid ``(pages, chunks)``: program ``(p, c)`` reduces words ``[c*CHUNK, (c+1)*CHUNK)`` of
+page ``pages[p]`` in steps of ``BLOCK`` words into two partial sums below P; the partials
+are added (and folded) on the host side with torch. Each page must be contiguous inside
+(``kv[page]`` dense); pages may sit at any stride.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+MODULUS = (1 << 31) - 1
+BLOCK = 1024  # words per step
+CHUNK_STEPS = 16  # steps per program
+
+
+@triton.jit
+def _fold(x):
+    """``x mod P`` for ``0 <= x < 2^62`` (int64), by two Mersenne folds and a subtract."""
+    x = (x & 2147483647) + (x >> 31)
+    x = (x & 2147483647) + (x >> 31)
+    return tl.where(x >= 2147483647, x - 2147483647, x)
+
+
+@triton.jit
+def _checksum_kernel(
+    words_ptr, stride_page, pages_ptr, part_ptr, words_per_page, chunks,
+    BLOCK: tl.constexpr, STEPS: tl.constexpr, BYTES: tl.constexpr,
+):
+    """words ``[pool pages, words_per_page]`` (int32 words or uint8 bytes), pages ``[n]``
+    int64, part ``[n, chunks, 2]`` int64 partial (s1, s2), each below P."""
+    p = tl.program_id(0)
+    c = tl.program_id(1)
+    page = tl.load(pages_ptr + p)
+    base = words_ptr + page * stride_page
+    i0 = c * (BLOCK * STEPS)
+    offs = tl.arange(0, BLOCK)
+    s1 = tl.zeros([BLOCK], dtype=tl.int64)
+    s2 = tl.zeros([BLOCK], dtype=tl.int64)
+    for step in range(STEPS):
+        i = i0 + step * BLOCK + offs
+        ok = i < words_per_page
+        w = tl.load(base + i, mask=ok, other=0).to(tl.int64)
+        if BYTES:
+            w = w & 255
+        else:
+            w = w & 4294967295
+        w = _fold(w)  # w mod P, below 2^31
+        s1 += w  # at most STEPS values below 2^31 per lane: no overflow
+        s2 += _fold(w * (i + 1).to(tl.int64))
+    t1 = _fold(tl.sum(s1, axis=0))
+    t2 = _fold(tl.sum(s2, axis=0))
+    out = part_ptr + (p.to(tl.int64) * chunks + c) * 2
+    tl.store(out, t1)
+    tl.store(out + 1, t2)
+
+
+def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """One int64 checksum per listed page, ``[n]`` on kv's device; kv ``[pages, ...]`` with
+    each page dense inside."""
+    pages = torch.as_tensor(pages, dtype=torch.int64, device=kv.device).reshape(-1)
+    n = pages.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=kv.device)
+    page = kv[0]
+    if not page.is_contiguous():
+        raise ValueError("each page must be contiguous inside to be checksummed in place")
+    if bool(((pages < 0) | (pages >= kv.shape[0])).any()):
+        raise IndexError(f"pages outside [0, {kv.shape[0]})")
+    page_bytes = page.numel() * page.element_size()
+    stride_bytes = kv.stride(0) * kv.element_size()
+    as_words = page_bytes % 4 == 0 and stride_bytes % 4 == 0 and kv.data_ptr() % 4 == 0
+    unit = 4 if as_words else 1
+    flat = torch.as_strided(kv, (kv.shape[0], page.numel()), (kv.stride(0), 1))  # [pool pages, elements], a view
+    words = flat.view(torch.int32 if as_words else torch.uint8)  # [pool pages, words], a view
+    per_page = page_bytes // unit
+    chunks = -(-per_page // (BLOCK * CHUNK_STEPS))
+    part = torch.empty(n, chunks, 2, dtype=torch.int64, device=kv.device)
+    _checksum_kernel[(n, chunks)](
+        words, words.stride(0), pages, part, per_page, chunks,
+        BLOCK=BLOCK, STEPS=CHUNK_STEPS, BYTES=not as_words, num_warps=4,
+    )
+    sums = part.sum(dim=1) % MODULUS  # [n, 2]: at most chunks values below P each
+    return sums[:, 0] * (1 << 31) + sums[:, 1]

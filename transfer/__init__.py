@@ -15,8 +15,8 @@ Quick tour::
 """
 from .batch import Batch, BatchStatus
 from .engine import (Peer, PeerState, TransferConfig, TransferCounters, TransferEngine)
-from .errors import (DeadlineExceeded, PeerFailedError, SegmentBoundsError,
-                     StaleIncarnationError, TransferError, UcxError, WireError, ucx_error)
+from .errors import (DeadlineExceeded, PeerFailedError, RdmaUnavailableError,
+                     SegmentBoundsError, StaleIncarnationError, TransferError, UcxError, WireError, ucx_error)
 from .protocol import AddressInfo, IncomingMessage, decode_address
 from .segment import RemoteSegment, Segment, SegmentDescriptor
 
@@ -24,5 +24,6 @@ __all__ = [
     "TransferEngine", "TransferConfig", "TransferCounters", "Segment", "SegmentDescriptor",
     "RemoteSegment", "Peer", "PeerState", "Batch", "BatchStatus", "TransferError",
     "PeerFailedError", "DeadlineExceeded", "SegmentBoundsError", "StaleIncarnationError",
-    "WireError", "UcxError", "ucx_error", "AddressInfo", "IncomingMessage", "decode_address",
+    "WireError", "UcxError", "RdmaUnavailableError", "ucx_error", "AddressInfo",
+    "IncomingMessage", "decode_address",
 ]

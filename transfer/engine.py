@@ -29,8 +29,18 @@ Transports (``TransferConfig.transports``):
 - ``"tcp"``: tcp and self. The target must call :meth:`progress` (UCX emulates RMA over
   tcp in software). Keep-alive and ``TCP_USER_TIMEOUT`` are set so that a silently
   partitioned peer fails within seconds.
+- ``"rdma"``: UCX's rc, ud and dc transports over verbs, and self. Refused at start
+  (:class:`RdmaUnavailableError`, naming what is missing) when this UCX was built without
+  verbs or finds no RDMA device. RC's local ACK timeout and retry count are set (unless the
+  operator's ``UCX_RC_TIMEOUT`` / ``UCX_RC_RETRY_COUNT`` are) so that a silent peer fails
+  within the default abort deadline (see :mod:`kvferry.transfer.horizon`).
 - ``None``: UCX's defaults (every transport it finds); any other string is used as
   ``UCX_TLS`` as is.
+
+Transport-level options (``TCP_*``, ``RC_*``, ...) reach UCX through its ``UCX_*``
+environment for the duration of the worker's creation: UCX 1.13 ignores them in
+``ucp_config_modify``. An operator's own ``UCX_*`` variable wins over the engine's
+default; an option this UCX does not have is left out and listed by :meth:`describe`.
 
 UCX's peer error-handling mode is deliberately left at its default: ``PEER`` mode breaks
 shared-memory endpoints and slows tcp/cma RMA to software emulation. Peer death is
@@ -48,12 +58,15 @@ import select
 import socket
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from . import horizon as horizons
+from . import ucxinfo
 from ._native import ffi, lib
 from .batch import Batch, BatchStatus
 from .envelope import REASONS as ENVELOPE_REFUSALS
@@ -67,9 +80,19 @@ from .segment import RemoteSegment, Segment, SegmentDescriptor
 
 log = logging.getLogger("kvferry.transfer")
 
-TRANSPORT_PRESETS = {"shm": "sm,self", "tcp": "tcp,self"}
+TRANSPORT_PRESETS = {"shm": "sm,self", "tcp": "tcp,self", "rdma": "rc,ud,dc,self"}
 TCP_FAILURE_OPTIONS = {"TCP_KEEPIDLE": "1s", "TCP_KEEPINTVL": "1s", "TCP_KEEPCNT": "3",
                        "TCP_USER_TIMEOUT": "4s"}
+# RC: the NIC runs 0.54 ms x 2^10 = 0.54 s per try (4.096 us x 2^17), 8 tries: 4.3 s, inside
+# the 5 s default abort deadline as tcp's 4 s are. UCX's defaults (1.0 s, 7) give 8.6 s.
+RC_FAILURE_OPTIONS = {"RC_TIMEOUT": "0.5s", "RC_RETRY_COUNT": "7"}
+RC_UCX_DEFAULTS = {"RC_TIMEOUT": "1.0s", "RC_RETRY_COUNT": "7"}
+# Options below ucp, by prefix: the (component, transport) this UCX reads them for.
+TL_OPTION_HOMES = {"TCP_": ("tcp", "tcp"), "RC_": ("ib", "rc_verbs"), "UD_": ("ib", "ud_verbs"),
+                   "DC_": ("ib", "dc_mlx5"), "IB_": ("ib", "rc_verbs")}
+UCS_ERR_NO_ELEM = -12
+RDMA_TLS_WORDS = ("rc", "ud", "dc", "rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5", "dc_mlx5",
+                  "rc_x", "ud_x", "dc_x", "ib")
 MessageHandler = Callable[[bytes, bytes], None]
 
 
@@ -90,19 +113,37 @@ class TransferConfig:
     default_timeout_s: float = 30.0   # Batch.wait() without a timeout
     close_timeout_s: float = 2.0      # bound on endpoint close
     tcp_failure_detection: bool = True  # tcp keep-alive so a silent partition fails
+    rc_failure_detection: bool = True   # RC timeout x retries inside the abort deadline
     ucx_options: dict[str, str] = field(default_factory=dict)  # extra ucp_config_modify keys
     # Injected fault for tests that must show they can fail: skip page i of every write.
     fault_skip_page: int | None = None
 
-    def resolved_ucx_options(self) -> dict[str, str]:
+    def tls(self) -> str | None:
+        """The UCX_TLS list these transports stand for (None: UCX's default)."""
+        return TRANSPORT_PRESETS.get(self.transports or "", self.transports)
+
+    def uses_tcp(self) -> bool:
+        tls = self.tls()
+        return tls is None or tls == "all" or "tcp" in tls.split(",")
+
+    def uses_rc(self) -> bool:
+        tls = self.tls()
+        return tls is None or tls == "all" or any(w in RDMA_TLS_WORDS for w in tls.split(","))
+
+    def engine_defaults(self) -> dict[str, str]:
+        """The options the engine sets unless ``ucx_options`` (or, for transport options,
+        the operator's ``UCX_*`` environment) says otherwise."""
         opts: dict[str, str] = {}
-        tls = TRANSPORT_PRESETS.get(self.transports or "", self.transports)
-        if tls:
-            opts["TLS"] = tls
-        if self.tcp_failure_detection and (tls is None or "tcp" in tls or tls == "all"):
+        if self.tls():
+            opts["TLS"] = self.tls()
+        if self.tcp_failure_detection and self.uses_tcp():
             opts.update(TCP_FAILURE_OPTIONS)
-        opts.update(self.ucx_options)
+        if self.rc_failure_detection and self.uses_rc() and self.transports is not None:
+            opts.update(RC_FAILURE_OPTIONS)
         return opts
+
+    def resolved_ucx_options(self) -> dict[str, str]:
+        return {**self.engine_defaults(), **self.ucx_options}
 
 
 @dataclass
@@ -145,6 +186,7 @@ class Peer:
     failure: str | None = None
     pidfd: int | None = field(default=None, repr=False)
     transports: str = ""
+    transports_from: str = ""  # "ucp_ep_query", or "ucp_ep_print_info" before UCX 1.14
     last_liveness_check: float = 0.0
     rkeys: list = field(default_factory=list, repr=False)  # destroyed before the endpoint
     # Handles whose completion a notice must wait for: batches that posted puts through
@@ -156,6 +198,61 @@ class Peer:
     @property
     def incarnation(self) -> int:
         return self.info.incarnation
+
+
+def _tl_home(key: str) -> tuple[str, str, str] | None:
+    """(component, transport, option) of a transport-level option, None for ucp's own."""
+    for prefix, (component, tl) in TL_OPTION_HOMES.items():
+        if key.startswith(prefix):
+            return component, tl, key[len(prefix):]
+    return None
+
+
+@dataclass
+class OptionPlan:
+    """How each resolved option reaches UCX: ucp's own through ``ucp_config_modify``,
+    transport options through the environment, some left to the operator's environment,
+    some left out because this UCX lacks them."""
+
+    ucp: dict[str, str] = field(default_factory=dict)
+    environment: dict[str, str] = field(default_factory=dict)  # UCX_KEY -> value
+    operator: dict[str, str] = field(default_factory=dict)     # UCX_KEY -> operator's value
+    unsupported: list[str] = field(default_factory=list)
+
+
+def plan_options(options: dict[str, str], defaults: dict[str, str],
+                 explicit: dict[str, str], env: dict[str, str]) -> OptionPlan:
+    plan = OptionPlan()
+    for key, value in options.items():
+        home = _tl_home(key)
+        if home is None:
+            plan.ucp[key] = value
+            continue
+        name = f"UCX_{key}"
+        if key in defaults and key not in explicit and name in env:
+            plan.operator[name] = env[name]
+            continue
+        if ucxinfo.iface_option(*home)[0] == UCS_ERR_NO_ELEM and home[0] == "tcp":
+            plan.unsupported.append(f"{key}={value} (this UCX's {home[1]} has no "
+                                    f"{home[2]} option)")
+            continue
+        plan.environment[name] = value
+    return plan
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in the process environment (where UCX reads them), then restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _check(status: int, what: str, peer: str | None = None) -> None:
@@ -201,11 +298,16 @@ class TransferEngine:
         self.config = config or TransferConfig()
         self.incarnation = secrets.randbits(64) | 1
         self.counters = TransferCounters()
+        self._rdma = ucxinfo.check_rdma() if self.config.transports == "rdma" else None
         self._options = self.config.resolved_ucx_options()
-        opt_text = "\n".join(f"{k}={v}" for k, v in self._options.items()).encode()
+        self._plan = plan_options(self._options, self.config.engine_defaults(),
+                                  self.config.ucx_options, dict(os.environ))
+        opt_text = "\n".join(f"{k}={v}" for k, v in self._plan.ucp.items()).encode()
         max_am = min(self.config.max_message_bytes, MAX_PAYLOAD) + (128 << 10)
         out = ffi.new("kvf_worker **")
-        st = lib.kvf_worker_create(opt_text, max_am, out)
+        with _environment(self._plan.environment):
+            st = lib.kvf_worker_create(opt_text, max_am, out)
+            self._horizon = self._read_horizon() if st == 0 else None
         if st != 0:
             bad = ""
             if out[0] != ffi.NULL:
@@ -246,19 +348,63 @@ class TransferEngine:
 
     # ----------------------------------------------------------------- description
     def describe(self) -> dict:
-        """UCX version and library, build source, requested transports, and the
-        transports each connected peer's endpoint uses (like ``ucx_info``)."""
-        return {
+        """UCX version and library, build source (which UCX and why), the UCP API it was
+        built against, what that build lacks, requested transports and options (and those
+        this UCX lacks), the RDMA devices and transports (``transports="rdma"``), the
+        failure horizon, and the transports each connected peer's endpoint uses."""
+        out = {
             "ucx_version": ffi.string(lib.kvf_version_string()).decode(),
             "ucx_library": ffi.string(lib.kvf_library_path()).decode(),
             "ucx_build": ffi.string(lib.kvf_ucx_source()).decode(),
+            "ucx_built_against": ucxinfo.versions()["built"],
+            "ucx_unavailable": ucxinfo.unavailable_features() + self._plan.unsupported,
             "transports_requested": self._options.get("TLS", "all (UCX default)"),
             "ucx_options": dict(self._options),
+            "ucx_environment": {**self._plan.operator},
+            "failure_horizon": self._horizon.how if self._horizon else None,
             "incarnation": f"{self.incarnation:#018x}",
             "name": self.name,
-            "peers": {p.name: {"state": p.state.value, "transports": p.transports}
+            "peers": {p.name: {"state": p.state.value, "transports": p.transports,
+                               "transports_from": p.transports_from}
                       for p in self._peers.values()},
         }
+        if self._rdma is not None:
+            out["rdma"] = dict(self._rdma)
+        return out
+
+    def failure_horizon(self) -> horizons.FailureHorizon:
+        """How long a silent connected peer can count as alive on these transports
+        (``log_record(abort_deadline_s)`` gives the start-up log line)."""
+        return self._horizon
+
+    def _option_value(self, key: str, ucx_default: str | None = None) -> str | None:
+        """What the worker read for a transport option: this UCX's own report when it
+        can give one, else the engine's or operator's value, else ``ucx_default``."""
+        home = _tl_home(key)
+        st, value = ucxinfo.iface_option(*home) if home else (UCS_ERR_NO_ELEM, "")
+        if st == 0 and value:
+            return value
+        name = f"UCX_{key}"
+        return (self._plan.environment.get(name) or self._plan.operator.get(name)
+                or self._plan.ucp.get(key) or ucx_default)
+
+    def _read_horizon(self) -> horizons.FailureHorizon:
+        parts: list[horizons.FailureHorizon] = []
+        if self.config.uses_tcp():
+            supported = ucxinfo.iface_option("tcp", "tcp", "USER_TIMEOUT")[0] != UCS_ERR_NO_ELEM
+            parts.append(horizons.tcp_horizon(
+                self._option_value("TCP_KEEPIDLE"), self._option_value("TCP_KEEPINTVL"),
+                self._option_value("TCP_KEEPCNT"), self._option_value("TCP_USER_TIMEOUT"),
+                supported))
+        if self.config.uses_rc() and (self._rdma is not None or
+                                      ucxinfo.inventory().rdma_devices()):
+            parts.append(horizons.rc_horizon(
+                self._option_value("RC_TIMEOUT", RC_UCX_DEFAULTS["RC_TIMEOUT"]),
+                self._option_value("RC_RETRY_COUNT", RC_UCX_DEFAULTS["RC_RETRY_COUNT"])))
+        tls = self.config.tls()
+        if tls is None or "sm" in tls.split(",") or tls == "all" or not parts:
+            parts.append(horizons.SHM_HORIZON)
+        return horizons.combine(parts)
 
     def fileno(self) -> int:
         """UCX's event fd: readable when :meth:`progress` has work (:meth:`arm` it first;
@@ -342,9 +488,7 @@ class TransferEngine:
                 peer.pidfd = None
                 if not self._pid_exists(info.pid):
                     peer.state, peer.failure = PeerState.FAILED, f"process {info.pid} is gone"
-        tbuf = ffi.new("char[512]")
-        if lib.kvf_ep_transports(peer.ep, tbuf, 512) == 0:
-            peer.transports = ffi.string(tbuf).decode()
+        peer.transports, peer.transports_from = ucxinfo.endpoint_transports(peer.ep)
         self._peers[peer_address] = peer
         log.info("connected to %s (incarnation %#x) over %s", name, info.incarnation,
                  peer.transports or "?")

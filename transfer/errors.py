@@ -47,6 +47,16 @@ class DeadlineExceeded(TransferError):
                          + (f" [peer {peer}]" if peer else ""))
 
 
+class RdmaUnavailableError(TransferError):
+    """``transports="rdma"`` cannot run here. ``missing`` names what is absent: "verbs"
+    (this UCX was built without them), "device" (no RDMA device, or none that
+    UCX_NET_DEVICES allows) or "transport" (devices without rc/ud/dc)."""
+
+    def __init__(self, message: str, missing: str):
+        self.missing = missing
+        super().__init__(message)
+
+
 class SegmentBoundsError(TransferError, ValueError):
     """A page (local offset, remote offset, length) falls outside a segment."""
 

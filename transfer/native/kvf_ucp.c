@@ -21,9 +21,22 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
+#include <ucp/api/ucp_version.h>
+#include <uct/api/uct.h>
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
+
+/* Oldest UCX this binding builds against (build_ucp.py checks it first, with both
+ * versions in its message); features of later releases sit behind KVF_UCX_AT_LEAST and
+ * are listed by kvf_features(), so describe() can say what a build lacks. */
+#define KVF_UCX_AT_LEAST(major, minor) (UCP_API_VERSION >= UCP_VERSION(major, minor))
+#if !KVF_UCX_AT_LEAST(1, 13)
+#error "kvferry needs UCX 1.13 or newer; these headers are older (ucp/api/ucp_version.h)"
+#endif
+/* ucp_ep_query() with UCP_EP_ATTR_FIELD_TRANSPORTS (the transports and devices of an
+ * endpoint's lanes) arrived after 1.13; older builds read ucp_ep_print_info() instead. */
+#define KVF_HAVE_EP_TRANSPORTS KVF_UCX_AT_LEAST(1, 14)
 
 struct kvf_worker {
     ucp_context_h context;
@@ -68,6 +81,24 @@ typedef struct kvf_send_ctx {
 const char *kvf_status_string(int status) { return ucs_status_string((ucs_status_t)status); }
 
 const char *kvf_version_string(void) { return ucp_get_version_string(); }
+
+void kvf_ucx_versions(unsigned *build_major, unsigned *build_minor, unsigned *run_major,
+                      unsigned *run_minor, unsigned *run_release)
+{
+    *build_major = UCP_API_MAJOR;
+    *build_minor = UCP_API_MINOR;
+    ucp_get_version(run_major, run_minor, run_release);
+}
+
+/* Comma-separated names of the optional features compiled in (see KVF_HAVE_*). */
+const char *kvf_features(void)
+{
+#if KVF_HAVE_EP_TRANSPORTS
+    return "ep_transports";
+#else
+    return "";
+#endif
+}
 
 const char *kvf_library_path(void)
 {
@@ -364,8 +395,11 @@ int kvf_ep_create(kvf_worker *w, const void *addr, void **ep)
     return ucp_ep_create(w->worker, &params, (ucp_ep_h *)ep);
 }
 
+/* The endpoint's lanes as "transport/device,..." (ucp_ep_query). UCS_ERR_UNSUPPORTED
+ * when built against a UCX without that query: use kvf_ep_print_info then. */
 int kvf_ep_transports(void *ep, char *out, size_t cap)
 {
+#if KVF_HAVE_EP_TRANSPORTS
     ucp_transport_entry_t entries[16];
     ucp_ep_attr_t attr;
     ucs_status_t st;
@@ -385,6 +419,169 @@ int kvf_ep_transports(void *ep, char *out, size_t cap)
         if (k < 0) break;
         used += (size_t)k;
     }
+    return UCS_OK;
+#else
+    (void)ep; (void)cap;
+    out[0] = '\0';
+    return UCS_ERR_UNSUPPORTED;
+#endif
+}
+
+/* ucp_ep_print_info's text (the endpoint's configuration and lanes), truncated to cap - 1
+ * bytes and NUL-terminated. Returns the full length, or -1 when it could not be captured. */
+int64_t kvf_ep_print_info(void *ep, char *out, size_t cap)
+{
+    char *text = NULL;
+    size_t length = 0;
+    FILE *f = open_memstream(&text, &length);
+    if (f == NULL) return -1;
+    ucp_ep_print_info((ucp_ep_h)ep, f);
+    fclose(f);
+    if (cap > 0) {
+        size_t n = length < cap - 1 ? length : cap - 1;
+        if (n) memcpy(out, text, n);
+        out[n] = '\0';
+    }
+    free(text);
+    return (int64_t)length;
+}
+
+/* Appends to out (NUL-terminated, used bytes in *used); returns 0 once out is full. */
+static int kvf_append(char *out, size_t cap, size_t *used, const char *text)
+{
+    size_t n = strlen(text);
+    if (*used + n + 1 > cap) return 0;
+    memcpy(out + *used, text, n + 1);
+    *used += n;
+    return 1;
+}
+
+/* The transport resources of one memory domain as " tl/dev" words appended to out. */
+static void kvf_md_resources(uct_component_h component, const char *md_name, char *out,
+                             size_t cap, size_t *used)
+{
+    uct_md_config_t *config;
+    uct_md_h md;
+    uct_tl_resource_desc_t *tls;
+    unsigned n = 0, i;
+    char word[UCT_TL_NAME_MAX + UCT_DEVICE_NAME_MAX + 4];
+    if (uct_md_config_read(component, NULL, NULL, &config) != UCS_OK) return;
+    if (uct_md_open(component, md_name, config, &md) != UCS_OK) {
+        uct_config_release(config);
+        return;
+    }
+    uct_config_release(config);
+    if (uct_md_query_tl_resources(md, &tls, &n) == UCS_OK) {
+        for (i = 0; i < n; ++i) {
+            snprintf(word, sizeof(word), " %s/%s", tls[i].tl_name, tls[i].dev_name);
+            if (!kvf_append(out, cap, used, word)) break;
+        }
+        uct_release_tl_resource_list(tls);
+    }
+    uct_md_close(md);
+}
+
+/* Opens the first memory domain of the component called `name` (*md, with *found set
+ * when the component exists). UCS_ERR_NO_ELEM: no such component in this UCX;
+ * UCS_ERR_NO_DEVICE: it has no memory domain here (e.g. "ib" without an RDMA device). */
+static ucs_status_t kvf_open_first_md(const char *name, uct_md_h *md)
+{
+    uct_component_h *components;
+    unsigned count, i;
+    ucs_status_t st = uct_query_components(&components, &count);
+    if (st != UCS_OK) return st;
+    st = UCS_ERR_NO_ELEM;
+    for (i = 0; i < count && st == UCS_ERR_NO_ELEM; ++i) {
+        uct_component_attr_t attr;
+        uct_md_resource_desc_t first;
+        uct_md_config_t *config;
+        memset(&attr, 0, sizeof(attr));
+        attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME |
+                          UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT;
+        if (uct_component_query(components[i], &attr) != UCS_OK) continue;
+        if (strcmp(attr.name, name) != 0) continue;
+        st = UCS_ERR_NO_DEVICE;
+        if (attr.md_resource_count == 0) break;
+        attr.md_resource_count = 1; /* the first one is enough to read options */
+        attr.md_resources = &first;
+        attr.field_mask |= UCT_COMPONENT_ATTR_FIELD_MD_RESOURCES;
+        if (uct_component_query(components[i], &attr) != UCS_OK) break;
+        if (uct_md_config_read(components[i], NULL, NULL, &config) != UCS_OK) break;
+        st = uct_md_open(components[i], first.md_name, config, md);
+        uct_config_release(config);
+    }
+    uct_release_component_list(components);
+    return st;
+}
+
+/* The value that transport `tl` of component `component` would use for its interface
+ * option `name` (e.g. "tcp", "tcp", "KEEPIDLE"), as this UCX reads it: the environment,
+ * else its default. UCS_ERR_NO_ELEM when this UCX has no such option (or component);
+ * UCS_ERR_NO_DEVICE when the component has no device to read it from. */
+int kvf_uct_iface_option(const char *component, const char *tl, const char *name,
+                         char *value, size_t cap)
+{
+    uct_md_h md;
+    uct_iface_config_t *config;
+    ucs_status_t st = kvf_open_first_md(component, &md);
+    if (cap > 0) value[0] = '\0';
+    if (st != UCS_OK) return st;
+    st = uct_md_iface_config_read(md, tl, NULL, NULL, &config);
+    if (st == UCS_OK) {
+        st = uct_config_get(config, name, value, cap);
+        if (st != UCS_OK) st = UCS_ERR_NO_ELEM;
+        uct_config_release(config);
+    }
+    uct_md_close(md);
+    return st;
+}
+
+/* What this UCX offers below ucp: one line per component, "name<TAB>md md ...", and for
+ * each memory domain of the components named in `open` (comma-separated, e.g. "ib,mlx5";
+ * opening one opens its device) one line "name<TAB>md<TAB> tl/dev tl/dev ...".
+ * Returns 0, or the ucs_status_t of the failed component query. */
+int kvf_uct_inventory(const char *open, char *out, size_t cap)
+{
+    uct_component_h *components;
+    unsigned count, i, j;
+    size_t used = 0;
+    ucs_status_t st = uct_query_components(&components, &count);
+    if (cap > 0) out[0] = '\0';
+    if (st != UCS_OK) return st;
+    for (i = 0; i < count; ++i) {
+        uct_component_attr_t attr;
+        char needle[UCT_COMPONENT_NAME_MAX + 2], haystack[256];
+        int opened;
+        memset(&attr, 0, sizeof(attr));
+        attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME |
+                          UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT;
+        if (uct_component_query(components[i], &attr) != UCS_OK) continue;
+        attr.md_resources = (uct_md_resource_desc_t *)calloc(
+            attr.md_resource_count ? attr.md_resource_count : 1, sizeof(uct_md_resource_desc_t));
+        if (attr.md_resources == NULL) break;
+        attr.field_mask |= UCT_COMPONENT_ATTR_FIELD_MD_RESOURCES;
+        if (uct_component_query(components[i], &attr) != UCS_OK) attr.md_resource_count = 0;
+        snprintf(needle, sizeof(needle), ",%s,", attr.name);
+        snprintf(haystack, sizeof(haystack), ",%s,", open ? open : "");
+        opened = strstr(haystack, needle) != NULL;
+        kvf_append(out, cap, &used, attr.name);
+        kvf_append(out, cap, &used, "\t");
+        for (j = 0; j < attr.md_resource_count; ++j) {
+            if (j) kvf_append(out, cap, &used, " ");
+            kvf_append(out, cap, &used, attr.md_resources[j].md_name);
+        }
+        kvf_append(out, cap, &used, "\n");
+        for (j = 0; opened && j < attr.md_resource_count; ++j) {
+            kvf_append(out, cap, &used, attr.name);
+            kvf_append(out, cap, &used, "\t");
+            kvf_append(out, cap, &used, attr.md_resources[j].md_name);
+            kvf_append(out, cap, &used, "\t");
+            kvf_md_resources(components[i], attr.md_resources[j].md_name, out, cap, &used);
+            kvf_append(out, cap, &used, "\n");
+        }
+        free(attr.md_resources);
+    }
+    uct_release_component_list(components);
     return UCS_OK;
 }
 

@@ -38,6 +38,12 @@ typedef struct kvf_msg {
 const char *kvf_status_string(int status);
 const char *kvf_version_string(void);
 const char *kvf_library_path(void);
+void kvf_ucx_versions(unsigned *build_major, unsigned *build_minor, unsigned *run_major,
+                      unsigned *run_minor, unsigned *run_release);
+const char *kvf_features(void);
+int kvf_uct_inventory(const char *open, char *out, size_t cap);
+int kvf_uct_iface_option(const char *component, const char *tl, const char *name,
+                         char *value, size_t cap);
 int kvf_worker_create(const char *options, int64_t max_am_bytes, kvf_worker **out);
 void kvf_worker_destroy(kvf_worker *w);
 const char *kvf_worker_bad_option(kvf_worker *w);
@@ -53,6 +59,7 @@ void kvf_worker_configure(kvf_worker *w, int64_t max_sender, int64_t max_payload
 
 int kvf_ep_create(kvf_worker *w, const void *addr, void **ep);
 int kvf_ep_transports(void *ep, char *out, size_t cap);
+int64_t kvf_ep_print_info(void *ep, char *out, size_t cap);
 int kvf_ep_close(kvf_worker *w, void *ep, int force, int timeout_ms);
 
 int kvf_mem_map(kvf_worker *w, void *address, size_t length, int allocate,

@@ -64,8 +64,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=None,
                    help="number of prefill ranks (default: about half of the non-router ranks)")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size of a prefill group")
-    p.add_argument("--transports", choices=["shm", "tcp"], default=None,
-                   help="UCX transports for page writes (default: UCX's choice)")
+    p.add_argument("--transports", choices=["shm", "tcp", "rdma"], default=None,
+                   help="UCX transports for page writes: shm, tcp, or rdma (rc/ud/dc over verbs; "
+                        "needs a UCX built with verbs and an RDMA device) (default: UCX's choice)")
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float,
                    default=d.request_timeout_s, help="seconds (default %(default)s)")
     p.add_argument("--transfer-timeout", dest="transfer_timeout_s", type=float,

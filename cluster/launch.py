@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = TransferEngine(TransferConfig(transports=cfg.transports, name=f"rank{rank}/{role.value}",
                                            max_message_bytes=4 << 20))
     log.info("UCX: %s", {k: v for k, v in engine.describe().items() if k != "peers"})
+    log.log(*engine.failure_horizon().log_record(cfg.abort_deadline_s))
     pool = segment = model = None
     context_length = cfg.context_length
     try:

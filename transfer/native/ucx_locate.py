@@ -97,28 +97,32 @@ def from_prefix(prefix: str, reason: str) -> UcxBuild:
     return UcxBuild(incs, libs, version, f"{root}", reason)
 
 
-def _pkg_config(*args: str) -> str | None:
-    if shutil.which("pkg-config") is None:
+def _pkg_config(env: dict[str, str], *args: str) -> str | None:
+    tool = shutil.which("pkg-config", path=env.get("PATH", os.defpath))
+    if tool is None:
         return None
-    done = subprocess.run(["pkg-config", *args, "ucx"], capture_output=True, text=True)
+    done = subprocess.run([tool, *args, "ucx"], capture_output=True, text=True, env=env)
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def from_pkg_config(reason: str) -> UcxBuild:
-    cflags = _pkg_config("--cflags-only-I")
+def from_pkg_config(reason: str, env: dict[str, str]) -> UcxBuild:
+    """The UCX ``pkg-config ucx`` finds under ``env`` (its PATH and PKG_CONFIG_PATH)."""
+    cflags = _pkg_config(env, "--cflags-only-I")
     if cflags is None:
-        where = os.environ.get("PKG_CONFIG_PATH", "")
+        where = env.get("PKG_CONFIG_PATH", "")
+        found = shutil.which("pkg-config", path=env.get("PATH", os.defpath))
         raise UcxChoiceError(
             "pkg-config finds no ucx" + (f" (PKG_CONFIG_PATH={where})" if where else "")
-            + ("" if shutil.which("pkg-config") else ": pkg-config is not installed")
+            + ("" if found else ": pkg-config is not installed")
             + "; on Debian/Ubuntu install libucx-dev")
     incs = [f[2:] for f in cflags.split() if f.startswith("-I")]
-    libs = [f[2:] for f in (_pkg_config("--libs-only-L") or "").split() if f.startswith("-L")]
-    includedir = _pkg_config("--variable=includedir")
-    libdir = _pkg_config("--variable=libdir")
+    libs = [f[2:] for f in (_pkg_config(env, "--libs-only-L") or "").split()
+            if f.startswith("-L")]
+    includedir = _pkg_config(env, "--variable=includedir")
+    libdir = _pkg_config(env, "--variable=libdir")
     search = incs + ([includedir] if includedir else []) + list(SYSTEM_INCLUDE_DIRS)
     version = _check_usable(search, libs or ([libdir] if libdir else []),
-                            f"the pkg-config UCX {_pkg_config('--modversion') or '?'}")
+                            f"the pkg-config UCX {_pkg_config(env, '--modversion') or '?'}")
     where = libdir or (libs[0] if libs else "the default library path")
     return UcxBuild(incs, libs, version, f"pkg-config ucx ({where})", reason)
 
@@ -139,10 +143,10 @@ def from_wheel(reason: str) -> UcxBuild:
                      "(KVFERRY_UCX=system or KVFERRY_UCX=/prefix)"])
 
 
-def _system_note() -> str | None:
+def _system_note(env: dict[str, str]) -> str | None:
     """A word about a system UCX that is installed but not chosen, or None."""
     try:
-        found = from_pkg_config("(not chosen)")
+        found = from_pkg_config("(not chosen)", env)
     except UcxChoiceError as exc:
         return None if "finds no ucx" in str(exc) else f"a system UCX is not usable: {exc}"
     return (f"a system UCX {found.version_text} is installed ({found.source}) but not "
@@ -164,14 +168,15 @@ def locate(env: dict[str, str] | None = None) -> UcxBuild:
         if home:
             return _explicit(lambda: from_prefix(home, "UCX_HOME"), f"UCX_HOME={home}")
         build = from_wheel("default (KVFERRY_UCX unset)")
-        note = _system_note()
+        note = _system_note(env)
         return _with_note(build, note)
     if choice == "wheel":
         return from_wheel("KVFERRY_UCX=wheel")
     if choice == "system":
-        return _explicit(lambda: from_pkg_config("KVFERRY_UCX=system"), "KVFERRY_UCX=system")
+        return _explicit(lambda: from_pkg_config("KVFERRY_UCX=system", env),
+                         "KVFERRY_UCX=system")
     if choice == "auto":
-        return _auto(home)
+        return _auto(home, env)
     if choice.startswith(("/", ".", "~")):
         return _explicit(lambda: from_prefix(choice, f"KVFERRY_UCX={choice}"),
                          f"KVFERRY_UCX={choice}")
@@ -192,10 +197,11 @@ def _with_note(build: UcxBuild, note: str | None) -> UcxBuild:
     return build
 
 
-def _auto(home: str) -> UcxBuild:
+def _auto(home: str, env: dict[str, str]) -> UcxBuild:
     attempts = [("UCX_HOME", lambda: from_prefix(home, "KVFERRY_UCX=auto, UCX_HOME"))] if home \
         else []
-    attempts.append(("pkg-config", lambda: from_pkg_config("KVFERRY_UCX=auto, pkg-config")))
+    attempts.append(("pkg-config",
+                     lambda: from_pkg_config("KVFERRY_UCX=auto, pkg-config", env)))
     skipped: list[str] = []
     for label, make in attempts:
         try:

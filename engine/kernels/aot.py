@@ -1,0 +1,244 @@
+"""Ahead-of-time compile of every kernel variant for sm_90 (Hopper), on a machine without a
+GPU, and the checks on the result: no spills, registers within budget, 16-byte global
+loads for K/V (and the checksum's words), tensor-core MMA for the attention dots.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` runs Triton's whole
+pipeline to a cubin without a device; ``cuobjdump`` from the Triton wheel gives the
+resource usage (registers, stack, local memory) and the SASS. The signatures carry the
+16-byte divisibility the JIT infers for the pool's usual layout (pointers 16-byte
+aligned; q, pool and output strides multiples of 16 elements; ``split_len`` a multiple of
+64), so vector widths are those of a real launch. Whether the GPU JIT's register counts
+equal these is for the device run to confirm (``scripts/gpu-check.sh`` prints both).
+
+Run: ``python -m kvferry.engine.kernels.aot [--jobs N] [--json]``: one JSON object per
+variant, a table, exit 1 on any violation. Must run without ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+# Registers per thread: 4 warps at <= 128 keep 4 programs (16 warps) resident per SM.
+REGISTER_BUDGET = {"decode": 128, "combine": 96, "checksum": 64}
+TARGET = ("cuda", 90, 32)
+NUM_WARPS = 4
+NUM_STAGES = 2
+_DT = {"bf16": "*bf16", "fp16": "*fp16"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    kernel: str  # decode | combine | checksum
+    dtype: str = "bf16"
+    head_dim: int = 128
+    page_size: int = 16
+    group: int = 4
+    check: bool = False
+    direct: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.kernel == "decode":
+            return (
+                f"decode-{self.dtype}-d{self.head_dim}-p{self.page_size}-g{self.group}"
+                f"-{'check' if self.check else 'nocheck'}-{'direct' if self.direct else 'split'}"
+            )
+        if self.kernel == "combine":
+            return f"combine-{self.dtype}-d{self.head_dim}"
+        return f"checksum-{self.dtype}"
+
+
+def variants() -> list[Variant]:
+    """Every variant a launch can pick for the supported shapes (GQA group 4, the 32/8
+    heads of the device table; other groups change only the query tile's padding up to 16)."""
+    out = [
+        Variant("decode", dt, d, ps, 4, check, direct)
+        for dt in ("bf16", "fp16")
+        for d in (64, 128)
+        for ps in (16, 32, 64)
+        for check in (False, True)
+        for direct in (False, True)
+    ]
+    out += [Variant("combine", dt, d) for dt in ("bf16", "fp16") for d in (64, 128)]
+    out += [Variant("checksum", "words")]
+    return out
+
+
+@dataclass
+class Report:
+    variant: str
+    triton: str
+    registers: int = -1
+    stack: int = -1
+    local: int = -1
+    shared: int = -1
+    loads_128: int = 0
+    mma: int = 0
+    spill_ops: int = 0
+    seconds: float = 0.0
+    sass_from: str = "cuobjdump"
+    violations: list[str] = field(default_factory=list)
+
+
+def _source(v: Variant, divisibility: bool = True):
+    """The ASTSource of a variant: kernel, signature with divisibility (unless told not
+    to: the check that 16-byte loads are found then fails), constexprs."""
+    from triton.compiler import ASTSource
+
+    from . import triton_checksum, triton_decode
+
+    if v.kernel == "decode":
+        fn = triton_decode._decode_split_kernel
+        dt = _DT[v.dtype]
+        aligned = {"q_ptr", "stride_qb", "stride_qh", "k_ptr", "v_ptr", "stride_page", "stride_head",
+                   "stride_slot", "table_ptr", "seq_ptr", "out_ptr", "stride_ob", "stride_oh", "part_ptr",
+                   "ml_ptr", "split_len", "canary_ptr", "rid_ptr", "gen_ptr", "err_ptr", "first_ptr"}
+        part_t = dt if v.direct else "*fp32"
+        sig = {
+            "q_ptr": dt, "stride_qb": "i32", "stride_qh": "i32",
+            "k_ptr": dt, "v_ptr": dt, "stride_page": "i32", "stride_head": "i32", "stride_slot": "i32",
+            "table_ptr": "*i32", "stride_tb": "i32", "seq_ptr": "*i32", "num_pages": "i32", "width": "i32",
+            "out_ptr": dt, "stride_ob": "i32", "stride_oh": "i32",
+            "part_ptr": part_t, "ml_ptr": part_t, "num_splits": "i32", "split_len": "i32",
+            "canary_ptr": "*i64" if v.check else "*i32", "rid_ptr": "*i64" if v.check else "*i32",
+            "gen_ptr": "*i64" if v.check else "*i32", "stride_gb": "i32",
+            "err_ptr": "*i32", "first_ptr": "*i32", "qk_scale": "fp32",
+        }
+        consts = {
+            "GROUP": v.group, "G_PAD": triton_decode.group_pad(v.group), "HEAD_DIM": v.head_dim,
+            "PAGE_SIZE": v.page_size, "BLOCK": triton_decode.BLOCK_N, "CHECK": v.check,
+            "DIRECT": v.direct, "UPCAST": False,
+        }
+    elif v.kernel == "combine":
+        fn = triton_decode._combine_kernel
+        sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": _DT[v.dtype], "stride_ob": "i32",
+               "stride_oh": "i32", "seq_ptr": "*i32", "num_splits": "i32", "split_len": "i32", "width": "i32"}
+        aligned = {"part_ptr", "ml_ptr", "out_ptr", "stride_ob", "stride_oh", "seq_ptr", "split_len"}
+        consts = {"HEAD_DIM": v.head_dim, "PAGE_SIZE": 16, "SPLITS": triton_decode.COMBINE_BLOCK}
+    else:
+        fn = triton_checksum._checksum_kernel
+        sig = {"words_ptr": "*i32", "stride_page": "i32", "pages_ptr": "*i64", "part_ptr": "*i64",
+               "words_per_page": "i32", "chunks": "i32"}
+        aligned = {"words_ptr", "stride_page", "pages_ptr", "part_ptr", "words_per_page"}
+        consts = {"BLOCK": triton_checksum.BLOCK, "STEPS": triton_checksum.CHUNK_STEPS, "BYTES": False}
+    for name in consts:
+        sig[name] = "constexpr"
+    names = list(fn.arg_names)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned} if divisibility else {}
+    return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+
+
+def cuobjdump() -> str | None:
+    """The cuobjdump shipped in the Triton wheel (or on PATH), if any."""
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.path.exists(path) else shutil.which("cuobjdump")
+
+
+_RES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+_LOAD128 = re.compile(r"\b(LDG\.E[.A-Z0-9_]*\.128|LDGSTS\.E[.A-Z0-9_]*\.128)\b")
+_MMA = re.compile(r"\b(HMMA|HGMMA)\.")
+_SPILL = re.compile(r"\b(STL|LDL)\b")
+
+
+def compile_variant(v: Variant, budget: int | None = None, divisibility: bool = True) -> Report:
+    """Compile one variant for sm_90 and check it against the register budget (its
+    kernel's, unless ``budget`` is given)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    report = Report(v.name, triton.__version__)
+    t0 = time.perf_counter()
+    compiled = triton.compile(_source(v, divisibility), target=GPUTarget(*TARGET), options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES})
+    report.seconds = round(time.perf_counter() - t0, 2)
+    report.shared = int(getattr(compiled.metadata, "shared", -1))
+    tool = cuobjdump()
+    if tool is None:
+        report.sass_from = "ptx"
+        ptx = compiled.asm["ptx"]
+        report.loads_128 = len(re.findall(r"(ld\.global[.a-z0-9]*\.v4\.b32|cp\.async\.cg\.shared\.global[^;]*16;)", ptx))
+        report.mma = len(re.findall(r"\bmma\.sync|wgmma\.", ptx))
+        report.violations.append("cuobjdump missing: registers and spills unchecked (PTX only)")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = os.path.join(tmp, "k.cubin")
+            with open(cubin, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+            sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        m = _RES.search(res)
+        if m is None:
+            raise RuntimeError(f"no resource usage in cuobjdump output: {res!r}")
+        report.registers, report.stack, _, report.local = (int(x) for x in m.groups())
+        report.loads_128 = len(_LOAD128.findall(sass))
+        report.mma = len(_MMA.findall(sass))
+        report.spill_ops = len(_SPILL.findall(sass))
+        budget = REGISTER_BUDGET[v.kernel] if budget is None else budget
+        if report.registers > budget:
+            report.violations.append(f"{report.registers} registers > budget {budget}")
+        if report.stack or report.local or report.spill_ops:
+            report.violations.append(f"spills: stack {report.stack}, local {report.local}, {report.spill_ops} STL/LDL")
+    if report.loads_128 < 2 if v.kernel == "decode" else report.loads_128 < 1:
+        report.violations.append(f"only {report.loads_128} 16-byte global loads")
+    if v.kernel == "decode" and report.mma < 2:
+        report.violations.append(f"only {report.mma} tensor-core MMA instructions")
+    return report
+
+
+def _compile_safe(job: tuple[Variant, int | None, bool]) -> Report:
+    v = job[0]
+    try:
+        return compile_variant(*job)
+    except Exception as error:  # report every variant, fail at the end
+        import triton
+
+        return Report(v.name, triton.__version__, violations=[f"compile failed: {type(error).__name__}: {str(error)[-400:]}"])
+
+
+def run(selected: list[Variant], jobs: int, budget: int | None = None, divisibility: bool = True) -> list[Report]:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
+    work = [(v, budget, divisibility) for v in selected]
+    if jobs <= 1:
+        return [_compile_safe(job) for job in work]
+    with ProcessPoolExecutor(jobs) as pool:
+        return list(pool.map(_compile_safe, work))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--only", default="", help="substring of the variant names to compile")
+    parser.add_argument("--json", action="store_true", help="JSON lines only, no table")
+    parser.add_argument("--register-budget", type=int, help="one budget for every kernel (shows the check can fail)")
+    parser.add_argument("--no-divisibility", action="store_true", help="drop the 16-byte divisibility hints (shows the load check can fail)")
+    args = parser.parse_args(argv)
+    selected = [v for v in variants() if args.only in v.name]
+    if not selected:
+        parser.error(f"no variant matches {args.only!r}")
+    t0 = time.perf_counter()
+    reports = run(selected, args.jobs, args.register_budget, not args.no_divisibility)
+    for r in reports:
+        print(json.dumps(asdict(r)), flush=True)
+    if not args.json:
+        print(f"\n{'variant':44} {'regs':>4} {'spill':>5} {'ld128':>5} {'mma':>4} {'smem':>6}  verdict")
+        for r in reports:
+            verdict = "ok" if not r.violations else "; ".join(r.violations)
+            print(f"{r.variant:44} {r.registers:>4} {r.stack + r.local:>5} {r.loads_128:>5} {r.mma:>4} {r.shared:>6}  {verdict}")
+        print(f"{len(reports)} variants, {sum(bool(r.violations) for r in reports)} failing, {time.perf_counter() - t0:.1f} s")
+    return 1 if any(r.violations for r in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Every kernel variant compiles for sm_90 without a GPU, within its register budget, with
+no spills, 16-byte global loads and (attention) tensor-core MMA in its SASS; and the check
+fails when a budget is too tight or the alignment that gives 16-byte loads is lost.
+
+The compile runs in a subprocess (``python -m kvferry.engine.kernels.aot``) without
+``TRITON_INTERPRET``, since the interpreter tests define the kernels interpreted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="the sm_90 compile needs Triton (the test extra pins it)")
+
+from kvferry.engine.kernels import aot  # noqa: E402
+
+
+def run_aot(*args: str, timeout: float = 400) -> tuple[int, list[dict], str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvferry.engine.kernels.aot", "--json", *args],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return proc.returncode, reports, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def all_variants():
+    if aot.cuobjdump() is None:
+        pytest.skip("no cuobjdump in the Triton wheel or on PATH: registers and SASS cannot be read")
+    return run_aot()
+
+
+def test_every_variant_compiles_within_budget(all_variants):
+    rc, reports, stderr = all_variants
+    assert len(reports) == len(aot.variants()), stderr[-2000:]
+    bad = {r["variant"]: r["violations"] for r in reports if r["violations"]}
+    assert not bad, bad
+    assert rc == 0
+    for r in reports:
+        assert r["stack"] == 0 and r["local"] == 0 and r["spill_ops"] == 0
+        assert 0 < r["registers"] <= aot.REGISTER_BUDGET[r["variant"].split("-")[0]]
+        if r["variant"].startswith("decode"):
+            assert r["loads_128"] >= 2 and r["mma"] >= 2
+
+
+def test_a_tight_register_budget_fails(all_variants):
+    rc, reports, _ = run_aot("--only", "decode-bf16-d128-p16-g4-check-split", "--register-budget", "32")
+    assert rc == 1 and len(reports) == 1
+    assert any("registers > budget 32" in v for v in reports[0]["violations"])
+
+
+def test_losing_alignment_loses_16_byte_loads_and_fails():
+    if aot.cuobjdump() is None:
+        pytest.skip("no cuobjdump")
+    rc, reports, _ = run_aot("--only", "decode-bf16-d64-p16-g4-nocheck-split", "--no-divisibility")
+    assert rc == 1 and len(reports) == 1
+    assert any("16-byte global loads" in v for v in reports[0]["violations"]), reports[0]

@@ -83,8 +83,9 @@ log = logging.getLogger("kvferry.transfer")
 TRANSPORT_PRESETS = {"shm": "sm,self", "tcp": "tcp,self", "rdma": "rc,ud,dc,self"}
 TCP_FAILURE_OPTIONS = {"TCP_KEEPIDLE": "1s", "TCP_KEEPINTVL": "1s", "TCP_KEEPCNT": "3",
                        "TCP_USER_TIMEOUT": "4s"}
-# RC: the NIC runs 0.54 ms x 2^10 = 0.54 s per try (4.096 us x 2^17), 8 tries: 4.3 s, inside
-# the 5 s default abort deadline as tcp's 4 s are. UCX's defaults (1.0 s, 7) give 8.6 s.
+# RC: the NIC runs a 0.5 s timeout as 4.096 us x 2^17 = 0.54 s per try; 8 tries (7 retries)
+# take 4.3 s, inside the 5 s default abort deadline as tcp's 4 s are. UCX's defaults
+# (1.0 s, 7) give 1.07 s x 8 = 8.6 s.
 RC_FAILURE_OPTIONS = {"RC_TIMEOUT": "0.5s", "RC_RETRY_COUNT": "7"}
 RC_UCX_DEFAULTS = {"RC_TIMEOUT": "1.0s", "RC_RETRY_COUNT": "7"}
 # Options below ucp, by prefix: the (component, transport) this UCX reads them for.

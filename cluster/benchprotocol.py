@@ -223,8 +223,8 @@ def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: i
     def post(i: int) -> None:
         rid = f"bench-{phase_tag}-{i}"
         started[rid], seen[rid] = time.perf_counter(), set()
-        rt.send(WRITER, m.PREFILL, rid=rid, tokens=tokens, owner=OWNER,
-                owner_inc=cards[OWNER].incarnation)
+        rt.send(WRITER, m.PREFILL, rid=rid, tokens=tokens, offset=0, total=len(tokens) // 4,
+                owner=OWNER, owner_inc=cards[OWNER].incarnation)
         rt.send(OWNER, m.ASSIGN, rid=rid, prompt_len=pages * PAGE_SIZE, max_tokens=1,
                 writers=[WRITER], last_token=0)
 

@@ -40,41 +40,66 @@ class ServeConfig:
     fault: list[str] = field(default_factory=list)  # fault hooks, e.g. "corrupt-page:rid-marker"
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1, refused with the value otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be above 0 and finite, got {text}")
+    return value
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeConfig()
     m = parser.add_argument_group("model and pool")
     m.add_argument("--model", choices=["replay", "llama"], default=d.model,
                    help="replay: answers replay the prompt, so a leak is readable; "
                         "llama: small random-weight model for realistic shapes (default %(default)s)")
-    m.add_argument("--layers", type=int, default=d.layers)
-    m.add_argument("--kv-heads", type=int, default=d.kv_heads)
-    m.add_argument("--q-heads", type=int, default=d.q_heads)
-    m.add_argument("--head-dim", type=int, default=d.head_dim)
-    m.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page")
+    m.add_argument("--layers", type=positive_int, default=d.layers)
+    m.add_argument("--kv-heads", type=positive_int, default=d.kv_heads)
+    m.add_argument("--q-heads", type=positive_int, default=d.q_heads)
+    m.add_argument("--head-dim", type=positive_int, default=d.head_dim)
+    m.add_argument("--page-size", type=positive_int, default=d.page_size,
+                   help="tokens per page, 1 or more (default %(default)s)")
     m.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=d.dtype,
                    help="KV pool dtype (default %(default)s)")
-    m.add_argument("--pool-tokens", type=int, default=d.pool_tokens,
+    m.add_argument("--pool-tokens", type=positive_int, default=d.pool_tokens,
                    help="tokens of KV pool per rank (default %(default)s)")
-    m.add_argument("--context-length", type=int, default=d.context_length,
-                   help="longest prompt + output served (default %(default)s)")
+    m.add_argument("--context-length", type=positive_int, default=d.context_length,
+                   help="longest prompt + output served, 1 or more (default %(default)s)")
     m.add_argument("--lower-context-length", action="store_true",
                    help="start even if the measured pool is below --context-length, serving "
                         "the measured capacity instead (logged)")
     p = parser.add_argument_group("roles and protocol")
-    p.add_argument("--prefill", type=int, default=None,
+    p.add_argument("--prefill", type=positive_int, default=None,
                    help="number of prefill ranks (default: about half of the non-router ranks)")
-    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size of a prefill group")
+    p.add_argument("--tp", type=positive_int, default=d.tp, help="tensor-parallel size of a prefill group")
     p.add_argument("--transports", choices=["shm", "tcp", "rdma"], default=None,
                    help="UCX transports for page writes: shm, tcp, or rdma (rc/ud/dc over verbs; "
                         "needs a UCX built with verbs and an RDMA device) (default: UCX's choice)")
-    p.add_argument("--request-timeout", dest="request_timeout_s", type=float,
+    p.add_argument("--request-timeout", dest="request_timeout_s", type=positive_float,
                    default=d.request_timeout_s, help="seconds (default %(default)s)")
-    p.add_argument("--transfer-timeout", dest="transfer_timeout_s", type=float,
-                   default=d.transfer_timeout_s, help="seconds (default %(default)s)")
-    p.add_argument("--abort-deadline", dest="abort_deadline_s", type=float,
+    p.add_argument("--transfer-timeout", dest="transfer_timeout_s", type=positive_float,
+                   default=d.transfer_timeout_s,
+                   help="seconds a decode rank waits for every writer's notice, per 65,536 "
+                        "prompt tokens (default %(default)s)")
+    p.add_argument("--abort-deadline", dest="abort_deadline_s", type=positive_float,
                    default=d.abort_deadline_s,
                    help="seconds an owner waits for abort acks before severing (default %(default)s)")
-    p.add_argument("--admission-wait", dest="admission_wait_s", type=float,
+    p.add_argument("--admission-wait", dest="admission_wait_s", type=positive_float,
                    default=d.admission_wait_s, help="seconds (default %(default)s)")
     p.add_argument("--no-integrity", dest="integrity", action="store_false",
                    help="skip page checksums and canaries")
@@ -89,7 +114,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="enable a fault hook (tests only), e.g. corrupt-page:MARKER")
     f = parser.add_argument_group("front door")
     f.add_argument("--host", default=d.host)
-    f.add_argument("--port", type=int, default=d.port)
+    f.add_argument("--port", type=int, default=d.port, help="front door port (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

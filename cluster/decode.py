@@ -27,6 +27,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -40,7 +41,9 @@ from kvferry.transfer.wire import Message
 
 from . import messages as m
 from .books import RankBooks
+from .chunks import PAGES_PER_CHUNK, Reassembly, spans
 from .runtime import RankRuntime
+from .sliced import run_in_slices
 from .topology import head_range
 
 log = logging.getLogger("kvferry.cluster")
@@ -61,6 +64,18 @@ OWNER_TRANSITIONS: dict[OwnerState, frozenset[OwnerState]] = {
 }
 
 
+@dataclass(frozen=True)
+class Notice:
+    """One writer's whole completion notice, rebuilt from its chunks."""
+
+    tokens: int
+    pages: list[int]
+    generations: list[int]
+    checksums: list[int]
+    bytes: int
+    prefill_ms: float | None
+
+
 @dataclass
 class OwnedRequest:
     rid: str
@@ -70,7 +85,9 @@ class OwnedRequest:
     last_token: int
     grants: list[PageGrant]
     state: OwnerState = OwnerState.AWAITING
-    notices: dict[int, Message] = field(default_factory=dict)
+    noticed: set[int] = field(default_factory=set)      # sent a notice chunk: its writes landed
+    notice_parts: dict[int, Reassembly] = field(default_factory=dict)
+    notices: dict[int, Notice] = field(default_factory=dict)   # whole notices
     acked: set[int] = field(default_factory=set)
     generated: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)
@@ -78,6 +95,7 @@ class OwnedRequest:
     timer: object | None = None
     abort_started: float = 0.0
     transfer_ms: float | None = None
+    prefill_ms: float | None = None       # the slowest writer's prefill compute
     warned: bool = False
     abort_reason: str = ""
 
@@ -97,11 +115,15 @@ class OwnedRequest:
         return np.asarray(self.pages, dtype=np.int32)
 
     def writers_done(self) -> bool:
-        """Every writer either noticed (after its flush) or acked an abort (after its flush)."""
-        return set(self.writers) <= (set(self.notices) | self.acked)
+        """Every writer either noticed (after its flush: any chunk of its notice follows
+        the flush of every write) or acked an abort (after its flush)."""
+        return set(self.writers) <= (self.noticed | self.acked)
 
 
 TOKEN_FLUSH = 16
+TIMEOUT_TOKENS = 1 << 16          # the transfer timeout applies per this many prompt tokens
+VERIFY_SLICE_S = 0.005            # longest the checks run before the loop polls again
+CHECKSUM_SLICE_BYTES = 32 << 20   # pages checksummed per step of the checks
 
 
 class DecodeRank(RankBooks):
@@ -124,6 +146,7 @@ class DecodeRank(RankBooks):
         self.reqs: dict[str, OwnedRequest] = {}
         self._init_books()
         runtime.set_handler(self.on_message)
+        runtime.on_request_error = self.fail_request
 
     # -------------------------------------------------------------- messages
     def on_message(self, msg: Message) -> None:
@@ -153,11 +176,21 @@ class DecodeRank(RankBooks):
         req = OwnedRequest(rid, msg.prompt_len, msg.max_tokens, list(msg.writers),
                            msg.last_token, grants)
         self.reqs[rid] = req
+        req.timer = self.rt.call_later(self.transfer_timeout_for(req.prompt_len),
+                                       lambda: self._transfer_timeout(req), rid=rid)
+        self.rt.faults.raise_at("owner-assign", f"prompt_len={req.prompt_len}")
         self.canaries.stamp(req.pages, expected_canaries(rid, grants))
+        generations = [g.generation for g in grants]
         for w in req.writers:
-            self.rt.send(w, m.PLAN, rid=rid, pages=req.pages,
-                         generations=[g.generation for g in grants])
-        req.timer = self.rt.call_later(self.transfer_timeout_s, lambda: self._transfer_timeout(req))
+            for lo, hi in spans(len(grants), PAGES_PER_CHUNK):
+                self.rt.send(w, m.PLAN, rid=rid, offset=lo, total=len(grants),
+                             pages=req.pages[lo:hi], generations=generations[lo:hi])
+
+    def transfer_timeout_for(self, prompt_len: int) -> float:
+        """How long the owner waits for every writer's notice: ``transfer_timeout_s`` per
+        ``TIMEOUT_TOKENS`` prompt tokens (at least once), since the prefill, checksums and
+        copy of a long prompt take time in proportion to it."""
+        return self.transfer_timeout_s * max(1, -(-prompt_len // TIMEOUT_TOKENS))
 
     def _on_notice(self, msg: Message) -> None:
         req = self.reqs.get(msg.rid)
@@ -167,32 +200,57 @@ class DecodeRank(RankBooks):
             log.warning("request %s: notice from rank %d, which is not one of its writers %s",
                         req.rid, msg.src, req.writers)
             return
-        req.notices[msg.src] = msg
+        req.noticed.add(msg.src)
         if req.state is OwnerState.QUARANTINED:
             self._maybe_release(req, "acked")
-        elif req.state is OwnerState.AWAITING and set(req.writers) <= set(req.notices):
+            return
+        if req.state is not OwnerState.AWAITING or msg.src in req.notices:
+            return
+        parts = req.notice_parts.get(msg.src)
+        if parts is None:
+            parts = req.notice_parts[msg.src] = Reassembly(
+                req.rid, f"NOTICE of rank {msg.src}", msg.total, PAGES_PER_CHUNK, width=3,
+                optional=frozenset({2}))
+        if not parts.add(msg.offset, msg.total, msg.pages, msg.generations, msg.checksums):
+            return
+        pages, generations, checksums = parts.joined()
+        del req.notice_parts[msg.src]
+        req.notices[msg.src] = Notice(msg.tokens, pages, generations, checksums, msg.bytes,
+                                      msg.prefill_ms)
+        if set(req.writers) <= set(req.notices):
             if req.timer is not None:
                 req.timer.cancel()
             req.transfer_ms = 1e3 * (time.monotonic() - req.planned_at)
+            times = [n.prefill_ms for n in req.notices.values() if n.prefill_ms is not None]
+            req.prefill_ms = max(times) if times else None
+            self.rt.faults.raise_at("owner-notice", f"prompt_len={req.prompt_len}")
             self._verify_and_start(req)
 
     def _verify_and_start(self, req: OwnedRequest) -> None:
+        """Verify (I5) in slices (a long prompt's checksums take seconds; see .sliced),
+        then decode. An ABORT that arrives meanwhile frees the pages (every writer
+        noticed) and the rest of the checks never run."""
+        if self.unsafe:
+            req.move(OwnerState.DECODING)
+            return
+        run_in_slices(self.rt, req.rid, self._verify_steps(req), VERIFY_SLICE_S,
+                      wanted=lambda: req.state is OwnerState.AWAITING,
+                      then=lambda: req.move(OwnerState.DECODING))
+
+    def _verify_steps(self, req: OwnedRequest) -> Iterator[None]:
         try:
-            if not self.unsafe:
-                self._verify(req)
+            yield from self._verify(req)
         except IntegrityError as exc:
             self.integrity_failures += 1
             log.error("request %s: integrity check failed on rank %d: %s", req.rid, self.rt.rank, exc)
             self._done(req.rid, "failed", f"integrity: {exc}")
             self._close(req, "freed")   # every writer noticed: nothing more can land
-            return
-        req.move(OwnerState.DECODING)
 
-    def _verify(self, req: OwnedRequest) -> None:
+    def _verify(self, req: OwnedRequest) -> Iterator[None]:
         """I5 for every writer's notice: the prompt's length, exactly the pages the prompt
         needs (this request's pages and generations, in order) and the bytes those pages
         hold for the writer's heads; then, unless integrity checks are off, the canaries
-        and the checksums of what landed."""
+        and the checksums of what landed, a slice of pages a step. Raises IntegrityError."""
         need = pages_needed(req.prompt_len, 0, self.pool.page_size)
         mine = req.grants[:need]
         for w in req.writers:
@@ -216,22 +274,43 @@ class DecodeRank(RankBooks):
             bad = self.canaries.mismatched(notice.pages, expected_canaries(req.rid, mine))
             if bad:
                 raise IntegrityError(req.rid, f"canary mismatch on pages {bad[:8]}")
-            got = page_checksums(self.pool.kv[:, :, :, lo:hi], notice.pages).cpu()
+            if len(notice.checksums) != len(notice.pages):
+                raise IntegrityError(req.rid, f"writer rank {w} sent {len(notice.checksums)} "
+                                              f"checksums for {len(notice.pages)} pages")
+            view = self.pool.kv[:, :, :, lo:hi]
+            per_step = max(1, CHECKSUM_SLICE_BYTES // slice_bytes)
             want = torch.tensor(notice.checksums, dtype=torch.int64)
-            if got.shape != want.shape:
-                raise IntegrityError(req.rid, f"writer rank {w} sent {want.numel()} checksums "
-                                              f"for {got.numel()} pages")
-            bad = [notice.pages[i] for i in (got != want).nonzero().flatten().tolist()]
+            bad: list[int] = []
+            for start in range(0, len(notice.pages), per_step):
+                pages = notice.pages[start:start + per_step]
+                got = page_checksums(view, pages).cpu()
+                bad += [pages[i] for i in (got != want[start:start + len(pages)]).nonzero()
+                        .flatten().tolist()]
+                yield
             if bad:
                 raise IntegrityError(req.rid, f"checksum mismatch on {len(bad)} of {need} pages "
                                               f"written by rank {w} (first: {bad[:4]})")
 
     # -------------------------------------------------------------- decoding
     def step(self) -> bool:
-        """One decode step for up to ``max_batch`` decoding requests; False if none."""
+        """One decode step for up to ``max_batch`` decoding requests; False if none. An
+        exception in the step fails the requests of its batch (their writers have all
+        noticed, so their pages are freed) and the rank goes on."""
         batch = [r for r in self.reqs.values() if r.state is OwnerState.DECODING][:self.max_batch]
         if not batch:
             return False
+        try:
+            self._step(batch)
+        except Exception as exc:
+            reason = f"decode step on rank {self.rt.rank} failed: {type(exc).__name__}: {exc}"
+            log.error("requests %s: %s", [r.rid for r in batch], reason, exc_info=exc)
+            for r in batch:
+                if r.state is OwnerState.DECODING:
+                    self.rt.run_for(r.rid, "failing a decode step",
+                                    lambda r=r: self.fail_request(r.rid, reason))
+        return True
+
+    def _step(self, batch: list[OwnedRequest]) -> None:
         device = self.pool.kv.device
         width = max(len(r.grants) for r in batch)
         table = np.empty((len(batch), width), dtype=np.int32)
@@ -243,8 +322,11 @@ class DecodeRank(RankBooks):
         inputs = torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch])
         prompt_lens = torch.tensor([r.prompt_len for r in batch])
         table = torch.from_numpy(table)
-        if self.rt.faults.decode_delay_s:
-            time.sleep(self.rt.faults.decode_delay_s)
+        if self.rt.faults.enabled:
+            if self.rt.faults.decode_delay_s:
+                time.sleep(self.rt.faults.decode_delay_s)
+            for r in batch:
+                self.rt.faults.raise_at("owner-decode", f"prompt_len={r.prompt_len}")
         with torch.no_grad():
             out = self.model.decode_step(self.pool.kv, table.to(device), positions, inputs,
                                          prompt_lens).tolist()
@@ -259,9 +341,8 @@ class DecodeRank(RankBooks):
                 r.unsent = []
             if finished:
                 self._done(r.rid, "finished", None, count=len(r.generated),
-                           transfer_ms=r.transfer_ms)
+                           transfer_ms=r.transfer_ms, prefill_ms=r.prefill_ms)
                 self._close(r, "freed")
-        return True
 
     # -------------------------------------------------------------- abort
     def _transfer_timeout(self, req: OwnedRequest) -> None:
@@ -269,14 +350,19 @@ class DecodeRank(RankBooks):
             return
         missing = sorted(set(req.writers) - set(req.notices))
         reason = (f"no completion notice from writer ranks {missing} within "
-                  f"{self.transfer_timeout_s:.1f} s")
+                  f"{self.transfer_timeout_for(req.prompt_len):.1f} s "
+                  f"({self.transfer_timeout_s:.1f} s per {TIMEOUT_TOKENS} prompt tokens)")
         self._done(req.rid, "failed", f"transfer timeout: {reason}")
         self._abort(req, "transfer", reason)
 
     def _on_abort(self, msg: Message) -> None:
         req = self.reqs.get(msg.rid)
         if req is None:
-            self.tombstones.setdefault(msg.rid, time.monotonic())
+            if msg.rid not in self.tombstones:
+                # No ASSIGN yet (or never): the router still counts the pages it reserved
+                # here; none are held, and a late ASSIGN is ignored.
+                self.tombstones[msg.rid] = time.monotonic()
+                self.rt.send(self.router, m.RELEASED, rid=msg.rid, pages=0, how="freed")
             return
         # The router sends its ABORT to every writer as well as to us: asking them again
         # now would only double the messages on the abort's critical path.
@@ -293,7 +379,7 @@ class DecodeRank(RankBooks):
         if req.state is OwnerState.DECODING or req.writers_done():
             log.info("request %s aborted (%s: %s) after every writer finished; pages freed",
                      req.rid, source, reason)
-            self._close(req, "acked" if req.acked - set(req.notices) else "freed")
+            self._close(req, "acked" if req.acked - req.noticed else "freed")
             return
         if self.unsafe:
             log.error("UNSAFE: request %s aborted (%s); freeing %d pages without waiting for "
@@ -306,10 +392,11 @@ class DecodeRank(RankBooks):
         log.debug("request %s aborted (%s); %d pages quarantined until writers %s ack",
                   req.rid, req.abort_reason, len(req.grants), self._pending_writers(req))
         self._ask_for_acks(req, source, reason, now=not writers_told)
-        req.timer = self.rt.call_later(self.abort_deadline_s, lambda: self._abort_deadline(req))
+        req.timer = self.rt.call_later(self.abort_deadline_s, lambda: self._abort_deadline(req),
+                                       rid=req.rid)
 
     def _pending_writers(self, req: OwnedRequest) -> list[int]:
-        return sorted(set(req.writers) - set(req.notices) - req.acked)
+        return sorted(set(req.writers) - req.noticed - req.acked)
 
     def _ask_for_acks(self, req: OwnedRequest, source: str, reason: str,
                       now: bool = True) -> None:
@@ -325,7 +412,7 @@ class DecodeRank(RankBooks):
                              writers=req.writers, source=source, reason=reason)
         pending = self._pending_writers(req)
         every = 1.0 if any(self.rt.is_severed(w) for w in pending) else max(0.05, self.abort_deadline_s / 8)
-        self.rt.call_later(every, lambda: self._ask_for_acks(req, source, reason))
+        self.rt.call_later(every, lambda: self._ask_for_acks(req, source, reason), rid=req.rid)
 
     def _on_ack(self, msg: Message) -> None:
         req = self.reqs.get(msg.rid)
@@ -383,7 +470,7 @@ class DecodeRank(RankBooks):
             log.error("request %s: %d pages stay quarantined: severed writers %s neither "
                       "acked nor are known to be gone after %.1f s", req.rid, len(req.grants),
                       [w for w in severed if w not in req.acked], waited)
-        self.rt.call_later(0.05, lambda: self._await_proof(req, severed))
+        self.rt.call_later(0.05, lambda: self._await_proof(req, severed), rid=req.rid)
 
     # -------------------------------------------------------------- release
     def _close(self, req: OwnedRequest, how: str) -> None:
@@ -408,9 +495,22 @@ class DecodeRank(RankBooks):
                      abort_ms=abort_ms, released_ns=released_ns)
 
     def _done(self, rid: str, outcome: str, error: str | None, count: int | None = None,
-              transfer_ms: float | None = None) -> None:
-        self.rt.send(self.router, m.DONE, rid=rid, outcome=outcome, error=error, count=count,
-                     transfer_ms=transfer_ms)
+              transfer_ms: float | None = None, prefill_ms: float | None = None) -> None:
+        self.rt.send(self.router, m.DONE, rid=rid, outcome=outcome,
+                     error=error, count=count,
+                     transfer_ms=transfer_ms, prefill_ms=prefill_ms)
+
+    def fail_request(self, rid: str, reason: str) -> None:
+        """An exception while handling ``rid`` here (see RankRuntime._request_failed): the
+        router is told it failed, and its pages go the abort's way: freed once every
+        writer noticed, else quarantined until every writer acked."""
+        req = self.reqs.get(rid)
+        if req is None or req.state in (OwnerState.QUARANTINED, OwnerState.CLOSED):
+            if rid not in self.tombstones:
+                self._done(rid, "failed", reason)
+            return
+        self._done(rid, "failed", reason)
+        self._abort(req, "internal", reason)
 
     # -------------------------------------------------------------- housekeeping
     def in_flight(self) -> bool:

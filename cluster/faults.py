@@ -14,7 +14,8 @@ Each hook is one ``--fault`` string; a rank applies the hooks that name its role
                               decoder, so that a late write can land while it still reads)
     at:POINT:ACTION:MARKER[:SECONDS]
                               a writer, at protocol POINT of a request whose prompt contains
-                              MARKER, does ACTION. POINT: before-write (plan and KV ready,
+                              MARKER, does ACTION. POINT: prefill (the first layer's KV
+                              computed), before-write (plan and KV ready,
                               nothing posted), mid-transfer (first half of the pages posted,
                               the second half in flight: it lands after SECONDS, or right
                               after the writer's next write to the same owner, and a flush
@@ -22,7 +23,14 @@ Each hook is one ``--fault`` string; a rank applies the hooks that name its role
                               (every page flushed, notice not sent), after-notice.
                               ACTION: pause (hold there for SECONDS or until an abort),
                               fail-prefill, fail-transfer, kill (SIGKILL itself),
-                              stop (SIGSTOP itself, SIGCONT after SECONDS).
+                              stop (SIGSTOP itself, SIGCONT after SECONDS), raise (an
+                              exception in the rank's code: a bug, or input it cannot take).
+                              Owner and router points take only raise: an owner knows no
+                              prompt text, so MARKER is matched against "prompt_len=N"
+                              there. POINT: owner-assign (pages allocated, plan not sent),
+                              owner-notice (every notice in, before the checks),
+                              owner-decode (in a decode step), router-dispatch (pages
+                              reserved, before PREFILL is sent).
 
 The hooks sit where messages leave a rank (:meth:`FaultPlan.on_send`, applied to every
 message by ``RankRuntime``), where a writer reaches a protocol point and where it posts
@@ -38,12 +46,24 @@ from dataclasses import dataclass, field
 log = logging.getLogger("kvferry.cluster")
 
 
-POINTS = ("before-write", "mid-transfer", "after-write", "after-notice")
-ACTIONS = ("pause", "fail-prefill", "fail-transfer", "kill", "stop")
+WRITER_POINTS = ("prefill", "before-write", "mid-transfer", "after-write", "after-notice")
+OWNER_POINTS = ("owner-assign", "owner-notice", "owner-decode")
+ROUTER_POINTS = ("router-dispatch",)
+POINTS = WRITER_POINTS + OWNER_POINTS + ROUTER_POINTS
+ACTIONS = ("pause", "fail-prefill", "fail-transfer", "kill", "stop", "raise")
 
 
 class FaultSpecError(ValueError):
     """A --fault string that does not parse."""
+
+
+class InjectedFault(RuntimeError):
+    """The exception of the ``raise`` action: stands for any bug or unexpected input in
+    the rank's own code at that point."""
+
+    def __init__(self, point: str) -> None:
+        super().__init__(f"injected exception at {point}")
+        self.point = point
 
 
 @dataclass
@@ -89,6 +109,8 @@ class FaultPlan:
                         raise FaultSpecError(f"unknown protocol point {point!r}; one of {POINTS}")
                     if action not in ACTIONS:
                         raise FaultSpecError(f"unknown action {action!r}; one of {ACTIONS}")
+                    if point not in WRITER_POINTS and action != "raise":
+                        raise FaultSpecError(f"{point} takes only the raise action, not {action!r}")
                     seconds = float(parts[4]) if len(parts) > 4 else 3.0
                     plan.points.setdefault(point, []).append((action, marker, seconds))
                 else:
@@ -111,6 +133,13 @@ class FaultPlan:
             if marker in text:
                 return action, seconds
         return None
+
+    def raise_at(self, point: str, text: str) -> None:
+        """Raise InjectedFault if a ``raise`` is injected at ``point`` for ``text``."""
+        found = self.at(point, text)
+        if found is not None and found[0] == "raise":
+            log.warning("fault: raising at %s (%s)", point, text[:40])
+            raise InjectedFault(point)
 
     def on_send(self, kind: str, rank: int, payload: bytes) -> list[tuple[bytes, float]]:
         """What to actually send for one outgoing message: [(payload, delay_s)]."""

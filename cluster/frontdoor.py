@@ -6,13 +6,18 @@ on the same event loop.
 
     POST /v1/completions  {"prompt": str, "max_tokens": int, "stream": bool}
         200  {"id", "text", "usage", "timing"}  only for a request that completed
-        400  admission rejected, with the numbers (I1); or a malformed body
-        503  no capacity or no healthy rank right now
+        400  admission rejected, with the numbers (I1); or a malformed request: a body that
+             is not UTF-8 JSON (a charset other than UTF-8, invalid bytes, nesting too
+             deep), a prompt that is not valid Unicode (a lone surrogate), a wrong field
+        503  no capacity or no healthy rank right now, or the cluster is stopping
         504  the request's deadline passed (aborted)
         500  the request failed (integrity, transfer, rank failure), with its id
         stream=true: server-sent events, one per token chunk, then an end event carrying the
         outcome; a failure after the first token ends the stream with an error event and
-        no [DONE] (I6).
+        no [DONE] (I6). Text is decoded incrementally: a character split between two
+        chunks is sent whole with the later one, so the streamed text equals the whole.
+        Any exception this server did not expect answers 500 with the request id (when
+        there is one) and is logged; it never leaves a request live.
     GET /health    200 when every rank is healthy, else 503, with the details
     GET /metrics   Prometheus text format
     GET /capacity  every rank's measured pool capacity and the context length (I3)
@@ -29,38 +34,84 @@ import time
 from aiohttp import web
 
 from kvferry.engine.admission import AdmissionRejected
-from kvferry.engine.tokenizer import decode as detokenize
+from kvferry.engine.tokenizer import StreamDecoder
 
 from .router import RoutedRequest, Router, Unavailable
 
 log = logging.getLogger("kvferry.cluster")
 
 MAX_BODY = 16 << 20
+UTF8_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})   # ASCII is UTF-8
+
+
+class BadRequest(ValueError):
+    """A request the front door refuses with 400, and why."""
 
 
 def _error(status: int, kind: str, message: str, **extra) -> web.Response:
     return web.json_response({"error": kind, "message": message, **extra}, status=status)
 
 
-def _parse(body: object) -> tuple[str, int, bool]:
+def decode_body(raw: bytes, charset: str | None) -> object:
+    """The JSON value of a request body; BadRequest for anything but UTF-8 JSON."""
+    if charset is not None and charset.strip().lower() not in UTF8_CHARSETS:
+        raise BadRequest(f"unsupported charset {charset[:40]!r} in Content-Type: send "
+                         f"UTF-8 JSON (charset=utf-8 or none)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"body is not valid UTF-8: byte {exc.start} of {len(raw)}") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise BadRequest("body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:   # JSONDecodeError, and ints over Python's digit limit
+        raise BadRequest(f"body is not valid JSON: {str(exc)[:200]}") from None
+
+
+def parse_completion(body: object) -> tuple[str, int, bool]:
+    """``(prompt, max_tokens, stream)`` of a completion request; BadRequest otherwise."""
     if not isinstance(body, dict):
-        raise ValueError("body must be a JSON object")
+        raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
     prompt = body.get("prompt")
     max_tokens = body.get("max_tokens", 16)
     stream = body.get("stream", False)
     if not isinstance(prompt, str) or not prompt:
-        raise ValueError("'prompt' must be a non-empty string")
+        raise BadRequest(f"'prompt' must be a non-empty string, got {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"'prompt' is not valid Unicode text: {exc.reason} at character "
+                         f"{exc.start} (U+{ord(prompt[exc.start]):04X})") from None
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
+        raise BadRequest(f"'max_tokens' must be a positive integer, got {str(max_tokens)[:40]}")
     if not isinstance(stream, bool):
-        raise ValueError("'stream' must be true or false")
+        raise BadRequest("'stream' must be true or false")
     return prompt, max_tokens, stream
+
+
+@web.middleware
+async def _no_unexpected_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Whatever goes wrong inside a handler, the client gets JSON and a status that says
+    so (never the server's bare 500 page), and the log gets the traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        rid = request.get("request_id")
+        log.exception("front door: %s %s failed%s", request.method, request.path,
+                      f" (request {rid})" if rid else "")
+        return _error(500, "internal", f"{type(exc).__name__}: {str(exc)[:500]}"
+                      + (f" (request {rid})" if rid else ""), request_id=rid)
 
 
 class FrontDoor:
     def __init__(self, router: Router) -> None:
         self.router = router
-        self.app = web.Application(client_max_size=MAX_BODY)
+        self.app = web.Application(client_max_size=MAX_BODY, middlewares=[_no_unexpected_errors])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.get("/health", self.health),
@@ -71,8 +122,12 @@ class FrontDoor:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            prompt, max_tokens, stream = _parse(await request.json())
-        except (ValueError, json.JSONDecodeError) as exc:
+            charset = request.charset
+        except Exception:   # a Content-Type header aiohttp cannot parse
+            return _error(400, "bad_request", "Content-Type header does not parse")
+        try:
+            prompt, max_tokens, stream = parse_completion(decode_body(await request.read(), charset))
+        except BadRequest as exc:
             return _error(400, "bad_request", str(exc))
         try:
             routed = await self.router.submit(prompt, max_tokens)
@@ -80,12 +135,16 @@ class FrontDoor:
             return web.json_response({**exc.to_dict(), "message": str(exc)}, status=400)
         except Unavailable as exc:
             return _error(503, "unavailable", str(exc), request_id=exc.request_id)
+        request["request_id"] = routed.rid
         try:
             if stream:
                 return await self._stream(request, routed)
             return await self._whole(routed)
         except asyncio.CancelledError:
             self.router.abort(routed.rid, "client", "client disconnected")
+            raise
+        except Exception as exc:
+            self.router.abort(routed.rid, "internal", f"front door: {type(exc).__name__}: {exc}")
             raise
 
     async def _whole(self, routed: RoutedRequest) -> web.Response:
@@ -104,8 +163,9 @@ class FrontDoor:
                           "completion_tokens": len(routed.req.output_tokens)},
                 "timing": {"ttft_ms": _ms(routed.first_token_at, routed.submitted_at),
                            "total_ms": _ms(time.monotonic(), routed.submitted_at),
+                           "prefill_ms": routed.prefill_ms,
                            "transfer_ms": routed.transfer_ms}})
-        status = 504 if routed.error and routed.error.startswith("deadline") else 500
+        status = {"deadline": 504, "shutdown": 503}.get(routed.abort_source or "", 500)
         return _error(status, routed.outcome or "failed", f"request {rid}: {routed.error}",
                       request_id=rid)
 
@@ -116,12 +176,18 @@ class FrontDoor:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        text = StreamDecoder()
         event = first
         while True:
             if event[0] == "tokens":
-                await _sse(resp, {"id": routed.rid, "text": detokenize(event[1])})
+                piece = text.feed(event[1])
+                if piece:
+                    await _sse(resp, {"id": routed.rid, "text": piece})
             else:
                 if routed.outcome == "ok":
+                    rest = text.finish()
+                    if rest:
+                        await _sse(resp, {"id": routed.rid, "text": rest})
                     await _sse(resp, {"id": routed.rid, "finish_reason": "length",
                                       "usage": {"completion_tokens": len(routed.req.output_tokens)}})
                     await resp.write(b"data: [DONE]\n\n")

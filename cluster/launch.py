@@ -277,6 +277,10 @@ async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int
             await waker.sleep(runtime.sleep_bound(min(next_check - now, ROUTER_MAX_SLEEP_S)))
     finally:
         log.info("router stopping: %s", stop.reason)
+        ended = router.shutdown(f"the cluster is stopping ({stop.reason or 'router exit'})")
+        if ended:
+            log.info("router: %d live request(s) answered 503 at shutdown", ended)
+        await asyncio.sleep(0)   # their handlers answer before the site closes
         if waker is not None:
             waker.close()
         for rank in range(1, topology.world_size):

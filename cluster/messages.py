@@ -11,6 +11,10 @@ Flow of one request (router R, prefill writers W1..Wt, decode owner D):
     R -> D   ASSIGN(rid, prompt_len, max_tokens, writers)
     D -> W*  PLAN(rid, pages, generations)        where to write (after D allocated)
     W -> D   NOTICE(rid, tokens, checksums, ...)  sent by notify: after the writer's flush
+
+PREFILL, PLAN and NOTICE carry lists as long as the prompt; each is cut into chunks of
+``offset`` and ``total`` (see :mod:`.chunks`), so that no prompt the context length
+admits ever makes a message too big to send.
     D -> R   TOKENS(rid, offset, tokens) ..., DONE(rid, outcome, error, count)
     any -> * ABORT(rid, reason);  W -> D ABORT_ACK(rid) after the writer's flush
     W/D -> R RELEASED(rid, pages)                 the rank freed the request's pages
@@ -22,9 +26,12 @@ from __future__ import annotations
 
 from kvferry.transfer.wire import Codec, Field, FieldType, Message, MessageKind
 
+from .chunks import PAGES_PER_CHUNK, TOKENS_PER_CHUNK
+
 MAX_REQUEST_ID = 128
-MAX_TOKENS_PER_MESSAGE = 1 << 20
-MAX_PAGES_PER_MESSAGE = 1 << 16
+MAX_TOKENS_PER_MESSAGE = 1 << 20      # generated tokens in one TOKENS message
+MAX_ERROR_CHARS = 4096                # DONE.error
+MAX_REASON_CHARS = 1024               # ABORT.reason, SEVERED.reason
 
 CODEC = Codec("kvf.cluster", version=1, max_bytes=16 << 20)
 
@@ -33,7 +40,9 @@ _HEADER = dict(src=Field(FieldType.INT), inc=Field(FieldType.UINT64), seq=Field(
 
 PREFILL = CODEC.kind(
     "PREFILL", **_HEADER, rid=_RID,
-    tokens=Field(FieldType.BYTES, max_len=4 * MAX_TOKENS_PER_MESSAGE),  # int32 little-endian
+    tokens=Field(FieldType.BYTES, max_len=4 * TOKENS_PER_CHUNK),  # int32 little-endian
+    offset=Field(FieldType.INT),                # of this chunk's first token in the prompt
+    total=Field(FieldType.INT),                 # the prompt's length
     owner=Field(FieldType.INT),
     owner_inc=Field(FieldType.UINT64))
 ASSIGN = CODEC.kind(
@@ -44,15 +53,20 @@ ASSIGN = CODEC.kind(
     last_token=Field(FieldType.INT))            # decode's first input (see engine.models)
 PLAN = CODEC.kind(
     "PLAN", **_HEADER, rid=_RID,
-    pages=Field(FieldType.INT_LIST, max_len=MAX_PAGES_PER_MESSAGE),
-    generations=Field(FieldType.INT_LIST, max_len=MAX_PAGES_PER_MESSAGE))
+    offset=Field(FieldType.INT),                # of this chunk's first page in the plan
+    total=Field(FieldType.INT),                 # pages in the whole plan
+    pages=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
+    generations=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK))
 NOTICE = CODEC.kind(
     "NOTICE", **_HEADER, rid=_RID,
     tokens=Field(FieldType.INT),              # prompt positions whose KV was written
-    pages=Field(FieldType.INT_LIST, max_len=MAX_PAGES_PER_MESSAGE),
-    generations=Field(FieldType.INT_LIST, max_len=MAX_PAGES_PER_MESSAGE),
-    checksums=Field(FieldType.INT_LIST, max_len=MAX_PAGES_PER_MESSAGE),
-    bytes=Field(FieldType.INT))               # bytes the writer posted (checked by the owner)
+    offset=Field(FieldType.INT),              # of this chunk's first page in the notice
+    total=Field(FieldType.INT),               # pages the writer wrote in all
+    pages=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
+    generations=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
+    checksums=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),   # empty: checks off
+    bytes=Field(FieldType.INT),               # bytes the writer posted (checked by the owner)
+    prefill_ms=Field(FieldType.FLOAT, optional=True))   # the writer's prefill compute time
 TOKENS = CODEC.kind(
     "TOKENS", **_HEADER, rid=_RID,
     offset=Field(FieldType.INT),                # index of the first token in the answer
@@ -60,15 +74,16 @@ TOKENS = CODEC.kind(
 DONE = CODEC.kind(
     "DONE", **_HEADER, rid=_RID,
     outcome=Field(FieldType.STR, max_len=32),    # finished, failed, aborted
-    error=Field(FieldType.STR, max_len=4096, optional=True),
+    error=Field(FieldType.STR, max_len=MAX_ERROR_CHARS, optional=True),
     count=Field(FieldType.INT, optional=True),   # tokens generated in all (finished)
-    transfer_ms=Field(FieldType.FLOAT, optional=True))
+    transfer_ms=Field(FieldType.FLOAT, optional=True),
+    prefill_ms=Field(FieldType.FLOAT, optional=True))
 ABORT = CODEC.kind(
     "ABORT", **_HEADER, rid=_RID,
     owner=Field(FieldType.INT),                 # the decode rank owning the pages
     writers=Field(FieldType.INT_LIST, max_len=256),
     source=Field(FieldType.STR, max_len=32),    # client, deadline, prefill, transfer, decode, integrity
-    reason=Field(FieldType.STR, max_len=1024))
+    reason=Field(FieldType.STR, max_len=MAX_REASON_CHARS))
 ABORT_ACK = CODEC.kind("ABORT_ACK", **_HEADER, rid=_RID)
 RELEASED = CODEC.kind(
     "RELEASED", **_HEADER, rid=_RID,
@@ -88,10 +103,29 @@ STATS = CODEC.kind(
 SEVERED = CODEC.kind(
     "SEVERED", **_HEADER,
     peer_rank=Field(FieldType.INT), incarnation=Field(FieldType.UINT64),
-    reason=Field(FieldType.STR, max_len=1024))
+    reason=Field(FieldType.STR, max_len=MAX_REASON_CHARS))
 SHUTDOWN = CODEC.kind("SHUTDOWN", **_HEADER)
 
 KINDS: dict[str, MessageKind] = dict(CODEC.kinds)
+
+
+FREE_TEXT = ("error", "reason")
+
+
+def clip(text: str | None, limit: int) -> str | None:
+    """Free text (an error, a reason) cut to fit its field: a long message must not make
+    the report of a failure fail to send."""
+    if text is None or len(text) <= limit:
+        return text
+    return text[:limit - 24] + f"... [{len(text)} chars]"
+
+
+def clip_free_text(kind: MessageKind, fields: dict) -> dict:
+    """``fields`` with every free-text field of ``kind`` cut to its limit."""
+    for name in FREE_TEXT:
+        if isinstance(fields.get(name), str) and name in kind.fields:
+            fields[name] = clip(fields[name], kind.fields[name].limit())
+    return fields
 
 
 def encode(msg: Message) -> bytes:

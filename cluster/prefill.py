@@ -39,11 +39,15 @@ from kvferry.transfer.wire import Message
 
 from . import messages as m
 from .books import RankBooks
+from .chunks import PAGES_PER_CHUNK, TOKENS_PER_CHUNK, Reassembly, spans
+from .faults import InjectedFault
 from .runtime import RankRuntime
+from .sliced import run_in_slices
 
 log = logging.getLogger("kvferry.cluster")
 
-PREFILL_SLICE_S = 0.001   # longest a prefill computes layers before the loop polls again
+PREFILL_SLICE_S = 0.001   # longest a prefill computes before the loop polls again
+CHECKSUM_SLICE_BYTES = 32 << 20   # pages checksummed per step
 
 
 class WriterState(enum.Enum):
@@ -87,7 +91,10 @@ class WriteJob:
     held_target: int | None = None         # the owner's pool, mapped here (shared memory)
     acked: bool = False
     kv_ready: bool = False                 # prompt KV computed (and checksummed)
-    prefill: Iterator[int] | None = None   # the prefill's remaining layers (_prefill_some)
+    prompt_parts: Reassembly | None = None  # PREFILL chunks so far
+    plan_parts: Reassembly | None = None    # PLAN chunks so far
+    prefill_started: float = 0.0
+    prefill_ms: float | None = None
 
     def move(self, new: WriterState) -> None:
         if new not in WRITER_TRANSITIONS[self.state]:
@@ -118,6 +125,7 @@ class PrefillRank(RankBooks):
         self._run_lengths = np.array([n for _, n in runs], dtype=np.int64)
         self._rows_per_batch = max(1, max_batch_bytes // int(self._run_lengths[0]))
         runtime.set_handler(self.on_message)
+        runtime.on_request_error = self.fail_request
 
     # -------------------------------------------------------------- messages
     def on_message(self, msg: Message) -> None:
@@ -137,8 +145,12 @@ class PrefillRank(RankBooks):
         job = self._job(msg.rid)
         if job is None or job.tokens is not None:
             return
-        job.owner, job.owner_inc = msg.owner, msg.owner_inc
-        tokens = np.frombuffer(msg.tokens, dtype="<i4")
+        if job.prompt_parts is None:
+            job.owner, job.owner_inc = msg.owner, msg.owner_inc
+            job.prompt_parts = Reassembly(job.rid, "PREFILL", msg.total, TOKENS_PER_CHUNK)
+        if not job.prompt_parts.add(msg.offset, msg.total, np.frombuffer(msg.tokens, dtype="<i4")):
+            return
+        tokens, job.prompt_parts = job.prompt_parts.joined_array(), None
         need = -(-len(tokens) // self.pool.page_size)
         try:
             grants = self.allocator.allocate(job.rid, need)
@@ -148,36 +160,44 @@ class PrefillRank(RankBooks):
         self.allocations += 1
         job.tokens = tokens
         job.src_pages = [g.page for g in grants]
-        job.prefill = self.model.prefill_layers(
-            self.pool.kv, torch.from_numpy(tokens.astype(np.int64)), job.src_pages,
-            head_range=self.heads)
-        self._prefill_some(job)
+        job.prefill_started = time.monotonic()
+        # The prefill and the checksums run in slices (see .sliced): an ABORT that arrives
+        # during a long prefill waits for about one slice and one step (a layer, or a chunk
+        # of a long prompt's tokens), not the whole prefill; a fast one never yields.
+        run_in_slices(self.rt, job.rid, self._prefill_steps(job), self.prefill_slice_s,
+                      wanted=lambda: job.state is WriterState.WAITING,
+                      then=lambda: self._after_prefill(job))
 
-    def _prefill_some(self, job: WriteJob) -> None:
-        """Prefill layers until ``prefill_slice_s`` has passed, then defer the rest: the
-        loop polls in between, so an ABORT that arrives during a long prefill waits for
-        about one slice and one layer, not the whole prefill; a fast one never yields."""
-        if job.state is not WriterState.WAITING:
-            job.prefill = None   # aborted meanwhile: acked at once, the rest never computed
+    def _prefill_steps(self, job: WriteJob) -> Iterator[None]:
+        """The prefill, one model step at a time (the model yields a layer's index once
+        that layer's KV is in the pages, None between chunks of a layer), stopping once
+        the last layer's KV is written (nothing after it is needed here); then the
+        checksums the owner will check what lands against (I5), a slice of pages a step."""
+        layers = self.model.prefill_layers(
+            self.pool.kv, torch.from_numpy(job.tokens.astype(np.int64)), job.src_pages,
+            head_range=self.heads)
+        while True:
+            with torch.no_grad():
+                layer = next(layers, StopIteration)
+            if layer is StopIteration:
+                break
+            yield
+            if layer == 0 and self.rt.faults.enabled:
+                self._reach(job, "prefill", lambda j: None)
+            if layer is not None and layer + 1 >= self.model.layers:
+                break
+        job.prefill_ms = 1e3 * (time.monotonic() - job.prefill_started)
+        if not self.integrity:
             return
-        until = time.monotonic() + self.prefill_slice_s
-        with torch.no_grad():
-            for layer in job.prefill:
-                if layer + 1 >= self.model.layers:
-                    break
-                if time.monotonic() >= until:
-                    self.rt.defer(lambda: self._prefill_some(job))
-                    return
-        job.prefill = None
-        # An ABORT that arrived during the last layers is handled before the rest.
-        self.rt.defer(lambda: self._after_prefill(job))
+        lo, hi = self.heads
+        view = self.pool.kv[:, :, :, lo:hi]
+        per_step = max(1, CHECKSUM_SLICE_BYTES // (view[0].numel() * view.element_size()))
+        job.checksums = []
+        for start in range(0, len(job.src_pages), per_step):
+            job.checksums.extend(page_checksums(view, job.src_pages[start:start + per_step]).tolist())
+            yield
 
     def _after_prefill(self, job: WriteJob) -> None:
-        if job.state is not WriterState.WAITING:
-            return   # aborted meanwhile: acked at once, nothing was posted
-        if self.integrity:   # the owner checks what lands against these (I5)
-            lo, hi = self.heads
-            job.checksums = page_checksums(self.pool.kv[:, :, :, lo:hi], job.src_pages).tolist()
         job.kv_ready = True
         self._maybe_write(job)
 
@@ -191,34 +211,47 @@ class PrefillRank(RankBooks):
             log.warning("request %s: PLAN from rank %d, but its owner is rank %d; ignored",
                         msg.rid, msg.src, job.owner)
             return
-        job.dst_pages, job.dst_generations = list(msg.pages), list(msg.generations)
+        if job.plan_parts is None:
+            job.plan_parts = Reassembly(job.rid, "PLAN", msg.total, PAGES_PER_CHUNK, width=2)
+        if not job.plan_parts.add(msg.offset, msg.total, msg.pages, msg.generations):
+            return
+        (job.dst_pages, job.dst_generations), job.plan_parts = job.plan_parts.joined(), None
         self._maybe_write(job)
 
     # -------------------------------------------------------------- writing
     def _maybe_write(self, job: WriteJob) -> None:
         if job.state is not WriterState.WAITING or not job.kv_ready or job.dst_pages is None:
             return
-        if job.text is None:   # only fault hooks read the prompt as text
-            job.text = detokenize(job.tokens.tolist()) if self.rt.faults.enabled else ""
+        self._fault_text(job)
         if len(job.dst_pages) < len(job.src_pages):
             self._fail(job, "prefill", f"plan holds {len(job.dst_pages)} pages but the prompt "
                                        f"of {len(job.tokens)} tokens needs {len(job.src_pages)}")
             return
         self._reach(job, "before-write", self._post_writes)
 
+    def _fault_text(self, job: WriteJob) -> str:
+        """The prompt as text, which only fault hooks read (built once, and only with
+        faults enabled)."""
+        if job.text is None:
+            job.text = (detokenize(job.tokens.tolist())
+                        if self.rt.faults.enabled and job.tokens is not None else "")
+        return job.text
+
     def _reach(self, job: WriteJob, point: str, then) -> None:
         """Run the fault action injected at ``point`` for this request (if any), then go on."""
         job.timer = None
         if job.state in (WriterState.ABORTING, WriterState.ABORTED):
             return
-        found = self.rt.faults.at(point, job.text or "")
+        found = self.rt.faults.at(point, self._fault_text(job))
         if found is None:
             then(job)
             return
         action, seconds = found
         log.warning("fault: request %s: %s at %s", job.rid, action, point)
+        if action == "raise":
+            raise InjectedFault(point)
         if action == "pause":
-            job.timer = self.rt.call_later(seconds, lambda: then(job))
+            job.timer = self.rt.call_later(seconds, lambda: then(job), rid=job.rid)
         elif action in ("fail-prefill", "fail-transfer"):
             self._fail(job, action.split("-")[1], f"injected {action} at {point}")
         elif action == "kill":
@@ -266,7 +299,7 @@ class PrefillRank(RankBooks):
                 job.held_target = self.rt.remote_segment(job.owner).direct
             except TransferError:
                 job.held_target = None
-            job.held_timer = self.rt.call_later(mid[1], lambda: self._land_held(job))
+            job.held_timer = self.rt.call_later(mid[1], lambda: self._land_held(job), rid=job.rid)
             if not self._post_next(job):
                 return
             # The injected action at mid-transfer; a pause needs nothing more: the held
@@ -289,7 +322,7 @@ class PrefillRank(RankBooks):
             self._fail(job, "transfer", f"write to rank {job.owner} refused: {exc}")
             return False
         job.outstanding += 1
-        self.rt.watch(batch, lambda b: self._on_written(job, b))
+        self.rt.watch(batch, lambda b: self._on_written(job, b), rid=job.rid)
         self._land_others_held(job.owner, job)
         return True
 
@@ -327,7 +360,7 @@ class PrefillRank(RankBooks):
             self._after_landing(job)
             return
         job.outstanding += 1
-        self.rt.watch(batch, lambda b: self._on_written(job, b))
+        self.rt.watch(batch, lambda b: self._on_written(job, b), rid=job.rid)
 
     def _on_written(self, job: WriteJob, batch: Batch) -> None:
         job.outstanding -= 1
@@ -347,18 +380,23 @@ class PrefillRank(RankBooks):
             self._reach(job, "after-write", self._send_notice)
 
     def _send_notice(self, job: WriteJob) -> None:
+        """The NOTICE, in chunks of ``PAGES_PER_CHUNK`` pages, each sent with ``notify``
+        (after a flush): any chunk that arrives proves every write landed."""
         if job.state is not WriterState.WRITING:
             return
-        notice = self.rt.notify(
-            job.owner, m.NOTICE, rid=job.rid, tokens=len(job.tokens),
-            pages=job.dst_pages[:job.sent_pages],
-            generations=job.dst_generations[:job.sent_pages],
-            checksums=job.checksums[:job.sent_pages], bytes=job.posted_bytes)
-        if notice is None:
-            self._fail(job, "transfer", f"notice to rank {job.owner} could not be sent")
-            return
+        sent = job.sent_pages
+        checksums = job.checksums[:sent]
+        notice = None
+        for lo, hi in spans(sent, PAGES_PER_CHUNK):
+            notice = self.rt.notify(
+                job.owner, m.NOTICE, rid=job.rid, tokens=len(job.tokens), offset=lo, total=sent,
+                pages=job.dst_pages[lo:hi], generations=job.dst_generations[lo:hi],
+                checksums=checksums[lo:hi], bytes=job.posted_bytes, prefill_ms=job.prefill_ms)
+            if notice is None:
+                self._fail(job, "transfer", f"notice to rank {job.owner} could not be sent")
+                return
         job.move(WriterState.NOTIFYING)
-        self.rt.watch(notice, lambda b: self._on_notified(job, b))
+        self.rt.watch(notice, lambda b: self._on_notified(job, b), rid=job.rid)
 
     def _on_notified(self, job: WriteJob, batch: Batch) -> None:
         if job.state is not WriterState.NOTIFYING:
@@ -372,7 +410,10 @@ class PrefillRank(RankBooks):
         job = self.jobs.get(msg.rid)
         owner = msg.owner if msg.owner >= 0 else (job.owner if job else -1)
         if job is None:
-            # Never started (or already finished): tombstone, ack at once.
+            # Never started (or already finished): tombstone, ack at once. Never started:
+            # the router still counts the pages it reserved here, so say none are held.
+            if msg.rid not in self.tombstones:
+                self.rt.send(self.router, m.RELEASED, rid=msg.rid, pages=0, how="freed")
             self.tombstones[msg.rid] = time.monotonic()
             if owner >= 0:
                 self.rt.notify(owner, m.ABORT_ACK, rid=msg.rid)
@@ -415,7 +456,7 @@ class PrefillRank(RankBooks):
         if ack is None:
             self._on_acked(job)
             return
-        self.rt.watch(ack, lambda b: self._on_acked(job))
+        self.rt.watch(ack, lambda b: self._on_acked(job), rid=job.rid)
 
     def _on_acked(self, job: WriteJob) -> None:
         job.move(WriterState.ABORTED)
@@ -427,6 +468,21 @@ class PrefillRank(RankBooks):
             self.rt.send(rank, m.ABORT, rid=job.rid, owner=job.owner, writers=[self.rt.rank],
                          source=source, reason=reason)
         self._abort(job, reason)
+
+    def fail_request(self, rid: str, reason: str) -> None:
+        """An exception while handling ``rid`` here (see RankRuntime._request_failed): the
+        request fails as if its prefill had failed: the owner and the router are told,
+        nothing more is posted, and the ack follows what is in flight."""
+        job = self.jobs.get(rid)
+        if job is None:
+            log.error("request %s: failed on prefill rank %d after it ended here: %s", rid,
+                      self.rt.rank, reason)
+            return
+        if job.state in (WriterState.ABORTING, WriterState.ABORTED, WriterState.DONE):
+            log.error("request %s: %s (the writer had already %s; nothing more to undo)",
+                      rid, reason, job.state.value)
+            return
+        self._fail(job, "internal", reason)
 
     def _free_source(self, job: WriteJob, how: str) -> None:
         freed = self.allocator.free(job.rid) if self.allocator.pages_of(job.rid) else []

@@ -29,6 +29,7 @@ from kvferry.engine.tokenizer import decode as detokenize, encode as tokenize
 from kvferry.transfer.wire import Message
 
 from . import messages as m
+from .chunks import TOKENS_PER_CHUNK, spans
 from .metrics import ClusterMetrics
 from .rendezvous import RankCard
 from .runtime import RankRuntime
@@ -73,7 +74,9 @@ class RoutedRequest:
     first_token_at: float | None = None
     outcome: str | None = None          # ok, aborted, failed
     error: str | None = None
+    abort_source: str | None = None     # who ended it, when it did not complete
     transfer_ms: float | None = None
+    prefill_ms: float | None = None
     deadline_timer: asyncio.TimerHandle | None = None
     expected_count: int | None = None   # from DONE(finished)
     early: dict[int, list[int]] = field(default_factory=dict)   # chunks ahead of a gap
@@ -138,6 +141,9 @@ class Router:
         self.rank_stats: dict[int, dict] = {}
         self.last_seen: dict[int, float] = {r: time.monotonic() for r in self.ledger.totals}
         self.unhealthy: dict[int, str] = {}
+        # Ranks an owner severed, with the incarnation severed: never routed to again
+        # (a severed rank rejoins only with a new incarnation), whatever its heartbeat.
+        self.severed: dict[int, int] = {}
         self._capacity_changed = asyncio.Event()
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
@@ -148,6 +154,7 @@ class Router:
         metrics.context_length.set(self.context_length)
         runtime.set_handler(self.on_message)
         runtime.on_send_failure = self._on_send_failure
+        runtime.on_request_error = lambda rid, reason: self.abort(rid, "internal", reason)
 
     # ------------------------------------------------------------------ admission
     def new_request_id(self) -> str:
@@ -218,19 +225,35 @@ class Router:
         self.ledger.reserve(owner, rid, need)
         for w in writers:
             self.ledger.reserve(w, rid, pages_needed(len(tokens), 0, self.page_size))
-        packed = np.asarray(tokens, dtype="<i4").tobytes()
         req.transition(S.PREFILLING)
-        for w in writers:
-            self.rt.send(w, m.PREFILL, rid=rid, tokens=packed, owner=owner,
-                         owner_inc=self.cards[owner].incarnation)
-        self.rt.send(owner, m.ASSIGN, rid=rid, prompt_len=len(tokens), max_tokens=max_tokens,
-                     writers=writers, last_token=tokens[-1])
         routed.deadline_timer = asyncio.get_running_loop().call_later(
             self.request_timeout_s, lambda: self.abort(rid, "deadline",
                                                        f"no answer within {self.request_timeout_s:.1f} s"))
         log.info("request %s: %d prompt tokens, max_tokens %d -> prefill %s, decode %d",
                  rid, len(tokens), max_tokens, writers, owner)
+        try:
+            self._dispatch(routed, prompt, tokens, max_tokens)
+        except Exception as exc:
+            # Pages are reserved and some ranks may have heard of it: the abort protocol
+            # undoes what was done, and the client gets the error with the request id.
+            reason = f"dispatch failed: {type(exc).__name__}: {exc}"
+            log.error("request %s: %s", rid, reason, exc_info=exc)
+            self.abort(rid, "internal", reason)
         return routed
+
+    def _dispatch(self, routed: RoutedRequest, prompt: str, tokens: list[int],
+                  max_tokens: int) -> None:
+        """PREFILL (the prompt in chunks) to every writer, ASSIGN to the owner."""
+        rid, owner = routed.rid, routed.owner
+        self.rt.faults.raise_at("router-dispatch", prompt)
+        packed = np.asarray(tokens, dtype="<i4")
+        owner_inc = self.cards[owner].incarnation
+        for w in routed.writers:
+            for lo, hi in spans(len(packed), TOKENS_PER_CHUNK):
+                self.rt.send(w, m.PREFILL, rid=rid, tokens=packed[lo:hi].tobytes(), offset=lo,
+                             total=len(packed), owner=owner, owner_inc=owner_inc)
+        self.rt.send(owner, m.ASSIGN, rid=rid, prompt_len=len(tokens), max_tokens=max_tokens,
+                     writers=routed.writers, last_token=tokens[-1])
 
     # ------------------------------------------------------------------ outcomes
     def _finish(self, routed: RoutedRequest, outcome: str, error: str | None) -> None:
@@ -257,9 +280,18 @@ class Router:
         if routed is None or not routed.req.live:
             return
         self.metrics.aborts.labels(source).inc()
+        routed.abort_source = source
         self._fan_out_abort(routed, source, reason)
-        outcome = "aborted" if source in ("client", "deadline") else "failed"
+        outcome = "aborted" if source in ("client", "deadline", "shutdown") else "failed"
         self._finish(routed, outcome, f"{source}: {reason}")
+
+    def shutdown(self, reason: str) -> int:
+        """Before the router stops: every live request ends now with an error (HTTP 503),
+        rather than at its deadline, and its ranks are told. Returns how many ended."""
+        live = [r.rid for r in self.requests.values() if r.req.live]
+        for rid in live:
+            self.abort(rid, "shutdown", reason)
+        return len(live)
 
     # ------------------------------------------------------------------ messages
     def on_message(self, msg: Message) -> None:
@@ -268,7 +300,7 @@ class Router:
             self._on_stats(msg)
             return
         if msg.kind == "SEVERED":
-            self._on_rank_lost(msg.peer_rank, f"severed by rank {msg.src}: {msg.reason}")
+            self._on_severed(msg.peer_rank, msg.incarnation, f"severed by rank {msg.src}: {msg.reason}")
             return
         if msg.kind == "RELEASED":
             if msg.abort_ms is not None:
@@ -296,6 +328,7 @@ class Router:
             if msg.transfer_ms is not None:
                 routed.transfer_ms = msg.transfer_ms
                 self.metrics.transfer_latency.observe(msg.transfer_ms / 1e3)
+            routed.prefill_ms = msg.prefill_ms
             if msg.outcome == "finished":
                 routed.expected_count = msg.count
                 if not self._complete_if_whole(routed):
@@ -310,6 +343,7 @@ class Router:
                 self._finish(routed, "failed" if msg.outcome == "failed" else "aborted", msg.error)
         elif msg.kind == "ABORT":
             self.metrics.aborts.labels(msg.source).inc()
+            routed.abort_source = msg.source
             self._finish(routed, "failed", f"{msg.source}: {msg.reason}")
             self._fan_out_abort(routed, msg.source, msg.reason, skip=msg.src)
 
@@ -374,22 +408,37 @@ class Router:
                             "malformed": msg.dropped_malformed}
         self.rank_stats[msg.src] = stats
         self.metrics.set_rank_stats(msg.src, self.cards[msg.src].role, stats)
-        if msg.src in self.unhealthy and self.unhealthy[msg.src].startswith("no heartbeat"):
+        if (msg.src in self.unhealthy and msg.src not in self.severed
+                and self.unhealthy[msg.src].startswith("no heartbeat")):
             log.info("rank %d is back", msg.src)
             del self.unhealthy[msg.src]
 
     def _on_send_failure(self, rank: int, exc: Exception) -> None:
         self._on_rank_lost(rank, f"unreachable: {exc}")
 
+    def _on_severed(self, rank: int, incarnation: int, reason: str) -> None:
+        """An owner severed ``rank``: it is never routed to again in this incarnation,
+        even once its heartbeat comes back (the owner keeps refusing it), and /health says
+        why. A rank already marked for a missed heartbeat is marked severed all the same."""
+        if incarnation != self.cards[rank].incarnation or rank in self.severed:
+            return
+        self.severed[rank] = incarnation
+        self.unhealthy.pop(rank, None)
+        self._on_rank_lost(rank, reason)
+
     def _on_rank_lost(self, rank: int, reason: str) -> None:
-        """Route nothing more to ``rank`` (it rejoins only with a new incarnation) and
-        abort the live requests that involve it."""
+        """Route nothing more to ``rank`` and abort the live requests it can still harm:
+        those it owns, and those it writes whose pages may not all have arrived (a
+        request already decoding has every writer's notice, and goes on)."""
         if rank in self.unhealthy:
             return
         self.unhealthy[rank] = reason
         log.error("rank %d marked unhealthy: %s", rank, reason)
         for routed in list(self.requests.values()):
-            if routed.req.live and rank in (routed.owner, *routed.writers):
+            if not routed.req.live:
+                continue
+            if rank == routed.owner or (rank in routed.writers
+                                        and routed.req.state is not S.DECODING):
                 self.abort(routed.rid, "peer", f"rank {rank} lost: {reason}")
 
     def check_heartbeats(self) -> None:
@@ -427,6 +476,7 @@ class Router:
         live = sum(1 for r in self.requests.values() if r.req.live)
         return {"live_requests": live, "held_pages": self.ledger.outstanding(),
                 "quarantined_requests": {r: sorted(s) for r, s in self.ledger.orphaned.items() if s},
-                "unhealthy": self.unhealthy, "ranks": self.rank_stats,
+                "unhealthy": self.unhealthy, "severed": sorted(self.severed),
+                "ranks": self.rank_stats,
                 "abort_release": self.abort_release_summary(),
                 "context_length": self.context_length}

@@ -7,6 +7,14 @@ timers. Single-threaded, like the engine under it: the role's loop calls :meth:`
 
 Upholds I4's severing rule on the control plane: once a rank is severed, its messages and
 its writes are refused until it comes back with a new incarnation.
+
+Upholds I6 for the rank's own failures: an exception raised while handling a message, or in
+a timer, a deferred call or a batch callback that belongs to a request, is counted, logged
+with the request id and handed to ``on_request_error``, which ends that request through the
+protocol (its pages freed or quarantined), so no request is left live by a bug or a bad
+input. A message this rank cannot send for a reason of its own (it does not encode, or
+exceeds the engine's size limit) raises :class:`LocalSendError`: the request fails, the
+peer is not marked lost.
 """
 
 from __future__ import annotations
@@ -34,9 +42,19 @@ DRAIN_S = 0.2   # progress after a writer's death before its quarantined pages a
 WATCH_POLL_S = 0.0005   # the longest sleep while a watched batch is pending
 
 
+class LocalSendError(Exception):
+    """A control message refused before it left this rank (it does not encode, or it is
+    over the engine's size limit): our own error, not the peer's."""
+
+    def __init__(self, kind: str, rank: int, reason: str) -> None:
+        super().__init__(f"{kind} to rank {rank} not sent: {reason}")
+        self.kind, self.rank, self.reason = kind, rank, reason
+
+
 @dataclass
 class ControlCounters:
     sent: int = 0
+    request_errors: int = 0     # exceptions that ended a request (on_request_error)
     received: int = 0
     send_failures: int = 0
     dropped_duplicate: int = 0
@@ -51,6 +69,7 @@ class _Timer:
     when: float
     order: int
     fn: Callable[[], None] = field(compare=False)
+    rid: str | None = field(default=None, compare=False)
     cancelled: bool = field(default=False, compare=False)
 
     def cancel(self) -> None:
@@ -82,12 +101,14 @@ class RankRuntime:
         self._severed: dict[int, int] = {}           # rank -> incarnation severed
         self._severed_peers: dict[int, Peer] = {}    # control-only endpoints to severed ranks
         self._gone_since: dict[int, float] = {}     # rank -> when its process was seen gone
-        self._watches: list[tuple[Batch, Callable[[Batch], None]]] = []
+        self._watches: list[tuple[Batch, Callable[[Batch], None], str | None]] = []
         self._timers: list[_Timer] = []
         self._timer_order = itertools.count()
-        self._deferred: list[Callable[[], None]] = []
+        self._deferred: list[tuple[Callable[[], None], str | None]] = []
         self._handler: Callable[[Message], None] = lambda msg: None
         self.on_send_failure: Callable[[int, Exception], None] = lambda rank, exc: None
+        # Ends a request after an exception in its handling (see _request_failed).
+        self.on_request_error: Callable[[str, str], None] = lambda rid, reason: None
         # Called when a watch, a timer or a deferred call is added: a loop that sleeps
         # outside pump (the router's asyncio loop) wakes and asks sleep_bound again.
         self.on_new_work: Callable[[], None] = lambda: None
@@ -173,19 +194,25 @@ class RankRuntime:
         return time.monotonic() - seen >= DRAIN_S
 
     # ------------------------------------------------------------------ sending
-    def _fill(self, kind: MessageKind, fields: dict) -> bytes:
-        return messages.encode(kind.make(src=self.rank, inc=self.incarnation,
-                                         seq=next(self._seq), **fields))
+    def _fill(self, rank: int, kind: MessageKind, fields: dict) -> bytes:
+        try:
+            return messages.encode(kind.make(src=self.rank, inc=self.incarnation,
+                                             seq=next(self._seq),
+                                             **messages.clip_free_text(kind, fields)))
+        except WireError as exc:
+            self.counters.send_failures += 1
+            raise LocalSendError(kind.name, rank, str(exc)) from None
 
     def send(self, rank: int, kind: MessageKind, **fields) -> Batch | None:
-        """Post a control message to ``rank``; a failure is counted, logged and reported to
-        ``on_send_failure`` (never raised: the protocol's deadlines take over)."""
-        return self._deliver(rank, kind.name, self._fill(kind, fields), flushed=False)
+        """Post a control message to ``rank``; a failure on the way or at the peer is
+        counted, logged and reported to ``on_send_failure`` (not raised: the protocol's
+        deadlines take over). A message refused here (LocalSendError) is raised."""
+        return self._deliver(rank, kind.name, self._fill(rank, kind, fields), flushed=False)
 
     def notify(self, rank: int, kind: MessageKind, **fields) -> Batch | None:
         """Flush every earlier write to ``rank``, then deliver the message. The batch
         returned completes once the flush (and the send) did."""
-        return self._deliver(rank, kind.name, self._fill(kind, fields), flushed=True)
+        return self._deliver(rank, kind.name, self._fill(rank, kind, fields), flushed=True)
 
     def _deliver(self, rank: int, kind: str, data: bytes, flushed: bool) -> Batch | None:
         """The fault seam: what the network does with one outgoing message (dropped,
@@ -222,6 +249,9 @@ class RankRuntime:
     def _guarded(self, rank: int, kind: str, op) -> Batch | None:
         try:
             return op(self.peer(rank, severed_ok=(kind == "ABORT")))
+        except WireError as exc:   # over the engine's message size: ours, not the peer's
+            self.counters.send_failures += 1
+            raise LocalSendError(kind, rank, str(exc)) from None
         except (TransferError, OSError) as exc:
             self._send_failed(rank, kind, exc)
             return None
@@ -273,31 +303,59 @@ class RankRuntime:
         if len(seen) > DEDUP_WINDOW:
             seen.popitem(last=False)
         self.counters.received += 1
-        self._handler(msg)
+        try:
+            self._handler(msg)
+        except Exception as exc:
+            self._request_failed(msg.fields.get("rid"), f"{msg.kind} from rank {src}", exc)
         if self._watches:
             # What the handler posted and is already done (a direct write) goes on now,
             # before the next queued message: a notice is not held back behind the
             # writes of requests that arrived later.
             self._settle_watches()
 
+    # ------------------------------------------------------------------ failures
+    def _request_failed(self, rid: str | None, what: str, exc: BaseException) -> None:
+        """An exception while handling ``what``: counted, logged with the request id, and
+        the request ended by the role (``on_request_error``). Without a request id there is
+        no request to end; the rank keeps serving."""
+        self.counters.request_errors += 1
+        reason = f"internal error in {what} on rank {self.rank}: {type(exc).__name__}: {exc}"
+        if rid is None:
+            log.error("rank %d: %s", self.rank, reason, exc_info=exc)
+            return
+        log.error("request %s: %s", rid, reason, exc_info=exc)
+        try:
+            self.on_request_error(rid, reason)
+        except Exception:
+            log.exception("request %s: ending it after an internal error failed too; its "
+                          "pages stay as they are (quarantined pages wait for proof)", rid)
+
+    def run_for(self, rid: str | None, what: str, fn: Callable[[], None]) -> None:
+        """Call ``fn``; an exception ends request ``rid`` (see :meth:`_request_failed`)."""
+        try:
+            fn()
+        except Exception as exc:
+            self._request_failed(rid, what, exc)
+
     # ------------------------------------------------------------------ batches, timers
-    def watch(self, batch: Batch, callback: Callable[[Batch], None]) -> None:
+    def watch(self, batch: Batch, callback: Callable[[Batch], None], rid: str | None = None) -> None:
         """Call ``callback(batch)`` once the batch settles: from :meth:`pump`, or right
-        after the message handler that posted it returns."""
-        self._watches.append((batch, callback))
+        after the message handler that posted it returns. ``rid``: the request an
+        exception in ``callback`` ends."""
+        self._watches.append((batch, callback, rid))
         self.on_new_work()
 
-    def call_later(self, delay_s: float, fn: Callable[[], None]) -> _Timer:
-        timer = _Timer(time.monotonic() + delay_s, next(self._timer_order), fn)
+    def call_later(self, delay_s: float, fn: Callable[[], None], rid: str | None = None) -> _Timer:
+        timer = _Timer(time.monotonic() + delay_s, next(self._timer_order), fn, rid)
         heapq.heappush(self._timers, timer)
         self.on_new_work()
         return timer
 
-    def defer(self, fn: Callable[[], None]) -> None:
+    def defer(self, fn: Callable[[], None], rid: str | None = None) -> None:
         """Call ``fn`` from the next :meth:`pump`, after the engine's next progress and
         the messages it delivers: an ABORT that arrived during a long step (a prefill) is
         handled before the step's sequel (the checksums and the writes) runs."""
-        self._deferred.append(fn)
+        self._deferred.append((fn, rid))
         self.on_new_work()
 
     def pump(self, timeout_s: float = 0.0, stay_awake: bool = False) -> None:
@@ -318,20 +376,21 @@ class RankRuntime:
         while self._timers and self._timers[0].when <= now:
             timer = heapq.heappop(self._timers)
             if not timer.cancelled:
-                timer.fn()
-        for fn in deferred:
-            fn()
+                self.run_for(timer.rid, "a timer", timer.fn)
+        for fn, rid in deferred:
+            self.run_for(rid, "a deferred step", fn)
         if deferred and self._watches:
             self._settle_watches()
 
     def _settle_watches(self) -> bool:
         """Call back every watched batch that has settled; True if any had."""
         current, self._watches, pending = self._watches, [], []
-        for batch, cb in current:
+        for watched in current:
+            batch, cb, rid = watched
             if batch.peek() is BatchStatus.PENDING:
-                pending.append((batch, cb))
+                pending.append(watched)
             else:
-                cb(batch)
+                self.run_for(rid, "a batch callback", lambda: cb(batch))
         settled = len(pending) < len(current)
         self._watches = pending + self._watches  # callbacks may have added watches
         return settled

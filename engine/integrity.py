@@ -61,7 +61,7 @@ def check_transferred_length(request_id: str, expected_tokens: int, received_tok
 # --- checksums -----------------------------------------------------------------------
 def _page_words(kv: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """``[n, words]`` int64 holding each page's bytes as unsigned 32-bit words (or bytes)."""
-    flat = kv.reshape(kv.shape[0], -1)[pages]  # gather copies: [n, elements]
+    flat = kv[pages].reshape(pages.numel(), -1)  # gather copies the listed pages only: [n, elements]
     raw = flat.view(torch.uint8)
     if raw.shape[1] % 4 == 0:
         return raw.view(torch.int32).to(torch.int64) & _WORD_MASK

@@ -41,6 +41,8 @@ from .pool import PoolConfig, check_pool_shape
 from .stepwise import PrefillByLayers
 from .tokenizer import CONFLICT, TOKEN_BITS, VOCAB_SIZE
 
+PREFILL_CHUNK_TOKENS = 1 << 16   # tokens a prefill step writes (a long prompt yields between)
+
 
 @dataclass(frozen=True)
 class ReplayConfig:
@@ -105,19 +107,26 @@ class ReplayModel(PrefillByLayers):
         *,
         head_range: tuple[int, int] | None = None,
         start_pos: int = 0,
-    ) -> Generator[int, None, None]:
+    ) -> Generator[int | None, None, None]:
         """Write K/V of ``tokens`` at positions ``start_pos ..`` into the pages of
-        ``page_row``, for KV heads ``head_range`` (default all), one layer at a time:
-        yields each layer's index once its K/V is in the pages. ``prefill`` (same
-        arguments) writes them all."""
+        ``page_row``, for KV heads ``head_range`` (default all), one layer at a time and,
+        within a layer, ``PREFILL_CHUNK_TOKENS`` tokens at a time: yields None after each
+        chunk but a layer's last, and the layer's index once all its K/V is in the pages.
+        ``prefill`` (same arguments) writes them all."""
         self._check_pool(kv)
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=kv.device).reshape(-1)
         lo, hi = head_range or (0, self.kv_heads)
-        positions = torch.arange(start_pos, start_pos + tokens.numel(), device=kv.device)
-        k = self.key_codes(positions)[:, None, :].expand(-1, hi - lo, -1)
-        v = self.value_codes(tokens)[:, None, :].expand(-1, hi - lo, -1)
+        row = torch.as_tensor(page_row, dtype=torch.int64, device=kv.device)
+        n = tokens.numel()
         for layer in range(self.layers):
-            write_kv_pages(kv, layer, k, v, page_row, start_pos, head_lo=lo)
+            for first in range(0, max(n, 1), PREFILL_CHUNK_TOKENS):
+                last = min(n, first + PREFILL_CHUNK_TOKENS)
+                positions = torch.arange(start_pos + first, start_pos + last, device=kv.device)
+                k = self.key_codes(positions)[:, None, :].expand(-1, hi - lo, -1)
+                v = self.value_codes(tokens[first:last])[:, None, :].expand(-1, hi - lo, -1)
+                write_kv_pages(kv, layer, k, v, row, start_pos + first, head_lo=lo)
+                if last < n:
+                    yield None
             yield layer
 
     # --- decode -----------------------------------------------------------------------

@@ -1,5 +1,8 @@
-"""A prefill that yields after each layer, so that its caller can stop it between layers
-(an abort), and the one-call ``prefill`` the models build on it."""
+"""A prefill that yields after each step, so that its caller can stop it between steps
+(an abort) or poll between them, and the one-call ``prefill`` the models build on it.
+
+``prefill_layers`` yields a layer's index once that layer's KV is in the pages, and may
+yield None between pieces of one layer (chunks of a long prompt's tokens)."""
 
 from __future__ import annotations
 

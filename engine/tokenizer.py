@@ -5,6 +5,7 @@ Prompts and answers stay readable, so a leaked page shows up as another request'
 
 from __future__ import annotations
 
+import codecs
 from typing import Iterable
 
 BYTE_TOKENS = 256
@@ -38,3 +39,35 @@ def decode(tokens: Iterable[int], *, show_specials: bool = True) -> str:
             out.append(SPECIAL_NAMES[token])
     out.append(run.decode("utf-8", errors="replace"))
     return "".join(out)
+
+
+class StreamDecoder:
+    """Incremental :func:`decode` for an answer that arrives in chunks: a character whose
+    bytes are split between two chunks is held back until its last byte arrives, so the
+    concatenation of what :meth:`feed` and :meth:`finish` return equals ``decode`` of all
+    the tokens, for any tokens and any split."""
+
+    def __init__(self, *, show_specials: bool = True) -> None:
+        self.show_specials = show_specials
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, tokens: Iterable[int]) -> str:
+        out: list[str] = []
+        run = bytearray()
+        for token in tokens:
+            token = int(token)
+            if 0 <= token < BYTE_TOKENS:
+                run.append(token)
+                continue
+            if token not in SPECIAL_NAMES:
+                raise ValueError(f"token {token} outside vocabulary of {VOCAB_SIZE}")
+            out.append(self._utf8.decode(bytes(run), final=True))   # a special ends a run
+            run.clear()
+            if self.show_specials:
+                out.append(SPECIAL_NAMES[token])
+        out.append(self._utf8.decode(bytes(run)))
+        return "".join(out)
+
+    def finish(self) -> str:
+        """What is still held back (an incomplete character at the end: replaced)."""
+        return self._utf8.decode(b"", final=True)

@@ -40,10 +40,12 @@ HEADER = dict(src=3, inc=(1 << 64) - 1, seq=7)
 
 def test_every_message_kind_round_trips():
     samples = {
-        "PREFILL": dict(rid="r", tokens=b"\x01\x00\x00\x00", owner=2, owner_inc=5),
+        "PREFILL": dict(rid="r", tokens=b"\x01\x00\x00\x00", offset=0, total=1, owner=2,
+                        owner_inc=5),
         "ASSIGN": dict(rid="r", prompt_len=1, max_tokens=2, writers=[1, 2], last_token=65),
-        "PLAN": dict(rid="r", pages=[1, 2], generations=[3, 4]),
-        "NOTICE": dict(rid="r", tokens=3, pages=[1], generations=[2], checksums=[9], bytes=4),
+        "PLAN": dict(rid="r", offset=0, total=2, pages=[1, 2], generations=[3, 4]),
+        "NOTICE": dict(rid="r", tokens=3, offset=0, total=1, pages=[1], generations=[2],
+                       checksums=[9], bytes=4, prefill_ms=2.5),
         "TOKENS": dict(rid="r", offset=0, tokens=[65, 66]),
         "DONE": dict(rid="r", outcome="finished", error=None, count=2, transfer_ms=1.5),
         "ABORT": dict(rid="r", owner=2, writers=[1], source="client", reason="gone"),
@@ -285,7 +287,8 @@ def test_deferred_work_runs_after_the_messages_that_arrived_meanwhile():
 
     rt.set_handler(on_message)
     engine.arriving.append(m.encode(m.PREFILL.make(src=1, inc=7, seq=1, rid="r",
-                                                   tokens=b"\0" * 64, owner=2, owner_inc=7)))
+                                                   tokens=b"\0" * 64, offset=0, total=16,
+                                                   owner=2, owner_inc=7)))
     rt.pump(0)
     assert order == ["PREFILL"]
     rt.pump(0)

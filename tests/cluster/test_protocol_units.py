@@ -59,22 +59,27 @@ class RecordingRuntime:
         self.writes.append((rank, np.asarray(pages)))
         return _Done()
 
-    def watch(self, batch, callback) -> None:
+    def watch(self, batch, callback, rid=None) -> None:
         callback(batch)
 
-    def defer(self, fn) -> None:
+    def defer(self, fn, rid=None) -> None:
         if self.defer_at_once:
             fn()
         else:
             self.deferred.append(fn)
 
     def pump(self) -> None:
-        """What RankRuntime.pump does once the messages delivered so far are handled."""
-        deferred, self.deferred = self.deferred, []
-        for fn in deferred:
-            fn()
+        """What RankRuntime.pump does once the messages delivered so far are handled,
+        repeated until no deferred work is left (work in slices defers itself again)."""
+        for _ in range(10_000):
+            if not self.deferred:
+                return
+            deferred, self.deferred = self.deferred, []
+            for fn in deferred:
+                fn()
+        raise AssertionError("deferred work never ends")
 
-    def call_later(self, delay, fn):
+    def call_later(self, delay, fn, rid=None):
         raise AssertionError("no timers expected here")
 
     def remote_segment(self, rank):
@@ -106,10 +111,10 @@ def test_an_abort_that_overtakes_its_request_keeps_it_from_transfer(tombstones_k
     at once and never writes; a writer without tombstones would write the pages."""
     writer, rt = _writer(tombstones_kept)
     rt.deliver(m.ABORT, src=0, rid="r1", owner=2, writers=[1], source="client", reason="gone")
-    assert rt.kinds() == ["ABORT_ACK"]
-    rt.deliver(m.PLAN, src=2, rid="r1", pages=[5, 6], generations=[1, 1])
+    assert rt.kinds() == ["RELEASED", "ABORT_ACK"]   # none of the router's reservation held
+    rt.deliver(m.PLAN, src=2, rid="r1", offset=0, total=2, pages=[5, 6], generations=[1, 1])
     rt.deliver(m.PREFILL, src=0, rid="r1", tokens=np.arange(20, dtype="<i4").tobytes(),
-               owner=2, owner_inc=1)
+               offset=0, total=20, owner=2, owner_inc=1)
     rt.pump()
     if tombstones_kept:
         assert rt.writes == [] and "NOTICE" not in rt.kinds()
@@ -126,9 +131,9 @@ def test_an_abort_that_arrives_during_the_prefill_keeps_it_from_transfer(deferre
     inside the PREFILL handler) posts the aborted request's writes, and the test sees it."""
     writer, rt = _writer()
     rt.defer_at_once = not deferred
-    rt.deliver(m.PLAN, src=2, rid="r3", pages=[5, 6], generations=[1, 1])
+    rt.deliver(m.PLAN, src=2, rid="r3", offset=0, total=2, pages=[5, 6], generations=[1, 1])
     rt.deliver(m.PREFILL, src=0, rid="r3", tokens=np.arange(20, dtype="<i4").tobytes(),
-               owner=2, owner_inc=1)
+               offset=0, total=20, owner=2, owner_inc=1)
     rt.deliver(m.ABORT, src=0, rid="r3", owner=2, writers=[1], source="client", reason="gone")
     rt.pump()
     if deferred:
@@ -162,9 +167,9 @@ def test_an_abort_during_a_long_prefill_stops_it_between_layers(slice_s):
     rt = RecordingRuntime(rank=1)
     writer = PrefillRank(rt, model, KVPool(model.pool_config(16, 64)), segment=None,
                          head_range=(0, 2), router=0, prefill_slice_s=slice_s)
-    rt.deliver(m.PLAN, src=2, rid="r8", pages=[5, 6], generations=[1, 1])
+    rt.deliver(m.PLAN, src=2, rid="r8", offset=0, total=2, pages=[5, 6], generations=[1, 1])
     rt.deliver(m.PREFILL, src=0, rid="r8", tokens=np.arange(20, dtype="<i4").tobytes(),
-               owner=2, owner_inc=1)
+               offset=0, total=20, owner=2, owner_inc=1)
     rt.deliver(m.ABORT, src=0, rid="r8", owner=2, writers=[1], source="client", reason="gone")
     rt.pump()
     rt.pump()
@@ -181,9 +186,9 @@ def test_a_prefill_that_yields_between_layers_still_runs_them_all_and_writes():
     rt = RecordingRuntime(rank=1)
     PrefillRank(rt, model, KVPool(model.pool_config(16, 64)), segment=None, head_range=(0, 2),
                 router=0, prefill_slice_s=0.0)
-    rt.deliver(m.PLAN, src=2, rid="r9", pages=[5, 6], generations=[1, 1])
+    rt.deliver(m.PLAN, src=2, rid="r9", offset=0, total=2, pages=[5, 6], generations=[1, 1])
     rt.deliver(m.PREFILL, src=0, rid="r9", tokens=np.arange(20, dtype="<i4").tobytes(),
-               owner=2, owner_inc=1)
+               offset=0, total=20, owner=2, owner_inc=1)
     for _ in range(5):
         rt.pump()
     assert model.computed == 4
@@ -194,7 +199,7 @@ def test_a_writer_acks_again_when_the_owner_asks_again():
     writer, rt = _writer()
     for _ in range(2):
         rt.deliver(m.ABORT, src=2, rid="r2", owner=2, writers=[1], source="transfer", reason="t")
-    assert rt.kinds() == ["ABORT_ACK", "ABORT_ACK"]
+    assert rt.kinds() == ["RELEASED", "ABORT_ACK", "ABORT_ACK"]
 
 
 # ---------------------------------------------------------------- I4 at an owner
@@ -213,7 +218,7 @@ class TimedRuntime(RecordingRuntime):
         super().__init__(rank)
         self.timers: list[_Timer] = []
 
-    def call_later(self, delay, fn):
+    def call_later(self, delay, fn, rid=None):
         self.timers.append(_Timer(delay, fn))
         return self.timers[-1]
 
@@ -274,8 +279,9 @@ def test_an_ack_that_overtakes_the_abort_during_decode_stops_the_request():
                last_token=7)
     plan = next(f for _, k, f in rt.sent if k == "PLAN")
     slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
-    rt.deliver(m.NOTICE, src=1, rid="r7", tokens=40, pages=plan["pages"][:3],
+    rt.deliver(m.NOTICE, src=1, rid="r7", tokens=40, offset=0, total=3, pages=plan["pages"][:3],
                generations=plan["generations"][:3], checksums=[], bytes=3 * slice_bytes)
+    rt.pump()   # the checks run from the loop, in slices
     assert owner.busy() and owner.step()
     rt.sent.clear()
     rt.deliver(m.ABORT_ACK, src=1, rid="r7")

@@ -41,17 +41,14 @@ class Variant:
     kernel: str  # decode | combine | checksum
     dtype: str = "bf16"
     head_dim: int = 128
-    page_size: int = 16
     group: int = 4
     check: bool = False
-    direct: bool = False
 
     @property
     def name(self) -> str:
         if self.kernel == "decode":
             return (
-                f"decode-{self.dtype}-d{self.head_dim}-p{self.page_size}-g{self.group}"
-                f"-{'check' if self.check else 'nocheck'}-{'direct' if self.direct else 'split'}"
+                f"decode-{self.dtype}-d{self.head_dim}-g{self.group}-{'check' if self.check else 'nocheck'}"
             )
         if self.kernel == "combine":
             return f"combine-{self.dtype}-d{self.head_dim}"
@@ -59,16 +56,17 @@ class Variant:
 
 
 def variants() -> list[Variant]:
-    """Every variant a launch can pick for the supported shapes (GQA group 4, the 32/8
-    heads of the device table; other groups change only the query tile's padding up to 16)."""
+    """Every variant a launch can pick for the supported shapes: the attention's
+    constexprs are dtype, head dim and the check (page size and split count are runtime
+    arguments); GQA group 4 (32/8 heads, the device table's), and group 8 at head dim 128
+    (other groups up to 16 share the 16-row query tile)."""
     out = [
-        Variant("decode", dt, d, ps, 4, check, direct)
+        Variant("decode", dt, d, 4, check)
         for dt in ("bf16", "fp16")
         for d in (64, 128)
-        for ps in (16, 32, 64)
         for check in (False, True)
-        for direct in (False, True)
     ]
+    out += [Variant("decode", "bf16", 128, 8, check) for check in (False, True)]
     out += [Variant("combine", dt, d) for dt in ("bf16", "fp16") for d in (64, 128)]
     out += [Variant("checksum", "words")]
     return out
@@ -103,11 +101,12 @@ def _source(v: Variant, divisibility: bool = True):
         aligned = {"q_ptr", "stride_qb", "stride_qh", "k_ptr", "v_ptr", "stride_page", "stride_head",
                    "stride_slot", "table_ptr", "seq_ptr", "out_ptr", "stride_ob", "stride_oh", "part_ptr",
                    "ml_ptr", "split_len", "canary_ptr", "rid_ptr", "gen_ptr", "err_ptr", "first_ptr"}
-        part_t = dt if v.direct else "*fp32"
+        part_t = "*fp32"
         sig = {
             "q_ptr": dt, "stride_qb": "i32", "stride_qh": "i32",
             "k_ptr": dt, "v_ptr": dt, "stride_page": "i32", "stride_head": "i32", "stride_slot": "i32",
             "table_ptr": "*i32", "stride_tb": "i32", "seq_ptr": "*i32", "num_pages": "i32", "width": "i32",
+            "page_shift": "i32",
             "out_ptr": dt, "stride_ob": "i32", "stride_oh": "i32",
             "part_ptr": part_t, "ml_ptr": part_t, "num_splits": "i32", "split_len": "i32",
             "canary_ptr": "*i64" if v.check else "*i32", "rid_ptr": "*i64" if v.check else "*i32",
@@ -116,15 +115,14 @@ def _source(v: Variant, divisibility: bool = True):
         }
         consts = {
             "GROUP": v.group, "G_PAD": triton_decode.group_pad(v.group), "HEAD_DIM": v.head_dim,
-            "PAGE_SIZE": v.page_size, "BLOCK": triton_decode.BLOCK_N, "CHECK": v.check,
-            "DIRECT": v.direct, "UPCAST": False,
+            "BLOCK": triton_decode.BLOCK_N, "CHECK": v.check, "UPCAST": False,
         }
     elif v.kernel == "combine":
         fn = triton_decode._combine_kernel
         sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": _DT[v.dtype], "stride_ob": "i32",
-               "stride_oh": "i32", "seq_ptr": "*i32", "num_splits": "i32", "split_len": "i32", "width": "i32"}
+               "stride_oh": "i32", "seq_ptr": "*i32", "num_splits": "i32", "split_len": "i32", "max_tokens": "i32"}
         aligned = {"part_ptr", "ml_ptr", "out_ptr", "stride_ob", "stride_oh", "seq_ptr", "split_len"}
-        consts = {"HEAD_DIM": v.head_dim, "PAGE_SIZE": 16, "SPLITS": triton_decode.COMBINE_BLOCK}
+        consts = {"HEAD_DIM": v.head_dim, "SPLITS": triton_decode.COMBINE_BLOCK}
     else:
         fn = triton_checksum._checksum_kernel
         sig = {"words_ptr": "*i32", "stride_page": "i32", "pages_ptr": "*i64", "part_ptr": "*i64",

@@ -13,7 +13,9 @@ itself a multiple of the page size, so a step never straddles a split and starts
 boundary), in blocks of ``BLOCK_N`` positions gathered through the page table. With one
 split the program writes the output; with several it writes an unnormalised partial
 (acc, running max, running sum) and :func:`_combine_kernel` merges the splits that hold
-positions. Scores, softmax and the weighted sum are fp32; on the GPU the two dots take
+positions. Page size (a power of two: shift and mask) and split count are runtime
+arguments, so one compiled variant per dtype, head dim and check serves every page size,
+split or not (``num_splits`` is kept out of the JIT's equal-to-1 specialisation). Scores, softmax and the weighted sum are fp32; on the GPU the two dots take
 16-bit operands (tensor cores, fp32 accumulation; the probabilities are rounded to the pool
 dtype for the second dot, as flash attention does). Under Triton's interpreter, whose
 bf16 arithmetic is wrong, and for fp32 pools, every operand is fp32 (``UPCAST``).
@@ -53,24 +55,34 @@ MIN_SPLIT_TOKENS = 256
 LOG2E = 1.4426950408889634
 PAGE_SIZES = (16, 32, 64)
 HEAD_DIMS = (64, 128)
+# the kinds as constexpr globals, so the kernel may read them
+_FOREIGN = tl.constexpr(FOREIGN_REQUEST)
+_STALE = tl.constexpr(STALE_GENERATION)
+_INDEX = tl.constexpr(WRONG_INDEX)
+_OOP = tl.constexpr(OUT_OF_POOL)
+_BEYOND = tl.constexpr(BEYOND_TABLE)
+_NONE = tl.constexpr(2147483647)
 _TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, stride_qb, stride_qh,
     k_ptr, v_ptr, stride_page, stride_head, stride_slot,
-    table_ptr, stride_tb, seq_ptr, num_pages, width,
+    table_ptr, stride_tb, seq_ptr, num_pages, width, page_shift,
     out_ptr, stride_ob, stride_oh,
     part_ptr, ml_ptr, num_splits, split_len,
     canary_ptr, rid_ptr, gen_ptr, stride_gb, err_ptr, first_ptr,
     qk_scale,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr, CHECK: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr, CHECK: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """q ``[B, QH, D]``; k/v ``[pages, kv_heads, page_size, D]`` views of one layer;
-    table ``[B, width]`` int32; out ``[B, QH, D]`` (DIRECT) or part ``[B, QH, S, D]`` fp32
-    and ml ``[B, QH, S, 2]`` fp32 (running max in log2 units, running sum)."""
+    """q ``[B, QH, D]``; k/v ``[pages, kv_heads, page_size, D]`` views of one layer
+    (``page_size = 1 << page_shift``); table ``[B, width]`` int32; with one split, out
+    ``[B, QH, D]``; with several, part ``[B, QH, S, D]`` fp32 and ml ``[B, QH, S, 2]`` fp32
+    (running max in log2 units, running sum). The page size and the split count are
+    runtime values (shift and mask; one branch at the end), so one compiled variant serves
+    every page size and both modes."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -82,7 +94,9 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_ptr + b).to(tl.int32)
     seq_len = tl.maximum(seq_len, 0)
-    seq_eff = tl.minimum(seq_len, width * PAGE_SIZE)
+    page_mask = (1 << page_shift) - 1
+    max_tokens = width << page_shift
+    seq_eff = tl.minimum(seq_len, max_tokens)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_eff)
 
@@ -96,7 +110,7 @@ def _decode_split_kernel(
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
     bad_bits = tl.zeros([BLOCK], dtype=tl.int32)
-    bad_first = tl.full([BLOCK], 2147483647, dtype=tl.int32)
+    bad_first = tl.full([BLOCK], _NONE, dtype=tl.int32)
     if CHECK:
         want_rid = tl.load(rid_ptr + b)
     head_off = kvh.to(tl.int64) * stride_head
@@ -105,24 +119,24 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK):
         t = n0 + n
         valid = t < end
-        col = t // PAGE_SIZE
+        col = t >> page_shift
         page = tl.load(table_row + col, mask=valid, other=0)
         safe = tl.minimum(tl.maximum(page, 0), num_pages - 1)
         if CHECK:
-            head_row = valid & ((t % PAGE_SIZE) == 0)
+            head_row = valid & ((t & page_mask) == 0)
             crow = canary_ptr + safe.to(tl.int64) * 3
             c_rid = tl.load(crow, mask=head_row, other=0)
             c_gen = tl.load(crow + 1, mask=head_row, other=0)
             c_idx = tl.load(crow + 2, mask=head_row, other=0)
             w_gen = tl.load(gen_ptr + b.to(tl.int64) * stride_gb + col, mask=head_row, other=0)
-            kind = tl.where(c_rid != want_rid, FOREIGN_REQUEST, 0)
-            kind = kind | tl.where(c_gen != w_gen, STALE_GENERATION, 0)
-            kind = kind | tl.where(c_idx != col.to(tl.int64), WRONG_INDEX, 0)
-            kind = tl.where((page < 0) | (page >= num_pages), OUT_OF_POOL, kind)
+            kind = tl.where(c_rid != want_rid, _FOREIGN, 0)
+            kind = kind | tl.where(c_gen != w_gen, _STALE, 0)
+            kind = kind | tl.where(c_idx != col.to(tl.int64), _INDEX, 0)
+            kind = tl.where((page < 0) | (page >= num_pages), _OOP, kind)
             kind = tl.where(head_row, kind, 0)
             bad_bits = bad_bits | kind
-            bad_first = tl.minimum(bad_first, tl.where(kind != 0, col, 2147483647))
-        row = safe.to(tl.int64) * stride_page + head_off + (t % PAGE_SIZE).to(tl.int64) * stride_slot
+            bad_first = tl.minimum(bad_first, tl.where(kind != 0, col, _NONE))
+        row = safe.to(tl.int64) * stride_page + head_off + (t & page_mask).to(tl.int64) * stride_slot
         offs = row[:, None] + d[None, :]
         k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
@@ -146,14 +160,14 @@ def _decode_split_kernel(
         bits = tl.reduce_or(bad_bits, axis=0)
         first = tl.min(bad_first, axis=0)
         if split == 0:
-            if seq_len > width * PAGE_SIZE:
-                bits = bits | BEYOND_TABLE
+            if seq_len > max_tokens:
+                bits = bits | _BEYOND
                 first = tl.minimum(first, width)
         if bits != 0:
             tl.atomic_or(err_ptr + b, bits)
             tl.atomic_min(first_ptr + b, first)
 
-    if DIRECT:
+    if num_splits == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -167,8 +181,8 @@ def _decode_split_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, seq_ptr, num_splits, split_len, width,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLITS: tl.constexpr,
+    part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, seq_ptr, num_splits, split_len, max_tokens,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Merge the splits of one ``(b, q_head)``: part ``[B, QH, S, D]``, ml ``[B, QH, S, 2]``
     fp32 -> out ``[B, QH, D]``. Only splits that hold positions are read."""
@@ -177,7 +191,7 @@ def _combine_kernel(
     d = tl.arange(0, HEAD_DIM)
     s = tl.arange(0, SPLITS)
     seq_len = tl.load(seq_ptr + b).to(tl.int32)
-    seq_eff = tl.minimum(tl.maximum(seq_len, 0), width * PAGE_SIZE)
+    seq_eff = tl.minimum(tl.maximum(seq_len, 0), max_tokens)
     used = (seq_eff + split_len - 1) // split_len
     base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
     m_all = tl.full([SPLITS], float("-inf"), dtype=tl.float32)
@@ -273,18 +287,17 @@ def paged_decode_attention(
         q = q.contiguous()  # [batch, q_heads, head_dim]: tiny beside the pool
     if page_table.stride(1) != 1:
         page_table = page_table.contiguous()
-    seq_lens = seq_lens.to(device=kv.device)
+    seq_lens = seq_lens.to(device=kv.device, dtype=torch.int32)
     max_tokens = width * page_size
     if num_splits is None:
         num_splits = choose_splits(batch, kv_heads, max_tokens, kv.device)
     split_len = -(-max(max_tokens, 1) // num_splits)
     split_len = -(-split_len // BLOCK_N) * BLOCK_N
     num_splits = max(1, -(-max_tokens // split_len))
-    direct = num_splits == 1
     pool = kv.select(1, layer)  # [pages, 2, kv_heads, page_size, head_dim], a view
     k, v = pool.select(1, 0), pool.select(1, 1)
-    if direct:
-        part = ml = out  # unused
+    if num_splits == 1:
+        part = ml = torch.empty(1, dtype=torch.float32, device=kv.device)  # unused
     else:
         part = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=kv.device)
         ml = torch.empty(batch, q_heads, num_splits, 2, dtype=torch.float32, device=kv.device)
@@ -302,18 +315,18 @@ def paged_decode_attention(
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, q.stride(0), q.stride(1),
         k, v, k.stride(0), k.stride(1), k.stride(2),
-        page_table, page_table.stride(0), seq_lens, num_pages, width,
+        page_table, page_table.stride(0), seq_lens, num_pages, width, page_size.bit_length() - 1,
         out, out.stride(0), out.stride(1),
         part, ml, num_splits, split_len,
         *check,
         scale * LOG2E,
-        GROUP=group, G_PAD=group_pad(group), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK=BLOCK_N, CHECK=ownership is not None, DIRECT=direct, UPCAST=upcast,
+        GROUP=group, G_PAD=group_pad(group), HEAD_DIM=head_dim,
+        BLOCK=BLOCK_N, CHECK=ownership is not None, UPCAST=upcast,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if not direct:
+    if num_splits > 1:
         _combine_kernel[(batch, q_heads)](
-            part, ml, out, out.stride(0), out.stride(1), seq_lens, num_splits, split_len, width,
-            HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLITS=COMBINE_BLOCK, num_warps=4,
+            part, ml, out, out.stride(0), out.stride(1), seq_lens, num_splits, split_len, max_tokens,
+            HEAD_DIM=head_dim, SPLITS=COMBINE_BLOCK, num_warps=4,
         )
     return out

@@ -51,7 +51,7 @@ def test_every_variant_compiles_within_budget(all_variants):
 
 
 def test_a_tight_register_budget_fails(all_variants):
-    rc, reports, _ = run_aot("--only", "decode-bf16-d128-p16-g4-check-split", "--register-budget", "32")
+    rc, reports, _ = run_aot("--only", "decode-bf16-d128-g4-check", "--register-budget", "32")
     assert rc == 1 and len(reports) == 1
     assert any("registers > budget 32" in v for v in reports[0]["violations"])
 
@@ -59,6 +59,6 @@ def test_a_tight_register_budget_fails(all_variants):
 def test_losing_alignment_loses_16_byte_loads_and_fails():
     if aot.cuobjdump() is None:
         pytest.skip("no cuobjdump")
-    rc, reports, _ = run_aot("--only", "decode-bf16-d64-p16-g4-nocheck-split", "--no-divisibility")
+    rc, reports, _ = run_aot("--only", "decode-bf16-d64-g4-nocheck", "--no-divisibility")
     assert rc == 1 and len(reports) == 1
     assert any("16-byte global loads" in v for v in reports[0]["violations"]), reports[0]

@@ -7,8 +7,10 @@ refused before anything is compiled, with both versions in the message.
 
 The module is linked with an rpath to the chosen lib folder, so it finds ``libucp.so.0``
 without ``LD_LIBRARY_PATH``; the runtime also calls ``libucx.load_library()`` first when
-the wheel is the source and the rpath is gone. The choice is recorded in the module
-(``kvf_ucx_source``) and reported by ``describe()``.
+the wheel is the source (``kvf_ucx_origin``, read from the file before it is loaded): a
+build isolated by pip links to a wheel that is gone afterwards, and the loader would
+otherwise take whatever ``libucp.so.0`` the system has. The choice is recorded in the
+module (``kvf_ucx_source``) and reported by ``describe()``.
 """
 from __future__ import annotations
 
@@ -44,16 +46,19 @@ def choose_ucx():
 
 
 UCX = choose_ucx()
+ORIGIN_MARK = "kvferry-ucx-origin="
 DECLARATIONS = (HERE / "kvf_ucp.h").read_text()
 
 ffibuilder = FFI()
 ffibuilder.cdef(DECLARATIONS)
-ffibuilder.cdef("const char *kvf_ucx_source(void);")
+ffibuilder.cdef("const char *kvf_ucx_source(void);\nextern const char kvf_ucx_origin[];")
 ffibuilder.set_source(
     "kvferry.transfer._ucp",
     "#include <stdint.h>\n#include <stddef.h>\n"
     + DECLARATIONS
     + "\nconst char *kvf_ucx_source(void) { return " + json.dumps(UCX.summary()) + "; }\n"
+    # Read from the file by _native.py before loading: a wheel build loads the wheel first.
+    + "const char kvf_ucx_origin[] = " + json.dumps(ORIGIN_MARK + UCX.origin) + ";\n"
     + (HERE / "kvf_ucp.c").read_text(),
     include_dirs=UCX.include_dirs,
     library_dirs=UCX.library_dirs,

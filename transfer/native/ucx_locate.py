@@ -45,6 +45,11 @@ class UcxBuild:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def origin(self) -> str:
+        """"wheel" or "system": whether the runtime loads the wheel's libraries first."""
+        return "wheel" if self.source.startswith("the libucx wheel") else "system"
+
+    @property
     def version_text(self) -> str:
         return f"{self.version[0]}.{self.version[1]}"
 

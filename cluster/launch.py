@@ -45,6 +45,7 @@ from .wakeup import EngineWaker
 log = logging.getLogger("kvferry.cluster")
 
 STATS_INTERVAL_S = 0.5
+DRAIN_MIN_S = 0.001   # least progress time a decoding owner gives in-flight transfers per step
 HEARTBEAT_CHECK_S = 0.5
 ROUTER_MAX_SLEEP_S = 0.05   # a stop asked for by a signal is seen within this
 RENDEZVOUS_TIMEOUT_S = 120.0
@@ -181,6 +182,7 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
                              head_range(index, cfg.tp, model.kv_heads),
                              router, unsafe=cfg.unsafe_free_on_abort,
                              max_batch_bytes=batch_bound(cfg.abort_deadline_s),
+                             batch_target_s=cfg.abort_deadline_s / 10,
                              integrity=cfg.integrity)
     else:
         worker = DecodeRank(runtime, model, pool, router,
@@ -208,12 +210,23 @@ def run_worker(runtime: RankRuntime, worker, decode: bool, stopped) -> None:
     it polls in C (napping 5 µs between polls), so an ABORT, an ack or a notice costs
     no wake-up; idle, it polls ``busy_poll_us`` after the last message, then sleeps on the
     engine's event fd. A decode rank with running requests steps them between polls.
-    ``pump`` shortens every wait to the next timer."""
+    ``pump`` shortens every wait to the next timer.
+
+    A decode rank that decodes while transfers into it are in flight gives them as much
+    time as its last step took (``RankRuntime.progress_for``): over tcp the owner's own
+    progress moves the bytes, so a loaded owner that polled once per step would starve
+    its writers, whose batches (and acks, which wait for them) would miss the deadlines."""
+    step_s = 0.0
     while not stopped():
         busy = decode and worker.busy()
-        runtime.pump(0.0 if busy else 0.05, stay_awake=worker.in_flight())
+        if busy and worker.in_flight():
+            runtime.progress_for(max(DRAIN_MIN_S, step_s))
+        else:
+            runtime.pump(0.0 if busy else 0.05, stay_awake=worker.in_flight())
         if busy:
+            t0 = time.monotonic()
             worker.step()
+            step_s = time.monotonic() - t0
 
 
 def measure_copy_gbps(nbytes: int = 32 << 20, rounds: int = 3) -> float:

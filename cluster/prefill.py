@@ -38,6 +38,7 @@ from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
 from kvferry.transfer.wire import Message
 
 from . import messages as m
+from .batching import BatchSizer
 from .books import RankBooks
 from .chunks import PAGES_PER_CHUNK, TOKENS_PER_CHUNK, Reassembly, spans
 from .faults import InjectedFault
@@ -84,7 +85,7 @@ class WriteJob:
     posted_bytes: int = 0
     sent_pages: int = 0                    # prompt pages written (all, unless a fault)
     timer: object | None = None            # an injected pause at a protocol point
-    queue: list[np.ndarray] = field(default_factory=list)   # batches not yet posted
+    queue: np.ndarray | None = None        # (local, remote, length) rows not yet posted
     outstanding: int = 0                   # posted batches not yet settled
     held: np.ndarray | None = None         # injected fault: pages in flight, not landed
     held_timer: object | None = None
@@ -107,7 +108,7 @@ class PrefillRank(RankBooks):
     def __init__(self, runtime: RankRuntime, model, pool: KVPool, segment: Segment,
                  head_range: tuple[int, int], router: int, unsafe: bool = False,
                  max_batch_bytes: int = 256 << 20, integrity: bool = True,
-                 prefill_slice_s: float = PREFILL_SLICE_S) -> None:
+                 prefill_slice_s: float = PREFILL_SLICE_S, batch_target_s: float = 0.5) -> None:
         self.rt = runtime
         self.model = model
         self.pool = pool
@@ -123,7 +124,8 @@ class PrefillRank(RankBooks):
         runs = coalesce_runs(pool.head_slice_runs(0, *head_range))
         self._run_offsets = np.array([off for off, _ in runs], dtype=np.int64)
         self._run_lengths = np.array([n for _, n in runs], dtype=np.int64)
-        self._rows_per_batch = max(1, max_batch_bytes // int(self._run_lengths[0]))
+        self._row_bytes = int(self._run_lengths[0])
+        self.batches = BatchSizer(target_s=batch_target_s, max_bytes=max_batch_bytes)
         runtime.set_handler(self.on_message)
         runtime.on_request_error = self.fail_request
 
@@ -292,8 +294,7 @@ class PrefillRank(RankBooks):
         mid = self.rt.faults.at("mid-transfer", job.text)
         if mid is not None and len(triples) > 1:
             half = len(triples) // 2
-            job.queue = [triples[i:i + self._rows_per_batch]
-                         for i in range(0, half, self._rows_per_batch)]
+            job.queue = triples[:half]
             job.held = triples[half:]
             try:   # where an in-flight write lands even if endpoints change state meanwhile
                 job.held_target = self.rt.remote_segment(job.owner).direct
@@ -306,23 +307,28 @@ class PrefillRank(RankBooks):
             # half is in flight and lands on its own.
             self._reach(job, "mid-transfer", lambda j: None)
             return
-        job.queue = [triples[i:i + self._rows_per_batch]
-                     for i in range(0, len(triples), self._rows_per_batch)]
+        job.queue = triples
         self._post_next(job)
 
     def _post_next(self, job: WriteJob) -> bool:
         """Post the next bounded batch of this job (one at a time, so an abort stops
         posting within one batch). False if posting failed (the job is failed)."""
-        if not job.queue:
+        if not _unposted(job):
             return True
-        chunk = job.queue.pop(0)
+        rows = max(1, self.batches.batch_bytes(job.owner) // self._row_bytes)
+        chunk, job.queue = job.queue[:rows], job.queue[rows:]
+        nbytes, posted_at = int(chunk[:, 2].sum()), time.monotonic()
         try:
             batch = self.rt.write(job.owner, self.segment, chunk)
         except TransferError as exc:
             self._fail(job, "transfer", f"write to rank {job.owner} refused: {exc}")
             return False
         job.outstanding += 1
-        self.rt.watch(batch, lambda b: self._on_written(job, b), rid=job.rid)
+
+        def written(b: Batch) -> None:
+            self.batches.settled(job.owner, nbytes, time.monotonic() - posted_at)
+            self._on_written(job, b)
+        self.rt.watch(batch, written, rid=job.rid)
         self._land_others_held(job.owner, job)
         return True
 
@@ -350,7 +356,7 @@ class PrefillRank(RankBooks):
             if job.state is WriterState.ABORTING:
                 if job.outstanding == 0:
                     self._after_landing(job)
-            elif job.state is WriterState.WRITING and job.outstanding == 0 and not job.queue:
+            elif job.state is WriterState.WRITING and job.outstanding == 0 and not _unposted(job):
                 self._reach(job, "after-write", self._send_notice)
             return
         try:
@@ -373,7 +379,7 @@ class PrefillRank(RankBooks):
         if batch.status() is not BatchStatus.COMPLETED:
             self._fail(job, "transfer", f"write to rank {job.owner} failed: {batch.error}")
             return
-        if job.queue:
+        if _unposted(job):
             self._post_next(job)
             return
         if job.outstanding == 0 and job.held is None:
@@ -438,7 +444,7 @@ class PrefillRank(RankBooks):
         if job.timer is not None:
             job.timer.cancel()
             job.timer = None
-        job.queue = []
+        job.queue = None
         job.move(WriterState.ABORTING)
         self.tombstones[job.rid] = time.monotonic()
         log.debug("request %s: writer rank %d aborting (%s)", job.rid, self.rt.rank, reason)
@@ -496,3 +502,7 @@ class PrefillRank(RankBooks):
         return bool(self.jobs)
 
 
+
+
+def _unposted(job: WriteJob) -> bool:
+    return job.queue is not None and len(job.queue) > 0

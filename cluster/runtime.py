@@ -358,16 +358,26 @@ class RankRuntime:
         self._deferred.append((fn, rid))
         self.on_new_work()
 
-    def pump(self, timeout_s: float = 0.0, stay_awake: bool = False) -> None:
+    def progress_for(self, budget_s: float) -> None:
+        """Pump without sleeping for about ``budget_s``, or until a pump finds nothing to
+        do: for a loop that must share its time between its own work and the transfers
+        and messages its engine moves."""
+        until = time.monotonic() + budget_s
+        while self.pump(0.0) and time.monotonic() < until:
+            pass
+
+    def pump(self, timeout_s: float = 0.0, stay_awake: bool = False) -> int:
         """Drive the engine (sleeping on its event fd up to ``timeout_s`` when idle, or
         polling that long with ``stay_awake``), deliver messages, settle watched batches,
-        fire due timers, then call what was deferred before this pump."""
+        fire due timers, then call what was deferred before this pump. Returns the
+        engine's progress count (0: nothing happened on the wire)."""
         deferred, self._deferred = self._deferred, []
         # settled already (a direct write completes as it is posted): go on at once
         settled = self._settle_watches() if self._watches else False
         timeout_s = 0.0 if deferred or settled else self.sleep_bound(timeout_s)
+        progressed = 0
         try:
-            self.engine.progress(timeout_s, stay_awake)
+            progressed = self.engine.progress(timeout_s, stay_awake)
         except TransferError as exc:
             log.error("rank %d: progress failed: %s", self.rank, exc)
         if self._watches:
@@ -381,6 +391,7 @@ class RankRuntime:
             self.run_for(rid, "a deferred step", fn)
         if deferred and self._watches:
             self._settle_watches()
+        return progressed + len(deferred)
 
     def _settle_watches(self) -> bool:
         """Call back every watched batch that has settled; True if any had."""

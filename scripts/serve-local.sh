@@ -8,7 +8,8 @@
 #   --port P       front door port on 127.0.0.1 (default 8000)
 #   --run-dir DIR  where the log and pid file go (default runs/local)
 #   --wait S       seconds to wait for /health (default 120)
-#   --stop         stop the cluster started from this run dir
+#   --stop         stop the cluster started from this run dir: its live requests are
+#                  answered 503 at once, and every rank has exited when this returns
 # Options after -- go to the ranks (see `kvferry serve --help`), e.g.
 #   scripts/serve-local.sh --nproc 4 -- --prefill 2 --tp 2 --context-length 8192
 # Prints the URL on stdout when healthy; exits non-zero, with the log's tail, if it is not.
@@ -32,13 +33,23 @@ export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 run_dir="${run_dir:-$KVFERRY_ROOT/runs/local}"
 mkdir -p "$run_dir"
 pidfile="$run_dir/cluster.pid"
+# torchrun starts each rank in a session of its own, so the ranks are found by parentage,
+# not by process group, and each is waited for.
+descendants() { local p; for p in $(ps -o pid= --ppid "$1" 2>/dev/null); do echo "$p"; descendants "$p"; done; }
+alive() { local p n=0; for p in "$@"; do kill -0 "$p" 2>/dev/null && n=$((n + 1)); done; echo "$n"; }
 if [ "$stop" = 1 ]; then
     if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
         pid="$(cat "$pidfile")"
-        kill -TERM "$pid"
-        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        kill -0 "$pid" 2>/dev/null && { echo "serve-local.sh: cluster $pid did not stop in 10 s; killing" >&2; kill -KILL -- -"$pid" 2>/dev/null || kill -KILL "$pid"; }
-        echo "stopped cluster $pid" >&2
+        procs=("$pid" $(descendants "$pid"))
+        kill -TERM "${procs[@]}" 2>/dev/null || true
+        for _ in $(seq 150); do [ "$(alive "${procs[@]}")" = 0 ] && break; sleep 0.1; done
+        left="$(alive "${procs[@]}")"
+        if [ "$left" != 0 ]; then
+            echo "serve-local.sh: $left process(es) of cluster $pid still running after 15 s; killing them" >&2
+            kill -KILL "${procs[@]}" 2>/dev/null || true
+            for _ in $(seq 50); do [ "$(alive "${procs[@]}")" = 0 ] && break; sleep 0.1; done
+        fi
+        echo "stopped cluster $pid (${#procs[@]} processes, all exited)" >&2
     else
         echo "serve-local.sh: no running cluster recorded in $pidfile" >&2
     fi
@@ -62,8 +73,10 @@ import sys, urllib.request
 urllib.request.urlopen(sys.argv[1] + "/health", timeout=2).read()
 PY
     if ! kill -0 "$pid" 2>/dev/null; then
-        echo "serve-local.sh: the cluster exited during start-up; last lines of $log:" >&2
-        tail -n 20 "$log" >&2; rm -f "$pidfile"; exit 1
+        echo "serve-local.sh: the cluster exited during start-up:" >&2
+        grep -E "error: | ERROR " "$log" | awk '!seen[$0]++' | head -n 4 | sed 's/^/  /' >&2 || true
+        echo "last lines of $log:" >&2
+        tail -n 12 "$log" >&2; rm -f "$pidfile"; exit 1
     fi
     if [ "$(date +%s)" -ge "$deadline" ]; then
         echo "serve-local.sh: not healthy within ${wait_s} s; last lines of $log:" >&2

@@ -113,3 +113,13 @@ def test_system_choice_takes_the_pkg_config_ucx(locator):
     assert "wheel" in default.source
     assert any("KVFERRY_UCX=system" in n and version.startswith(build.version_text)
                for n in default.notes), default.notes
+
+
+def test_the_loaded_ucx_is_the_one_built_against():
+    """A wheel build must not pick up a system libucp.so.0 (its rpath is gone after pip's
+    isolated build), nor a system build the wheel's."""
+    from kvferry.transfer import ucxinfo
+    report = ucxinfo.report()
+    from_wheel = "libucx wheel" in report["build"]
+    assert ("/libucx/" in report["ucx"]) == from_wheel, report["ucx"]
+    assert report["running"].startswith(report["built"] + "."), report

@@ -23,6 +23,7 @@ import triton.language as tl
 MODULUS = (1 << 31) - 1
 BLOCK = 1024  # words per step
 CHUNK_STEPS = 16  # steps per program
+LAUNCHED: dict = {}  # the compiled kernel of the latest launch (registers, spills)
 
 
 @triton.jit
@@ -87,7 +88,7 @@ def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> tor
     per_page = page_bytes // unit
     chunks = -(-per_page // (BLOCK * CHUNK_STEPS))
     part = torch.empty(n, chunks, 2, dtype=torch.int64, device=kv.device)
-    _checksum_kernel[(n, chunks)](
+    LAUNCHED["checksum"] = _checksum_kernel[(n, chunks)](
         words, words.stride(0), pages, part, per_page, chunks,
         BLOCK=BLOCK, STEPS=CHUNK_STEPS, BYTES=not as_words, num_warps=4,
     )

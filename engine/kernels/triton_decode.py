@@ -62,6 +62,7 @@ _INDEX = tl.constexpr(WRONG_INDEX)
 _OOP = tl.constexpr(OUT_OF_POOL)
 _BEYOND = tl.constexpr(BEYOND_TABLE)
 _NONE = tl.constexpr(2147483647)
+LAUNCHED: dict = {}  # the compiled kernel of each kind's latest launch (registers, spills)
 _TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -312,7 +313,7 @@ def paged_decode_attention(
     else:
         check = (page_table, page_table, page_table, 0, seq_lens, seq_lens)  # unused
     upcast = interpreted() or kv.dtype == torch.float32
-    _decode_split_kernel[(batch, kv_heads, num_splits)](
+    LAUNCHED["decode"] = _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, q.stride(0), q.stride(1),
         k, v, k.stride(0), k.stride(1), k.stride(2),
         page_table, page_table.stride(0), seq_lens, num_pages, width, page_size.bit_length() - 1,
@@ -325,7 +326,7 @@ def paged_decode_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        _combine_kernel[(batch, q_heads)](
+        LAUNCHED["combine"] = _combine_kernel[(batch, q_heads)](
             part, ml, out, out.stride(0), out.stride(1), seq_lens, num_splits, split_len, max_tokens,
             HEAD_DIM=head_dim, SPLITS=COMBINE_BLOCK, num_warps=4,
         )

@@ -2,7 +2,9 @@
 elsewhere. ``KVFERRY_KERNELS=torch`` forces the references everywhere (``triton`` forces
 the kernels, e.g. under ``TRITON_INTERPRET=1`` on CPU tensors).
 
-Semantics are the reference's (:func:`kvferry.engine.attention.paged_decode_attention`,
+Shapes the kernels do not take (page sizes other than 16/32/64, head dims other than
+64/128, pages not dense inside) run the references on any device. Semantics are the
+reference's (:func:`kvferry.engine.attention.paged_decode_attention`,
 :func:`kvferry.engine.integrity.page_checksums`); with ``ownership`` the page check runs
 (:mod:`.ownership`), and both paths then clamp out-of-pool page ids and flag them instead
 of raising, as the kernel does.
@@ -45,7 +47,7 @@ def paged_decode_attention(
     ``[batch, width]`` int32, seq_lens ``[batch]``; returns ``[batch, q_heads, head_dim]``
     in q.dtype. With ``ownership`` every page read is checked against it (outputs in
     ``ownership.errors`` / ``first_bad``; call ``raise_if_bad`` before using the result)."""
-    if use_triton(kv):
+    if use_triton(kv) and _decode_supports(q, kv):
         from . import triton_decode
 
         table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
@@ -62,10 +64,18 @@ def paged_decode_attention(
     return _reference.paged_decode_attention(q, kv, layer, clamped, lens, scale)
 
 
+def _decode_supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Shapes the Triton kernel takes (page size 16/32/64, head dim 64/128, ...); others,
+    such as the small test models' pools, run the reference on any device."""
+    from . import triton_decode
+
+    return triton_decode.supports(q, kv)
+
+
 def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """One int64 checksum per listed page, ``[n]`` (the values of
     :func:`kvferry.engine.integrity.page_checksums`)."""
-    if use_triton(kv):
+    if use_triton(kv) and kv.dim() > 0 and kv.shape[0] > 0 and kv[0].is_contiguous():
         from . import triton_checksum
 
         return triton_checksum.page_checksums(kv, pages)

@@ -237,6 +237,23 @@ def choose_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.devi
     return int(max(1, min(want, cap, MAX_SPLITS)))
 
 
+def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether the kernel handles these shapes and dtypes (the dispatcher falls back to the
+    reference otherwise): page size 16/32/64, head dim 64/128, fp16/bf16/fp32, head dim
+    contiguous, q heads a multiple of kv heads with a group of at most 16 padded rows."""
+    return (
+        kv.dim() == 6
+        and kv.shape[4] in PAGE_SIZES
+        and kv.shape[5] in HEAD_DIMS
+        and kv.dtype in _TORCH_TO_TL
+        and q.dtype in _TORCH_TO_TL
+        and kv.stride(5) == 1
+        and q.dim() == 3
+        and q.shape[1] % kv.shape[3] == 0
+        and q.shape[1] // kv.shape[3] <= 16
+    )
+
+
 def _check(q: torch.Tensor, kv: torch.Tensor, layer: int, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
     if kv.dim() != 6 or kv.shape[2] != 2:
         raise ValueError(f"kv must be [pages, layers, 2, kv_heads, page_size, head_dim], got {tuple(kv.shape)}")

@@ -107,3 +107,15 @@ def test_cuda_ownership_matches_reference():
     paged_decode_attention(q, kv, 0, table, seq_lens, ownership=own)
     dispatch.check_ownership_reference(table.cpu(), seq_lens.cpu(), 16, kv.shape[0], ref)
     assert own.failures() == ref.failures() != []
+
+
+def test_unsupported_shapes_fall_back_to_the_reference(monkeypatch):
+    """Forced to Triton, a pool of page size 4 or head dim 16 (the small models') still
+    runs the reference instead of failing."""
+    monkeypatch.setenv("KVFERRY_KERNELS", "triton")
+    gen = torch.Generator().manual_seed(1)
+    kv = torch.randn(6, 1, 2, 2, 4, 16, generator=gen)
+    table = torch.tensor([[1, 3, 5]], dtype=torch.int32)
+    seq_lens = torch.tensor([10], dtype=torch.int32)
+    q = torch.randn(1, 4, 16, generator=gen)
+    assert torch.equal(paged_decode_attention(q, kv, 0, table, seq_lens), reference(q, kv, 0, table, seq_lens))

@@ -21,6 +21,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def _interpreted(name: str):
@@ -314,3 +316,22 @@ def test_checksum_changes_with_one_word():
     kv[1, 700] = 1
     assert not torch.equal(tc.page_checksums(kv, [1]), before)
     assert torch.equal(tc.page_checksums(kv, [1]), page_checksums(kv, [1]))
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 150), min_size=1, max_size=3),
+    page_size=st.sampled_from([16, 32]),
+    splits=st.integers(1, 3),
+    edits=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 9), st.sampled_from(["rid", "gen", "idx", "table"]), st.integers(-6, 60)), max_size=4),
+)
+def test_random_corruptions_flag_as_the_reference_does(lens, page_size, splits, edits):
+    kv, table, seq_lens, q, canaries, rids, grants = owned_case(seed=len(edits), page_size=page_size, lens=tuple(lens))
+    for b, j, what, value in edits:
+        b, j = b % table.shape[0], j % table.shape[1]
+        page = min(max(int(table[b, j]), 0), kv.shape[0] - 1)
+        if what == "table":
+            table[b, j] = value
+        else:
+            canaries.table[page, ["rid", "gen", "idx"].index(what)] += 1
+    run_both(kv, table, seq_lens, q, canaries, rids, grants, splits)

@@ -45,9 +45,10 @@ class Job:
 
 def make_prompt(marker: str, length: int) -> str:
     """``length`` ASCII characters of ``marker`` + a 3-digit counter, period 10."""
-    parts, i = [], 0
-    while sum(map(len, parts)) < length:
+    parts, size, i = [], 0, 0
+    while size < length:
         parts.append(f"{marker}{i % 1000:03d}")
+        size += len(parts[-1])
         i += 1
     return "".join(parts)[:length]
 

@@ -1,0 +1,125 @@
+"""The long-context check: the incident's regime through real local clusters.
+
+The incident behind kvferry hit prompts over 681,280 tokens against a 1,048,576-token
+context. This check starts a cluster (replay model, shrunk to one layer, one KV head,
+head dim 24 in fp16, so a million-token pool is 96 MiB: the model is small, the prompts are
+not) for each case below, sends prompts with a unique marker up to the context length and
+one just over the pool, and checks each one: answered with exactly its own replay (200),
+or, only where it cannot fit, refused with 400 and the numbers; every pool all-free after.
+
+    context 1,048,576, page 16: 681,281 and 1,048,000 tokens, and one past the pool
+    context 2,097,152, page 16: the same, and one past its pool
+    context 80,000,    page 1:  70,000 tokens (SGLang's default page size), and one past
+
+One JSON line per prompt: its timings (the writer's prefill compute, the owner's wait from
+its plan to the last notice, time to first token, total), then a summary line.
+
+    python -m kvferry.cluster.longcontext [--only NAME] [--log-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .localcluster import start
+from .workload import expected_replay, make_prompt
+
+MAX_TOKENS = 16
+SHAPE = ["--layers", "1", "--kv-heads", "1", "--q-heads", "1", "--head-dim", "24",
+         "--dtype", "fp16"]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    context_length: int
+    page_size: int
+    prompts: tuple[int, ...]          # prompt lengths that must be served
+
+    @property
+    def over_pool(self) -> int:
+        """A prompt one token past what the pool (as large as the context) can hold."""
+        return self.context_length - MAX_TOKENS + 1
+
+
+CASES = (
+    Case("1m", 1 << 20, 16, (681_281, 1_048_000)),
+    Case("2m", 1 << 21, 16, (681_281, 1_048_000)),
+    Case("page1", 80_000, 1, (70_000,)),
+)
+
+
+def check_case(case: Case, log_dir: Path) -> list[dict]:
+    """Serve every prompt of ``case`` on a fresh cluster; one result per prompt."""
+    args = [*SHAPE, "--context-length", str(case.context_length),
+            "--pool-tokens", str(case.context_length), "--page-size", str(case.page_size),
+            "--request-timeout", "600"]
+    (log_dir / case.name).mkdir(parents=True, exist_ok=True)
+    cluster = start(3, args, log_dir / case.name, startup_s=180.0)
+    results = []
+    try:
+        lengths = [*case.prompts, case.over_pool]
+        for i, length in enumerate(lengths):
+            marker = f"@{case.name}-{i}@"
+            prompt = make_prompt(marker, length)
+            t0 = time.monotonic()
+            reply = cluster.complete(prompt, MAX_TOKENS, timeout=900)
+            wall_ms = 1e3 * (time.monotonic() - t0)
+            must_serve = length in case.prompts
+            text = reply.body.get("text")
+            ok = (reply.status == 200 and text == expected_replay(prompt, MAX_TOKENS)
+                  if must_serve else reply.status == 400
+                  and reply.body.get("requested_tokens") == length + MAX_TOKENS)
+            timing = reply.body.get("timing", {})
+            results.append({
+                "bench": "long_context", "case": case.name,
+                "context_length": case.context_length, "page_size": case.page_size,
+                "prompt_tokens": length, "status": reply.status,
+                "expected": "served" if must_serve else "refused", "ok": ok,
+                "prefill_ms": _round(timing.get("prefill_ms")),
+                "transfer_ms": _round(timing.get("transfer_ms")),
+                "ttft_ms": _round(timing.get("ttft_ms")), "total_ms": round(wall_ms, 1),
+                "message": None if ok else str(reply.body)[:300]})
+            print(json.dumps(results[-1]), flush=True)
+        held = cluster.quiesce(timeout_s=60, every_rank=True)
+        health = cluster.call("GET", "/health", timeout=10).status
+        results.append({"bench": "long_context", "case": case.name, "held_pages_after": held,
+                        "health": health, "ok": held == 0 and health == 200})
+        print(json.dumps(results[-1]), flush=True)
+    finally:
+        cluster.stop()
+    return results
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="long-context", description="Serve the incident's prompt lengths through local "
+                                         "clusters; JSON lines, exit 1 if any check fails.")
+    parser.add_argument("--only", choices=[c.name for c in CASES], action="append",
+                        help="run only this case (repeatable; default all)")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="where the clusters' logs go (default a temporary folder)")
+    args = parser.parse_args(argv)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvferry-long-"))
+    results = []
+    for case in CASES:
+        if not args.only or case.name in args.only:
+            results += check_case(case, log_dir)
+    failed = [r for r in results if not r["ok"]]
+    print(json.dumps({"bench": "long_context", "summary": True, "checks": len(results),
+                      "failed": len(failed), "logs": str(log_dir)}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The long-context check in CI (see kvferry.cluster.longcontext): the incident's prompt
+lengths, served or refused with 400, every pool all-free after. Each case prints its
+timings as JSON lines (pytest -s shows them)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvferry.cluster.longcontext import CASES, check_case
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_long_prompts_are_served_or_refused_and_leave_nothing_held(case, tmp_path):
+    results = check_case(case, tmp_path)
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, json.dumps(failed, indent=1)
+    served = [r for r in results if r.get("expected") == "served"]
+    assert [r["prompt_tokens"] for r in served] == list(case.prompts)
+    assert all(r["status"] == 200 for r in served)
+    refused = [r for r in results if r.get("expected") == "refused"]
+    assert len(refused) == 1 and refused[0]["status"] == 400

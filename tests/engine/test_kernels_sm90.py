@@ -32,9 +32,10 @@ def run_aot(*args: str, timeout: float = 400) -> tuple[int, list[dict], str]:
 
 @pytest.fixture(scope="module")
 def all_variants():
-    if aot.cuobjdump() is None:
-        pytest.skip("no cuobjdump in the Triton wheel or on PATH: registers and SASS cannot be read")
     return run_aot()
+
+
+need_cuobjdump = pytest.mark.skipif(aot.cuobjdump() is None, reason="no cuobjdump in the Triton wheel or on PATH: registers unknown (PTX only)")
 
 
 def test_every_variant_compiles_within_budget(all_variants):
@@ -44,12 +45,14 @@ def test_every_variant_compiles_within_budget(all_variants):
     assert not bad, bad
     assert rc == 0
     for r in reports:
-        assert r["stack"] == 0 and r["local"] == 0 and r["spill_ops"] == 0
-        assert 0 < r["registers"] <= aot.REGISTER_BUDGET[r["variant"].split("-")[0]]
+        if r["sass_from"] == "cuobjdump":
+            assert r["stack"] == 0 and r["local"] == 0 and r["spill_ops"] == 0
+            assert 0 < r["registers"] <= aot.REGISTER_BUDGET[r["variant"].split("-")[0]]
         if r["variant"].startswith("decode"):
             assert r["loads_128"] >= 2 and r["mma"] >= 2
 
 
+@need_cuobjdump
 def test_a_tight_register_budget_fails(all_variants):
     rc, reports, _ = run_aot("--only", "decode-bf16-d128-g4-check", "--register-budget", "32")
     assert rc == 1 and len(reports) == 1
@@ -57,8 +60,6 @@ def test_a_tight_register_budget_fails(all_variants):
 
 
 def test_losing_alignment_loses_16_byte_loads_and_fails():
-    if aot.cuobjdump() is None:
-        pytest.skip("no cuobjdump")
     rc, reports, _ = run_aot("--only", "decode-bf16-d64-g4-nocheck", "--no-divisibility")
     assert rc == 1 and len(reports) == 1
     assert any("16-byte global loads" in v for v in reports[0]["violations"]), reports[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import zlib
 
 import pytest
 import torch
@@ -94,7 +95,7 @@ def make_case(seed: int, dtype: torch.dtype, head_dim: int, page_size: int, seq_
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_decode_matches_reference(dtype, head_dim, page_size):
     """fp32 queries through three splits (tight bound), pool-dtype queries unsplit."""
-    seed = hash((str(dtype), head_dim, page_size)) % 2**31
+    seed = zlib.crc32(f"{dtype} {head_dim} {page_size}".encode())  # stable across runs
     lens = [int(torch.randint(1, 256, (1,), generator=torch.Generator().manual_seed(seed)).item()), 0, 256, 37]
     kv, table, seq_lens, q = make_case(seed, dtype, head_dim, page_size, lens)
     layer = 1

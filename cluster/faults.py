@@ -12,6 +12,10 @@ Each hook is one ``--fault`` string; a rank applies the hooks that name its role
                               request's prompt, claiming the whole prompt's length
     decode-delay:SECONDS      a decode rank sleeps this long in every decode step (a slow
                               decoder, so that a late write can land while it still reads)
+    swallow-errors            BROKEN MODE, to show the failure tests can fail: an exception
+                              while a request is live is logged and dropped (the request
+                              is not ended), and the router does not undo a dispatch that
+                              raised
     at:POINT:ACTION:MARKER[:SECONDS]
                               a writer, at protocol POINT of a request whose prompt contains
                               MARKER, does ACTION. POINT: prefill (the first layer's KV
@@ -76,6 +80,7 @@ class FaultPlan:
     short_marker: str | None = None
     points: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
     decode_delay_s: float = 0.0
+    swallow_errors: bool = False
     seed: int = 0
     _held: dict[str, tuple[bytes, float]] = field(default_factory=dict)
 
@@ -103,6 +108,8 @@ class FaultPlan:
                     plan.short_marker = parts[1]
                 elif what == "decode-delay":
                     plan.decode_delay_s = float(parts[1])
+                elif what == "swallow-errors":
+                    plan.swallow_errors = True
                 elif what == "at":
                     point, action, marker = parts[1], parts[2], parts[3]
                     if point not in POINTS:
@@ -125,7 +132,7 @@ class FaultPlan:
     def enabled(self) -> bool:
         return bool(self.drop or self.duplicate or self.delay or self.reorder
                     or self.corrupt_marker or self.short_marker or self.points
-                    or self.decode_delay_s)
+                    or self.decode_delay_s or self.swallow_errors)
 
     def at(self, point: str, text: str) -> tuple[str, float] | None:
         """The action (and its seconds) for a request whose prompt is ``text`` at ``point``."""

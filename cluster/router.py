@@ -1,10 +1,12 @@
 """The router: admission, placement, and the request's fate as the client sees it.
 
 Upholds:
-- I1: a request that can never fit (context length, or the smallest pool it will touch,
-  quarantined pages counted as used) is rejected before anything is sent to a rank. The
-  router keeps a ledger of pages reserved per rank; a reservation ends only when that rank
-  reports RELEASED, so pages quarantined on a decode rank stay counted until released.
+- I1: a request that can never fit (context length, or the smallest pool it will touch)
+  is rejected with 400 before anything is sent to a rank. The router keeps a ledger of
+  pages reserved per rank; a reservation ends only when that rank reports RELEASED, so
+  pages quarantined on a decode rank stay counted as used until released: a request that
+  fits the pool but not what quarantine leaves of it waits (``admission_wait_s``), then
+  gets 503 with the numbers, since the quarantine ends on proof, not by the client's doing.
 - I2: the request's life cycle is ``engine.lifecycle.Request``; once terminal, later
   TOKENS or DONE for it are ignored, and nothing is sent for it but ABORT.
 - I6: every outcome is counted; a request is reported ok only after DONE(finished) with
@@ -181,8 +183,8 @@ class Router:
         if not healthy_decode or not healthy_prefill:
             raise Unavailable(rid, f"no healthy {'decode' if not healthy_decode else 'prefill'} "
                                    f"rank (unhealthy: {self.unhealthy})")
-        decode_cap = max(self.ledger.reusable(r) for r in healthy_decode) * self.page_size
-        prefill_cap = max(min(self.ledger.reusable(r) for r in g) for g in healthy_prefill) * self.page_size
+        decode_cap = max(self.ledger.totals[r] for r in healthy_decode) * self.page_size
+        prefill_cap = max(min(self.ledger.totals[r] for r in g) for g in healthy_prefill) * self.page_size
         admit(rid, prompt_len, max_tokens, self.context_length, decode_cap)
         if prompt_len > prefill_cap:
             raise AdmissionRejected(rid, prompt_len, max_tokens, self.context_length, prefill_cap,
@@ -211,8 +213,11 @@ class Router:
             if remaining <= 0:
                 self.metrics.requests.labels("unavailable").inc()
                 free = {r: self.ledger.free(r) for r in self.ledger.totals}
+                quarantined = {r: self.ledger.totals[r] - self.ledger.reusable(r)
+                               for r in self.ledger.totals if self.ledger.reusable(r) < self.ledger.totals[r]}
                 raise Unavailable(rid, f"no pool has room for {need} pages within "
-                                       f"{self.admission_wait_s:.1f} s (free pages by rank: {free})")
+                                       f"{self.admission_wait_s:.1f} s (free pages by rank: {free}; "
+                                       f"held in quarantine: {quarantined})")
             self._capacity_changed.clear()
             try:
                 await asyncio.wait_for(self._capacity_changed.wait(), remaining)
@@ -234,6 +239,8 @@ class Router:
         try:
             self._dispatch(routed, prompt, tokens, max_tokens)
         except Exception as exc:
+            if self.rt.faults.swallow_errors:
+                raise
             # Pages are reserved and some ranks may have heard of it: the abort protocol
             # undoes what was done, and the client gets the error with the request id.
             reason = f"dispatch failed: {type(exc).__name__}: {exc}"

@@ -324,6 +324,9 @@ class RankRuntime:
             log.error("rank %d: %s", self.rank, reason, exc_info=exc)
             return
         log.error("request %s: %s", rid, reason, exc_info=exc)
+        if self.faults.swallow_errors:
+            log.error("UNSAFE: request %s left as it is (swallow-errors)", rid)
+            return
         try:
             self.on_request_error(rid, reason)
         except Exception:

@@ -32,6 +32,7 @@ a launch needs no host sync.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -225,12 +226,15 @@ def group_pad(group: int) -> int:
     return max(16, triton.next_power_of_2(group))
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def choose_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
     """Splits of the sequence so that about two programs run per SM; each split keeps at
     least ``MIN_SPLIT_TOKENS`` positions."""
-    sms = 132
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
     programs = max(1, batch * kv_heads)
     want = -(-2 * sms // programs)
     cap = max(1, max_tokens // MIN_SPLIT_TOKENS)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI: builds kvferry against the distribution's UCX (Debian's libucx-dev, UCX 1.13 with
-# verbs) in a separate virtualenv, then runs the transfer tests over it and checks that
-# --transports rdma is refused naming what is missing (this machine has no RDMA NIC).
+# verbs) in a separate virtualenv, then runs the transfer tests and one cluster test over
+# it, and checks that --transports rdma is refused naming what is missing (this machine
+# has no RDMA NIC).
 # The default environment (.venv, the libucx wheel) is left as it is.
 # Needs root for apt-get. KVFERRY_DISTRO_VENV: where the venv goes (default below).
 set -euo pipefail
@@ -55,3 +56,11 @@ else:
 PYEOF
 "$PY" -m pytest -q -p no:cacheprovider tests/transfer
 echo "ucx-distro: transfer tests passed against UCX $(pkg-config --modversion ucx)" >&2
+
+# One cluster test over it too: a torchrun cluster (router, prefill, decode over shared
+# memory on loopback) serving concurrent requests, checked against the monolithic engine.
+"$PY" -m pip install -q "torch==2.13.0" "aiohttp>=3.9" "prometheus-client>=0.20" \
+    > "$LOG" 2>&1 || { tail -40 "$LOG"; exit 1; }
+UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}" "$PY" -m pytest -q -p no:cacheprovider \
+    "tests/cluster/test_serving.py::test_disaggregated_equals_monolithic_p1"
+echo "ucx-distro: a cluster served over UCX $(pkg-config --modversion ucx)" >&2

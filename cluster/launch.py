@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from kvferry.engine.capacity import CapacityError, enforce_startup_capacity
 from kvferry.engine.pool import KVPool
-from kvferry.transfer import TransferConfig, TransferEngine
+from kvferry.transfer import TransferConfig, TransferEngine, TransferError
 
 from . import messages as m
 from .config import ServeConfig, add_serve_arguments, config_from_args
@@ -97,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     rank, world, store = init_distributed()
-    topology = Topology.for_world(world, cfg.prefill, cfg.tp)
+    try:
+        topology = Topology.for_world(world, cfg.prefill, cfg.tp)
+    except ValueError as exc:   # every rank sees the same: each says why and stops
+        print(f"kvferry serve: error: {exc}", file=sys.stderr)
+        return 2
     role = topology.role(rank)
     setup_logging(args.log_level, rank, role)
     if cfg.unsafe_release_on_sever:
@@ -107,8 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         log.error("UNSAFE MODE: pages are freed at abort without quarantine and integrity "
                   "checks are off; answers can contain other requests' data")
     faults = FaultPlan.parse(cfg.fault, seed=rank)
-    engine = TransferEngine(TransferConfig(transports=cfg.transports, name=f"rank{rank}/{role.value}",
-                                           max_message_bytes=4 << 20))
+    try:
+        engine = TransferEngine(TransferConfig(transports=cfg.transports,
+                                               name=f"rank{rank}/{role.value}",
+                                               max_message_bytes=4 << 20))
+    except TransferError as exc:   # e.g. --transports rdma without a device or verbs
+        log.error("refusing to start: %s", exc)
+        publish_failure(store, rank, str(exc))
+        return 3
     log.info("UCX: %s", {k: v for k, v in engine.describe().items() if k != "peers"})
     log.log(*engine.failure_horizon().log_record(cfg.abort_deadline_s))
     pool = segment = model = None
@@ -135,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                     num_pages=pool.num_pages if pool is not None else 0,
                     page_size=cfg.page_size,
                     capacity_tokens=pool.capacity_tokens if pool is not None else 0,
-                    context_length=context_length, host=socket.gethostname(), pid=os.getpid())
+                    context_length=context_length, host=socket.gethostname(), pid=os.getpid(),
+                    transports=transports_in_use(engine.describe()))
     publish(store, card)
     try:
         cards = gather(store, world, RENDEZVOUS_TIMEOUT_S)
@@ -154,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         return serve_worker(runtime, role, topology, cfg, model, pool, segment, stop)
     finally:
         engine.shutdown()
+
+
+def transports_in_use(described: dict) -> str:
+    """One line for /status: the transports a rank's engine asked UCX for, its UCX version,
+    and with rdma the devices and transports found."""
+    line = f"{described['transports_requested']} (UCX {described['ucx_version']})"
+    rdma = described.get("rdma")
+    if rdma:
+        line += f"; rdma {rdma}"
+    return line
 
 
 def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int):

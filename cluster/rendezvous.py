@@ -39,6 +39,7 @@ class RankCard:
     context_length: int
     host: str
     pid: int
+    transports: str = ""          # the UCX transports it asked for (and RDMA devices), /status
 
     def pack(self) -> bytes:
         return msgpack.packb({"v": CARD_VERSION, **asdict(self)}, use_bin_type=True)

@@ -484,6 +484,7 @@ class Router:
         return {"live_requests": live, "held_pages": self.ledger.outstanding(),
                 "quarantined_requests": {r: sorted(s) for r, s in self.ledger.orphaned.items() if s},
                 "unhealthy": self.unhealthy, "severed": sorted(self.severed),
+                "transports": {r: c.transports for r, c in sorted(self.cards.items())},
                 "ranks": self.rank_stats,
                 "abort_release": self.abort_release_summary(),
                 "context_length": self.context_length}

@@ -24,21 +24,8 @@ def encode(text: str) -> list[int]:
 
 def decode(tokens: Iterable[int], *, show_specials: bool = True) -> str:
     """Bytes back to text (invalid UTF-8 replaced); specials rendered as ``<name>`` or dropped."""
-    out: list[str] = []
-    run = bytearray()
-    for token in tokens:
-        token = int(token)
-        if 0 <= token < BYTE_TOKENS:
-            run.append(token)
-            continue
-        if token not in SPECIAL_NAMES:
-            raise ValueError(f"token {token} outside vocabulary of {VOCAB_SIZE}")
-        out.append(run.decode("utf-8", errors="replace"))
-        run.clear()
-        if show_specials:
-            out.append(SPECIAL_NAMES[token])
-    out.append(run.decode("utf-8", errors="replace"))
-    return "".join(out)
+    whole = StreamDecoder(show_specials=show_specials)
+    return whole.feed(tokens) + whole.finish()
 
 
 class StreamDecoder:

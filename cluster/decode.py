@@ -16,7 +16,9 @@ Upholds:
 - I5: before decoding, the transferred length of every writer equals the prompt length,
   the pages and generations each writer names are this request's, the canary table agrees,
   and each writer's checksums match the bytes that landed. Any mismatch fails the request;
-  it never produces tokens.
+  it never produces tokens. With integrity checks on, every decode step checks again that
+  each page it is about to read still carries the request's canary (id, generation,
+  index), so an allocator or page-table bug is caught at the read, not only on arrival.
 - I6: every failure is counted, logged with the request id and reported to the router.
 """
 
@@ -35,7 +37,9 @@ import torch
 from kvferry.engine.admission import pages_needed
 from kvferry.engine.allocator import OutOfPages, PageAllocator, PageGrant
 from kvferry.engine.integrity import (CanaryTable, IntegrityError, check_transferred_length,
-                                      expected_canaries, page_checksums)
+                                      expected_canaries, page_checksums, request_id_hash)
+from kvferry.engine.kernels.ownership import (PageOwnership, check_ownership_reference,
+                                              describe_kinds)
 from kvferry.engine.pool import KVPool
 from kvferry.transfer.wire import Message
 
@@ -113,6 +117,15 @@ class OwnedRequest:
     def page_row(self) -> np.ndarray:
         """The request's page table row (int32), built once."""
         return np.asarray(self.pages, dtype=np.int32)
+
+    @functools.cached_property
+    def generation_row(self) -> torch.Tensor:
+        """The generation of each of its pages, in page-table order (int64), built once."""
+        return torch.tensor([g.generation for g in self.grants], dtype=torch.int64)
+
+    @functools.cached_property
+    def rid_hash(self) -> int:
+        return request_id_hash(self.rid)
 
     def writers_done(self) -> bool:
         """Every writer either noticed (after its flush: any chunk of its notice follows
@@ -310,18 +323,53 @@ class DecodeRank(RankBooks):
                                     lambda r=r: self.fail_request(r.rid, reason))
         return True
 
-    def _step(self, batch: list[OwnedRequest]) -> None:
-        device = self.pool.kv.device
+    def _page_table(self, batch: list[OwnedRequest]) -> torch.Tensor:
+        """``[batch, width]`` int32: each request's pages, padded (never read past its
+        sequence)."""
         width = max(len(r.grants) for r in batch)
         table = np.empty((len(batch), width), dtype=np.int32)
         for i, r in enumerate(batch):
             pages = r.page_row
             table[i, :len(pages)] = pages
-            table[i, len(pages):] = pages[0]   # padding, never read past seq_len
+            table[i, len(pages):] = pages[0]
+        return torch.from_numpy(table)
+
+    def _still_owned(self, batch: list[OwnedRequest], table: torch.Tensor) -> list[int]:
+        """The indices in ``batch`` of the requests whose every page about to be read
+        (prompt and answer so far, and the position this step writes) still carries their
+        canary; each other one fails with the I5 error, before this step gives it a token."""
+        gens = torch.zeros(table.shape, dtype=torch.int64)
+        for i, r in enumerate(batch):
+            gens[i, :len(r.grants)] = r.generation_row
+        owned = PageOwnership.create(self.canaries.table,
+                                     torch.tensor([r.rid_hash for r in batch]), gens)
+        seq_lens = torch.tensor([r.prompt_len + len(r.generated) for r in batch])
+        check_ownership_reference(table, seq_lens, self.pool.page_size, self.pool.num_pages, owned)
+        failures = owned.failures()
+        bad = {b for b, _, _ in failures}
+        for b, bits, first in failures:
+            r = batch[b]
+            exc = IntegrityError(r.rid, f"page ownership check at decode step "
+                                        f"{len(r.generated)}: {describe_kinds(bits)} (logical "
+                                        f"page {first}, page {r.pages[first] if first < len(r.pages) else '-'})")
+            self.integrity_failures += 1
+            log.error("request %s: %s", r.rid, exc)
+            self._done(r.rid, "failed", f"integrity: {exc}")
+            self._close(r, "freed")   # every writer noticed: nothing more can land
+        return [i for i in range(len(batch)) if i not in bad]
+
+    def _step(self, batch: list[OwnedRequest]) -> None:
+        device = self.pool.kv.device
+        table = self._page_table(batch)
+        if self.integrity:
+            keep = self._still_owned(batch, table)
+            if len(keep) < len(batch):
+                if not keep:
+                    return
+                batch, table = [batch[i] for i in keep], table[keep]
         positions = torch.tensor([r.prompt_len - 1 + len(r.generated) for r in batch])
         inputs = torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch])
         prompt_lens = torch.tensor([r.prompt_len for r in batch])
-        table = torch.from_numpy(table)
         if self.rt.faults.enabled:
             if self.rt.faults.decode_delay_s:
                 time.sleep(self.rt.faults.decode_delay_s)

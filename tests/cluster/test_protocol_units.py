@@ -401,3 +401,37 @@ def test_router_times_an_abort_to_the_owners_release(owner_host):
         else:                                           # until its RELEASED arrived here
             assert 0.0 <= times[0] <= arrived_by_ms + 1e-3
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked-at-read", "broken-arrival-only"])
+def test_a_page_that_loses_its_owner_mid_decode_fails_the_request_at_the_next_step(checked,
+                                                                                 monkeypatch):
+    """I5 at every decode step: the request was verified on arrival and decodes; then one
+    of its pages' canary names another request (an allocator or page-table bug). The next
+    step fails the request with the integrity error and gives it no token. Broken mode
+    (checks on arrival only) decodes on over the foreign page, and the test sees it."""
+    from kvferry.engine.integrity import Canary, page_checksums, request_id_hash
+    if not checked:
+        monkeypatch.setattr(DecodeRank, "_still_owned",
+                            lambda self, batch, table: list(range(len(batch))))
+    owner, rt = _owner(integrity=True)
+    rt.deliver(m.ASSIGN, src=0, rid="r11", prompt_len=40, max_tokens=8, writers=[1],
+               last_token=7)
+    plan = next(f for _, k, f in rt.sent if k == "PLAN")
+    pages, gens = plan["pages"][:3], plan["generations"][:3]
+    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
+    sums = page_checksums(owner.pool.kv, pages).tolist()
+    rt.deliver(m.NOTICE, src=1, rid="r11", tokens=40, offset=0, total=3, pages=pages,
+               generations=gens, checksums=sums, bytes=3 * slice_bytes)
+    rt.pump()
+    assert owner.busy() and owner.step()                   # verified, decoding
+    owner.canaries.stamp([pages[1]], [Canary(request_id_hash("another"), gens[1], 1)])
+    rt.sent.clear()
+    owner.step()
+    if not checked:
+        assert "TOKENS" in rt.kinds() or owner.busy()      # the test catches the read
+        return
+    assert "TOKENS" not in rt.kinds() and not owner.busy()
+    done = next(f for _, k, f in rt.sent if k == "DONE")
+    assert done["outcome"] == "failed" and "foreign request" in done["error"]
+    assert owner.integrity_failures == 1 and owner.allocator.counts()["free"] == 64

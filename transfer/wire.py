@@ -49,11 +49,14 @@ _DEFAULT_MAX_LEN = {FieldType.STR: 1024, FieldType.BYTES: 64 << 10,
 @dataclass(frozen=True)
 class Field:
     """One typed field. ``max_len`` bounds str/bytes/list sizes; ``optional`` fields may be
-    absent or None (decoded as None)."""
+    absent or None (decoded as None). ``choices``, for a STR field, is the enum of a
+    protocol word: a value must be one of its members' values and decodes to the member
+    (a ``str`` enum compares equal to its value)."""
 
     type: FieldType
     max_len: int | None = None
     optional: bool = False
+    choices: type[enum.Enum] | None = None
 
     def limit(self) -> int:
         return self.max_len if self.max_len is not None else _DEFAULT_MAX_LEN.get(self.type, 0)
@@ -159,6 +162,19 @@ def _fast_check(spec: Field) -> Callable[[Any], bool]:
     return lambda v: False   # str lists: always the full check
 
 
+def _choose(kind: str, name: str, spec: Field, value: Any) -> enum.Enum:
+    """The member of ``spec.choices`` that ``value`` names; raises WireError otherwise."""
+    assert spec.choices is not None
+    if isinstance(value, spec.choices):
+        return value
+    _check_value(kind, name, spec, value)
+    try:
+        return spec.choices(value)
+    except ValueError:
+        known = ", ".join(str(c.value) for c in spec.choices)
+        raise WireError(f"{kind}.{name}: {str(value)[:40]!r} is not one of {known}") from None
+
+
 _CONVERT: dict[FieldType, Callable[[Any], Any]] = {
     FieldType.BYTES: bytes, FieldType.INT_LIST: list, FieldType.STR_LIST: list}
 
@@ -191,6 +207,9 @@ class MessageKind:
                 if not spec.optional:
                     raise WireError(f"{self.name}.{name}: required field missing")
                 out[name] = None
+                continue
+            if spec.choices is not None:
+                out[name] = _choose(self.name, name, spec, value)
                 continue
             if fast(value):
                 out[name] = value if convert is None or owned else convert(value)

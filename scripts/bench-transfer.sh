@@ -4,15 +4,15 @@
 # the write+notify latency, pages checked byte-exact at the target; memcpy ceiling lines;
 # the CPU cost of one write+notify in-process; the idle target's CPU use; the host load).
 #   scripts/bench-transfer.sh                    everything
-#   scripts/bench-transfer.sh --transports shm   extra arguments go to scripts/bench_transfer.py
+#   scripts/bench-transfer.sh --transports shm   extra arguments go to kvferry.cluster.harness.bench_transfer
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
     sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
     echo
     source "$(dirname "$0")/_env.sh"
-    exec python "$KVFERRY_ROOT/scripts/bench_transfer.py" --help
+    exec python -m kvferry.cluster.harness.bench_transfer --help
 fi
 source "$(dirname "$0")/_env.sh"
 # One machine: UCX's tcp transport stays on loopback unless told otherwise.
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
 cd "$KVFERRY_ROOT"
-exec python scripts/bench_transfer.py "$@"
+exec python -m kvferry.cluster.harness.bench_transfer "$@"

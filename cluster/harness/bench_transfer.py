@@ -109,7 +109,8 @@ def cpu_seconds(pid: int) -> float:
 class Bench:
     def __init__(self, args, transport: str, dest: str):
         self.args, self.transport, self.dest = args, transport, dest
-        cmd = [sys.executable, __file__, "--role", "target", "--transport", transport,
+        cmd = [sys.executable, "-m", "kvferry.cluster.harness.bench_transfer",
+               "--role", "target", "--transport", transport,
                "--dest", dest, "--size", str(args.dst_mib * MiB), "--spin-us",
                str(args.spin_us), "--busy-poll-us", str(args.busy_poll_us),
                "--src-size", str(args.src_mib * MiB)]

@@ -2,7 +2,8 @@
 
 ``kvferry serve`` runs one rank under torchrun, or starts a one-machine cluster under
 ``torchrun --standalone`` when run outside torchrun. ``kvferry workload`` drives a running
-cluster with concurrent users and checks every answer for foreign data.
+cluster with concurrent users and checks every answer for foreign data: it replaces this
+process with ``python -m kvferry.cluster.harness.workload`` (harness, not imported here).
 ``kvferry cluster-capacity`` asks a live cluster for every rank's measured pool capacity.
 
 ``kvferry check-capacity`` builds a KV pool of ``--pool-tokens`` tokens with the given
@@ -95,9 +96,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _workload(args: argparse.Namespace) -> int:
-    from kvferry.cluster.workload import main as workload_main
+    # The workload generator is harness, which the service never imports: run it as its own
+    # program (the same one ``python -m kvferry.cluster.harness.workload`` starts).
+    import os
 
-    return workload_main(list(args.rest))
+    cmd = [sys.executable, "-m", "kvferry.cluster.harness.workload", *args.rest]
+    os.execv(sys.executable, cmd)
+    return 0  # not reached
 
 
 def _cluster_capacity(args: argparse.Namespace) -> int:

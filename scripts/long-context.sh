@@ -10,4 +10,4 @@ case "${1:-}" in -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; 
 source "$(dirname "$0")/_env.sh"
 # One machine: UCX's tcp transport stays on loopback unless told otherwise.
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"
-exec python -m kvferry.cluster.longcontext "$@"
+exec python -m kvferry.cluster.harness.longcontext "$@"

@@ -1,9 +1,9 @@
-"""Fixtures for the cluster tests: real local clusters (kvferry.cluster.localcluster)."""
+"""Fixtures for the cluster tests: real local clusters (kvferry.cluster.harness.localcluster)."""
 from __future__ import annotations
 
 import pytest
 
-from kvferry.cluster.localcluster import LocalCluster, start
+from kvferry.cluster.harness.localcluster import LocalCluster, start
 
 
 @pytest.fixture

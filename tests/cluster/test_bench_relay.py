@@ -1,7 +1,7 @@
 """bench-abort's floor: the bare two-hop exchange between three processes' engines."""
 from __future__ import annotations
 
-from kvferry.cluster.benchabort import run_relay
+from kvferry.cluster.harness.benchabort import run_relay
 
 
 def test_relay_times_every_exchange_on_one_clock():

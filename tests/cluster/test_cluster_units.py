@@ -13,7 +13,7 @@ from kvferry.cluster.rendezvous import RankCard, RendezvousError
 from kvferry.cluster.router import Ledger
 from kvferry.cluster.runtime import RankRuntime
 from kvferry.cluster.topology import Role, Topology, TopologyError
-from kvferry.cluster.workload import MARKER_RE, expected_replay, make_prompt
+from kvferry.cluster.harness.workload import MARKER_RE, expected_replay, make_prompt
 from kvferry.transfer import BatchStatus, PeerFailedError, WireError
 
 

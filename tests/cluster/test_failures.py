@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvferry.cluster.localcluster import LocalCluster, start
-from kvferry.cluster.workload import expected_replay, make_prompt
+from kvferry.cluster.harness.localcluster import LocalCluster, start
+from kvferry.cluster.harness.workload import expected_replay, make_prompt
 
 pytestmark = pytest.mark.slow
 

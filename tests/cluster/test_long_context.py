@@ -1,4 +1,4 @@
-"""The long-context check in CI (see kvferry.cluster.longcontext): the incident's prompt
+"""The long-context check in CI (see kvferry.cluster.harness.longcontext): the incident's prompt
 lengths, served or refused with 400, every pool all-free after. Each case prints its
 timings as JSON lines (pytest -s shows them)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvferry.cluster.longcontext import CASES, check_case
+from kvferry.cluster.harness.longcontext import CASES, check_case
 
 pytestmark = pytest.mark.slow
 

@@ -17,12 +17,12 @@ import pytest
 
 from kvferry.cluster.config import ServeConfig
 from kvferry.cluster.models import build_model, pool_config
-from kvferry.cluster.workload import expected_replay, make_prompt
+from kvferry.cluster.harness.workload import expected_replay, make_prompt
 from kvferry.engine.monolithic import MonolithicEngine
 from kvferry.engine.pool import KVPool
 
 from kvferry.cluster.launch import STATS_INTERVAL_S
-from kvferry.cluster.localcluster import start
+from kvferry.cluster.harness.localcluster import start
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.cluster.localcluster import start
+from kvferry.cluster.harness.localcluster import start
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def test_a_taken_port_is_named_and_the_cluster_starts_on_another(tmp_path, monke
     the router says so (ERROR line) and the local cluster starts again on another port."""
     import socket
 
-    from kvferry.cluster import localcluster
+    from kvferry.cluster.harness import localcluster
 
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""A two-node cluster (kvferry.cluster.localcluster.two_nodes): node 0 (router + prefill) in
+"""A two-node cluster (kvferry.cluster.harness.localcluster.two_nodes): node 0 (router + prefill) in
 the root namespace, node 1 (decode) in a network namespace of its own behind a veth pair,
 over tcp, started with torchrun's static rendezvous as scripts/serve-node.sh does. A request
 served across the link replays its prompt. Needs root and iproute2; the namespace and the
@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from kvferry.cluster import localcluster, netns
-from kvferry.cluster.workload import expected_replay, make_prompt
+from kvferry.cluster.harness import localcluster, netns
+from kvferry.cluster.harness.workload import expected_replay, make_prompt
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""The fault suite (kvferry.cluster.faultsuite) through real local clusters: every scenario
+"""The fault suite (kvferry.cluster.harness.faultsuite) through real local clusters: every scenario
 green in normal mode; every mid-transfer scenario leaks in unsafe mode, which shows the
 suite can fail. The partition row needs root and iproute2 (a network namespace); where they
 are missing it is skipped by the suite and left out of the expected sets here."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.cluster import faultsuite
-from kvferry.cluster.faultsuite import run_suite, scenarios, skipped, unsafe_scenario
+from kvferry.cluster.harness import faultsuite
+from kvferry.cluster.harness.faultsuite import run_suite, scenarios, skipped, unsafe_scenario
 from kvferry.transfer.engine import TCP_FAILURE_OPTIONS
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvferry.cluster import soak
+from kvferry.cluster.harness import soak
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import PEER_SCRIPT, start_target, stop
-from kvferry.cluster import netns
+from kvferry.cluster.harness import netns
 
 pytestmark = pytest.mark.netns
 

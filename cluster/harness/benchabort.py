@@ -39,7 +39,7 @@ from pathlib import Path
 
 from .faultsuite import post, start
 from .localcluster import LocalCluster
-from .router import ABORT_RELEASE_WINDOW, latency_summary
+from ..router import ABORT_RELEASE_WINDOW, latency_summary
 from .workload import make_prompt
 
 TAG = "~abort-bench~"

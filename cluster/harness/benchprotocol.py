@@ -129,11 +129,11 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
     from kvferry.engine.pool import KVPool
     from kvferry.transfer import TransferConfig, TransferEngine
 
-    from .decode import DecodeRank
-    from .launch import freeze_long_lived_objects, run_worker
-    from .prefill import PrefillRank
-    from .rendezvous import RankCard
-    from .runtime import RankRuntime
+    from ..decode import DecodeRank
+    from ..launch import freeze_long_lived_objects, run_worker
+    from ..prefill import PrefillRank
+    from ..rendezvous import RankCard
+    from ..runtime import RankRuntime
 
     _pin(0 if role == "writer" else 1)
     engine = TransferEngine(TransferConfig(transports="shm", name=f"bench-{role}",
@@ -278,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.pages.split(",")]
     pool_pages = (max(sizes) + 1) * args.inflight   # + the page decode writes into
     from kvferry.transfer import TransferConfig, TransferEngine
-    from . import messages as m
-    from .launch import freeze_long_lived_objects
-    from .rendezvous import RankCard
-    from .runtime import RankRuntime
+    from .. import messages as m
+    from ..launch import freeze_long_lived_objects
+    from ..rendezvous import RankCard
+    from ..runtime import RankRuntime
 
     warm = 2 * args.inflight
     total = args.requests + warm

@@ -14,7 +14,7 @@ or, only where it cannot fit, refused with 400 and the numbers; every pool all-f
 One JSON line per prompt: its timings (the writer's prefill compute, the owner's wait from
 its plan to the last notice, time to first token, total), then a summary line.
 
-    python -m kvferry.cluster.longcontext [--only NAME] [--log-dir DIR]
+    python -m kvferry.cluster.harness.longcontext [--only NAME] [--log-dir DIR]
 """
 
 from __future__ import annotations

@@ -1,0 +1,165 @@
+"""The package layout, read from the source with ``ast`` (nothing here imports the modules).
+
+- The service does not import the harness: no module of ``kvferry.cluster`` outside
+  ``cluster/harness/`` imports ``kvferry.cluster.harness`` (absolute, relative, or through
+  ``importlib.import_module`` / ``__import__`` with a literal name).
+- ``transfer/`` stands alone: nothing under it imports ``kvferry.engine`` or ``kvferry.cluster``.
+- ``engine/`` does not reach up: nothing under it imports ``kvferry.cluster``.
+
+Each check also runs on a small synthetic tree holding one violating import of each kind,
+which it must report (the broken mode).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Folder -> import name, as pyproject.toml's package-dir maps them.
+PACKAGES = {"transfer": "kvferry.transfer", "engine": "kvferry.engine",
+            "cluster": "kvferry.cluster"}
+
+
+def module_name(root: Path, path: Path) -> tuple[str, bool]:
+    """The import name of ``path`` (a .py file under one of PACKAGES' folders) and
+    whether it is a package's ``__init__``."""
+    rel = path.relative_to(root)
+    parts = [PACKAGES[rel.parts[0]], *rel.parts[1:]]
+    is_pkg = parts[-1] == "__init__.py"
+    parts = parts[:-1] if is_pkg else [*parts[:-1], parts[-1][:-3]]
+    return ".".join(parts), is_pkg
+
+
+def imported_modules(source: str, module: str, is_pkg: bool) -> list[tuple[int, str]]:
+    """Every module a source file imports, as absolute names with line numbers. For
+    ``from X import a`` both ``X`` and ``X.a`` are listed (``a`` may be a submodule)."""
+    package = module if is_pkg else module.rpartition(".")[0]
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            out.append((node.lineno, target))
+            out += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if (name in ("import_module", "__import__") and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)):
+                out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def violations(root: Path, folder: str, forbidden: tuple[str, ...],
+               skip: tuple[str, ...] = ()) -> list[str]:
+    """``path:line imports name`` for each import under ``root/folder`` of a module in
+    ``forbidden`` (or below one), leaving out files under the folders in ``skip``."""
+    found = []
+    for path in sorted((root / folder).rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(rel.is_relative_to(s) for s in skip):
+            continue
+        module, is_pkg = module_name(root, path)
+        for line, name in imported_modules(path.read_text(), module, is_pkg):
+            if any(name == f or name.startswith(f + ".") for f in forbidden):
+                found.append(f"{rel}:{line} imports {name}")
+    return found
+
+
+def service_imports_harness(root: Path) -> list[str]:
+    return violations(root, "cluster", ("kvferry.cluster.harness",), skip=("cluster/harness",))
+
+
+def transfer_imports_above(root: Path) -> list[str]:
+    return violations(root, "transfer", ("kvferry.engine", "kvferry.cluster"))
+
+
+def engine_imports_cluster(root: Path) -> list[str]:
+    return violations(root, "engine", ("kvferry.cluster",))
+
+
+def test_service_does_not_import_the_harness():
+    assert (ROOT / "cluster" / "harness" / "__init__.py").is_file()
+    assert service_imports_harness(ROOT) == []
+
+
+def test_transfer_imports_neither_engine_nor_cluster():
+    assert transfer_imports_above(ROOT) == []
+
+
+def test_engine_does_not_import_cluster():
+    assert engine_imports_cluster(ROOT) == []
+
+
+# ------------------------------------------------------------------ broken mode
+def write(root: Path, rel: str, text: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A clean miniature of the layout: every check finds nothing in it."""
+    for folder in ("transfer", "engine", "cluster", "cluster/harness"):
+        write(tmp_path, f"{folder}/__init__.py", "")
+    write(tmp_path, "transfer/engine.py", "import os\nfrom .wire import pack\n")
+    write(tmp_path, "engine/pool.py", "from kvferry.transfer import TransferEngine\n"
+                                      "from ..transfer import wire\n")
+    write(tmp_path, "cluster/router.py", "from kvferry.engine.pool import KVPool\n"
+                                         "from .messages import Hello\n"
+                                         "cmd = ['-m', 'kvferry.cluster.harness.workload']\n")
+    write(tmp_path, "cluster/harness/soak.py", "from . import workload\n"
+                                               "from ..router import latency_summary\n"
+                                               "from kvferry.cluster.harness import netns\n")
+    assert service_imports_harness(tmp_path) == []
+    assert transfer_imports_above(tmp_path) == []
+    assert engine_imports_cluster(tmp_path) == []
+    return tmp_path
+
+
+@pytest.mark.parametrize("rel,source", [
+    ("cluster/cli.py", "from kvferry.cluster.harness.workload import main\n"),
+    ("cluster/cli.py", "import kvferry.cluster.harness\n"),
+    ("cluster/cli.py", "from kvferry.cluster import harness\n"),
+    ("cluster/cli.py", "def f():\n    from .harness.workload import main\n"),
+    ("cluster/cli.py", "from . import harness\n"),
+    ("cluster/sub/__init__.py", "from ..harness import localcluster\n"),
+    ("cluster/cli.py", "import importlib\nimportlib.import_module('kvferry.cluster.harness.soak')\n"),
+])
+def test_broken_mode_service_importing_harness_is_reported(tree, rel, source):
+    write(tree, rel, source)
+    found = service_imports_harness(tree)
+    assert found and all(f.startswith(rel) for f in found), found
+
+
+@pytest.mark.parametrize("source", [
+    "from kvferry.engine.pool import KVPool\n",
+    "import kvferry.cluster.router\n",
+    "from ..engine import pool\n",
+    "from .. import cluster\n",
+])
+def test_broken_mode_transfer_importing_above_is_reported(tree, source):
+    write(tree, "transfer/batch.py", source)
+    found = transfer_imports_above(tree)
+    assert found and all(f.startswith("transfer/batch.py:1 ") for f in found), found
+
+
+@pytest.mark.parametrize("source", [
+    "from kvferry.cluster.messages import Hello\n",
+    "from ...cluster import router\n",
+])
+def test_broken_mode_engine_importing_cluster_is_reported(tree, source):
+    write(tree, "engine/kernels/paged.py", source)
+    found = engine_imports_cluster(tree)
+    assert found and all(f.startswith("engine/kernels/paged.py:1 ") for f in found), found
+

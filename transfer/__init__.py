@@ -14,9 +14,10 @@ Quick tour::
     eng.notify(peer, b"done").wait(5.0)                     # arrives after the data
 """
 from .batch import Batch, BatchStatus
-from .engine import (Peer, PeerState, TransferConfig, TransferCounters, TransferEngine)
+from .engine import TransferConfig, TransferCounters, TransferEngine
 from .errors import (DeadlineExceeded, PeerFailedError, RdmaUnavailableError,
                      SegmentBoundsError, StaleIncarnationError, TransferError, UcxError, WireError, ucx_error)
+from .peer import Peer, PeerState
 from .protocol import AddressInfo, IncomingMessage, decode_address
 from .segment import RemoteSegment, Segment, SegmentDescriptor
 

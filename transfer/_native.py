@@ -6,10 +6,15 @@ with ``libucx.load_library()``: a build isolated by pip leaves an rpath that no 
 exists, and the dynamic loader would then resolve ``libucp.so.0`` to a system UCX if one is
 installed. A UCX older than the one the module was built against is refused here, with
 both versions.
+
+The flag and field-mask constants of ``native/kvf_ucp.h`` are mirrored here once, from
+the compiled module, under their names without the ``KVF_`` prefix (``lib`` and ``ffi``
+are cffi objects, typed ``Any``).
 """
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 ORIGIN_WHEEL = b"kvferry-ucx-origin=wheel"
 
@@ -33,6 +38,8 @@ def _load_wheel() -> bool:
 
 if _built_against_wheel():
     _load_wheel()
+ffi: Any
+lib: Any
 try:
     from ._ucp import ffi, lib
 except ImportError as first_error:
@@ -56,4 +63,32 @@ def _check_versions() -> None:
 
 _check_versions()
 
-__all__ = ["ffi", "lib"]
+# kvf_worker_params_t.field_mask
+WORKER_PARAM_FIELD_OPTIONS: int = lib.KVF_WORKER_PARAM_FIELD_OPTIONS
+WORKER_PARAM_FIELD_MAX_SENDER: int = lib.KVF_WORKER_PARAM_FIELD_MAX_SENDER
+WORKER_PARAM_FIELD_MAX_PAYLOAD: int = lib.KVF_WORKER_PARAM_FIELD_MAX_PAYLOAD
+WORKER_PARAM_FIELD_BUSY_POLL_US: int = lib.KVF_WORKER_PARAM_FIELD_BUSY_POLL_US
+WORKER_PARAM_FIELD_SPIN_US: int = lib.KVF_WORKER_PARAM_FIELD_SPIN_US
+WORKER_PARAM_FIELD_BAD_OPTION: int = lib.KVF_WORKER_PARAM_FIELD_BAD_OPTION
+# kvf_worker_wait, kvf_ep_close, kvf_mem_map flags
+WAIT_FLAG_STAY_AWAKE: int = lib.KVF_WAIT_FLAG_STAY_AWAKE
+EP_CLOSE_FLAG_FORCE: int = lib.KVF_EP_CLOSE_FLAG_FORCE
+MEM_MAP_FLAG_ALLOCATE: int = lib.KVF_MEM_MAP_FLAG_ALLOCATE
+# kvf_rma_param_t.field_mask
+RMA_PARAM_FIELD_DIRECT_BASE: int = lib.KVF_RMA_PARAM_FIELD_DIRECT_BASE
+RMA_PARAM_FIELD_STREAMING_MIN_BYTES: int = lib.KVF_RMA_PARAM_FIELD_STREAMING_MIN_BYTES
+RMA_PARAM_FIELD_SKIP_PAGE: int = lib.KVF_RMA_PARAM_FIELD_SKIP_PAGE
+RMA_PARAM_FIELD_NOTICE: int = lib.KVF_RMA_PARAM_FIELD_NOTICE
+# kvf_msg_param_t.flags, kvf_envelope_t.flags, kvf_memcpy_pages flags
+MSG_FLAG_NOTICE: int = lib.KVF_MSG_FLAG_NOTICE
+MSG_FLAG_FLUSH: int = lib.KVF_MSG_FLAG_FLUSH
+ENVELOPE_FLAG_FLUSHED: int = lib.KVF_ENVELOPE_FLAG_FLUSHED
+COPY_FLAG_STREAMING: int = lib.KVF_COPY_FLAG_STREAMING
+
+__all__ = ["ffi", "lib", "WORKER_PARAM_FIELD_OPTIONS", "WORKER_PARAM_FIELD_MAX_SENDER",
+           "WORKER_PARAM_FIELD_MAX_PAYLOAD", "WORKER_PARAM_FIELD_BUSY_POLL_US",
+           "WORKER_PARAM_FIELD_SPIN_US", "WORKER_PARAM_FIELD_BAD_OPTION",
+           "WAIT_FLAG_STAY_AWAKE", "EP_CLOSE_FLAG_FORCE", "MEM_MAP_FLAG_ALLOCATE",
+           "RMA_PARAM_FIELD_DIRECT_BASE", "RMA_PARAM_FIELD_STREAMING_MIN_BYTES",
+           "RMA_PARAM_FIELD_SKIP_PAGE", "RMA_PARAM_FIELD_NOTICE", "MSG_FLAG_NOTICE",
+           "MSG_FLAG_FLUSH", "ENVELOPE_FLAG_FLUSHED", "COPY_FLAG_STREAMING"]

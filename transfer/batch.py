@@ -1,7 +1,21 @@
 """A batch of posted operations (page puts, gets, a flush, a notice) and its status.
 
-``Batch.wait(timeout_s)`` takes a *relative* timeout in seconds (or ``deadline=``, an
-absolute ``time.monotonic()`` value). Every wait is bounded: it returns, or raises
+A :class:`Batch` is a record: the engine that posted it fills in its outcome. The engine
+evaluates batches, as UCX (``ucp_request_check_status`` / ``ucp_worker_progress``) and
+Mooncake do:
+
+- ``engine.poll(batch)``: the status now, from the native completion tracker; never
+  blocks, drives no progress, touches no endpoint;
+- ``engine.wait(batch, timeout_s)``: drives progress until the batch settles or the
+  deadline passes, and returns its final status (TIMED_OUT with a
+  :class:`DeadlineExceeded` in ``batch.error`` at the deadline).
+
+The methods here are thin accessors over those: ``peek()`` is ``engine.poll(batch)``,
+``status()`` is ``engine.progress(0)`` then ``engine.poll(batch)``, and ``wait()`` is
+``engine.wait`` raising ``batch.error``.
+
+``wait(timeout_s)`` takes a *relative* timeout in seconds (or ``deadline=``, an absolute
+``time.monotonic()`` value). Every wait is bounded: it returns, or raises
 :class:`PeerFailedError` naming the peer, :class:`DeadlineExceeded`, or a named
 :class:`UcxError`. A timed-out batch stays TIMED_OUT even if its requests finish later:
 UCX cannot cancel a posted put, so the bytes may still land; a caller that needs proof
@@ -13,11 +27,11 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
-from .errors import (PEER_FAILURE_STATUSES, DeadlineExceeded, PeerFailedError,
-                     TransferError, status_name, ucx_error)
+from .errors import TransferError
 
 if TYPE_CHECKING:
-    from .engine import Peer, TransferEngine
+    from .engine import TransferEngine
+    from .peer import Peer
 
 
 class BatchStatus(enum.Enum):
@@ -28,10 +42,16 @@ class BatchStatus(enum.Enum):
 
 
 class Batch:
-    """Handle of one submitted batch. ``op`` is write, read, quiesce, notify or send."""
+    """Handle of one submitted batch. ``op`` is write, read, write+notify, quiesce, notify
+    or send.
 
-    def __init__(self, engine: "TransferEngine", peer: "Peer", op: str, nbytes: int,
-                 npages: int, handle: Any):
+    Filled by the engine: ``final`` (None while pending, then the settled status, which
+    never changes again), ``error`` (the exception of a FAILED or TIMED_OUT batch) and
+    ``finished_at``. ``native`` is the ``kvf_batch_t`` the native layer completes; it
+    belongs to the engine."""
+
+    def __init__(self, engine: TransferEngine, peer: Peer, op: str, nbytes: int,
+                 npages: int, native: Any):
         self.engine = engine
         self.peer = peer
         self.op = op
@@ -39,77 +59,34 @@ class Batch:
         self.npages = npages
         self.posted_at = time.monotonic()
         self.finished_at: float | None = None
-        self._handle = handle
-        self._final: BatchStatus | None = None
-        self._error: TransferError | None = None
+        self.native: Any = native  # kvf_batch_t * (a cffi pointer)
+        self.final: BatchStatus | None = None
+        self.error: TransferError | None = None
 
     def __repr__(self) -> str:
         return (f"Batch(op={self.op}, peer={self.peer.name!r}, pages={self.npages}, "
-                f"bytes={self.nbytes}, status={self._final or 'pending'})")
-
-    @property
-    def error(self) -> TransferError | None:
-        return self._error
+                f"bytes={self.nbytes}, status={self.final or 'pending'})")
 
     def done(self) -> bool:
         return self.status() is not BatchStatus.PENDING
 
     def status(self) -> BatchStatus:
-        """Progress the engine once (non-blocking) and report the batch's status."""
-        if self._final is None:
+        """Progress the engine once (non-blocking) and report the batch's status:
+        ``engine.progress(0)`` (while pending) then ``engine.poll(self)``."""
+        if self.final is None:
             self.engine.progress(0)
-        return self.peek()
+        return self.engine.poll(self)
 
     def peek(self) -> BatchStatus:
-        """The batch's status as of the engine's last progress (does not drive it)."""
-        if self._final is None:
-            self._evaluate()
-        return self._final or BatchStatus.PENDING
+        """The batch's status as of the engine's last progress: ``engine.poll(self)``
+        (does not drive the engine, never blocks)."""
+        return self.engine.poll(self)
 
-    def wait(self, timeout_s: float | None = None, *, deadline: float | None = None) -> "Batch":
+    def wait(self, timeout_s: float | None = None, *, deadline: float | None = None) -> Batch:
         """Block until done or until the deadline (default: the engine's
-        ``config.default_timeout_s``). Returns self on completion; raises otherwise."""
-        if deadline is None:
-            deadline = time.monotonic() + (self.engine.config.default_timeout_s
-                                           if timeout_s is None else timeout_s)
-        step = self.engine.config.liveness_interval_s
-        while True:
-            if self._final is None:
-                self._evaluate()
-            if self._final is not None:
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._settle(BatchStatus.TIMED_OUT, DeadlineExceeded(
-                    f"{self.op} batch of {self.npages} pages", time.monotonic() - self.posted_at,
-                    peer=self.peer.name))
-                break
-            self.engine.progress(min(remaining, step))
-        if self._error is not None:
-            raise self._error
+        ``config.default_timeout_s``): ``engine.wait(self, ...)``. Returns self on
+        completion; raises ``error`` otherwise."""
+        self.engine.wait(self, timeout_s, deadline=deadline)
+        if self.error is not None:
+            raise self.error
         return self
-
-    def _evaluate(self) -> None:
-        h = self._handle
-        if h.status != 0:
-            status = int(h.status)
-            if status in PEER_FAILURE_STATUSES:
-                err: TransferError = PeerFailedError(
-                    self.peer.name, f"{self.op} failed with {status_name(status)}", status)
-                self.engine._mark_peer_failed(self.peer, err.reason)
-            else:
-                err = ucx_error(status, f"{self.op} batch", peer=self.peer.name)
-            self._settle(BatchStatus.FAILED, err)
-        elif h.outstanding == 0:
-            self._settle(BatchStatus.COMPLETED, None)
-        elif not self.engine._peer_alive(self.peer):
-            self._settle(BatchStatus.FAILED, PeerFailedError(
-                self.peer.name, self.peer.failure or "peer is gone"))
-
-    def _settle(self, status: BatchStatus, error: TransferError | None) -> None:
-        if self._final is not None:
-            return
-        self._final = status
-        self._error = error
-        self.finished_at = time.monotonic()
-        self.engine._batch_settled(self)

@@ -14,8 +14,15 @@ Upholds, for the layers above:
 
 Threading: an engine is single-threaded (``UCS_THREAD_MODE_SINGLE``). One thread owns it
 and makes every call; nothing runs in the background. Incoming messages are delivered from
-inside :meth:`progress` (also driven by ``Batch.wait``). For asyncio, ``add_reader`` on
+inside :meth:`progress` (also driven by :meth:`wait`). For asyncio, ``add_reader`` on
 :meth:`fileno` and call ``progress(0)`` when it is readable.
+
+Batches: the engine evaluates them. :meth:`poll` reads a batch's status without blocking,
+progressing or touching an endpoint; :meth:`wait` drives progress until it settles or its
+deadline passes. Endpoint failures are acted on in the engine's progress path
+(:meth:`progress`, :meth:`wait` and posting): a batch that failed with a status meaning
+the path to the peer is gone, or a local peer whose process exited while it has
+unsettled batches, marks the peer failed and severs its endpoint there.
 
 Transports (``TransferConfig.transports``):
 
@@ -60,20 +67,21 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from . import _native as native
 from . import horizon as horizons
 from . import ucxinfo
 from ._native import ffi, lib
 from .batch import Batch, BatchStatus
 from .envelope import REASONS as ENVELOPE_REFUSALS
 from .envelope import EnvelopeError
-from .errors import (PeerFailedError, StaleIncarnationError, TransferError, WireError,
-                     ucx_error)
+from .errors import (PEER_FAILURE_STATUSES, DeadlineExceeded, PeerFailedError,
+                     StaleIncarnationError, TransferError, WireError, status_name, ucx_error)
 from .pages import as_page_array, check_pages
+from .peer import Peer, PeerState
 from .protocol import (ADDRESS, CODEC, MAX_PAYLOAD, MAX_SENDER, AddressInfo,
                        IncomingMessage, decode_address)
 from .segment import RemoteSegment, Segment, SegmentDescriptor
@@ -92,6 +100,8 @@ RC_UCX_DEFAULTS = {"RC_TIMEOUT": "1.0s", "RC_RETRY_COUNT": "7"}
 TL_OPTION_HOMES = {"TCP_": ("tcp", "tcp"), "RC_": ("ib", "rc_verbs"), "UD_": ("ib", "ud_verbs"),
                    "DC_": ("ib", "dc_mlx5"), "IB_": ("ib", "rc_verbs")}
 UCS_ERR_NO_ELEM = -12
+UCS_ERR_BUSY = -15
+UCS_ERR_OUT_OF_RANGE = -19
 RDMA_TLS_WORDS = ("rc", "ud", "dc", "rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5", "dc_mlx5",
                   "rc_x", "ud_x", "dc_x", "ib")
 MessageHandler = Callable[[bytes, bytes], None]
@@ -167,38 +177,6 @@ class TransferCounters:
     peers_failed: int = 0
     bounds_refused: int = 0
     stale_refused: int = 0
-
-
-class PeerState(Enum):
-    CONNECTED = "connected"
-    FAILED = "failed"
-    CLOSED = "closed"
-
-
-@dataclass(eq=False)
-class Peer:
-    """A connected remote engine. ``name`` appears in every error about it."""
-
-    name: str
-    address: bytes
-    info: AddressInfo
-    ep: Any = field(repr=False)
-    state: PeerState = PeerState.CONNECTED
-    failure: str | None = None
-    pidfd: int | None = field(default=None, repr=False)
-    transports: str = ""
-    transports_from: str = ""  # "ucp_ep_query", or "ucp_ep_print_info" before UCX 1.14
-    last_liveness_check: float = 0.0
-    rkeys: list = field(default_factory=list, repr=False)  # destroyed before the endpoint
-    # Handles whose completion a notice must wait for: batches that posted puts through
-    # UCX, and notices still waiting for their flush. Empty: every earlier write to this
-    # peer went through the direct (load/store) path and is already visible, so a notice
-    # needs no endpoint flush (the AM is posted after the writer's release fence).
-    unflushed: list = field(default_factory=list, repr=False)
-
-    @property
-    def incarnation(self) -> int:
-        return self.info.incarnation
 
 
 def _tl_home(key: str) -> tuple[str, str, str] | None:
@@ -303,40 +281,65 @@ class TransferEngine:
         self._options = self.config.resolved_ucx_options()
         self._plan = plan_options(self._options, self.config.engine_defaults(),
                                   self.config.ucx_options, dict(os.environ))
-        opt_text = "\n".join(f"{k}={v}" for k, v in self._plan.ucp.items()).encode()
-        max_am = min(self.config.max_message_bytes, MAX_PAYLOAD) + (128 << 10)
-        out = ffi.new("kvf_worker **")
+        opt_text = ffi.new("char[]", "\n".join(
+            f"{k}={v}" for k, v in self._plan.ucp.items()).encode())
+        bad_option = ffi.new("char[]", 128)
+        params = ffi.new("kvf_worker_params_t *")
+        params.field_mask = (native.WORKER_PARAM_FIELD_OPTIONS
+                             | native.WORKER_PARAM_FIELD_MAX_SENDER
+                             | native.WORKER_PARAM_FIELD_MAX_PAYLOAD
+                             | native.WORKER_PARAM_FIELD_BUSY_POLL_US
+                             | native.WORKER_PARAM_FIELD_SPIN_US
+                             | native.WORKER_PARAM_FIELD_BAD_OPTION)
+        params.max_am_bytes = min(self.config.max_message_bytes, MAX_PAYLOAD) + (128 << 10)
+        params.options = opt_text
+        params.max_sender = MAX_SENDER
+        params.max_payload = min(self.config.max_message_bytes, MAX_PAYLOAD)
+        params.busy_poll_us = self.config.busy_poll_us
+        params.spin_us = self.config.spin_us
+        params.bad_option = bad_option
+        params.bad_option_length = len(bad_option)
+        out = ffi.new("kvf_worker_h *")
         with _environment(self._plan.environment):
-            st = lib.kvf_worker_create(opt_text, max_am, out)
+            st = int(lib.kvf_worker_create(params, out))
             self._horizon = self._read_horizon() if st == 0 else None
         if st != 0:
-            bad = ""
-            if out[0] != ffi.NULL:
-                bad = ffi.string(lib.kvf_worker_bad_option(out[0])).decode()
-                lib.kvf_worker_free_failed(out[0])
-            raise ucx_error(int(st), "creating the UCX context/worker"
+            bad = ffi.string(bad_option).decode()
+            raise ucx_error(st, "creating the UCX context/worker"
                             + (f" (option {bad}={self._options.get(bad)!r})" if bad else ""))
-        self._worker = out[0]
-        lib.kvf_worker_configure(self._worker, MAX_SENDER,
-                                 min(self.config.max_message_bytes, MAX_PAYLOAD),
-                                 self.config.busy_poll_us)
+        self._worker: Any = out[0]  # kvf_worker_h
         addr, alen = ffi.new("void **"), ffi.new("size_t *")
         _check(lib.kvf_worker_address(self._worker, addr, alen), "worker address")
         ucx_address = bytes(ffi.buffer(addr[0], alen[0]))
         lib.kvf_worker_address_release(self._worker, addr[0])
         fd = ffi.new("int *")
-        lib.kvf_worker_efd(self._worker, fd)
+        _check(lib.kvf_worker_efd(self._worker, fd), "the worker's event fd")
         self._efd = int(fd[0])
+        self._wait_count: Any = ffi.new("unsigned *")  # kvf_worker_wait's output
+        # Reused for every batch and message (single-threaded): the fields that never
+        # change are set once, the sender address kept alive here.
+        self._sender = ffi.from_buffer(b"")
+        self._rma_param: Any = ffi.new("kvf_rma_param_t *")
+        self._msg_param: Any = ffi.new("kvf_msg_param_t *")
         host, boot_id, pidns = _host_identity()
         self._identity = (host, boot_id, pidns)
         self.name = self.config.name or f"{host}:{os.getpid()}"
         self.address: bytes = CODEC.encode(ADDRESS.make(
             ucx=ucx_address, incarnation=self.incarnation, name=self.name, host=host,
             boot_id=boot_id, pidns=pidns, pid=os.getpid()))
+        self._sender = ffi.from_buffer(self.address)
+        self._msg_param.sender = self._sender
+        self._msg_param.sender_length = len(self.address)
+        self._msg_param.incarnation = self.incarnation
+        self._rma_param.notice = self._msg_param
         self._peers: dict[bytes, Peer] = {}
         self._segments: list[Segment] = []
-        self._inflight: list[tuple[Any, Any]] = []   # (kvf_batch*, keep-alive refs)
+        self._inflight: list[tuple[Any, Any]] = []   # (kvf_batch_t *, keep-alive refs)
         self._sweep_at = 256
+        # Peers whose batches failed with a peer-failure status, seen by poll(): marked
+        # failed and severed in the progress path (poll itself touches no endpoint).
+        self._failed_peers: list[tuple[Peer, str]] = []
+        self._next_liveness_check = 0.0
         self._handler: MessageHandler | None = None
         self._senders: dict[bytes, AddressInfo] = {}
         self._inbox: deque[IncomingMessage] = deque()
@@ -417,10 +420,11 @@ class TransferEngine:
         becomes readable at the next event. False: work is pending (UCX events, or
         messages not yet delivered): call :meth:`progress` and arm again."""
         self._require_open()
-        armed = int(lib.kvf_worker_arm(self._worker))
-        if armed < 0:
-            _check(armed, "arm the worker's event fd")
-        return armed == 1
+        st = int(lib.kvf_worker_arm(self._worker))
+        if st == UCS_ERR_BUSY:
+            return False
+        _check(st, "arm the worker's event fd")
+        return True
 
     # --------------------------------------------------------------------- memory
     def register(self, buf: Any) -> Segment:
@@ -444,9 +448,10 @@ class TransferEngine:
         return seg
 
     def _map(self, address: int, nbytes: int, allocate: bool, owner: Any) -> Segment:
-        memh, base, mlen = ffi.new("void **"), ffi.new("void **"), ffi.new("size_t *")
-        _check(lib.kvf_mem_map(self._worker, ffi.cast("void *", address), nbytes,
-                               int(allocate), memh, base, mlen), f"mapping {nbytes} bytes")
+        memh, base, mlen = ffi.new("kvf_mem_h *"), ffi.new("void **"), ffi.new("size_t *")
+        flags = native.MEM_MAP_FLAG_ALLOCATE if allocate else 0
+        _check(lib.kvf_mem_map(self._worker, ffi.cast("void *", address), nbytes, flags,
+                               memh, base, mlen), f"mapping {nbytes} bytes")
         rbuf, rsize = ffi.new("void **"), ffi.new("size_t *")
         st = lib.kvf_rkey_pack(self._worker, memh[0], rbuf, rsize)
         if st != 0:
@@ -479,7 +484,7 @@ class TransferEngine:
             return existing
         info = decode_address(peer_address)
         name = name or info.name
-        ep = ffi.new("void **")
+        ep = ffi.new("kvf_ep_h *")
         _check(lib.kvf_ep_create(self._worker, info.ucx, ep), "connecting", name)
         peer = Peer(name=name, address=peer_address, info=info, ep=ep[0])
         if (info.host, info.boot_id, info.pidns) == self._identity and info.pid != os.getpid():
@@ -529,7 +534,8 @@ class TransferEngine:
         self.counters.peers_failed += 1
         log.warning("peer %s failed: %s; severing its endpoint", peer.name, reason)
         self._release_rkeys(peer)
-        lib.kvf_ep_close(self._worker, peer.ep, 1, int(self.config.close_timeout_s * 1000))
+        lib.kvf_ep_close(self._worker, peer.ep, native.EP_CLOSE_FLAG_FORCE,
+                         int(self.config.close_timeout_s * 1000))
 
     @staticmethod
     def _release_rkeys(peer: Peer) -> None:
@@ -539,7 +545,28 @@ class TransferEngine:
 
     def peer_alive(self, peer: Peer) -> bool:
         """False once the peer failed or was closed (checks its process if local)."""
+        if self._failed_peers:
+            self._sever_failed_peers()
         return self._peer_alive(peer, force=True)
+
+    def _sever_failed_peers(self) -> None:
+        """Mark failed (and sever) the peers whose batches :meth:`poll` found failed with
+        a peer-failure status."""
+        failed, self._failed_peers = self._failed_peers, []
+        for peer, reason in failed:
+            self._mark_peer_failed(peer, reason)
+
+    def _watch_peers(self) -> None:
+        """Every ``liveness_interval_s``: the process of each local peer with unsettled
+        batches (its pidfd); one that exited is marked failed and severed, so those
+        batches fail instead of waiting for their deadline."""
+        now = time.monotonic()
+        if now < self._next_liveness_check:
+            return
+        self._next_liveness_check = now + self.config.liveness_interval_s
+        for peer in list(self._peers.values()):
+            if peer.unsettled and peer.pidfd is not None:
+                self._peer_alive(peer, force=True)
 
     def close(self, peer: Peer, force: bool = False) -> None:
         """Close the endpoint. ``force=True`` severs it without flushing: requests in
@@ -551,10 +578,11 @@ class TransferEngine:
         peer.failure = peer.failure or ("severed" if force else "closed")
         self._release_rkeys(peer)
         if was_connected:
-            st = lib.kvf_ep_close(self._worker, peer.ep, int(force),
+            st = lib.kvf_ep_close(self._worker, peer.ep,
+                                  native.EP_CLOSE_FLAG_FORCE if force else 0,
                                   int(self.config.close_timeout_s * 1000))
             if st != 0 and not force:
-                lib.kvf_ep_close(self._worker, peer.ep, 1,
+                lib.kvf_ep_close(self._worker, peer.ep, native.EP_CLOSE_FLAG_FORCE,
                                  int(self.config.close_timeout_s * 1000))
         if peer.pidfd is not None:
             os.close(peer.pidfd)
@@ -575,7 +603,7 @@ class TransferEngine:
             if expected is not None and desc.incarnation != expected:
                 self.counters.stale_refused += 1
                 raise StaleIncarnationError(what, desc.incarnation, expected)
-        rkey = ffi.new("void **")
+        rkey = ffi.new("kvf_rkey_h *")
         _check(lib.kvf_rkey_unpack(peer.ep, desc.rkey, rkey), "unpacking an rkey", peer.name)
         rseg = RemoteSegment(peer=peer, descriptor=desc, rkey=rkey[0])
         peer.rkeys.append(rkey[0])
@@ -624,25 +652,45 @@ class TransferEngine:
             raise TransferError("local segment is not registered")
         arr = as_page_array(pages)
         n = arr.shape[0]
-        skip = -1
+        param = self._rma_param
+        mask = native.RMA_PARAM_FIELD_STREAMING_MIN_BYTES
         if write and self.config.fault_skip_page is not None and n > 1:
-            skip = self.config.fault_skip_page % n
-        handle = ffi.new("kvf_batch *")
-        pages_args = (self._streaming_min_bytes, seg.base, seg.length, rseg.rkey, rseg.base,
-                      rseg.length, rseg.direct or 0, ffi.from_buffer(arr), n, skip)
+            mask |= native.RMA_PARAM_FIELD_SKIP_PAGE
+            param.skip_page = self.config.fault_skip_page % n
+        if rseg.direct is not None:
+            mask |= native.RMA_PARAM_FIELD_DIRECT_BASE
+            param.direct_base = rseg.direct
+        param.streaming_min_bytes = self._streaming_min_bytes
+        param.local_base = seg.base
+        param.local_length = seg.length
+        param.rkey = rseg.rkey
+        param.remote_base = rseg.base
+        param.remote_length = rseg.length
+        param.pages = ffi.from_buffer("int64_t[]", arr)
+        param.npages = n
+        handle = ffi.new("kvf_batch_t *")
         flush = False
         if notice is None:
-            bad = lib.kvf_rma_pages(peer.ep, write, *pages_args, handle)
+            param.field_mask = mask
+            st = (lib.kvf_put_pages if write else lib.kvf_get_pages)(peer.ep, param, handle)
         else:
             notice = self._checked_payload(notice)
             flush = self._needs_flush(peer)
-            bad = lib.kvf_write_notice(peer.ep, *pages_args, flush, self.address,
-                                       len(self.address), self.incarnation, next(self._seq),
-                                       notice, len(notice), handle)
-        if bad >= 0:
-            self.counters.bounds_refused += 1
-            check_pages(arr, seg.length, rseg.length)  # raises with the numbers
-            raise AssertionError(f"native and numpy bounds checks disagree on page {bad}")
+            msg = self._msg_param
+            msg.flags = native.MSG_FLAG_NOTICE | (native.MSG_FLAG_FLUSH if flush else 0)
+            msg.seq = next(self._seq)
+            payload = ffi.from_buffer(notice)
+            msg.payload = payload
+            msg.payload_length = len(notice)
+            param.field_mask = mask | native.RMA_PARAM_FIELD_NOTICE
+            st = lib.kvf_put_pages(peer.ep, param, handle)
+        if st != 0:
+            if st == UCS_ERR_OUT_OF_RANGE:
+                self.counters.bounds_refused += 1
+                check_pages(arr, seg.length, rseg.length)  # raises with the numbers
+                raise AssertionError("the native bounds check refused a page list that "
+                                     "check_pages accepts")
+            _check(st, "posting a batch", peer.name)
         nbytes = int(handle.bytes)
         counters = self.counters
         if write:
@@ -669,7 +717,7 @@ class TransferEngine:
     def quiesce(self, peer: Peer) -> Batch:
         """Completes when every earlier write to ``peer`` is visible at the target."""
         self._require_peer(peer)
-        handle = ffi.new("kvf_batch *")
+        handle = ffi.new("kvf_batch_t *")
         lib.kvf_flush(peer.ep, handle)
         return self._track(peer, "quiesce", 0, 0, handle, None)
 
@@ -685,11 +733,16 @@ class TransferEngine:
     def _message(self, peer: Peer, payload: bytes, flushed: bool) -> Batch:
         self._require_peer(peer)
         payload = self._checked_payload(payload)
-        handle = ffi.new("kvf_batch *")
+        handle = ffi.new("kvf_batch_t *")
         flush = flushed and self._needs_flush(peer)
-        lib.kvf_send_envelope(peer.ep, int(flushed) | (int(flush) << 1), self.address,
-                              len(self.address), self.incarnation, next(self._seq), payload,
-                              len(payload), handle)
+        msg = self._msg_param
+        msg.flags = ((native.MSG_FLAG_NOTICE if flushed else 0)
+                     | (native.MSG_FLAG_FLUSH if flush else 0))
+        msg.seq = next(self._seq)
+        data = ffi.from_buffer(payload)
+        msg.payload = data
+        msg.payload_length = len(payload)
+        lib.kvf_msg_send(peer.ep, msg, handle)
         counters = self.counters
         if flushed:
             counters.notifies += 1
@@ -726,13 +779,12 @@ class TransferEngine:
 
     def _send_raw(self, peer: Peer, data: bytes, flushed: bool = False) -> Batch:
         """Post already-encoded bytes (the envelope is the caller's business)."""
-        handle = ffi.new("kvf_batch *")
+        handle = ffi.new("kvf_batch_t *")
+        lib.kvf_raw_send(peer.ep, data, len(data), native.MSG_FLAG_FLUSH if flushed else 0,
+                         handle)
         if flushed:
-            lib.kvf_flush_then_send(peer.ep, 0, data, len(data), handle)
             self.counters.notifies += 1
             self._hold_notices_for(peer, handle)
-        else:
-            lib.kvf_am_send(peer.ep, 0, data, len(data), handle)
         self.counters.messages_sent += 1
         return self._track(peer, "notify" if flushed else "send", len(data), 0, handle, None)
 
@@ -740,11 +792,14 @@ class TransferEngine:
                keep: Any) -> Batch:
         self.counters.batches += 1
         batch = Batch(self, peer, op, nbytes, npages, handle)
+        peer.unsettled += 1
         if handle.outstanding != 0:
             self._inflight.append((handle, keep))
             if len(self._inflight) > self._sweep_at:
                 self._sweep()
-        batch._evaluate()
+        self.poll(batch)
+        if self._failed_peers:   # it failed at once: act on it here, on the posting path
+            self._sever_failed_peers()
         return batch
 
     def _sweep(self) -> None:
@@ -752,16 +807,80 @@ class TransferEngine:
         self._inflight = [(h, k) for h, k in self._inflight if h.outstanding != 0]
         self._sweep_at = max(256, 2 * len(self._inflight))
 
-    def _batch_settled(self, batch: Batch) -> None:
-        if batch._final is BatchStatus.COMPLETED:
+    # ------------------------------------------------------------ batch evaluation
+    def poll(self, batch: Batch) -> BatchStatus:
+        """The batch's status now, from its native completion tracker: PENDING,
+        COMPLETED, FAILED (``batch.error`` says why) or TIMED_OUT. Never blocks, drives
+        no progress and touches no endpoint (as ``ucp_request_check_status``): a failure
+        that means the peer is gone is acted on (the peer marked failed and severed) by
+        the next :meth:`progress`, :meth:`wait` or post."""
+        if batch.final is not None:
+            return batch.final
+        h = batch.native
+        peer = batch.peer
+        if h.status != 0:
+            status = int(h.status)
+            err: TransferError
+            if status in PEER_FAILURE_STATUSES:
+                err = PeerFailedError(peer.name, f"{batch.op} failed with {status_name(status)}",
+                                      status)
+                self._failed_peers.append((peer, err.reason))
+            else:
+                err = ucx_error(status, f"{batch.op} batch", peer=peer.name)
+            self._settle(batch, BatchStatus.FAILED, err)
+        elif h.outstanding == 0:
+            self._settle(batch, BatchStatus.COMPLETED, None)
+        elif peer.state is not PeerState.CONNECTED:
+            self._settle(batch, BatchStatus.FAILED,
+                         PeerFailedError(peer.name, peer.failure or "peer is gone"))
+        else:
+            return BatchStatus.PENDING
+        return batch.final or BatchStatus.PENDING
+
+    def wait(self, batch: Batch, timeout_s: float | None = None, *,
+             deadline: float | None = None) -> BatchStatus:
+        """Drive progress until ``batch`` settles or the deadline passes (``timeout_s``
+        relative, default ``config.default_timeout_s``; or ``deadline``, an absolute
+        ``time.monotonic()``), and return its final status. Raises nothing for the
+        batch's own outcome: FAILED leaves the named error in ``batch.error``
+        (:class:`PeerFailedError` naming the peer, or a :class:`UcxError`), TIMED_OUT a
+        :class:`DeadlineExceeded` with the operation, its pages and bytes, the time
+        waited and the peer. A timed-out batch may still land later (UCX cannot cancel a
+        put)."""
+        if deadline is None:
+            deadline = time.monotonic() + (self.config.default_timeout_s
+                                           if timeout_s is None else timeout_s)
+        step = self.config.liveness_interval_s
+        while self.poll(batch) is BatchStatus.PENDING:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._settle(batch, BatchStatus.TIMED_OUT, DeadlineExceeded(
+                    f"{batch.op} batch of {batch.npages} pages ({batch.nbytes} bytes)",
+                    time.monotonic() - batch.posted_at, peer=batch.peer.name))
+                break
+            self.progress(min(remaining, step))
+        if self._failed_peers:
+            self._sever_failed_peers()
+        return batch.final or BatchStatus.PENDING
+
+    def _settle(self, batch: Batch, status: BatchStatus, error: TransferError | None) -> None:
+        if batch.final is not None:
+            return
+        batch.final = status
+        batch.error = error
+        batch.finished_at = time.monotonic()
+        batch.peer.unsettled -= 1
+        if status is BatchStatus.COMPLETED:
             self.counters.completed += 1
-        elif batch._final is BatchStatus.TIMED_OUT:
+        elif status is BatchStatus.TIMED_OUT:
             self.counters.timeouts += 1
         else:
             self.counters.failures += 1
 
     def _require_peer(self, peer: Peer) -> None:
         self._require_open()
+        if self._failed_peers:
+            self._sever_failed_peers()
         if peer.state is not PeerState.CONNECTED or not self._peer_alive(peer):
             raise PeerFailedError(peer.name, peer.failure or peer.state.value)
 
@@ -793,20 +912,26 @@ class TransferEngine:
         halted vCPU, can take milliseconds."""
         self._require_open()
         if timeout_s <= 0:
-            n = lib.kvf_worker_progress(self._worker)
+            n = int(lib.kvf_worker_progress(self._worker))
         else:
-            n = lib.kvf_worker_wait(self._worker, max(1, math.ceil(timeout_s * 1000)),
-                                    self.config.spin_us, stay_awake)
+            count = self._wait_count
+            st = lib.kvf_worker_wait(self._worker, max(1, math.ceil(timeout_s * 1000)),
+                                     native.WAIT_FLAG_STAY_AWAKE if stay_awake else 0, count)
+            n = int(count[0]) if st == 0 else 0   # a failed arm: as no events
         self._drain_messages()
         if len(self._inflight) > self._sweep_at:
             self._sweep()
-        return max(0, int(n))
+        if self._failed_peers:
+            self._sever_failed_peers()
+        self._watch_peers()
+        return n
 
     def _drain_messages(self) -> None:
         """Deliver queued messages. The native receive path has already checked each
         envelope's header (its reason is in ``env.error``); here only the sender's address
         is decoded (once per sender) and its incarnation compared with the envelope's."""
         pop, free, unpack = lib.kvf_am_pop, lib.kvf_msg_free, ffi.unpack
+        ENVELOPE_FLAG_FLUSHED = native.ENVELOPE_FLAG_FLUSHED
         worker, senders, counters = self._worker, self._senders, self.counters
         while True:
             m = pop(worker)
@@ -820,7 +945,8 @@ class TransferEngine:
                     continue
                 sender_address = unpack(env.sender, env.sender_length)
                 payload = unpack(env.payload, env.payload_length)
-                incarnation, seq, flushed = env.incarnation, env.seq, bool(env.flags & 1)
+                incarnation, seq = env.incarnation, env.seq
+                flushed = bool(env.flags & ENVELOPE_FLAG_FLUSHED)
             finally:
                 free(m)
             sender = senders.get(sender_address)

@@ -2,7 +2,7 @@
 
 Every active message carries the sender's address (so the receiver can answer and check
 the sender's incarnation), a sequence number and whether it was flush-ordered. The hot
-path builds and parses it in C (``kvf_send_envelope``, ``kvf_envelope_parse`` in
+path builds and parses it in C (``kvf_msg_send``, ``kvf_envelope_parse`` in
 ``native/kvf_ucp.c``); this module is the reference codec, the names of the refusal
 reasons, and what the tests compare the native parser against.
 
@@ -70,7 +70,7 @@ class Envelope:
 
 
 def encode(env: Envelope) -> bytes:
-    """The envelope's bytes (what ``kvf_send_envelope`` puts on the wire)."""
+    """The envelope's bytes (what ``kvf_msg_send`` puts on the wire)."""
     if not 0 < len(env.sender) < (1 << 32) or len(env.payload) >= (1 << 32):
         raise WireError(f"envelope: sender of {len(env.sender)} or payload of "
                         f"{len(env.payload)} bytes cannot be encoded")

@@ -3,7 +3,7 @@
 :func:`check_pages` validates a page list against both segments before anything is
 posted, so a bad offset is refused with the numbers and never reaches UCX (a put to the
 wrong remote offset would land in memory another request owns: see I4/I5). The hot path
-runs the same checks natively inside ``kvf_rma_pages`` and defers to :func:`check_pages`
+runs the same checks natively inside ``kvf_put_pages``/``kvf_get_pages`` and defers to :func:`check_pages`
 for the error and its numbers.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ from .errors import WireError
 from .protocol import CODEC, SEGMENT
 
 if TYPE_CHECKING:
-    from .engine import Peer
+    from .peer import Peer
 
 
 @dataclass(frozen=True)

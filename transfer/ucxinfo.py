@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ._native import ffi, lib
-from .errors import RdmaUnavailableError
+from .errors import RdmaUnavailableError, status_name
 
 # Optional features of the native layer: the UCX release that brought each, and what a
 # build without it does instead.
@@ -94,7 +94,7 @@ def inventory() -> Inventory:
     st = lib.kvf_uct_inventory(",".join(RDMA_COMPONENTS).encode(), buf, len(buf))
     if st != 0:
         raise RdmaUnavailableError(f"listing UCX's transport components failed: "
-                                   f"{_text(lib.kvf_status_string(st))}", "components")
+                                   f"{status_name(int(st))}", "components")
     return Inventory.parse(_text(buf))
 
 
@@ -169,7 +169,7 @@ def endpoint_transports(ep) -> tuple[str, str]:
     buf = ffi.new("char[]", 1 << 14)
     if lib.kvf_ep_transports(ep, buf, len(buf)) == 0:
         return _text(buf), "ucp_ep_query"
-    if lib.kvf_ep_print_info(ep, buf, len(buf)) >= 0:
+    if lib.kvf_ep_print_info(ep, buf, len(buf)) == 0:
         return lanes_from_print_info(_text(buf)), "ucp_ep_print_info"
     return "", "unavailable"
 

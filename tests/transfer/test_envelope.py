@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.transfer import TransferConfig, TransferEngine, WireError
-from kvferry.transfer._native import ffi, lib
+from kvferry.transfer._native import ENVELOPE_FLAG_FLUSHED, MSG_FLAG_NOTICE, ffi, lib
 from kvferry.transfer.envelope import (HEADER_BYTES, Envelope, EnvelopeError, check,
                                        decode, encode)
 
@@ -25,13 +25,13 @@ envelopes = st.builds(Envelope, incarnation=st.integers(0, 2**64 - 1),
 
 
 def native_parse(data: bytes) -> tuple[int, object]:
-    out = ffi.new("kvf_envelope *")
+    out = ffi.new("kvf_envelope_t *")
     buf = ffi.from_buffer(data)
     err = lib.kvf_envelope_parse(buf, len(data), MAX_SENDER, MAX_PAYLOAD, out)
     assert err == out.error
     if err:
         return err, None
-    return err, Envelope(out.incarnation, out.seq, bool(out.flags & 1),
+    return err, Envelope(out.incarnation, out.seq, bool(out.flags & ENVELOPE_FLAG_FLUSHED),
                          ffi.unpack(out.sender, out.sender_length),
                          ffi.unpack(out.payload, out.payload_length))
 
@@ -39,9 +39,20 @@ def native_parse(data: bytes) -> tuple[int, object]:
 def native_encode(env: Envelope) -> bytes:
     cap = HEADER_BYTES + len(env.sender) + len(env.payload)
     out = ffi.new("char[]", cap)
-    n = lib.kvf_envelope_encode(out, cap, int(env.flushed), env.sender, len(env.sender),
-                                env.incarnation, env.seq, env.payload, len(env.payload))
+    sender, payload = ffi.from_buffer(env.sender), ffi.from_buffer(env.payload)
+    msg = ffi.new("kvf_msg_param_t *", {
+        "flags": MSG_FLAG_NOTICE if env.flushed else 0, "incarnation": env.incarnation,
+        "seq": env.seq, "sender": sender, "sender_length": len(env.sender),
+        "payload": payload, "payload_length": len(env.payload)})
+    n = lib.kvf_envelope_encode(msg, out, cap)
     return ffi.unpack(out, n)
+
+
+def test_refusal_reasons_match_the_native_enum():
+    """envelope.py's reference codec numbers its refusals as kvf_envelope_error_t."""
+    for reason in EnvelopeError:
+        name = "VERSION_MISMATCH" if reason.name == "VERSION" else reason.name
+        assert getattr(lib, f"KVF_ENVELOPE_{name}") == reason.value, reason
 
 
 @given(envelopes)

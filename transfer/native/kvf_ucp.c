@@ -2,10 +2,13 @@
  * puts/gets whose per-page loop runs here, flush-ordered notices and an active-message
  * receive queue. Single-threaded: the owning Python thread is the only caller.
  *
- * Pages are int64 triples (local offset, remote offset, length), already bounds-checked
- * by the caller against both segments. When the remote segment is mapped into this
- * process (ucp_rkey_ptr succeeds: UCX-allocated posix/sysv memory on the same host),
- * pages are copied directly; otherwise each page is one ucp_put_nbx/ucp_get_nbx. */
+ * The API, with each function's ownership and statuses, is documented in kvf_ucp.h.
+ *
+ * Pages are int64 triples (local offset, remote offset, length). kvf_put_pages and
+ * kvf_get_pages check every page against both segments themselves (kvf_check_pages)
+ * before anything is posted. When the remote segment is mapped into this process
+ * (ucp_rkey_ptr succeeds: UCX-allocated posix/sysv memory on the same host), pages are
+ * copied directly; otherwise each page is one ucp_put_nbx/ucp_get_nbx. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -23,6 +26,7 @@
 #include <ucp/api/ucp.h>
 #include <ucp/api/ucp_version.h>
 #include <uct/api/uct.h>
+#include "kvf_ucp.h"
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
@@ -43,15 +47,20 @@ struct kvf_worker {
     ucp_worker_h worker;
     int efd;
     int64_t max_am_bytes;
-    kvf_msg *head;
-    kvf_msg *tail;
+    kvf_msg_t *head;
+    kvf_msg_t *tail;
     int64_t dropped;
     int64_t max_sender;       /* envelope limits applied on receipt */
     int64_t max_payload;
     int64_t busy_poll_us;     /* keep polling this long after the last activity */
+    int64_t spin_us;          /* poll at least this long before sleeping */
     int64_t last_activity_us; /* last time progress did something or a message came */
-    char bad_option[128];
 };
+
+/* The handles of kvf_ucp.h are UCX's own, under kvferry's names. */
+static inline ucp_ep_h kvf_ucp_ep(kvf_ep_h ep) { return (ucp_ep_h)(void *)ep; }
+static inline ucp_mem_h kvf_ucp_mem(kvf_mem_h memh) { return (ucp_mem_h)(void *)memh; }
+static inline ucp_rkey_h kvf_ucp_rkey(kvf_rkey_h rkey) { return (ucp_rkey_h)(void *)rkey; }
 
 #define KVF_AM_ID 7
 
@@ -61,24 +70,17 @@ struct kvf_worker {
  *   32 sender address bytes | payload bytes; little-endian, nothing after the payload. */
 #define KVF_ENV_HEADER 32
 #define KVF_ENV_VERSION 2
-#define KVF_ENV_FLAG_FLUSHED 1
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the envelope codec assumes a little-endian host"
 #endif
-enum {
-    KVF_ENV_OK = 0, KVF_ENV_SHORT = 1, KVF_ENV_MAGIC = 2, KVF_ENV_VERSION_MISMATCH = 3,
-    KVF_ENV_FLAGS = 4, KVF_ENV_SENDER_SIZE = 5, KVF_ENV_PAYLOAD_SIZE = 6, KVF_ENV_LENGTH = 7
-};
 
+/* A message on its way: posted from kvf_post_send, or from a flush's completion. */
 typedef struct kvf_send_ctx {
-    kvf_batch *batch;
+    kvf_batch_t *batch;
     ucp_ep_h ep;
-    uint16_t am_id;
     size_t length;
     char payload[];
 } kvf_send_ctx;
-
-const char *kvf_status_string(int status) { return ucs_status_string((ucs_status_t)status); }
 
 const char *kvf_version_string(void) { return ucp_get_version_string(); }
 
@@ -116,53 +118,55 @@ static int64_t kvf_now_us(void)
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
-size_t kvf_envelope_encode(char *out, size_t cap, int flags, const char *sender,
-                           size_t sender_length, uint64_t incarnation, uint64_t seq,
-                           const char *payload, size_t payload_length)
+size_t kvf_envelope_encode(const kvf_msg_param_t *msg, char *out, size_t cap)
 {
-    size_t total = KVF_ENV_HEADER + sender_length + payload_length;
-    uint32_t slen = (uint32_t)sender_length, plen = (uint32_t)payload_length;
+    size_t total = KVF_ENV_HEADER + msg->sender_length + msg->payload_length;
+    uint32_t slen = (uint32_t)msg->sender_length, plen = (uint32_t)msg->payload_length;
     uint16_t reserved = 0;
-    uint8_t version = KVF_ENV_VERSION, fl = (uint8_t)flags;
-    if (total > cap || sender_length > UINT32_MAX || payload_length > UINT32_MAX) return 0;
+    uint8_t version = KVF_ENV_VERSION;
+    uint8_t fl = (msg->flags & KVF_MSG_FLAG_NOTICE) ? KVF_ENVELOPE_FLAG_FLUSHED : 0;
+    if (total > cap || msg->sender_length > UINT32_MAX || msg->payload_length > UINT32_MAX) {
+        return 0;
+    }
     memcpy(out, "KVFE", 4);
     memcpy(out + 4, &version, 1);
     memcpy(out + 5, &fl, 1);
     memcpy(out + 6, &reserved, 2);
-    memcpy(out + 8, &incarnation, 8);
-    memcpy(out + 16, &seq, 8);
+    memcpy(out + 8, &msg->incarnation, 8);
+    memcpy(out + 16, &msg->seq, 8);
     memcpy(out + 24, &slen, 4);
     memcpy(out + 28, &plen, 4);
-    memcpy(out + KVF_ENV_HEADER, sender, sender_length);
-    if (payload_length) memcpy(out + KVF_ENV_HEADER + sender_length, payload, payload_length);
+    memcpy(out + KVF_ENV_HEADER, msg->sender, msg->sender_length);
+    if (msg->payload_length) {
+        memcpy(out + KVF_ENV_HEADER + msg->sender_length, msg->payload, msg->payload_length);
+    }
     return total;
 }
 
-/* Checks every header field and that the lengths add up to exactly `length`. */
 int kvf_envelope_parse(const char *data, size_t length, int64_t max_sender,
-                       int64_t max_payload, kvf_envelope *out)
+                       int64_t max_payload, kvf_envelope_t *out)
 {
     uint32_t slen, plen;
     uint16_t reserved;
     memset(out, 0, sizeof(*out));
-    out->error = KVF_ENV_SHORT;
+    out->error = KVF_ENVELOPE_SHORT;
     if (length < KVF_ENV_HEADER) return out->error;
-    out->error = KVF_ENV_MAGIC;
+    out->error = KVF_ENVELOPE_MAGIC;
     if (memcmp(data, "KVFE", 4) != 0) return out->error;
-    out->error = KVF_ENV_VERSION_MISMATCH;
+    out->error = KVF_ENVELOPE_VERSION_MISMATCH;
     if ((uint8_t)data[4] != KVF_ENV_VERSION) return out->error;
     memcpy(&reserved, data + 6, 2);
-    out->error = KVF_ENV_FLAGS;
-    if (((uint8_t)data[5] & ~KVF_ENV_FLAG_FLUSHED) != 0 || reserved != 0) return out->error;
+    out->error = KVF_ENVELOPE_FLAGS;
+    if (((uint8_t)data[5] & ~KVF_ENVELOPE_FLAG_FLUSHED) != 0 || reserved != 0) return out->error;
     memcpy(&slen, data + 24, 4);
     memcpy(&plen, data + 28, 4);
-    out->error = KVF_ENV_SENDER_SIZE;
+    out->error = KVF_ENVELOPE_SENDER_SIZE;
     if (slen == 0 || (int64_t)slen > max_sender) return out->error;
-    out->error = KVF_ENV_PAYLOAD_SIZE;
+    out->error = KVF_ENVELOPE_PAYLOAD_SIZE;
     if ((int64_t)plen > max_payload) return out->error;
-    out->error = KVF_ENV_LENGTH;
+    out->error = KVF_ENVELOPE_LENGTH;
     if ((uint64_t)KVF_ENV_HEADER + slen + plen != (uint64_t)length) return out->error;
-    out->error = KVF_ENV_OK;
+    out->error = KVF_ENVELOPE_OK;
     out->flags = (uint8_t)data[5];
     memcpy(&out->incarnation, data + 8, 8);
     memcpy(&out->seq, data + 16, 8);
@@ -170,20 +174,20 @@ int kvf_envelope_parse(const char *data, size_t length, int64_t max_sender,
     out->sender_length = slen;
     out->payload = data + KVF_ENV_HEADER + slen;
     out->payload_length = plen;
-    return KVF_ENV_OK;
+    return KVF_ENVELOPE_OK;
 }
 
 static ucs_status_t kvf_am_recv(void *arg, const void *header, size_t header_length,
                                 void *data, size_t length, const ucp_am_recv_param_t *param)
 {
-    kvf_worker *w = (kvf_worker *)arg;
-    kvf_msg *m;
+    kvf_worker_h w = (kvf_worker_h)arg;
+    kvf_msg_t *m;
     (void)header; (void)header_length;
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || (int64_t)length > w->max_am_bytes) {
         w->dropped++; /* oversized or rendezvous: never accepted, counted */
         return UCS_OK;
     }
-    m = (kvf_msg *)malloc(sizeof(kvf_msg) + length);
+    m = (kvf_msg_t *)malloc(sizeof(kvf_msg_t) + length);
     if (m == NULL) {
         w->dropped++;
         return UCS_OK;
@@ -199,43 +203,64 @@ static ucs_status_t kvf_am_recv(void *arg, const void *header, size_t header_len
     return UCS_OK;
 }
 
-int kvf_worker_create(const char *options, int64_t max_am_bytes, kvf_worker **out)
+/* Applies "KEY=VALUE" lines with ucp_config_modify; on a refused key, returns its status
+ * with the key in bad (when given). */
+static ucs_status_t kvf_config_apply(ucp_config_t *config, const char *options, char *bad,
+                                     size_t bad_length)
+{
+    const char *line = options;
+    char key[128], value[512];
+    ucs_status_t st;
+    while (*line != '\0') {
+        const char *eol = strchr(line, '\n');
+        const char *eq = strchr(line, '=');
+        size_t len = eol ? (size_t)(eol - line) : strlen(line);
+        if (eq != NULL && eq < line + len && (size_t)(eq - line) < sizeof(key) &&
+            len - (size_t)(eq - line) - 1 < sizeof(value)) {
+            memcpy(key, line, (size_t)(eq - line));
+            key[eq - line] = '\0';
+            memcpy(value, eq + 1, len - (size_t)(eq - line) - 1);
+            value[len - (size_t)(eq - line) - 1] = '\0';
+            st = ucp_config_modify(config, key, value);
+            if (st != UCS_OK) {
+                if (bad != NULL && bad_length > 0) snprintf(bad, bad_length, "%s", key);
+                return st;
+            }
+        }
+        line += len + (eol ? 1 : 0);
+    }
+    return UCS_OK;
+}
+
+ucs_status_t kvf_worker_create(const kvf_worker_params_t *p, kvf_worker_h *worker_p)
 {
     ucp_config_t *config;
     ucp_params_t params;
     ucp_worker_params_t wparams;
     ucp_am_handler_param_t am;
     ucs_status_t st;
-    kvf_worker *w = (kvf_worker *)calloc(1, sizeof(*w));
+    kvf_worker_h w;
+    uint64_t mask = p->field_mask;
+    if (p->max_am_bytes <= 0) return UCS_ERR_INVALID_PARAM;
+    w = (kvf_worker_h)calloc(1, sizeof(*w));
     if (w == NULL) return UCS_ERR_NO_MEMORY;
-    w->max_am_bytes = max_am_bytes;
-    w->max_sender = max_am_bytes;
-    w->max_payload = max_am_bytes;
+    w->max_am_bytes = p->max_am_bytes;
+    w->max_sender = (mask & KVF_WORKER_PARAM_FIELD_MAX_SENDER) ? p->max_sender
+                                                                : p->max_am_bytes;
+    w->max_payload = (mask & KVF_WORKER_PARAM_FIELD_MAX_PAYLOAD) ? p->max_payload
+                                                                  : p->max_am_bytes;
+    w->busy_poll_us = (mask & KVF_WORKER_PARAM_FIELD_BUSY_POLL_US) && p->busy_poll_us > 0
+                      ? p->busy_poll_us : 0;
+    w->spin_us = (mask & KVF_WORKER_PARAM_FIELD_SPIN_US) && p->spin_us > 0 ? p->spin_us : 0;
     st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK) goto err_free;
-    /* options: "KEY=VALUE" lines applied with ucp_config_modify (keys without UCX_). */
-    if (options != NULL) {
-        const char *line = options;
-        char key[128], value[512];
-        while (*line != '\0') {
-            const char *eol = strchr(line, '\n');
-            const char *eq = strchr(line, '=');
-            size_t len = eol ? (size_t)(eol - line) : strlen(line);
-            if (eq != NULL && eq < line + len && (size_t)(eq - line) < sizeof(key) &&
-                len - (size_t)(eq - line) - 1 < sizeof(value)) {
-                memcpy(key, line, (size_t)(eq - line));
-                key[eq - line] = '\0';
-                memcpy(value, eq + 1, len - (size_t)(eq - line) - 1);
-                value[len - (size_t)(eq - line) - 1] = '\0';
-                st = ucp_config_modify(config, key, value);
-                if (st != UCS_OK) {
-                    snprintf(w->bad_option, sizeof(w->bad_option), "%s", key);
-                    *out = w;
-                    ucp_config_release(config);
-                    return st;
-                }
-            }
-            line += len + (eol ? 1 : 0);
+    if ((mask & KVF_WORKER_PARAM_FIELD_OPTIONS) && p->options != NULL) {
+        int report = (mask & KVF_WORKER_PARAM_FIELD_BAD_OPTION) != 0;
+        st = kvf_config_apply(config, p->options, report ? p->bad_option : NULL,
+                              report ? p->bad_option_length : 0);
+        if (st != UCS_OK) {
+            ucp_config_release(config);
+            goto err_free;
         }
     }
     memset(&params, 0, sizeof(params));
@@ -260,7 +285,7 @@ int kvf_worker_create(const char *options, int64_t max_am_bytes, kvf_worker **ou
     am.arg = w;
     st = ucp_worker_set_am_recv_handler(w->worker, &am);
     if (st != UCS_OK) goto err_worker;
-    *out = w;
+    *worker_p = w;
     return UCS_OK;
 err_worker:
     ucp_worker_destroy(w->worker);
@@ -268,56 +293,44 @@ err_ctx:
     ucp_cleanup(w->context);
 err_free:
     free(w);
-    *out = NULL;
     return st;
 }
 
-const char *kvf_worker_bad_option(kvf_worker *w) { return w->bad_option; }
-
-/* Frees a worker whose creation failed on a config option (context never created). */
-void kvf_worker_free_failed(kvf_worker *w) { free(w); }
-
-void kvf_worker_destroy(kvf_worker *w)
+void kvf_worker_destroy(kvf_worker_h w)
 {
-    kvf_msg *m = w->head, *next;
+    kvf_msg_t *m = w->head, *next;
     while (m) { next = m->next; free(m); m = next; }
     ucp_worker_destroy(w->worker);
     ucp_cleanup(w->context);
     free(w);
 }
 
-int kvf_worker_address(kvf_worker *w, void **addr, size_t *length)
+ucs_status_t kvf_worker_address(kvf_worker_h w, void **address_p, size_t *length_p)
 {
-    return ucp_worker_get_address(w->worker, (ucp_address_t **)addr, length);
+    ucp_address_t *address;
+    size_t length;
+    ucs_status_t st = ucp_worker_get_address(w->worker, &address, &length);
+    if (st != UCS_OK) return st;
+    *address_p = address;
+    *length_p = length;
+    return UCS_OK;
 }
 
-void kvf_worker_address_release(kvf_worker *w, void *addr)
+void kvf_worker_address_release(kvf_worker_h w, void *address)
 {
-    ucp_worker_release_address(w->worker, (ucp_address_t *)addr);
+    ucp_worker_release_address(w->worker, (ucp_address_t *)address);
 }
 
-int kvf_worker_efd(kvf_worker *w, int *fd) { *fd = w->efd; return UCS_OK; }
+ucs_status_t kvf_worker_efd(kvf_worker_h w, int *fd_p) { *fd_p = w->efd; return UCS_OK; }
 
-/* Arm the event fd before sleeping on it outside kvf_worker_wait: 1 when armed (the fd
- * signals the next event), 0 when work is pending (UCX events, or received messages not
- * yet popped), else the ucs_status_t of the failure. */
-int kvf_worker_arm(kvf_worker *w)
+ucs_status_t kvf_worker_arm(kvf_worker_h w)
 {
     ucs_status_t st = ucp_worker_arm(w->worker);
-    if (st == UCS_ERR_BUSY) return 0;
-    if (st != UCS_OK) return (int)st;
-    return w->head == NULL;
+    if (st != UCS_OK) return st;   /* UCS_ERR_BUSY: events pending */
+    return w->head == NULL ? UCS_OK : UCS_ERR_BUSY;
 }
 
-void kvf_worker_configure(kvf_worker *w, int64_t max_sender, int64_t max_payload,
-                          int64_t busy_poll_us)
-{
-    w->max_sender = max_sender;
-    w->max_payload = max_payload;
-    w->busy_poll_us = busy_poll_us > 0 ? busy_poll_us : 0;
-}
-
-unsigned kvf_worker_progress(kvf_worker *w)
+unsigned kvf_worker_progress(kvf_worker_h w)
 {
     unsigned n = ucp_worker_progress(w->worker);
     if (n) w->last_activity_us = kvf_now_us();
@@ -343,61 +356,67 @@ static void kvf_nap(void)
     nanosleep(&nap, NULL);
 }
 
-/* Progress; if nothing happened, poll until the later of now + spin_us and the end of the
- * busy window (busy_poll_us after the last activity), then arm the event fd and sleep in
- * poll() for the rest of timeout_ms. Under traffic the window keeps the thread awake, so
- * a message costs no wake-up; an idle worker sleeps. stay_awake: poll for all of
- * timeout_ms (a caller expecting a reply soon: a sleeping vCPU can take milliseconds to
- * wake). Past spin_us the loop naps between polls (kvf_nap). The GIL is released by cffi
- * around this call. */
-int kvf_worker_wait(kvf_worker *w, int timeout_ms, int spin_us, int stay_awake)
+/* See kvf_ucp.h. Under traffic the busy window keeps the thread awake, so a message
+ * costs no wake-up; an idle worker sleeps. Past spin_us the loop naps between polls
+ * (kvf_nap). */
+ucs_status_t kvf_worker_wait(kvf_worker_h w, int timeout_ms, unsigned flags,
+                             unsigned *count_p)
 {
     unsigned n = kvf_worker_progress(w);
     int64_t now, deadline, spin_until, nap_after, remaining_ms;
     struct pollfd pfd;
-    int armed;
-    if (n || w->head || timeout_ms == 0) return (int)n;
+    ucs_status_t st;
+    if (n || w->head || timeout_ms == 0) goto out;
     now = kvf_now_us();
     deadline = now + (int64_t)timeout_ms * 1000;
-    nap_after = now + (spin_us > 0 ? spin_us : 0);
+    nap_after = now + w->spin_us;
     spin_until = nap_after;
     if (w->last_activity_us + w->busy_poll_us > spin_until) {
         spin_until = w->last_activity_us + w->busy_poll_us;
     }
-    if (spin_until > deadline || stay_awake) spin_until = deadline;
+    if (spin_until > deadline || (flags & KVF_WAIT_FLAG_STAY_AWAKE)) spin_until = deadline;
     while (now < spin_until) {
         n = ucp_worker_progress(w->worker);
         if (n || w->head) {
             if (n) w->last_activity_us = kvf_now_us();
-            return (int)n;
+            goto out;
         }
         now = kvf_now_us();
         if (now >= nap_after) kvf_nap();
     }
-    if (now >= deadline) return 0;
-    armed = kvf_worker_arm(w);
-    if (armed < 0) return armed;
-    if (armed == 0) return (int)kvf_worker_progress(w);
-    pfd.fd = w->efd;
-    pfd.events = POLLIN;
-    pfd.revents = 0;
-    remaining_ms = (deadline - now + 999) / 1000;
-    poll(&pfd, 1, (int)(remaining_ms > 0 ? remaining_ms : 0));
-    return (int)kvf_worker_progress(w);
+    n = 0;
+    if (now >= deadline) goto out;
+    st = kvf_worker_arm(w);
+    if (st == UCS_OK) {
+        pfd.fd = w->efd;
+        pfd.events = POLLIN;
+        pfd.revents = 0;
+        remaining_ms = (deadline - now + 999) / 1000;
+        poll(&pfd, 1, (int)(remaining_ms > 0 ? remaining_ms : 0));
+    } else if (st != UCS_ERR_BUSY) {
+        return st;
+    }
+    n = kvf_worker_progress(w);
+out:
+    *count_p = n;
+    return UCS_OK;
 }
 
-int kvf_ep_create(kvf_worker *w, const void *addr, void **ep)
+ucs_status_t kvf_ep_create(kvf_worker_h w, const void *address, kvf_ep_h *ep_p)
 {
     ucp_ep_params_t params;
+    ucp_ep_h ep;
+    ucs_status_t st;
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
-    params.address = (const ucp_address_t *)addr;
-    return ucp_ep_create(w->worker, &params, (ucp_ep_h *)ep);
+    params.address = (const ucp_address_t *)address;
+    st = ucp_ep_create(w->worker, &params, &ep);
+    if (st != UCS_OK) return st;
+    *ep_p = (kvf_ep_h)(void *)ep;
+    return UCS_OK;
 }
 
-/* The endpoint's lanes as "transport/device,..." (ucp_ep_query). UCS_ERR_UNSUPPORTED
- * when built against a UCX without that query: use kvf_ep_print_info then. */
-int kvf_ep_transports(void *ep, char *out, size_t cap)
+ucs_status_t kvf_ep_transports(kvf_ep_h ep, char *out, size_t cap)
 {
 #if KVF_HAVE_EP_TRANSPORTS
     ucp_transport_entry_t entries[16];
@@ -410,9 +429,9 @@ int kvf_ep_transports(void *ep, char *out, size_t cap)
     attr.transports.entries = entries;
     attr.transports.num_entries = 16;
     attr.transports.entry_size = sizeof(ucp_transport_entry_t);
-    st = ucp_ep_query((ucp_ep_h)ep, &attr);
+    if (cap > 0) out[0] = '\0';
+    st = ucp_ep_query(kvf_ucp_ep(ep), &attr);
     if (st != UCS_OK) return st;
-    out[0] = '\0';
     for (i = 0; i < attr.transports.num_entries && used + 1 < cap; ++i) {
         int k = snprintf(out + used, cap - used, "%s%s/%s", i ? "," : "",
                          entries[i].transport_name, entries[i].device_name);
@@ -421,21 +440,19 @@ int kvf_ep_transports(void *ep, char *out, size_t cap)
     }
     return UCS_OK;
 #else
-    (void)ep; (void)cap;
-    out[0] = '\0';
+    (void)ep;
+    if (cap > 0) out[0] = '\0';
     return UCS_ERR_UNSUPPORTED;
 #endif
 }
 
-/* ucp_ep_print_info's text (the endpoint's configuration and lanes), truncated to cap - 1
- * bytes and NUL-terminated. Returns the full length, or -1 when it could not be captured. */
-int64_t kvf_ep_print_info(void *ep, char *out, size_t cap)
+ucs_status_t kvf_ep_print_info(kvf_ep_h ep, char *out, size_t cap)
 {
     char *text = NULL;
     size_t length = 0;
     FILE *f = open_memstream(&text, &length);
-    if (f == NULL) return -1;
-    ucp_ep_print_info((ucp_ep_h)ep, f);
+    if (f == NULL) return UCS_ERR_NO_MEMORY;
+    ucp_ep_print_info(kvf_ucp_ep(ep), f);
     fclose(f);
     if (cap > 0) {
         size_t n = length < cap - 1 ? length : cap - 1;
@@ -443,7 +460,7 @@ int64_t kvf_ep_print_info(void *ep, char *out, size_t cap)
         out[n] = '\0';
     }
     free(text);
-    return (int64_t)length;
+    return UCS_OK;
 }
 
 /* Appends to out (NUL-terminated, used bytes in *used); returns 0 once out is full. */
@@ -514,12 +531,9 @@ static ucs_status_t kvf_open_first_md(const char *name, uct_md_h *md)
     return st;
 }
 
-/* The value that transport `tl` of component `component` would use for its interface
- * option `name` (e.g. "tcp", "tcp", "KEEPIDLE"), as this UCX reads it: the environment,
- * else its default. UCS_ERR_NO_ELEM when this UCX has no such option (or component);
- * UCS_ERR_NO_DEVICE when the component has no device to read it from. */
-int kvf_uct_iface_option(const char *component, const char *tl, const char *name,
-                         char *value, size_t cap)
+/* E.g. ("tcp", "tcp", "KEEPIDLE"); see kvf_ucp.h. */
+ucs_status_t kvf_uct_iface_option(const char *component, const char *tl, const char *name,
+                                  char *value, size_t cap)
 {
     uct_md_h md;
     uct_iface_config_t *config;
@@ -536,11 +550,8 @@ int kvf_uct_iface_option(const char *component, const char *tl, const char *name
     return st;
 }
 
-/* What this UCX offers below ucp: one line per component, "name<TAB>md md ...", and for
- * each memory domain of the components named in `open` (comma-separated, e.g. "ib,mlx5";
- * opening one opens its device) one line "name<TAB>md<TAB> tl/dev tl/dev ...".
- * Returns 0, or the ucs_status_t of the failed component query. */
-int kvf_uct_inventory(const char *open, char *out, size_t cap)
+/* `open` e.g. "ib,mlx5"; see kvf_ucp.h. */
+ucs_status_t kvf_uct_inventory(const char *open, char *out, size_t cap)
 {
     uct_component_h *components;
     unsigned count, i, j;
@@ -585,7 +596,7 @@ int kvf_uct_inventory(const char *open, char *out, size_t cap)
     return UCS_OK;
 }
 
-int kvf_ep_close(kvf_worker *w, void *ep, int force, int timeout_ms)
+ucs_status_t kvf_ep_close(kvf_worker_h w, kvf_ep_h ep, unsigned flags, int timeout_ms)
 {
     ucp_request_param_t param;
     ucs_status_ptr_t req;
@@ -593,8 +604,8 @@ int kvf_ep_close(kvf_worker *w, void *ep, int force, int timeout_ms)
     int64_t until = kvf_now_us() + (int64_t)timeout_ms * 1000;
     memset(&param, 0, sizeof(param));
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    req = ucp_ep_close_nbx((ucp_ep_h)ep, &param);
+    param.flags = (flags & KVF_EP_CLOSE_FLAG_FORCE) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    req = ucp_ep_close_nbx(kvf_ucp_ep(ep), &param);
     if (req == NULL) return UCS_OK;
     if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
     for (;;) {
@@ -610,12 +621,14 @@ int kvf_ep_close(kvf_worker *w, void *ep, int force, int timeout_ms)
     return st;
 }
 
-int kvf_mem_map(kvf_worker *w, void *address, size_t length, int allocate,
-                void **memh, void **base, size_t *mapped_length)
+ucs_status_t kvf_mem_map(kvf_worker_h w, void *address, size_t length, unsigned flags,
+                         kvf_mem_h *memh_p, void **base_p, size_t *length_p)
 {
     ucp_mem_map_params_t params;
     ucp_mem_attr_t attr;
+    ucp_mem_h memh;
     ucs_status_t st;
+    int allocate = (flags & KVF_MEM_MAP_FLAG_ALLOCATE) != 0;
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                         UCP_MEM_MAP_PARAM_FIELD_FLAGS | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
@@ -623,44 +636,59 @@ int kvf_mem_map(kvf_worker *w, void *address, size_t length, int allocate,
     params.length = length;
     params.flags = allocate ? UCP_MEM_MAP_ALLOCATE : 0;
     params.memory_type = UCS_MEMORY_TYPE_HOST;
-    st = ucp_mem_map(w->context, &params, (ucp_mem_h *)memh);
+    st = ucp_mem_map(w->context, &params, &memh);
     if (st != UCS_OK) return st;
     memset(&attr, 0, sizeof(attr));
     attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
-    st = ucp_mem_query((ucp_mem_h)*memh, &attr);
+    st = ucp_mem_query(memh, &attr);
     if (st != UCS_OK) {
-        ucp_mem_unmap(w->context, (ucp_mem_h)*memh);
+        ucp_mem_unmap(w->context, memh);
         return st;
     }
-    *base = attr.address;
-    *mapped_length = attr.length;
+    *memh_p = (kvf_mem_h)(void *)memh;
+    *base_p = attr.address;
+    *length_p = attr.length;
     return UCS_OK;
 }
 
-int kvf_mem_unmap(kvf_worker *w, void *memh) { return ucp_mem_unmap(w->context, (ucp_mem_h)memh); }
-
-int kvf_rkey_pack(kvf_worker *w, void *memh, void **buffer, size_t *size)
+ucs_status_t kvf_mem_unmap(kvf_worker_h w, kvf_mem_h memh)
 {
-    return ucp_rkey_pack(w->context, (ucp_mem_h)memh, buffer, size);
+    return ucp_mem_unmap(w->context, kvf_ucp_mem(memh));
+}
+
+ucs_status_t kvf_rkey_pack(kvf_worker_h w, kvf_mem_h memh, void **buffer_p, size_t *size_p)
+{
+    void *buffer;
+    size_t size;
+    ucs_status_t st = ucp_rkey_pack(w->context, kvf_ucp_mem(memh), &buffer, &size);
+    if (st != UCS_OK) return st;
+    *buffer_p = buffer;
+    *size_p = size;
+    return UCS_OK;
 }
 
 void kvf_rkey_buffer_release(void *buffer) { ucp_rkey_buffer_release(buffer); }
 
-int kvf_rkey_unpack(void *ep, const void *buffer, void **rkey)
+ucs_status_t kvf_rkey_unpack(kvf_ep_h ep, const void *buffer, kvf_rkey_h *rkey_p)
 {
-    return ucp_ep_rkey_unpack((ucp_ep_h)ep, buffer, (ucp_rkey_h *)rkey);
+    ucp_rkey_h rkey;
+    ucs_status_t st = ucp_ep_rkey_unpack(kvf_ucp_ep(ep), buffer, &rkey);
+    if (st != UCS_OK) return st;
+    *rkey_p = (kvf_rkey_h)(void *)rkey;
+    return UCS_OK;
 }
 
-void kvf_rkey_destroy(void *rkey) { ucp_rkey_destroy((ucp_rkey_h)rkey); }
+void kvf_rkey_destroy(kvf_rkey_h rkey) { ucp_rkey_destroy(kvf_ucp_rkey(rkey)); }
 
-int kvf_rkey_ptr(void *rkey, uint64_t remote_addr, void **local)
+ucs_status_t kvf_rkey_ptr(kvf_rkey_h rkey, uint64_t remote_addr, void **local_p)
 {
-    return ucp_rkey_ptr((ucp_rkey_h)rkey, remote_addr, local);
+    void *local;
+    ucs_status_t st = ucp_rkey_ptr(kvf_ucp_rkey(rkey), remote_addr, &local);
+    if (st != UCS_OK) return st;
+    *local_p = local;
+    return UCS_OK;
 }
 
-/* Populate this process's page tables for a peer's mapped segment (writable), so the
- * first write to each page costs no fault. Returns 0, or errno (e.g. EINVAL on kernels
- * before 5.14, which lack MADV_POPULATE_WRITE; the mapping then faults lazily). */
 int kvf_prefault(uintptr_t address, int64_t length)
 {
 #ifndef MADV_POPULATE_WRITE
@@ -672,20 +700,20 @@ int kvf_prefault(uintptr_t address, int64_t length)
     return madvise((void *)start, len, MADV_POPULATE_WRITE) == 0 ? 0 : errno;
 }
 
-static void kvf_batch_fail(kvf_batch *b, ucs_status_t st)
+static void kvf_batch_fail(kvf_batch_t *b, ucs_status_t st)
 {
     if (st != UCS_OK && b->status == 0) b->status = st;
 }
 
 static void kvf_op_done(void *request, ucs_status_t status, void *user_data)
 {
-    kvf_batch *b = (kvf_batch *)user_data;
+    kvf_batch_t *b = (kvf_batch_t *)user_data;
     kvf_batch_fail(b, status);
     b->outstanding--;
     ucp_request_free(request);
 }
 
-static ucs_status_t kvf_track(ucs_status_ptr_t p, kvf_batch *b)
+static ucs_status_t kvf_track(ucs_status_ptr_t p, kvf_batch_t *b)
 {
     if (p == NULL) return UCS_OK;
     if (UCS_PTR_IS_ERR(p)) {
@@ -696,7 +724,7 @@ static ucs_status_t kvf_track(ucs_status_ptr_t p, kvf_batch *b)
     return UCS_OK;
 }
 
-static void kvf_param_init(ucp_request_param_t *param, kvf_batch *b)
+static void kvf_param_init(ucp_request_param_t *param, kvf_batch_t *b)
 {
     memset(param, 0, sizeof(*param));
     param->op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -706,12 +734,12 @@ static void kvf_param_init(ucp_request_param_t *param, kvf_batch *b)
     param->memory_type = UCS_MEMORY_TYPE_HOST;
 }
 
-int kvf_flush(void *ep, kvf_batch *batch)
+ucs_status_t kvf_flush(kvf_ep_h ep, kvf_batch_t *batch)
 {
     ucp_request_param_t param;
     kvf_param_init(&param, batch);
     param.op_attr_mask &= ~(uint32_t)UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-    return kvf_track(ucp_ep_flush_nbx((ucp_ep_h)ep, &param), batch);
+    return kvf_track(ucp_ep_flush_nbx(kvf_ucp_ep(ep), &param), batch);
 }
 
 /* Copy into another process's mapping with streaming (non-temporal) stores: the lines
@@ -755,10 +783,12 @@ static int kvf_streams(int64_t streaming_min_bytes, int64_t total)
     return streaming_min_bytes >= 0 && total >= streaming_min_bytes;
 }
 
-static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *local_base,
-                                   void *rkey, uint64_t remote_base, char *direct_base,
-                                   const int64_t *triples, int64_t n, int64_t skip,
-                                   kvf_batch *batch)
+/* Posts the n pages of a checked batch: direct copies when direct_base is set, else one
+ * ucp_put_nbx/ucp_get_nbx each; stops at the first posting error (in the batch too). */
+static ucs_status_t kvf_post_pages(ucp_ep_h ep, int write, int streaming, char *local_base,
+                                   ucp_rkey_h rkey, uint64_t remote_base, char *direct_base,
+                                   const int64_t *pages, int64_t n, int64_t skip,
+                                   kvf_batch_t *batch)
 {
     ucp_request_param_t param;
     ucs_status_t st;
@@ -766,7 +796,7 @@ static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *loc
     kvf_param_init(&param, batch);
     if (!write && direct_base != NULL) __atomic_thread_fence(__ATOMIC_ACQUIRE);
     for (i = 0; i < n; ++i) {
-        const int64_t *t = triples + 3 * i;
+        const int64_t *t = pages + 3 * i;
         char *local = local_base + t[0];
         if (i == skip) continue; /* injected fault: this page is never transferred */
         if (direct_base != NULL) {
@@ -775,10 +805,10 @@ static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *loc
             batch->direct++;
         } else {
             ucs_status_ptr_t p = write
-                ? ucp_put_nbx((ucp_ep_h)ep, local, (size_t)t[2], remote_base + (uint64_t)t[1],
-                              (ucp_rkey_h)rkey, &param)
-                : ucp_get_nbx((ucp_ep_h)ep, local, (size_t)t[2], remote_base + (uint64_t)t[1],
-                              (ucp_rkey_h)rkey, &param);
+                ? ucp_put_nbx(ep, local, (size_t)t[2], remote_base + (uint64_t)t[1], rkey,
+                              &param)
+                : ucp_get_nbx(ep, local, (size_t)t[2], remote_base + (uint64_t)t[1], rkey,
+                              &param);
             st = kvf_track(p, batch);
             if (st != UCS_OK) return st;
         }
@@ -793,41 +823,51 @@ static ucs_status_t kvf_post_pages(void *ep, int write, int streaming, char *loc
     return UCS_OK;
 }
 
-/* Bounds-check every page against both segments, then post them all (*st: the posting's
- * status). Returns -1, or the index of the first page out of bounds (nothing posted). */
-static int64_t kvf_check_and_post(void *ep, int write, int64_t streaming_min_bytes,
-                                  uintptr_t local_base, int64_t local_len, void *rkey,
-                                  uint64_t remote_base, int64_t remote_len,
-                                  uintptr_t direct_base, const void *triples, int64_t n,
-                                  int64_t skip, kvf_batch *batch, ucs_status_t *st)
+/* Checks every page of param against both segments, then posts them all (*posted: the
+ * posting's status). UCS_ERR_OUT_OF_RANGE when a page is out of bounds (nothing posted,
+ * batch untouched). */
+static ucs_status_t kvf_check_and_post(ucp_ep_h ep, int write, const kvf_rma_param_t *p,
+                                       kvf_batch_t *batch, ucs_status_t *posted)
 {
+    uint64_t mask = p->field_mask;
     int64_t total = 0;
-    int64_t bad = kvf_check_pages((const int64_t *)triples, n, local_len, remote_len, &total);
-    if (bad >= 0) return bad;
+    int64_t streaming_min = (mask & KVF_RMA_PARAM_FIELD_STREAMING_MIN_BYTES)
+                            ? p->streaming_min_bytes : -1;
+    int64_t skip = (mask & KVF_RMA_PARAM_FIELD_SKIP_PAGE) ? p->skip_page : -1;
+    char *direct = (mask & KVF_RMA_PARAM_FIELD_DIRECT_BASE) ? (char *)p->direct_base : NULL;
+    if (kvf_check_pages(p->pages, p->npages, p->local_length, p->remote_length, &total) >= 0) {
+        return UCS_ERR_OUT_OF_RANGE;
+    }
     batch->bytes = total;
-    *st = kvf_post_pages(ep, write, kvf_streams(streaming_min_bytes, total),
-                         (char *)local_base, rkey, remote_base, (char *)direct_base,
-                         (const int64_t *)triples, n, skip, batch);
-    return -1;
+    *posted = kvf_post_pages(ep, write, kvf_streams(streaming_min, total),
+                             (char *)p->local_base, kvf_ucp_rkey(p->rkey), p->remote_base,
+                             direct, p->pages, p->npages, skip, batch);
+    return UCS_OK;
 }
 
-/* One call per batch: bounds-check every page against both segments, then post them all.
- * A write completes only once visible at the target: pages put through UCX are followed by
- * an endpoint flush; direct pages are visible once the copy's fences have run.
- * Returns -1 when posted (errors land in batch->status), or the index of the first page
- * out of bounds, in which case nothing was posted. batch->bytes gets the byte count. */
-int64_t kvf_rma_pages(void *ep, int write, int64_t streaming_min_bytes,
-                      uintptr_t local_base, int64_t local_len, void *rkey,
-                      uint64_t remote_base, int64_t remote_len, uintptr_t direct_base,
-                      const void *triples, int64_t n, int64_t skip, kvf_batch *batch)
+ucs_status_t kvf_put_pages(kvf_ep_h ep, const kvf_rma_param_t *param, kvf_batch_t *batch)
 {
-    ucs_status_t st = UCS_OK;
-    int64_t bad = kvf_check_and_post(ep, write, streaming_min_bytes, local_base, local_len,
-                                     rkey, remote_base, remote_len, direct_base, triples, n,
-                                     skip, batch, &st);
-    if (bad >= 0) return bad;
-    if (st == UCS_OK && write && batch->posted != batch->direct) kvf_flush(ep, batch);
-    return -1;
+    ucs_status_t posted = UCS_OK;
+    ucs_status_t st = kvf_check_and_post(kvf_ucp_ep(ep), 1, param, batch, &posted);
+    if (st != UCS_OK) return st;
+    if (posted != UCS_OK) return UCS_OK;   /* the error is the batch's */
+    if (param->field_mask & KVF_RMA_PARAM_FIELD_NOTICE) {
+        /* the notice's flush, when it needs one, also flushes the pages put through UCX */
+        kvf_msg_param_t notice = *param->notice;
+        notice.flags |= KVF_MSG_FLAG_NOTICE;
+        if (batch->posted != batch->direct) notice.flags |= KVF_MSG_FLAG_FLUSH;
+        kvf_msg_send(ep, &notice, batch);
+    } else if (batch->posted != batch->direct) {
+        kvf_flush(ep, batch);
+    }
+    return UCS_OK;
+}
+
+ucs_status_t kvf_get_pages(kvf_ep_h ep, const kvf_rma_param_t *param, kvf_batch_t *batch)
+{
+    ucs_status_t posted = UCS_OK;
+    if (param->field_mask & KVF_RMA_PARAM_FIELD_NOTICE) return UCS_ERR_INVALID_PARAM;
+    return kvf_check_and_post(kvf_ucp_ep(ep), 0, param, batch, &posted);
 }
 
 static void kvf_send_done(void *request, ucs_status_t status, void *user_data)
@@ -850,7 +890,7 @@ static ucs_status_t kvf_post_send(kvf_send_ctx *ctx)
     param.cb.send = kvf_send_done;
     param.user_data = ctx;
     ctx->batch->outstanding++;
-    p = ucp_am_send_nbx(ctx->ep, ctx->am_id, NULL, 0, ctx->payload, ctx->length, &param);
+    p = ucp_am_send_nbx(ctx->ep, KVF_AM_ID, NULL, 0, ctx->payload, ctx->length, &param);
     if (p == NULL) {
         kvf_send_done(NULL, UCS_OK, ctx);
         return UCS_OK;
@@ -863,32 +903,11 @@ static ucs_status_t kvf_post_send(kvf_send_ctx *ctx)
     return UCS_OK;
 }
 
-static kvf_send_ctx *kvf_send_ctx_new(void *ep, uint16_t am_id, const void *payload,
-                                      size_t length, kvf_batch *batch)
-{
-    kvf_send_ctx *ctx = (kvf_send_ctx *)malloc(sizeof(kvf_send_ctx) + length);
-    if (ctx == NULL) return NULL;
-    ctx->batch = batch;
-    ctx->ep = (ucp_ep_h)ep;
-    ctx->am_id = am_id ? am_id : KVF_AM_ID;
-    ctx->length = length;
-    memcpy(ctx->payload, payload, length);
-    return ctx;
-}
-
-int kvf_am_send(void *ep, uint16_t am_id, const void *payload, size_t length,
-                kvf_batch *batch)
-{
-    kvf_send_ctx *ctx = kvf_send_ctx_new(ep, am_id, payload, length, batch);
-    if (ctx == NULL) { kvf_batch_fail(batch, UCS_ERR_NO_MEMORY); return UCS_ERR_NO_MEMORY; }
-    return kvf_post_send(ctx);
-}
-
 /* The notice is posted from the flush's completion: it cannot overtake any earlier put. */
 static void kvf_flush_done_send(void *request, ucs_status_t status, void *user_data)
 {
     kvf_send_ctx *ctx = (kvf_send_ctx *)user_data;
-    kvf_batch *b = ctx->batch;
+    kvf_batch_t *b = ctx->batch;
     if (status == UCS_OK) {
         kvf_post_send(ctx);
     } else {
@@ -899,20 +918,20 @@ static void kvf_flush_done_send(void *request, ucs_status_t status, void *user_d
     if (request != NULL) ucp_request_free(request);
 }
 
-static int kvf_flush_then_post(void *ep, kvf_send_ctx *ctx)
+static ucs_status_t kvf_flush_then_post(kvf_send_ctx *ctx)
 {
     ucp_request_param_t param;
     ucs_status_ptr_t p;
-    kvf_batch *batch = ctx->batch;
+    kvf_batch_t *batch = ctx->batch;
     memset(&param, 0, sizeof(param));
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.send = kvf_flush_done_send;
     param.user_data = ctx;
     batch->outstanding++;
-    p = ucp_ep_flush_nbx((ucp_ep_h)ep, &param);
+    p = ucp_ep_flush_nbx(ctx->ep, &param);
     if (p == NULL) {
         kvf_flush_done_send(NULL, UCS_OK, ctx);
-        return batch->status;
+        return (ucs_status_t)batch->status;
     }
     if (UCS_PTR_IS_ERR(p)) {
         ucs_status_t st = UCS_PTR_STATUS(p);
@@ -922,66 +941,52 @@ static int kvf_flush_then_post(void *ep, kvf_send_ctx *ctx)
     return UCS_OK;
 }
 
-int kvf_flush_then_send(void *ep, uint16_t am_id, const void *payload, size_t length,
-                        kvf_batch *batch)
+/* A send context for `length` bytes on ep, not yet filled (the batch's NO_MEMORY). */
+static kvf_send_ctx *kvf_send_ctx_new(kvf_ep_h ep, size_t length, kvf_batch_t *batch)
 {
-    kvf_send_ctx *ctx = kvf_send_ctx_new(ep, am_id, payload, length, batch);
-    if (ctx == NULL) { kvf_batch_fail(batch, UCS_ERR_NO_MEMORY); return UCS_ERR_NO_MEMORY; }
-    return kvf_flush_then_post(ep, ctx);
+    kvf_send_ctx *ctx = (kvf_send_ctx *)malloc(sizeof(kvf_send_ctx) + length);
+    if (ctx == NULL) {
+        kvf_batch_fail(batch, UCS_ERR_NO_MEMORY);
+        return NULL;
+    }
+    ctx->batch = batch;
+    ctx->ep = kvf_ucp_ep(ep);
+    ctx->length = length;
+    return ctx;
 }
 
-/* Builds the envelope straight into the send buffer (one allocation, no Python codec)
- * and posts it. flags bit 0: the envelope is a notice (marked flushed); bit 1: post it
- * only after an endpoint flush, i.e. after every earlier put on ep is visible. The caller
- * clears bit 1 only when no put through UCX can still be outstanding on ep. */
-int kvf_send_envelope(void *ep, int flags, const char *sender, size_t sender_length,
-                      uint64_t incarnation, uint64_t seq, const char *payload,
-                      size_t payload_length, kvf_batch *batch)
+static ucs_status_t kvf_send_ctx_post(kvf_send_ctx *ctx, unsigned flags)
 {
-    size_t total = KVF_ENV_HEADER + sender_length + payload_length;
-    kvf_send_ctx *ctx = (kvf_send_ctx *)malloc(sizeof(kvf_send_ctx) + total);
-    if (ctx == NULL) { kvf_batch_fail(batch, UCS_ERR_NO_MEMORY); return UCS_ERR_NO_MEMORY; }
-    ctx->batch = batch;
-    ctx->ep = (ucp_ep_h)ep;
-    ctx->am_id = KVF_AM_ID;
-    ctx->length = kvf_envelope_encode(ctx->payload, total,
-                                      (flags & 1) ? KVF_ENV_FLAG_FLUSHED : 0, sender,
-                                      sender_length, incarnation, seq, payload,
-                                      payload_length);
+    return (flags & KVF_MSG_FLAG_FLUSH) ? kvf_flush_then_post(ctx) : kvf_post_send(ctx);
+}
+
+ucs_status_t kvf_raw_send(kvf_ep_h ep, const void *data, size_t length, unsigned flags,
+                          kvf_batch_t *batch)
+{
+    kvf_send_ctx *ctx = kvf_send_ctx_new(ep, length, batch);
+    if (ctx == NULL) return UCS_ERR_NO_MEMORY;
+    memcpy(ctx->payload, data, length);
+    return kvf_send_ctx_post(ctx, flags);
+}
+
+/* One allocation: the envelope is built straight into the send buffer. */
+ucs_status_t kvf_msg_send(kvf_ep_h ep, const kvf_msg_param_t *msg, kvf_batch_t *batch)
+{
+    size_t total = KVF_ENV_HEADER + msg->sender_length + msg->payload_length;
+    kvf_send_ctx *ctx = kvf_send_ctx_new(ep, total, batch);
+    if (ctx == NULL) return UCS_ERR_NO_MEMORY;
+    ctx->length = kvf_envelope_encode(msg, ctx->payload, total);
     if (ctx->length == 0) {
         free(ctx);
         kvf_batch_fail(batch, UCS_ERR_MESSAGE_TRUNCATED);
         return UCS_ERR_MESSAGE_TRUNCATED;
     }
-    return (flags & 2) ? kvf_flush_then_post(ep, ctx) : kvf_post_send(ctx);
+    return kvf_send_ctx_post(ctx, msg->flags);
 }
 
-/* A write and its notice in one call: bounds-check, post the pages, then post the notice
- * envelope on the same endpoint, behind an endpoint flush when a put went through UCX
- * (or `flush` asks for one: an earlier put may still be outstanding). One batch tracks
- * both; the notice is not sent if posting the pages failed. Returns as kvf_rma_pages. */
-int64_t kvf_write_notice(void *ep, int64_t streaming_min_bytes, uintptr_t local_base,
-                         int64_t local_len, void *rkey, uint64_t remote_base,
-                         int64_t remote_len, uintptr_t direct_base, const void *triples,
-                         int64_t n, int64_t skip, int flush, const char *sender,
-                         size_t sender_length, uint64_t incarnation, uint64_t seq,
-                         const char *payload, size_t payload_length, kvf_batch *batch)
+kvf_msg_t *kvf_am_pop(kvf_worker_h w)
 {
-    ucs_status_t st = UCS_OK;
-    int64_t bad = kvf_check_and_post(ep, 1, streaming_min_bytes, local_base, local_len,
-                                     rkey, remote_base, remote_len, direct_base, triples, n,
-                                     skip, batch, &st);
-    if (bad >= 0) return bad;
-    if (st != UCS_OK) return -1;
-    if (batch->posted != batch->direct) flush = 1;
-    kvf_send_envelope(ep, 1 | (flush ? 2 : 0), sender, sender_length, incarnation, seq,
-                      payload, payload_length, batch);
-    return -1;
-}
-
-kvf_msg *kvf_am_pop(kvf_worker *w)
-{
-    kvf_msg *m = w->head;
+    kvf_msg_t *m = w->head;
     if (m != NULL) {
         w->head = m->next;
         if (w->head == NULL) w->tail = NULL;
@@ -990,32 +995,30 @@ kvf_msg *kvf_am_pop(kvf_worker *w)
     return m;
 }
 
-void kvf_msg_free(kvf_msg *m) { free(m); }
+void kvf_msg_free(kvf_msg_t *m) { free(m); }
 
-int64_t kvf_am_dropped(kvf_worker *w) { return w->dropped; }
+int64_t kvf_am_dropped(kvf_worker_h w) { return w->dropped; }
 
-int kvf_memcpy_pages(char *dst, const char *src, const int64_t *triples, int64_t n,
-                     int streaming)
+void kvf_memcpy_pages(char *dst, const char *src, const int64_t *pages, int64_t n,
+                      unsigned flags)
 {
+    int streaming = (flags & KVF_COPY_FLAG_STREAMING) != 0;
     int64_t i;
     for (i = 0; i < n; ++i) {
-        const int64_t *t = triples + 3 * i;
+        const int64_t *t = pages + 3 * i;
         kvf_copy_out(dst + t[1], src + t[0], (size_t)t[2], streaming);
     }
 #if defined(__x86_64__)
     if (streaming) _mm_sfence();
 #endif
-    return 0;
 }
 
-/* Index of the first page outside [0, local_len) / [0, remote_len) or with a non-positive
- * length, or -1 when all are in bounds; *total gets the byte count. Overflow-safe. */
-int64_t kvf_check_pages(const int64_t *triples, int64_t n, int64_t local_len,
+int64_t kvf_check_pages(const int64_t *pages, int64_t n, int64_t local_len,
                         int64_t remote_len, int64_t *total)
 {
     int64_t i, sum = 0;
     for (i = 0; i < n; ++i) {
-        const int64_t lo = triples[3 * i], ro = triples[3 * i + 1], ln = triples[3 * i + 2];
+        const int64_t lo = pages[3 * i], ro = pages[3 * i + 1], ln = pages[3 * i + 2];
         if (ln <= 0 || lo < 0 || ro < 0 || ln > local_len || ln > remote_len ||
             lo > local_len - ln || ro > remote_len - ln) {
             return i;

@@ -12,8 +12,8 @@ admitted request waits in its queue until the allocator can grant all its pages 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .allocator import PageAllocator
 
@@ -48,9 +48,9 @@ class AdmissionRejected(Exception):
         reason: str,
     ) -> None:
         super().__init__(
-            f"request {request_id!r} rejected: {reason} (prompt {prompt_tokens} tokens + max_tokens "
-            f"{max_tokens} = {prompt_tokens + max_tokens}; context length {context_length}; "
-            f"pool capacity {capacity_tokens} tokens)"
+            f"request {request_id!r} rejected: {reason} (prompt {prompt_tokens} tokens + "
+            f"max_tokens {max_tokens} = {prompt_tokens + max_tokens}; "
+            f"context length {context_length}; pool capacity {capacity_tokens} tokens)"
         )
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens

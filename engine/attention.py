@@ -16,6 +16,7 @@ gathered KV its error is a few fp32 ulps of the output magnitude (tests use
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -31,7 +32,8 @@ def _check_shapes(q: torch.Tensor, kv: torch.Tensor, layer: int, page_table: tor
         raise ValueError(f"layer {layer} outside [0, {kv.shape[1]})")
     if page_table.dim() != 2 or page_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
         raise ValueError(
-            f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} do not match batch {q.shape[0]}"
+            f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
+            f"do not match batch {q.shape[0]}"
         )
 
 
@@ -86,7 +88,7 @@ def write_kv_pages(
     layer: int,
     k: torch.Tensor,
     v: torch.Tensor,
-    page_table_row: torch.Tensor | list[int],
+    page_table_row: torch.Tensor | Sequence[int],
     start_pos: int,
     head_lo: int = 0,
 ) -> None:
@@ -100,13 +102,19 @@ def write_kv_pages(
     if tokens == 0:
         return
     if head_dim != kv.shape[5] or not 0 <= head_lo < head_lo + heads <= kv.shape[3]:
-        raise ValueError(f"heads [{head_lo}, {head_lo + heads}) x dim {head_dim} do not fit pool {tuple(kv.shape)}")
+        raise ValueError(
+            f"heads [{head_lo}, {head_lo + heads}) x dim {head_dim} "
+            f"do not fit pool {tuple(kv.shape)}"
+        )
     page_size = kv.shape[4]
     row = torch.as_tensor(page_table_row, dtype=torch.int64, device=kv.device)
     positions = torch.arange(start_pos, start_pos + tokens, device=kv.device)
     last_page = (start_pos + tokens - 1) // page_size
     if start_pos < 0 or last_page >= row.numel():
-        raise ValueError(f"positions [{start_pos}, {start_pos + tokens}) need {last_page + 1} pages, row has {row.numel()}")
+        raise ValueError(
+            f"positions [{start_pos}, {start_pos + tokens}) need {last_page + 1} pages, "
+            f"row has {row.numel()}"
+        )
     pages = row[positions // page_size]
     slots = positions % page_size
     kv[pages, layer, 0, head_lo : head_lo + heads, slots] = k.to(kv.dtype)
@@ -135,7 +143,8 @@ def gather_kv(kv: torch.Tensor, layer: int, page_table_row: torch.Tensor | list[
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """fp32 reference for one query against dense K/V: q ``[q_heads, d]``, k/v ``[T, kv_heads, d]``."""
+    """fp32 reference for one query against dense K/V: q ``[q_heads, d]``,
+    k/v ``[T, kv_heads, d]``."""
     q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if scale is None:

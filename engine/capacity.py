@@ -49,7 +49,8 @@ class CapacityReport:
         verdict = "fits" if self.ok else "DOES NOT FIT"
         return (
             f"{verdict}: pool capacity {self.measured_tokens} tokens {relation} context length "
-            f"{self.context_length} tokens ({self.num_pages} pages of {self.page_size}, {self.pool_bytes} bytes)"
+            f"{self.context_length} tokens ({self.num_pages} pages of {self.page_size}, "
+            f"{self.pool_bytes} bytes)"
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -95,7 +96,8 @@ def enforce_startup_capacity(
             raise CapacityError(measured, lowered_context_length, "even the lowered context length does not fit")
         if lowered_context_length < declared_context_length:
             log.warning(
-                "context length lowered by the operator from %d to %d tokens to fit a pool of %d tokens",
+                "context length lowered by the operator from %d to %d tokens "
+                "to fit a pool of %d tokens",
                 declared_context_length, lowered_context_length, measured,
             )
         return lowered_context_length

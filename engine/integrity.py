@@ -22,8 +22,8 @@ the number it will attend over; any difference fails the request.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -142,7 +142,7 @@ class CanaryTable:
             return []
         want = torch.tensor([[c.request_id_hash, c.generation, c.page_index] for c in expected], dtype=torch.int64)
         bad = (self.rows(pages) != want).any(dim=1)
-        return [page for page, is_bad in zip(pages, bad.tolist()) if is_bad]
+        return [page for page, is_bad in zip(pages, bad.tolist(), strict=True) if is_bad]
 
 
 def verify_pages(
@@ -165,5 +165,5 @@ def verify_pages(
         if want.numel() != len(pages):
             raise ValueError(f"{len(pages)} pages but {want.numel()} expected checksums")
         got = page_checksums(kv, list(pages)).cpu()
-        bad.update(page for page, ok in zip(pages, (got == want).tolist()) if not ok)
+        bad.update(page for page, ok in zip(pages, (got == want).tolist(), strict=True) if not ok)
     return sorted(bad)

@@ -16,9 +16,9 @@ QUEUED: admission happens before any page is allocated (I1).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterable, Mapping
 
 
 class RequestState(Enum):

@@ -18,8 +18,8 @@ runs over bit-identical pages with the same batch give bit-identical logits on o
 from __future__ import annotations
 
 import math
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Generator, Sequence
 
 import torch
 

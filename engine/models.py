@@ -12,7 +12,8 @@ first step rewrites it with the same values).
 
 from __future__ import annotations
 
-from typing import Generator, Protocol, Sequence, runtime_checkable
+from collections.abc import Generator, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -54,4 +55,4 @@ class PagedModel(Protocol):
     ) -> torch.Tensor: ...
 
 
-__all__ = ["PagedModel", "ReplayConfig", "ReplayModel", "LlamaConfig", "LlamaModel"]
+__all__ = ["LlamaConfig", "LlamaModel", "PagedModel", "ReplayConfig", "ReplayModel"]

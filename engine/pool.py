@@ -69,7 +69,7 @@ class PoolConfig:
         page_size: int = 16,
         dtype: torch.dtype | str = torch.float32,
         device: str = "cpu",
-    ) -> "PoolConfig":
+    ) -> PoolConfig:
         """A config with ``pool_tokens // page_size`` pages (whole pages only)."""
         if pool_tokens < page_size:
             raise ValueError(f"pool of {pool_tokens} tokens is smaller than one page of {page_size}")
@@ -148,7 +148,7 @@ class KVPool:
             raise PoolShapeError("KV pool tensor must be contiguous")
 
     @classmethod
-    def from_buffer(cls, config: PoolConfig, buffer: torch.Tensor) -> "KVPool":
+    def from_buffer(cls, config: PoolConfig, buffer: torch.Tensor) -> KVPool:
         """View a flat buffer (any dtype, typically uint8) as the pool tensor, without copying."""
         return cls(config, storage=buffer)
 
@@ -221,7 +221,7 @@ class KVPool:
     def page_byte_range(self, page: int) -> tuple[int, int]:
         """``(byte_offset, nbytes)`` of a whole page inside kv's storage."""
         self._check_page(page)
-        base = self.kv.storage_offset() * self.kv.element_size()
+        base = int(self.kv.storage_offset()) * self.kv.element_size()
         return base + page * self.page_bytes, self.page_bytes
 
     def head_slice_runs(self, page: int, head_lo: int, head_hi: int) -> list[tuple[int, int]]:
@@ -232,7 +232,7 @@ class KVPool:
             raise ValueError(f"head range [{head_lo}, {head_hi}) outside [0, {self.kv_heads})")
         esize = self.kv.element_size()
         s0, s1, s2, s3 = (self.kv.stride(i) * esize for i in range(4))
-        base = self.kv.storage_offset() * esize + page * s0 + head_lo * s3
+        base = int(self.kv.storage_offset()) * esize + page * s0 + head_lo * s3
         nbytes = (head_hi - head_lo) * s3
         return [(base + layer * s1 + kv_index * s2, nbytes) for layer in range(self.layers) for kv_index in range(2)]
 

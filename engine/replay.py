@@ -30,8 +30,8 @@ Decode needs only the pages, the prompt length, and the input token at its posit
 from __future__ import annotations
 
 import math
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Generator, Sequence
 
 import torch
 

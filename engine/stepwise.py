@@ -6,14 +6,21 @@ yield None between pieces of one layer (chunks of a long prompt's tokens)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Generator
+from typing import Any, Protocol
+
+
+class _HasPrefillLayers(Protocol):
+    def prefill_layers(self, *args: Any, **kwargs: Any) -> Generator[int | None, None, Any]: ...
 
 
 class PrefillByLayers:
     """For a model with ``prefill_layers``: ``prefill`` with the same arguments runs every
     layer and returns what ``prefill_layers`` returns."""
 
-    def prefill(self, kv: Any, tokens: Any, page_row: Any, **options: Any) -> Any:
+    def prefill(
+        self: _HasPrefillLayers, kv: Any, tokens: Any, page_row: Any, **options: Any
+    ) -> Any:
         layers = self.prefill_layers(kv, tokens, page_row, **options)
         while True:
             try:

@@ -6,7 +6,7 @@ Prompts and answers stay readable, so a leaked page shows up as another request'
 from __future__ import annotations
 
 import codecs
-from typing import Iterable
+from collections.abc import Iterable
 
 BYTE_TOKENS = 256
 BOS = 256

@@ -29,6 +29,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 # Registers per thread: 4 warps at <= 128 keep 4 programs (16 warps) resident per SM.
 REGISTER_BUDGET = {"decode": 128, "combine": 96, "checksum": 64}
@@ -49,9 +50,8 @@ class Variant:
     @property
     def name(self) -> str:
         if self.kernel == "decode":
-            return (
-                f"decode-{self.dtype}-d{self.head_dim}-g{self.group}-{'check' if self.check else 'nocheck'}"
-            )
+            check = "check" if self.check else "nocheck"
+            return f"decode-{self.dtype}-d{self.head_dim}-g{self.group}-{check}"
         if self.kernel == "combine":
             return f"combine-{self.dtype}-d{self.head_dim}"
         return f"checksum-{self.dtype}"
@@ -86,11 +86,12 @@ class Report:
     mma: int = 0
     spill_ops: int = 0
     seconds: float = 0.0
-    sass_from: str = "cuobjdump"  # "ptx" where no cuobjdump is found: loads and MMA from PTX, registers unknown (-1)
+    # "ptx" where no cuobjdump is found: loads and MMA from PTX, registers unknown (-1)
+    sass_from: str = "cuobjdump"
     violations: list[str] = field(default_factory=list)
 
 
-def _source(v: Variant, divisibility: bool = True):
+def _source(v: Variant, divisibility: bool = True) -> Any:
     """The ASTSource of a variant: kernel, signature with divisibility (unless told not
     to: the check that 16-byte loads are found then fails), constexprs."""
     from triton.compiler import ASTSource
@@ -231,11 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     for r in reports:
         print(json.dumps(asdict(r)), flush=True)
     if not args.json:
-        print(f"\n{'variant':44} {'regs':>4} {'spill':>5} {'ld128':>5} {'mma':>4} {'smem':>6}  verdict")
+        print(
+            f"\n{'variant':44} {'regs':>4} {'spill':>5} {'ld128':>5} {'mma':>4} {'smem':>6}"
+            "  verdict"
+        )
         for r in reports:
             verdict = "ok" if not r.violations else "; ".join(r.violations)
-            print(f"{r.variant:44} {r.registers:>4} {r.stack + r.local:>5} {r.loads_128:>5} {r.mma:>4} {r.shared:>6}  {verdict}")
-        print(f"{len(reports)} variants, {sum(bool(r.violations) for r in reports)} failing, {time.perf_counter() - t0:.1f} s")
+            print(
+                f"{r.variant:44} {r.registers:>4} {r.stack + r.local:>5} {r.loads_128:>5} "
+                f"{r.mma:>4} {r.shared:>6}  {verdict}"
+            )
+        failing = sum(bool(r.violations) for r in reports)
+        print(f"{len(reports)} variants, {failing} failing, {time.perf_counter() - t0:.1f} s")
     return 1 if any(r.violations for r in reports) else 0
 
 

@@ -13,7 +13,7 @@ of raising, as the kernel does.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -29,8 +29,8 @@ with :class:`~kvferry.engine.integrity.IntegrityError` and produce no token
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -79,12 +79,15 @@ class PageOwnership:
     @classmethod
     def create(
         cls, canaries: torch.Tensor, request_ids: torch.Tensor, generations: torch.Tensor
-    ) -> "PageOwnership":
+    ) -> PageOwnership:
         """Fresh outputs (no errors) for the given expectations, on the canaries' device."""
         device = canaries.device
         batch = request_ids.shape[0]
         if canaries.dim() != 2 or canaries.shape[1] != 3 or canaries.dtype != torch.int64:
-            raise ValueError(f"canaries must be [num_pages, 3] int64, got {tuple(canaries.shape)} {canaries.dtype}")
+            raise ValueError(
+                f"canaries must be [num_pages, 3] int64, got {tuple(canaries.shape)} "
+                f"{canaries.dtype}"
+            )
         if generations.dim() != 2 or generations.shape[0] != batch:
             raise ValueError(f"generations {tuple(generations.shape)} do not match batch {batch}")
         return cls(
@@ -98,7 +101,7 @@ class PageOwnership:
     @classmethod
     def for_requests(
         cls, table: CanaryTable | torch.Tensor, request_ids: Sequence[str], grants: Sequence[Sequence[PageGrant]], width: int | None = None, device: torch.device | str | None = None
-    ) -> "PageOwnership":
+    ) -> PageOwnership:
         """Expectations from each request's own allocation (its grants, in page-list order),
         as :func:`~kvferry.engine.integrity.expected_canaries` has them."""
         canaries = table.table if isinstance(table, CanaryTable) else table
@@ -116,7 +119,10 @@ class PageOwnership:
         if self.request_ids.shape != (batch,) or self.errors.shape != (batch,) or self.first_bad.shape != (batch,):
             raise ValueError(f"ownership tensors do not match batch {batch}")
         if self.generations.shape[0] != batch or self.generations.shape[1] < width:
-            raise ValueError(f"generations {tuple(self.generations.shape)} narrower than page table width {width}")
+            raise ValueError(
+                f"generations {tuple(self.generations.shape)} "
+                f"narrower than page table width {width}"
+            )
         if self.errors.dtype != torch.int32 or self.first_bad.dtype != torch.int32:
             raise ValueError("errors and first_bad must be int32")
 
@@ -128,7 +134,7 @@ class PageOwnership:
         """``(sequence, kinds, first bad logical page)`` of each flagged sequence (syncs)."""
         errors = self.errors.tolist()
         first = self.first_bad.tolist()
-        return [(b, e, f) for b, (e, f) in enumerate(zip(errors, first)) if e]
+        return [(b, e, f) for b, (e, f) in enumerate(zip(errors, first, strict=True)) if e]
 
     def raise_if_bad(self, request_ids: Sequence[str], page_table: torch.Tensor | None = None) -> None:
         """Raise :class:`IntegrityError` for the first flagged sequence, naming the kinds

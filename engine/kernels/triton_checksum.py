@@ -14,7 +14,8 @@ are added (and folded) on the host side with torch. Each page must be contiguous
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -23,7 +24,7 @@ import triton.language as tl
 MODULUS = (1 << 31) - 1
 BLOCK = 1024  # words per step
 CHUNK_STEPS = 16  # steps per program
-LAUNCHED: dict = {}  # the compiled kernel of the latest launch (registers, spills)
+LAUNCHED: dict[str, Any] = {}  # the compiled kernel of the latest launch (registers, spills)
 
 
 @triton.jit

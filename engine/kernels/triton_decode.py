@@ -15,9 +15,10 @@ split the program writes the output; with several it writes an unnormalised part
 (acc, running max, running sum) and :func:`_combine_kernel` merges the splits that hold
 positions. Page size (a power of two: shift and mask) and split count are runtime
 arguments, so one compiled variant per dtype, head dim and check serves every page size,
-split or not (``num_splits`` is kept out of the JIT's equal-to-1 specialisation). Scores, softmax and the weighted sum are fp32; on the GPU the two dots take
-16-bit operands (tensor cores, fp32 accumulation; the probabilities are rounded to the pool
-dtype for the second dot, as flash attention does). Under Triton's interpreter, whose
+split or not (``num_splits`` is kept out of the JIT's equal-to-1 specialisation). Scores,
+softmax and the weighted sum are fp32; on the GPU the two dots take 16-bit operands
+(tensor cores, fp32 accumulation; the probabilities are rounded to the pool dtype for
+the second dot, as flash attention does). Under Triton's interpreter, whose
 bf16 arithmetic is wrong, and for fp32 pools, every operand is fp32 (``UPCAST``).
 
 Page offsets are int64 (``page * page_stride`` passes 2^31 elements in large pools), page
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 import triton
@@ -63,7 +65,8 @@ _INDEX = tl.constexpr(WRONG_INDEX)
 _OOP = tl.constexpr(OUT_OF_POOL)
 _BEYOND = tl.constexpr(BEYOND_TABLE)
 _NONE = tl.constexpr(2147483647)
-LAUNCHED: dict = {}  # the compiled kernel of each kind's latest launch (registers, spills)
+# The compiled kernel of each kind's latest launch (registers, spills).
+LAUNCHED: dict[str, Any] = {}
 _TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -206,10 +209,10 @@ def _combine_kernel(
     for s0 in range(0, used, SPLITS):
         ok = (s0 + s) < used
         m = tl.load(ml_ptr + (base + s0 + s) * 2, mask=ok, other=float("-inf"))
-        l = tl.load(ml_ptr + (base + s0 + s) * 2 + 1, mask=ok, other=0.0)
+        l_part = tl.load(ml_ptr + (base + s0 + s) * 2 + 1, mask=ok, other=0.0)
         w = tl.where(ok, tl.exp2(m - m_max), 0.0)
         part = tl.load(part_ptr + (base + s0 + s)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
-        l_sum += w * l
+        l_sum += w * l_part
         acc += w[:, None] * part
     total = tl.sum(l_sum, axis=0)
     o = tl.sum(acc, axis=0) / tl.where(total > 0, total, 1.0)
@@ -223,12 +226,12 @@ def interpreted() -> bool:
 
 def group_pad(group: int) -> int:
     """Rows of the query tile: the GQA group padded to a power of two, at least 16 (MMA)."""
-    return max(16, triton.next_power_of_2(group))
+    return max(16, int(triton.next_power_of_2(group)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def choose_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
@@ -266,7 +269,10 @@ def _check(q: torch.Tensor, kv: torch.Tensor, layer: int, page_table: torch.Tens
     if not 0 <= layer < kv.shape[1]:
         raise ValueError(f"layer {layer} outside [0, {kv.shape[1]})")
     if page_table.dim() != 2 or page_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
-        raise ValueError(f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} do not match batch {q.shape[0]}")
+        raise ValueError(
+            f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
+            f"do not match batch {q.shape[0]}"
+        )
     if kv.dtype not in _TORCH_TO_TL or q.dtype not in _TORCH_TO_TL:
         raise TypeError(f"unsupported dtypes q {q.dtype}, kv {kv.dtype}")
     if kv.shape[4] not in PAGE_SIZES or kv.shape[5] not in HEAD_DIMS:

@@ -9,10 +9,10 @@ from kvferry.engine import (
     ReplayModel,
     RequestState,
     admit,
+    monolithic,
     pages_needed,
     pool_capacity_tokens,
 )
-from kvferry.engine import monolithic
 
 
 def test_pages_needed_rounds_up():

@@ -30,7 +30,7 @@ def test_generations_increase_at_every_allocation():
     alloc.free("a")
     second = alloc.allocate("b", 2)
     assert [g.page for g in first] == [g.page for g in second]
-    assert all(s.generation > f.generation for f, s in zip(first, second))
+    assert all(s.generation > f.generation for f, s in zip(first, second, strict=True))
     assert alloc.generation(0) == second[0].generation
 
 

@@ -11,7 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.engine import dense_attention, gather_kv, paged_decode_attention, write_kv_pages, write_kv_tokens
+from kvferry.engine import (
+    dense_attention,
+    gather_kv,
+    paged_decode_attention,
+    write_kv_pages,
+    write_kv_tokens,
+)
 
 ATOL = RTOL = 2e-5
 

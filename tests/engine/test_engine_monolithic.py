@@ -10,7 +10,6 @@ mode B fails with an integrity error and produces no tokens.
 import logging
 
 import pytest
-import torch
 
 from kvferry.engine import IntegrityPolicy, KVPool, MonolithicEngine, ReplayModel, RequestState
 

@@ -47,7 +47,8 @@ def test_cpu_goes_to_the_reference_without_importing_triton():
     assert torch.equal(paged_decode_attention(q, kv, 1, table, seq_lens), reference(q, kv, 1, table, seq_lens))
     code = (
         "import sys, torch; from kvferry.engine.kernels import paged_decode_attention as f; "
-        "kv = torch.zeros(2, 1, 2, 1, 16, 64); f(torch.zeros(1, 1, 64), kv, 0, torch.zeros(1, 1, dtype=torch.int32), "
+        "kv = torch.zeros(2, 1, 2, 1, 16, 64); "
+        "f(torch.zeros(1, 1, 64), kv, 0, torch.zeros(1, 1, dtype=torch.int32), "
         "torch.ones(1, dtype=torch.int32)); assert 'triton' not in sys.modules, 'triton imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -70,7 +71,7 @@ def test_reference_path_checks_ownership_and_clamps():
     kv, table, seq_lens, q = small_case()
     canaries = CanaryTable(kv.shape[0])
     grants = [[PageGrant(p, 10 + j) for j, p in enumerate(row)] for row in ([4, 1, 7], [0, 2])]
-    for rid, row in zip(["a", "b"], grants):
+    for rid, row in zip(["a", "b"], grants, strict=True):
         canaries.stamp([g.page for g in row], expected_canaries(rid, row))
     own = PageOwnership.for_requests(canaries, ["a", "b"], grants, width=3)
     clean = paged_decode_attention(q, kv, 0, table, seq_lens, ownership=own)
@@ -81,7 +82,7 @@ def test_reference_path_checks_ownership_and_clamps():
     out = paged_decode_attention(q, kv, 0, bad, seq_lens, ownership=own)
     assert own.failures() == [(0, OUT_OF_POOL, 2), (1, FOREIGN_REQUEST | 6, 0)]
     assert bool(torch.isfinite(out).all())
-    with pytest.raises(IntegrityError, match="'a'.*page id outside the pool") as err:
+    with pytest.raises(IntegrityError, match=r"'a'.*page id outside the pool") as err:
         own.raise_if_bad(["a", "b"], bad)
     assert err.value.bad_pages == [99]
 

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the sm_90 compile needs Triton (the test extra pins it)")
 
-from kvferry.engine.kernels import aot  # noqa: E402
+from kvferry.engine.kernels import aot
 
 
 def run_aot(*args: str, timeout: float = 400) -> tuple[int, list[dict], str]:

@@ -7,8 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvferry.engine.tokenizer import (BOS, CONFLICT, EOS, SPECIAL_NAMES, StreamDecoder, decode,
-                                      encode)
+from kvferry.engine.tokenizer import (
+    BOS,
+    CONFLICT,
+    EOS,
+    SPECIAL_NAMES,
+    StreamDecoder,
+    decode,
+    encode,
+)
 
 tokens_ = st.one_of(
     st.text().map(encode),

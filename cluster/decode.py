@@ -20,16 +20,19 @@ Upholds:
   each page it is about to read still carries the request's canary (id, generation,
   index), so an allocator or page-table bug is caught at the read, not only on arrival.
 - I6: every failure is counted, logged with the request id and reported to the router.
+
+What to do on each input in each state is the owner's table
+(:mod:`kvferry.engine.protocol.owner`); this class turns messages, timers and the results
+of its checks into the table's events and carries out the effects it lists.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -41,6 +44,9 @@ from kvferry.engine.integrity import (CanaryTable, IntegrityError, check_transfe
 from kvferry.engine.kernels.ownership import (PageOwnership, check_ownership_reference,
                                               describe_kinds)
 from kvferry.engine.pool import KVPool
+from kvferry.engine.protocol import owner as core
+from kvferry.engine.protocol.owner import OwnerBook, OwnerDo, OwnerEvent, OwnerState
+from kvferry.engine.protocol.words import AbortSource, Kind, Outcome, Release
 from kvferry.transfer.wire import Message
 
 from . import messages as m
@@ -52,20 +58,9 @@ from .topology import head_range
 
 log = logging.getLogger("kvferry.cluster")
 
-
-class OwnerState(enum.Enum):
-    AWAITING = "awaiting"          # pages allocated, plan sent, waiting for every notice
-    DECODING = "decoding"          # every writer noticed, pages verified
-    QUARANTINED = "quarantined"    # aborted while a writer may still write
-    CLOSED = "closed"              # pages freed or released
-
-
-OWNER_TRANSITIONS: dict[OwnerState, frozenset[OwnerState]] = {
-    OwnerState.AWAITING: frozenset({OwnerState.DECODING, OwnerState.QUARANTINED, OwnerState.CLOSED}),
-    OwnerState.DECODING: frozenset({OwnerState.CLOSED}),
-    OwnerState.QUARANTINED: frozenset({OwnerState.CLOSED}),
-    OwnerState.CLOSED: frozenset(),
-}
+OWNER_RECEIVES = frozenset({Kind.ASSIGN, Kind.NOTICE, Kind.ABORT, Kind.ABORT_ACK})
+_ABORTS = frozenset({OwnerEvent.ABORT, OwnerEvent.ABORT_TOLD, OwnerEvent.ABORT_FLUSHED,
+                     OwnerEvent.FAIL, OwnerEvent.FAIL_FLUSHED})
 
 
 @dataclass(frozen=True)
@@ -82,32 +77,35 @@ class Notice:
 
 @dataclass
 class OwnedRequest:
+    """One request at its owner: its protocol book and what the data path needs."""
+
     rid: str
     prompt_len: int
     max_tokens: int
     writers: list[int]
     last_token: int
-    grants: list[PageGrant]
-    state: OwnerState = OwnerState.AWAITING
-    noticed: set[int] = field(default_factory=set)      # sent a notice chunk: its writes landed
+    grants: list[PageGrant] = field(default_factory=list)
+    book: OwnerBook = field(init=False)
     notice_parts: dict[int, Reassembly] = field(default_factory=dict)
     notices: dict[int, Notice] = field(default_factory=dict)   # whole notices
-    acked: set[int] = field(default_factory=set)
     generated: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)
     planned_at: float = field(default_factory=time.monotonic)
-    timer: object | None = None
+    timer: Any = None
     abort_started: float = 0.0
+    abort_source: AbortSource = AbortSource.INTERNAL   # ASK_ACKS's words
+    abort_reason: str = ""
+    error: str = ""                         # REPORT_FAILED's words
     transfer_ms: float | None = None
     prefill_ms: float | None = None       # the slowest writer's prefill compute
     warned: bool = False
-    abort_reason: str = ""
 
-    def move(self, new: OwnerState) -> None:
-        if new not in OWNER_TRANSITIONS[self.state]:
-            raise RuntimeError(f"request {self.rid}: owner cannot go from {self.state.value} "
-                               f"to {new.value}")
-        self.state = new
+    def __post_init__(self) -> None:
+        self.book = OwnerBook(self.rid, tuple(self.writers))
+
+    @property
+    def state(self) -> OwnerState:
+        return self.book.state
 
     @property
     def pages(self) -> list[int]:
@@ -127,16 +125,12 @@ class OwnedRequest:
     def rid_hash(self) -> int:
         return request_id_hash(self.rid)
 
-    def writers_done(self) -> bool:
-        """Every writer either noticed (after its flush: any chunk of its notice follows
-        the flush of every write) or acked an abort (after its flush)."""
-        return set(self.writers) <= (self.noticed | self.acked)
-
 
 TOKEN_FLUSH = 16
 TIMEOUT_TOKENS = 1 << 16          # the transfer timeout applies per this many prompt tokens
 VERIFY_SLICE_S = 0.005            # longest the checks run before the loop polls again
 CHECKSUM_SLICE_BYTES = 32 << 20   # pages checksummed per step of the checks
+PROOF_CHECK_S = 0.05              # how often a fenced request looks for its proof
 
 
 class DecodeRank(RankBooks):
@@ -154,50 +148,126 @@ class DecodeRank(RankBooks):
         self.unsafe = unsafe
         self.max_batch = max_batch
         self.release_on_sever = release_on_sever
+        self.table = core.owner_table(unsafe=unsafe, release_on_sever=release_on_sever)
         self.allocator = PageAllocator(pool.num_pages, unsafe=unsafe)
         self.canaries = CanaryTable(pool.num_pages)
         self.reqs: dict[str, OwnedRequest] = {}
         self._init_books()
-        runtime.set_handler(self.on_message)
+        self.handlers = {Kind.ASSIGN: self._on_assign, Kind.NOTICE: self._on_notice,
+                         Kind.ABORT: self._on_abort, Kind.ABORT_ACK: self._on_ack}
+        assert set(self.handlers) == OWNER_RECEIVES
+        runtime.set_handlers(self.handlers, role="decode")
         runtime.on_request_error = self.fail_request
 
-    # -------------------------------------------------------------- messages
-    def on_message(self, msg: Message) -> None:
-        handler = {"ASSIGN": self._on_assign, "NOTICE": self._on_notice,
-                   "ABORT": self._on_abort, "ABORT_ACK": self._on_ack}.get(msg.kind)
-        if handler is None:
-            log.warning("decode rank %d: unexpected %s from rank %d", self.rt.rank, msg.kind, msg.src)
-            return
-        handler(msg)
+    # -------------------------------------------------------------- the table
+    def _feed(self, req: OwnedRequest, event: OwnerEvent) -> None:
+        """Move the request by the owner's table and carry out the effects it lists."""
+        if event in _ABORTS and req.book.state not in (OwnerState.QUARANTINED,
+                                                       OwnerState.FENCED, OwnerState.CLOSED):
+            req.abort_started = req.abort_started or time.monotonic()
+        move = core.step(req.book, event, self.table)
+        for do in move.effects:
+            self._do(do, req)
 
+    def _do(self, do: OwnerDo, req: OwnedRequest) -> None:
+        D = OwnerDo
+        rid = req.rid
+        if do is D.STAMP_CANARIES:
+            self.rt.faults.raise_at("owner-assign", f"prompt_len={req.prompt_len}")
+            self.canaries.stamp(req.pages, expected_canaries(rid, req.grants))
+        elif do is D.SEND_PLAN:
+            generations = [g.generation for g in req.grants]
+            for w in req.writers:
+                for lo, hi in spans(len(req.grants), PAGES_PER_CHUNK):
+                    self.rt.send(w, m.PLAN, rid=rid, offset=lo, total=len(req.grants),
+                                 pages=req.pages[lo:hi], generations=generations[lo:hi])
+        elif do is D.ARM_TRANSFER_TIMER:
+            req.timer = self.rt.call_later(self.transfer_timeout_for(req.prompt_len),
+                                           lambda: self._transfer_timeout(req), rid=rid)
+        elif do is D.CANCEL_TIMER:
+            if req.timer is not None:
+                req.timer.cancel()
+        elif do is D.VERIFY:
+            self._verify_and_start(req)
+        elif do is D.TOMBSTONE:
+            self.tombstones[rid] = time.monotonic()
+        elif do is D.REPORT_FAILED:
+            self._done(rid, Outcome.FAILED, req.error)
+        elif do is D.REPORT_FINISHED:
+            self._done(rid, Outcome.FINISHED, None, count=len(req.generated),
+                       transfer_ms=req.transfer_ms, prefill_ms=req.prefill_ms)
+        elif do is D.ABORT_WRITERS:
+            for w in req.writers:
+                self.rt.send(w, m.ABORT, rid=rid, owner=self.rt.rank, writers=list(req.writers),
+                             source=AbortSource.DECODE, reason="no decode pages")
+        elif do is D.REPORT_NOTHING_HELD:
+            self.rt.send(self.router, m.RELEASED, rid=rid, pages=0, how=Release.FREED)
+        elif do is D.FREE:
+            if req.abort_started:
+                log.info("request %s aborted (%s) after every writer finished; pages freed",
+                         rid, req.abort_reason)
+            self._close(req, self.allocator.free(rid), req.book.free_reason())
+        elif do is D.QUARANTINE:
+            self.allocator.quarantine(rid)
+            log.debug("request %s aborted (%s); %d pages quarantined until writers %s ack",
+                      rid, req.abort_reason, len(req.grants), req.book.pending())
+        elif do is D.ASK_ACKS:
+            for w in req.book.pending():
+                self.rt.send(w, m.ABORT, rid=rid, owner=self.rt.rank, writers=req.writers,
+                             source=req.abort_source, reason=req.abort_reason)
+        elif do is D.ARM_RETRY:
+            self._arm_retry(req)
+        elif do is D.ARM_DEADLINE:
+            req.timer = self.rt.call_later(
+                self.abort_deadline_s, lambda: self._feed(req, core.on_deadline(req.book)),
+                rid=rid)
+        elif do is D.SEVER_PENDING:
+            self._sever(req)
+        elif do is D.CHECK_PROOF:
+            self._check_proof(req)
+        elif do is D.ARM_PROOF_CHECK:
+            self._warn_if_stuck(req)
+            self.rt.call_later(PROOF_CHECK_S, lambda: self._check_proof(req), rid=rid)
+        elif do is D.RELEASE_ACKED:
+            self._close(req, self.allocator.release(rid), Release.ACKED)
+        elif do is D.RELEASE_SEVERED:
+            self._close(req, self.allocator.release(rid), Release.SEVERED)
+        elif do is D.RELEASE_UNSAFE:
+            log.error("UNSAFE: request %s: releasing %d pages without proof that writers %s "
+                      "stopped", rid, len(req.grants), req.book.pending())
+            quarantined = bool(self.allocator.quarantined_pages_of(rid))
+            pages = self.allocator.release(rid) if quarantined else self.allocator.free(rid)
+            self._close(req, pages, Release.UNSAFE)
+        elif do is D.COUNT_INTEGRITY:
+            self.integrity_failures += 1
+            log.error("request %s: integrity check failed on rank %d: %s", rid, self.rt.rank,
+                      req.error)
+        else:  # pragma: no cover - the enum is closed
+            raise AssertionError(f"request {rid}: no handler for {do}")
+
+    def _abort(self, req: OwnedRequest, event: OwnerEvent, source: AbortSource,
+               reason: str) -> None:
+        if req.book.state not in (OwnerState.QUARANTINED, OwnerState.FENCED, OwnerState.CLOSED):
+            req.abort_source, req.abort_reason = source, reason
+        self._feed(req, event)
+
+    # -------------------------------------------------------------- messages
     def _on_assign(self, msg: Message) -> None:
         rid = msg.rid
         if rid in self.tombstones or rid in self.reqs:
             return
+        req = OwnedRequest(rid, msg.prompt_len, msg.max_tokens, list(msg.writers),
+                           msg.last_token)
         need = pages_needed(msg.prompt_len, msg.max_tokens, self.pool.page_size)
         try:
-            grants = self.allocator.allocate(rid, need)
+            req.grants = self.allocator.allocate(rid, need)
         except OutOfPages as exc:
-            self.tombstones[rid] = time.monotonic()
-            self._done(rid, "failed", f"decode pool of rank {self.rt.rank} out of pages: {exc}")
-            for w in msg.writers:
-                self.rt.send(w, m.ABORT, rid=rid, owner=self.rt.rank, writers=list(msg.writers),
-                             source="decode", reason="no decode pages")
-            self.rt.send(self.router, m.RELEASED, rid=rid, pages=0, how="freed")
+            req.error = f"decode pool of rank {self.rt.rank} out of pages: {exc}"
+            self._feed(req, core.on_assign(req.book, req.book.writers, granted=False))
             return
         self.allocations += 1
-        req = OwnedRequest(rid, msg.prompt_len, msg.max_tokens, list(msg.writers),
-                           msg.last_token, grants)
         self.reqs[rid] = req
-        req.timer = self.rt.call_later(self.transfer_timeout_for(req.prompt_len),
-                                       lambda: self._transfer_timeout(req), rid=rid)
-        self.rt.faults.raise_at("owner-assign", f"prompt_len={req.prompt_len}")
-        self.canaries.stamp(req.pages, expected_canaries(rid, grants))
-        generations = [g.generation for g in grants]
-        for w in req.writers:
-            for lo, hi in spans(len(grants), PAGES_PER_CHUNK):
-                self.rt.send(w, m.PLAN, rid=rid, offset=lo, total=len(grants),
-                             pages=req.pages[lo:hi], generations=generations[lo:hi])
+        self._feed(req, core.on_assign(req.book, req.book.writers, granted=True))
 
     def transfer_timeout_for(self, prompt_len: int) -> float:
         """How long the owner waits for every writer's notice: ``transfer_timeout_s`` per
@@ -213,51 +283,42 @@ class DecodeRank(RankBooks):
             log.warning("request %s: notice from rank %d, which is not one of its writers %s",
                         req.rid, msg.src, req.writers)
             return
-        req.noticed.add(msg.src)
-        if req.state is OwnerState.QUARANTINED:
-            self._maybe_release(req, "acked")
-            return
-        if req.state is not OwnerState.AWAITING or msg.src in req.notices:
-            return
-        parts = req.notice_parts.get(msg.src)
-        if parts is None:
-            parts = req.notice_parts[msg.src] = Reassembly(
-                req.rid, f"NOTICE of rank {msg.src}", msg.total, PAGES_PER_CHUNK, width=3,
-                optional=frozenset({2}))
-        if not parts.add(msg.offset, msg.total, msg.pages, msg.generations, msg.checksums):
-            return
-        pages, generations, checksums = parts.joined()
-        del req.notice_parts[msg.src]
-        req.notices[msg.src] = Notice(msg.tokens, pages, generations, checksums, msg.bytes,
-                                      msg.prefill_ms)
-        if set(req.writers) <= set(req.notices):
-            if req.timer is not None:
-                req.timer.cancel()
-            req.transfer_ms = 1e3 * (time.monotonic() - req.planned_at)
-            times = [n.prefill_ms for n in req.notices.values() if n.prefill_ms is not None]
-            req.prefill_ms = max(times) if times else None
-            self.rt.faults.raise_at("owner-notice", f"prompt_len={req.prompt_len}")
-            self._verify_and_start(req)
+        whole = False
+        if req.state is OwnerState.AWAITING and msg.src not in req.notices:
+            parts = req.notice_parts.get(msg.src)
+            if parts is None:
+                parts = req.notice_parts[msg.src] = Reassembly(
+                    req.rid, f"NOTICE of rank {msg.src}", msg.total, PAGES_PER_CHUNK, width=3,
+                    optional=frozenset({2}))
+            if parts.add(msg.offset, msg.total, msg.pages, msg.generations, msg.checksums):
+                pages, generations, checksums = parts.joined()
+                del req.notice_parts[msg.src]
+                req.notices[msg.src] = Notice(msg.tokens, pages, generations, checksums,
+                                              msg.bytes, msg.prefill_ms)
+                whole = True
+        self._feed(req, core.on_notice(req.book, msg.src, whole))
 
     def _verify_and_start(self, req: OwnedRequest) -> None:
         """Verify (I5) in slices (a long prompt's checksums take seconds; see .sliced),
         then decode. An ABORT that arrives meanwhile frees the pages (every writer
         noticed) and the rest of the checks never run."""
+        req.transfer_ms = 1e3 * (time.monotonic() - req.planned_at)
+        times = [n.prefill_ms for n in req.notices.values() if n.prefill_ms is not None]
+        req.prefill_ms = max(times) if times else None
+        self.rt.faults.raise_at("owner-notice", f"prompt_len={req.prompt_len}")
         if self.unsafe:
-            req.move(OwnerState.DECODING)
+            self._feed(req, OwnerEvent.VERIFIED)
             return
         run_in_slices(self.rt, req.rid, self._verify_steps(req), VERIFY_SLICE_S,
-                      wanted=lambda: req.state is OwnerState.AWAITING,
-                      then=lambda: req.move(OwnerState.DECODING))
+                      wanted=lambda: req.state is OwnerState.VERIFYING,
+                      then=lambda: self._feed(req, OwnerEvent.VERIFIED))
 
     def _verify_steps(self, req: OwnedRequest) -> Iterator[None]:
         try:
             yield from self._verify(req)
         except IntegrityError as exc:
-            self.integrity_failures += 1
-            log.error("request %s: integrity check failed on rank %d: %s", req.rid, self.rt.rank, exc)
-            self._done(req.rid, "failed", f"integrity: {exc}")
-            self._close(req, "freed")   # every writer noticed: nothing more can land
+            req.error = f"integrity: {exc}"
+            self._feed(req, OwnerEvent.CORRUPT)
 
     def _verify(self, req: OwnedRequest) -> Iterator[None]:
         """I5 for every writer's notice: the prompt's length, exactly the pages the prompt
@@ -284,9 +345,9 @@ class DecodeRank(RankBooks):
                                               f"{need * slice_bytes}")
             if not self.integrity:
                 continue
-            bad = self.canaries.mismatched(notice.pages, expected_canaries(req.rid, mine))
-            if bad:
-                raise IntegrityError(req.rid, f"canary mismatch on pages {bad[:8]}")
+            mismatched = self.canaries.mismatched(notice.pages, expected_canaries(req.rid, mine))
+            if mismatched:
+                raise IntegrityError(req.rid, f"canary mismatch on pages {mismatched[:8]}")
             if len(notice.checksums) != len(notice.pages):
                 raise IntegrityError(req.rid, f"writer rank {w} sent {len(notice.checksums)} "
                                               f"checksums for {len(notice.pages)} pages")
@@ -349,13 +410,12 @@ class DecodeRank(RankBooks):
         bad = {b for b, _, _ in failures}
         for b, bits, first in failures:
             r = batch[b]
+            page = r.pages[first] if first < len(r.pages) else "-"
             exc = IntegrityError(r.rid, f"page ownership check at decode step "
                                         f"{len(r.generated)}: {describe_kinds(bits)} (logical "
-                                        f"page {first}, page {r.pages[first] if first < len(r.pages) else '-'})")
-            self.integrity_failures += 1
-            log.error("request %s: %s", r.rid, exc)
-            self._done(r.rid, "failed", f"integrity: {exc}")
-            self._close(r, "freed")   # every writer noticed: nothing more can land
+                                        f"page {first}, page {page})")
+            r.error = f"integrity: {exc}"
+            self._feed(r, OwnerEvent.CORRUPT)   # every writer noticed: nothing more can land
         return [i for i in range(len(batch)) if i not in bad]
 
     def _step(self, batch: list[OwnedRequest]) -> None:
@@ -371,10 +431,7 @@ class DecodeRank(RankBooks):
         inputs = torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch])
         prompt_lens = torch.tensor([r.prompt_len for r in batch])
         if self.rt.faults.enabled:
-            if self.rt.faults.decode_delay_s:
-                time.sleep(self.rt.faults.decode_delay_s)
-            for r in batch:
-                self.rt.faults.raise_at("owner-decode", f"prompt_len={r.prompt_len}")
+            self.rt.faults.before_decode_step([f"prompt_len={r.prompt_len}" for r in batch])
         with torch.no_grad():
             out = self.model.decode_step(self.pool.kv, table.to(device), positions, inputs,
                                          prompt_lens).tolist()
@@ -388,9 +445,7 @@ class DecodeRank(RankBooks):
                              offset=len(r.generated) - len(r.unsent), tokens=r.unsent)
                 r.unsent = []
             if finished:
-                self._done(r.rid, "finished", None, count=len(r.generated),
-                           transfer_ms=r.transfer_ms, prefill_ms=r.prefill_ms)
-                self._close(r, "freed")
+                self._feed(r, OwnerEvent.FINISHED)
 
     # -------------------------------------------------------------- abort
     def _transfer_timeout(self, req: OwnedRequest) -> None:
@@ -400,137 +455,70 @@ class DecodeRank(RankBooks):
         reason = (f"no completion notice from writer ranks {missing} within "
                   f"{self.transfer_timeout_for(req.prompt_len):.1f} s "
                   f"({self.transfer_timeout_s:.1f} s per {TIMEOUT_TOKENS} prompt tokens)")
-        self._done(req.rid, "failed", f"transfer timeout: {reason}")
-        self._abort(req, "transfer", reason)
+        req.error = f"transfer timeout: {reason}"
+        self._abort(req, core.on_failure(req.book), AbortSource.TRANSFER, reason)
 
     def _on_abort(self, msg: Message) -> None:
         req = self.reqs.get(msg.rid)
         if req is None:
-            if msg.rid not in self.tombstones:
-                # No ASSIGN yet (or never): the router still counts the pages it reserved
-                # here; none are held, and a late ASSIGN is ignored.
-                self.tombstones[msg.rid] = time.monotonic()
-                self.rt.send(self.router, m.RELEASED, rid=msg.rid, pages=0, how="freed")
-            return
+            if msg.rid in self.tombstones:
+                return
+            # No ASSIGN yet (or never): the router still counts the pages it reserved
+            # here; none are held, and a late ASSIGN is ignored.
+            req = OwnedRequest(msg.rid, 0, 0, [], 0)
         # The router sends its ABORT to every writer as well as to us: asking them again
         # now would only double the messages on the abort's critical path.
-        self._abort(req, msg.source, msg.reason, writers_told=msg.src == self.router)
-
-    def _abort(self, req: OwnedRequest, source: str, reason: str,
-               writers_told: bool = False) -> None:
-        if req.state in (OwnerState.QUARANTINED, OwnerState.CLOSED):
-            return
-        self.tombstones[req.rid] = time.monotonic()
-        if req.timer is not None:
-            req.timer.cancel()
-        req.abort_started = time.monotonic()
-        if req.state is OwnerState.DECODING or req.writers_done():
-            log.info("request %s aborted (%s: %s) after every writer finished; pages freed",
-                     req.rid, source, reason)
-            self._close(req, "acked" if req.acked - req.noticed else "freed")
-            return
-        if self.unsafe:
-            log.error("UNSAFE: request %s aborted (%s); freeing %d pages without waiting for "
-                      "writers %s", req.rid, source, len(req.grants), req.writers)
-            self._close(req, "unsafe")
-            return
-        self.allocator.quarantine(req.rid)
-        req.move(OwnerState.QUARANTINED)
-        req.abort_reason = f"{source}: {reason}"
-        log.debug("request %s aborted (%s); %d pages quarantined until writers %s ack",
-                  req.rid, req.abort_reason, len(req.grants), self._pending_writers(req))
-        self._ask_for_acks(req, source, reason, now=not writers_told)
-        req.timer = self.rt.call_later(self.abort_deadline_s, lambda: self._abort_deadline(req),
-                                       rid=req.rid)
-
-    def _pending_writers(self, req: OwnedRequest) -> list[int]:
-        return sorted(set(req.writers) - req.noticed - req.acked)
-
-    def _ask_for_acks(self, req: OwnedRequest, source: str, reason: str,
-                      now: bool = True) -> None:
-        """(Re-)send ABORT to every writer that has not acked (from the first retry on,
-        unless ``now``); repeats until released, so a lost ABORT or ABORT_ACK costs a
-        retry, not the deadline, and a severed writer that comes back (a healed
-        partition, a resumed process) still learns to ack."""
-        if req.state is not OwnerState.QUARANTINED:
-            return
-        if now:
-            for w in self._pending_writers(req):
-                self.rt.send(w, m.ABORT, rid=req.rid, owner=self.rt.rank,
-                             writers=req.writers, source=source, reason=reason)
-        pending = self._pending_writers(req)
-        every = 1.0 if any(self.rt.is_severed(w) for w in pending) else max(0.05, self.abort_deadline_s / 8)
-        self.rt.call_later(every, lambda: self._ask_for_acks(req, source, reason), rid=req.rid)
+        self._abort(req, core.on_abort(req.book, writers_told=msg.src == self.router),
+                    msg.source, msg.reason)
 
     def _on_ack(self, msg: Message) -> None:
         req = self.reqs.get(msg.rid)
         if req is None or msg.src not in req.writers:
             return
-        req.acked.add(msg.src)
-        if req.state in (OwnerState.AWAITING, OwnerState.DECODING):
-            # A writer acks only an abort it was told of, after its flush: the request is
-            # over here too, even if the ABORT for it has not arrived yet (the router
-            # tells the writers first, and their ack can overtake its ABORT to us). The
-            # router told the other writers in the same fan-out (or, for a writer's own
-            # failure, on the ABORT that writer sent it), so asking them waits for the
-            # first retry.
-            self._abort(req, "writer", f"writer rank {msg.src} acked an abort",
-                        writers_told=True)
-            return
-        if req.state is OwnerState.QUARANTINED and not self.rt.is_severed(msg.src):
-            self._maybe_release(req, "acked")
-        # a severed writer's late ack is picked up by _await_proof
+        # Before we heard of an abort, a writer's ack is the abort (see core.on_ack).
+        self._abort(req, core.on_ack(req.book, msg.src, self.rt.is_severed(msg.src)),
+                    AbortSource.WRITER, f"writer rank {msg.src} acked an abort")
 
-    def _maybe_release(self, req: OwnedRequest, how: str) -> None:
-        if req.writers_done():
-            self._close(req, how)
+    def _arm_retry(self, req: OwnedRequest) -> None:
+        """Ask every writer that has not acked again after a while, for as long as the
+        pages are held: a lost ABORT or ABORT_ACK costs a retry, not the deadline, and a
+        severed writer that comes back (a healed partition, a resumed process) still
+        learns to ack."""
+        pending = req.book.pending()
+        every = (1.0 if any(self.rt.is_severed(w) for w in pending)
+                 else max(0.05, self.abort_deadline_s / 8))
+        self.rt.call_later(every, lambda: self._feed(req, OwnerEvent.RETRY), rid=req.rid)
 
-    def _abort_deadline(self, req: OwnedRequest) -> None:
-        if req.state is not OwnerState.QUARANTINED:
-            return
-        pending = self._pending_writers(req)
+    def _sever(self, req: OwnedRequest) -> None:
         log.warning("request %s: writers %s did not ack within %.1f s; severing them",
-                    req.rid, pending, self.abort_deadline_s)
-        for w in pending:
+                    req.rid, sorted(req.book.fenced), self.abort_deadline_s)
+        for w in sorted(req.book.fenced):
             reason = f"no ABORT_ACK for request {req.rid} within {self.abort_deadline_s:.1f} s"
             self.rt.sever(w, reason)
-            self.rt.send(self.router, m.SEVERED, peer_rank=w, incarnation=self.rt.cards[w].incarnation,
-                         reason=reason)
-        self._await_proof(req, pending)
+            self.rt.send(self.router, m.SEVERED, peer_rank=w,
+                         incarnation=self.rt.cards[w].incarnation, reason=reason)
 
-    def _await_proof(self, req: OwnedRequest, severed: list[int]) -> None:
+    def _check_proof(self, req: OwnedRequest) -> None:
         """Release once no write from any severed writer can land (I4): each one either
         acked after all (its ack follows its flush) or its process is gone. Until then the
         pages stay quarantined, counted as used and visible in /metrics."""
-        if req.state is not OwnerState.QUARANTINED:
+        if req.state is not OwnerState.FENCED:
             return
-        if self.release_on_sever:
-            log.error("UNSAFE: request %s: releasing %d pages at the deadline without proof "
-                      "that severed writers %s stopped", req.rid, len(req.grants), severed)
-            self._close(req, "unsafe")
-            return
-        if all(w in req.acked or self.rt.write_path_closed(w) for w in severed):
-            self._close(req, "severed")
-            return
+        gone = {w for w in req.book.fenced if self.rt.write_path_closed(w)}
+        self._feed(req, core.on_proof_check(req.book, gone))
+
+    def _warn_if_stuck(self, req: OwnedRequest) -> None:
         waited = time.monotonic() - req.abort_started
         if waited > self.abort_deadline_s * 10 and not req.warned:
             req.warned = True
             log.error("request %s: %d pages stay quarantined: severed writers %s neither "
                       "acked nor are known to be gone after %.1f s", req.rid, len(req.grants),
-                      [w for w in severed if w not in req.acked], waited)
-        self.rt.call_later(0.05, lambda: self._await_proof(req, severed), rid=req.rid)
+                      sorted(req.book.fenced - req.book.acked), waited)
 
     # -------------------------------------------------------------- release
-    def _close(self, req: OwnedRequest, how: str) -> None:
-        if req.state is OwnerState.CLOSED:
-            return
+    def _close(self, req: OwnedRequest, pages: list[int], how: Release) -> None:
         if req.timer is not None:
             req.timer.cancel()
-        if req.state is OwnerState.QUARANTINED:
-            pages = self.allocator.release(req.rid)
-        else:
-            pages = self.allocator.free(req.rid)
-        req.move(OwnerState.CLOSED)
         self.reqs.pop(req.rid, None)
         released_ns = time.monotonic_ns()   # the router times aborts on this clock too
         self.tombstones[req.rid] = released_ns / 1e9
@@ -538,11 +526,12 @@ class DecodeRank(RankBooks):
         if req.abort_started:
             abort_ms = 1e3 * (released_ns / 1e9 - req.abort_started)
             log.info("request %s: %d pages released (%s) %.1f ms after the abort (%s)",
-                     req.rid, len(pages), how, abort_ms, req.abort_reason or "writers finished")
+                     req.rid, len(pages), how.value, abort_ms,
+                     req.abort_reason or "writers finished")
         self.rt.send(self.router, m.RELEASED, rid=req.rid, pages=len(pages), how=how,
                      abort_ms=abort_ms, released_ns=released_ns)
 
-    def _done(self, rid: str, outcome: str, error: str | None, count: int | None = None,
+    def _done(self, rid: str, outcome: Outcome, error: str | None, count: int | None = None,
               transfer_ms: float | None = None, prefill_ms: float | None = None) -> None:
         self.rt.send(self.router, m.DONE, rid=rid, outcome=outcome,
                      error=error, count=count,
@@ -553,19 +542,19 @@ class DecodeRank(RankBooks):
         router is told it failed, and its pages go the abort's way: freed once every
         writer noticed, else quarantined until every writer acked."""
         req = self.reqs.get(rid)
-        if req is None or req.state in (OwnerState.QUARANTINED, OwnerState.CLOSED):
-            if rid not in self.tombstones:
-                self._done(rid, "failed", reason)
-            return
-        self._done(rid, "failed", reason)
-        self._abort(req, "internal", reason)
+        if req is None:
+            if rid in self.tombstones:
+                return
+            req = OwnedRequest(rid, 0, 0, [], 0)
+        req.error = reason
+        self._abort(req, core.on_failure(req.book), AbortSource.INTERNAL, reason)
 
     # -------------------------------------------------------------- housekeeping
     def in_flight(self) -> bool:
         """Some request awaits its writers' notices or acks."""
-        return any(r.state in (OwnerState.AWAITING, OwnerState.QUARANTINED) for r in self.reqs.values())
+        return any(r.state in (OwnerState.AWAITING, OwnerState.VERIFYING,
+                               OwnerState.QUARANTINED, OwnerState.FENCED)
+                   for r in self.reqs.values())
 
     def busy(self) -> bool:
         return any(r.state is OwnerState.DECODING for r in self.reqs.values())
-
-

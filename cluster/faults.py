@@ -36,16 +36,32 @@ Each hook is one ``--fault`` string; a rank applies the hooks that name its role
                               owner-decode (in a decode step), router-dispatch (pages
                               reserved, before PREFILL is sent).
 
-The hooks sit where messages leave a rank (:meth:`FaultPlan.on_send`, applied to every
-message by ``RankRuntime``), where a writer reaches a protocol point and where it posts
-pages; the protocol logic never looks at them.
+The ranks see faults only through :class:`FaultHooks`, whose every method is a no-op:
+where messages leave a rank (:meth:`~FaultHooks.on_send`, applied to every message by
+``RankRuntime``), where a rank reaches a protocol point (:meth:`~FaultHooks.at_point`),
+what a writer posts (:meth:`~FaultHooks.tamper_source`, :meth:`~FaultHooks.pages_to_write`,
+:meth:`~FaultHooks.hold_in_flight`) and a decode step (:meth:`~FaultHooks.before_decode_step`).
+What each fault does lives here, in :class:`FaultPlan`; the protocol core
+(:mod:`kvferry.engine.protocol`) never sees them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import enum
 import logging
+import os
 import random
+import signal
+import subprocess
+import time
 from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvferry.engine.tokenizer import decode as detokenize
+from kvferry.transfer import BatchStatus, TransferError
 
 log = logging.getLogger("kvferry.cluster")
 
@@ -70,8 +86,110 @@ class InjectedFault(RuntimeError):
         self.point = point
 
 
+class Decision(enum.Enum):
+    """What a rank does at a protocol point, as the fault layer decides (kill, stop and
+    raise are carried out by the fault layer itself)."""
+
+    GO = "go on"
+    PAUSE = "go on after the decision's seconds (an abort meanwhile cancels it)"
+    FAIL_PREFILL = "fail the request as a prefill failure"
+    FAIL_TRANSFER = "fail the request as a transfer failure"
+
+
+@dataclass(frozen=True)
+class PointDecision:
+    decision: Decision
+    seconds: float = 0.0
+
+
+GO = PointDecision(Decision.GO)
+
+
+class HeldWrite:
+    """An injected in-flight write (``at:mid-transfer``): posted as far as the writer knows,
+    landed later (after its seconds, or right after the writer's next write to the same
+    owner). It settles, like a batch, only once it has landed, so a flush waits for it,
+    as a posted one-sided write would. Over shared memory it lands by copying through the
+    owner's mapping, whatever became of either side's endpoint meanwhile."""
+
+    def __init__(self, rid: str, owner: int, segment: Any, triples: np.ndarray,
+                 target: int | None) -> None:
+        self.rid, self.owner, self.segment, self.triples = rid, owner, segment, triples
+        self.target = target
+        self.landed = False
+        self.batch: Any = None           # the real batch, when it lands by a real post
+        self.timer: Any = None
+
+    def peek(self) -> BatchStatus:
+        if self.batch is not None:
+            return self.batch.peek()
+        return BatchStatus.COMPLETED if self.landed else BatchStatus.PENDING
+
+    def status(self) -> BatchStatus:
+        return self.peek()
+
+    @property
+    def error(self) -> Any:
+        return self.batch.error if self.batch is not None else None
+
+    def land(self, rt: Any) -> None:
+        if self.landed:
+            return
+        self.landed = True
+        if self.timer is not None:
+            self.timer.cancel()
+        log.warning("fault: request %s: %d in-flight pages land now", self.rid, len(self.triples))
+        if self.target is not None:
+            for local, remote, length in self.triples.tolist():
+                ctypes.memmove(self.target + remote, self.segment.base + local, length)
+            return
+        try:
+            self.batch = rt.engine.write(rt.peer(self.owner), self.segment,
+                                         rt.remote_segment(self.owner), self.triples)
+        except TransferError as exc:
+            log.warning("request %s: in-flight pages could not land: %s", self.rid, exc)
+
+
+class FaultHooks:
+    """The fault seam the ranks call; every hook does nothing. ``label`` names the
+    request to a marker: the prompt's text at a writer, ``prompt_len=N`` elsewhere."""
+
+    enabled = False
+    swallow_errors = False
+
+    def on_send(self, kind: str, rank: int, payload: bytes) -> list[tuple[bytes, float]]:
+        return [(payload, 0.0)]
+
+    def raise_at(self, point: str, label: str) -> None:
+        pass
+
+    def at_point(self, point: str, rid: str, tokens: np.ndarray | None) -> PointDecision:
+        return GO
+
+    def before_decode_step(self, labels: Sequence[str]) -> None:
+        pass
+
+    def tamper_source(self, rid: str, tokens: np.ndarray, pool: Any, pages: Sequence[int],
+                      heads: tuple[int, int]) -> None:
+        pass
+
+    def pages_to_write(self, rid: str, tokens: np.ndarray, pages: int) -> int:
+        return pages
+
+    def hold_in_flight(self, rt: Any, rid: str, tokens: np.ndarray, owner: int, segment: Any,
+                       triples: np.ndarray) -> tuple[np.ndarray, HeldWrite | None]:
+        """``(post now, held)``: with no fault, everything is posted now."""
+        return triples, None
+
+    def wrote(self, rt: Any, owner: int, rid: str) -> None:
+        """After a write of request ``rid`` posted to ``owner``."""
+
+    def forget(self, rid: str) -> None:
+        """The request ended at this rank."""
+
+
 @dataclass
-class FaultPlan:
+class FaultPlan(FaultHooks):
     drop: dict[str, float] = field(default_factory=dict)
     duplicate: set[str] = field(default_factory=set)
     delay: dict[str, float] = field(default_factory=dict)
@@ -83,6 +201,8 @@ class FaultPlan:
     swallow_errors: bool = False
     seed: int = 0
     _held: dict[str, tuple[bytes, float]] = field(default_factory=dict)
+    _in_flight: dict[int, list[HeldWrite]] = field(default_factory=dict)
+    _texts: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -128,7 +248,7 @@ class FaultPlan:
             log.warning("FAULT INJECTION ENABLED: %s", specs)
         return plan
 
-    @property
+    @property  # type: ignore[override]
     def enabled(self) -> bool:
         return bool(self.drop or self.duplicate or self.delay or self.reorder
                     or self.corrupt_marker or self.short_marker or self.points
@@ -166,8 +286,90 @@ class FaultPlan:
             out.append(held)
         return out
 
-    def corrupts(self, text: str) -> bool:
-        return self.corrupt_marker is not None and self.corrupt_marker in text
+    # ------------------------------------------------------------ the hooks
+    def _text(self, rid: str, tokens: np.ndarray | None) -> str:
+        """The prompt as text, which only markers read (built once per request)."""
+        if rid not in self._texts:
+            self._texts[rid] = detokenize(tokens.tolist()) if tokens is not None else ""
+        return self._texts[rid]
 
-    def short_writes(self, text: str) -> bool:
-        return self.short_marker is not None and self.short_marker in text
+    def at_point(self, point: str, rid: str, tokens: np.ndarray | None) -> PointDecision:
+        if not self.points:
+            return GO
+        found = self.at(point, self._text(rid, tokens))
+        if found is None:
+            return GO
+        action, seconds = found
+        log.warning("fault: request %s: %s at %s", rid, action, point)
+        if action == "raise":
+            raise InjectedFault(point)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "stop":
+            subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"],
+                             start_new_session=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return GO
+        if action == "pause":
+            return PointDecision(Decision.PAUSE, seconds)
+        return PointDecision(Decision.FAIL_PREFILL if action == "fail-prefill"
+                             else Decision.FAIL_TRANSFER)
+
+    def before_decode_step(self, labels: Sequence[str]) -> None:
+        if self.decode_delay_s:
+            time.sleep(self.decode_delay_s)
+        for label in labels:
+            self.raise_at("owner-decode", label)
+
+    def tamper_source(self, rid: str, tokens: np.ndarray, pool: Any, pages: Sequence[int],
+                      heads: tuple[int, int]) -> None:
+        """corrupt-page: negate the value vector of the first token (layer 0, the first
+        head of this writer), after its checksum: the bytes on the wire no longer match
+        the checksums sent."""
+        if self.corrupt_marker is None or self.corrupt_marker not in self._text(rid, tokens):
+            return
+        pool.kv[pages[0], 0, 1, heads[0], 0, :].neg_()
+        log.warning("fault: request %s: corrupted the first token's values in source page "
+                    "%d after its checksum", rid, pages[0])
+
+    def pages_to_write(self, rid: str, tokens: np.ndarray, pages: int) -> int:
+        """short-write: the incident's shape, a 1-page stub written and noticed for a
+        whole prompt."""
+        if self.short_marker is None or self.short_marker not in self._text(rid, tokens):
+            return pages
+        log.warning("fault: request %s: writing 1 of its %d prompt pages", rid, pages)
+        return 1
+
+    def hold_in_flight(self, rt: Any, rid: str, tokens: np.ndarray, owner: int, segment: Any,
+                       triples: np.ndarray) -> tuple[np.ndarray, HeldWrite | None]:
+        mid = self.at("mid-transfer", self._text(rid, tokens)) if self.points else None
+        if mid is None or len(triples) < 2:
+            return triples, None
+        half = len(triples) // 2
+        try:   # where an in-flight write lands even if endpoints change state meanwhile
+            target = rt.remote_segment(owner).direct
+        except TransferError:
+            target = None
+        held = HeldWrite(rid, owner, segment, triples[half:], target)
+        held.timer = rt.call_later(mid[1], lambda: held.land(rt), rid=rid)
+        self._in_flight.setdefault(owner, []).append(held)
+        return triples[:half], held
+
+    def wrote(self, rt: Any, owner: int, rid: str) -> None:
+        """An in-flight (held) write of another request to the same owner lands right
+        after this one: the fault that makes a late write overwrite reused pages."""
+        waiting = self._in_flight.get(owner, [])
+        for held in [h for h in waiting if h.rid != rid]:
+            waiting.remove(held)
+            held.land(rt)
+
+    def forget(self, rid: str) -> None:
+        self._texts.pop(rid, None)
+
+
+def no_faults() -> FaultHooks:
+    return FaultHooks()
+
+
+__all__ = ["Decision", "FaultHooks", "FaultPlan", "FaultSpecError", "HeldWrite",
+           "InjectedFault", "PointDecision", "no_faults"]

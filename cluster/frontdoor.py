@@ -34,6 +34,7 @@ import time
 from aiohttp import web
 
 from kvferry.engine.admission import AdmissionRejected
+from kvferry.engine.protocol.words import AbortSource, Answer
 from kvferry.engine.tokenizer import StreamDecoder
 
 from .router import RoutedRequest, Router, Unavailable
@@ -141,10 +142,10 @@ class FrontDoor:
                 return await self._stream(request, routed)
             return await self._whole(routed)
         except asyncio.CancelledError:
-            self.router.abort(routed.rid, "client", "client disconnected")
+            self.router.abort(routed.rid, AbortSource.CLIENT, "client disconnected")
             raise
         except Exception as exc:
-            self.router.abort(routed.rid, "internal", f"front door: {type(exc).__name__}: {exc}")
+            self.router.abort(routed.rid, AbortSource.INTERNAL, f"front door: {type(exc).__name__}: {exc}")
             raise
 
     async def _whole(self, routed: RoutedRequest) -> web.Response:
@@ -156,7 +157,7 @@ class FrontDoor:
 
     def _final_response(self, routed: RoutedRequest) -> web.Response:
         rid = routed.rid
-        if routed.outcome == "ok":
+        if routed.outcome is Answer.OK:
             return web.json_response({
                 "id": rid, "text": routed.text,
                 "usage": {"prompt_tokens": routed.req.prompt_len,
@@ -165,13 +166,14 @@ class FrontDoor:
                            "total_ms": _ms(time.monotonic(), routed.submitted_at),
                            "prefill_ms": routed.prefill_ms,
                            "transfer_ms": routed.transfer_ms}})
-        status = {"deadline": 504, "shutdown": 503}.get(routed.abort_source or "", 500)
-        return _error(status, routed.outcome or "failed", f"request {rid}: {routed.error}",
+        status = {AbortSource.DEADLINE: 504, AbortSource.SHUTDOWN: 503}.get(
+            routed.abort_source, 500) if routed.abort_source else 500
+        return _error(status, routed.outcome or Answer.FAILED, f"request {rid}: {routed.error}",
                       request_id=rid)
 
     async def _stream(self, request: web.Request, routed: RoutedRequest) -> web.StreamResponse:
         first = await routed.events.get()
-        if first[0] == "done" and routed.outcome != "ok":
+        if first[0] == "done" and routed.outcome is not Answer.OK:
             return self._final_response(routed)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
@@ -184,7 +186,7 @@ class FrontDoor:
                 if piece:
                     await _sse(resp, {"id": routed.rid, "text": piece})
             else:
-                if routed.outcome == "ok":
+                if routed.outcome is Answer.OK:
                     rest = text.finish()
                     if rest:
                         await _sse(resp, {"id": routed.rid, "text": rest})

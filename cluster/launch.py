@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from kvferry.engine.capacity import CapacityError, enforce_startup_capacity
 from kvferry.engine.pool import KVPool
+from kvferry.engine.protocol.words import Kind
 from kvferry.transfer import TransferConfig, TransferEngine, TransferError
 
 from . import messages as m
@@ -211,14 +212,9 @@ def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: Serv
                             abort_deadline_s=cfg.abort_deadline_s, integrity=cfg.integrity,
                             unsafe=cfg.unsafe_free_on_abort,
                             release_on_sever=cfg.unsafe_release_on_sever)
-    handler = worker.on_message
-
-    def on_message(msg) -> None:
-        if msg.kind == "SHUTDOWN":
-            stop.set("SHUTDOWN from the router")
-        else:
-            handler(msg)
-    runtime.set_handler(on_message)
+    runtime.set_handlers({**worker.handlers,
+                          Kind.SHUTDOWN: lambda msg: stop.set("SHUTDOWN from the router")},
+                         role=role.value)
     _stats_sender(runtime, worker, router, runtime.cards[runtime.rank].context_length)()
     log.info("%s rank %d ready", role.value, runtime.rank)
     run_worker(runtime, worker, decode=role is Role.DECODE, stopped=lambda: stop.stop)

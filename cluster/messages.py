@@ -24,9 +24,11 @@ admits ever makes a message too big to send.
 
 from __future__ import annotations
 
+from kvferry.engine.protocol.words import AbortSource, Kind, Outcome, Release
 from kvferry.transfer.wire import Codec, Field, FieldType, Message, MessageKind
 
 from .chunks import PAGES_PER_CHUNK, TOKENS_PER_CHUNK
+from .topology import Role
 
 MAX_REQUEST_ID = 128
 MAX_TOKENS_PER_MESSAGE = 1 << 20      # generated tokens in one TOKENS message
@@ -39,26 +41,26 @@ _RID = Field(FieldType.STR, max_len=MAX_REQUEST_ID)
 _HEADER = dict(src=Field(FieldType.INT), inc=Field(FieldType.UINT64), seq=Field(FieldType.UINT64))
 
 PREFILL = CODEC.kind(
-    "PREFILL", **_HEADER, rid=_RID,
+    Kind.PREFILL, **_HEADER, rid=_RID,
     tokens=Field(FieldType.BYTES, max_len=4 * TOKENS_PER_CHUNK),  # int32 little-endian
     offset=Field(FieldType.INT),                # of this chunk's first token in the prompt
     total=Field(FieldType.INT),                 # the prompt's length
     owner=Field(FieldType.INT),
     owner_inc=Field(FieldType.UINT64))
 ASSIGN = CODEC.kind(
-    "ASSIGN", **_HEADER, rid=_RID,
+    Kind.ASSIGN, **_HEADER, rid=_RID,
     prompt_len=Field(FieldType.INT),
     max_tokens=Field(FieldType.INT),
     writers=Field(FieldType.INT_LIST, max_len=256),
     last_token=Field(FieldType.INT))            # decode's first input (see engine.models)
 PLAN = CODEC.kind(
-    "PLAN", **_HEADER, rid=_RID,
+    Kind.PLAN, **_HEADER, rid=_RID,
     offset=Field(FieldType.INT),                # of this chunk's first page in the plan
     total=Field(FieldType.INT),                 # pages in the whole plan
     pages=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
     generations=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK))
 NOTICE = CODEC.kind(
-    "NOTICE", **_HEADER, rid=_RID,
+    Kind.NOTICE, **_HEADER, rid=_RID,
     tokens=Field(FieldType.INT),              # prompt positions whose KV was written
     offset=Field(FieldType.INT),              # of this chunk's first page in the notice
     total=Field(FieldType.INT),               # pages the writer wrote in all
@@ -68,31 +70,31 @@ NOTICE = CODEC.kind(
     bytes=Field(FieldType.INT),               # bytes the writer posted (checked by the owner)
     prefill_ms=Field(FieldType.FLOAT, optional=True))   # the writer's prefill compute time
 TOKENS = CODEC.kind(
-    "TOKENS", **_HEADER, rid=_RID,
+    Kind.TOKENS, **_HEADER, rid=_RID,
     offset=Field(FieldType.INT),                # index of the first token in the answer
     tokens=Field(FieldType.INT_LIST, max_len=MAX_TOKENS_PER_MESSAGE))
 DONE = CODEC.kind(
-    "DONE", **_HEADER, rid=_RID,
-    outcome=Field(FieldType.STR, max_len=32),    # finished, failed, aborted
+    Kind.DONE, **_HEADER, rid=_RID,
+    outcome=Field(FieldType.STR, max_len=32, choices=Outcome),
     error=Field(FieldType.STR, max_len=MAX_ERROR_CHARS, optional=True),
     count=Field(FieldType.INT, optional=True),   # tokens generated in all (finished)
     transfer_ms=Field(FieldType.FLOAT, optional=True),
     prefill_ms=Field(FieldType.FLOAT, optional=True))
 ABORT = CODEC.kind(
-    "ABORT", **_HEADER, rid=_RID,
+    Kind.ABORT, **_HEADER, rid=_RID,
     owner=Field(FieldType.INT),                 # the decode rank owning the pages
     writers=Field(FieldType.INT_LIST, max_len=256),
-    source=Field(FieldType.STR, max_len=32),    # client, deadline, prefill, transfer, decode, integrity
+    source=Field(FieldType.STR, max_len=32, choices=AbortSource),
     reason=Field(FieldType.STR, max_len=MAX_REASON_CHARS))
-ABORT_ACK = CODEC.kind("ABORT_ACK", **_HEADER, rid=_RID)
+ABORT_ACK = CODEC.kind(Kind.ABORT_ACK, **_HEADER, rid=_RID)
 RELEASED = CODEC.kind(
-    "RELEASED", **_HEADER, rid=_RID,
+    Kind.RELEASED, **_HEADER, rid=_RID,
     pages=Field(FieldType.INT),
-    how=Field(FieldType.STR, max_len=32),       # freed, acked, severed, unsafe
+    how=Field(FieldType.STR, max_len=32, choices=Release),
     abort_ms=Field(FieldType.FLOAT, optional=True),   # owner: from the abort to the release
     released_ns=Field(FieldType.UINT64, optional=True))  # owner's CLOCK_MONOTONIC then
 STATS = CODEC.kind(
-    "STATS", **_HEADER,
+    Kind.STATS, **_HEADER,
     free=Field(FieldType.INT), owned=Field(FieldType.INT), quarantined=Field(FieldType.INT),
     capacity_tokens=Field(FieldType.INT), context_length=Field(FieldType.INT),
     bytes_written=Field(FieldType.INT), batches=Field(FieldType.INT),
@@ -101,12 +103,36 @@ STATS = CODEC.kind(
     dropped_duplicate=Field(FieldType.INT), dropped_stale=Field(FieldType.INT),
     dropped_malformed=Field(FieldType.INT))
 SEVERED = CODEC.kind(
-    "SEVERED", **_HEADER,
+    Kind.SEVERED, **_HEADER,
     peer_rank=Field(FieldType.INT), incarnation=Field(FieldType.UINT64),
     reason=Field(FieldType.STR, max_len=MAX_REASON_CHARS))
-SHUTDOWN = CODEC.kind("SHUTDOWN", **_HEADER)
+SHUTDOWN = CODEC.kind(Kind.SHUTDOWN, **_HEADER)
 
 KINDS: dict[str, MessageKind] = dict(CODEC.kinds)
+assert set(KINDS) == {k.value for k in Kind}, "every protocol word has its message"
+
+SENDS: dict[Kind, tuple[frozenset[Role], frozenset[Role]]] = {
+    # kind: (the roles that send it, the roles it is sent to)
+    Kind.PREFILL: (frozenset({Role.ROUTER}), frozenset({Role.PREFILL})),
+    Kind.ASSIGN: (frozenset({Role.ROUTER}), frozenset({Role.DECODE})),
+    Kind.PLAN: (frozenset({Role.DECODE}), frozenset({Role.PREFILL})),
+    Kind.NOTICE: (frozenset({Role.PREFILL}), frozenset({Role.DECODE})),
+    Kind.TOKENS: (frozenset({Role.DECODE}), frozenset({Role.ROUTER})),
+    Kind.DONE: (frozenset({Role.DECODE}), frozenset({Role.ROUTER})),
+    Kind.ABORT: (frozenset(Role), frozenset(Role)),
+    Kind.ABORT_ACK: (frozenset({Role.PREFILL}), frozenset({Role.DECODE})),
+    Kind.RELEASED: (frozenset({Role.PREFILL, Role.DECODE}), frozenset({Role.ROUTER})),
+    Kind.STATS: (frozenset({Role.PREFILL, Role.DECODE}), frozenset({Role.ROUTER})),
+    Kind.SEVERED: (frozenset({Role.DECODE}), frozenset({Role.ROUTER})),
+    Kind.SHUTDOWN: (frozenset({Role.ROUTER}), frozenset({Role.PREFILL, Role.DECODE})),
+}
+"""Who sends each kind to whom; every role handles every kind sent to it (a test checks
+the handler tables of the router and both ranks against this)."""
+
+
+def receives(role: Role) -> frozenset[Kind]:
+    """The kinds ``role`` must handle."""
+    return frozenset(k for k, (_, to) in SENDS.items() if role in to)
 
 
 FREE_TEXT = ("error", "reason")

@@ -11,7 +11,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-OUTCOMES = ("ok", "rejected", "unavailable", "aborted", "failed")
+from kvferry.engine.protocol.words import Answer
+
+OUTCOMES = tuple(Answer)
 
 
 class ClusterMetrics:

@@ -27,6 +27,7 @@ import numpy as np
 
 from kvferry.engine.admission import AdmissionRejected, admit, pages_needed
 from kvferry.engine.lifecycle import Request, RequestState
+from kvferry.engine.protocol.words import AbortSource, Answer, Kind, Outcome
 from kvferry.engine.tokenizer import decode as detokenize, encode as tokenize
 from kvferry.transfer.wire import Message
 
@@ -74,9 +75,9 @@ class RoutedRequest:
     submitted_at: float
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
-    outcome: str | None = None          # ok, aborted, failed
+    outcome: Answer | None = None       # OK, ABORTED or FAILED, once answered
     error: str | None = None
-    abort_source: str | None = None     # who ended it, when it did not complete
+    abort_source: AbortSource | None = None   # who ended it, when it did not complete
     transfer_ms: float | None = None
     prefill_ms: float | None = None
     deadline_timer: asyncio.TimerHandle | None = None
@@ -154,9 +155,14 @@ class Router:
         # From this router's ABORT to the owner's release (see _time_abort).
         self.abort_from_router_ms: deque[float] = deque(maxlen=ABORT_RELEASE_WINDOW)
         metrics.context_length.set(self.context_length)
-        runtime.set_handler(self.on_message)
+        self.handlers = {Kind.STATS: self._on_stats, Kind.SEVERED: self._on_severed_msg,
+                         Kind.RELEASED: self._on_released, Kind.TOKENS: self._on_tokens,
+                         Kind.DONE: self._on_done, Kind.ABORT: self._on_abort}
+        runtime.set_handlers({k: self._heard_from(fn) for k, fn in self.handlers.items()},
+                             role="router")
         runtime.on_send_failure = self._on_send_failure
-        runtime.on_request_error = lambda rid, reason: self.abort(rid, "internal", reason)
+        runtime.on_request_error = lambda rid, reason: self.abort(rid, AbortSource.INTERNAL,
+                                                                  reason)
 
     # ------------------------------------------------------------------ admission
     def new_request_id(self) -> str:
@@ -200,18 +206,18 @@ class Router:
             self.check_admission(rid, len(tokens), max_tokens)
         except AdmissionRejected as exc:
             req.transition(S.REJECTED, exc.reason)
-            self.metrics.requests.labels("rejected").inc()
+            self.metrics.requests.labels(Answer.REJECTED).inc()
             log.info("request %s rejected: %s", rid, exc)
             raise
         except Unavailable:
-            self.metrics.requests.labels("unavailable").inc()
+            self.metrics.requests.labels(Answer.UNAVAILABLE).inc()
             raise
         need = pages_needed(len(tokens), max_tokens, self.page_size)
         deadline = time.monotonic() + self.admission_wait_s
         while (placement := self._pick(len(tokens), need)) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self.metrics.requests.labels("unavailable").inc()
+                self.metrics.requests.labels(Answer.UNAVAILABLE).inc()
                 free = {r: self.ledger.free(r) for r in self.ledger.totals}
                 quarantined = {r: self.ledger.totals[r] - self.ledger.reusable(r)
                                for r in self.ledger.totals if self.ledger.reusable(r) < self.ledger.totals[r]}
@@ -232,8 +238,8 @@ class Router:
             self.ledger.reserve(w, rid, pages_needed(len(tokens), 0, self.page_size))
         req.transition(S.PREFILLING)
         routed.deadline_timer = asyncio.get_running_loop().call_later(
-            self.request_timeout_s, lambda: self.abort(rid, "deadline",
-                                                       f"no answer within {self.request_timeout_s:.1f} s"))
+            self.request_timeout_s, lambda: self.abort(
+                rid, AbortSource.DEADLINE, f"no answer within {self.request_timeout_s:.1f} s"))
         log.info("request %s: %d prompt tokens, max_tokens %d -> prefill %s, decode %d",
                  rid, len(tokens), max_tokens, writers, owner)
         try:
@@ -245,7 +251,7 @@ class Router:
             # undoes what was done, and the client gets the error with the request id.
             reason = f"dispatch failed: {type(exc).__name__}: {exc}"
             log.error("request %s: %s", rid, reason, exc_info=exc)
-            self.abort(rid, "internal", reason)
+            self.abort(rid, AbortSource.INTERNAL, reason)
         return routed
 
     def _dispatch(self, routed: RoutedRequest, prompt: str, tokens: list[int],
@@ -263,11 +269,11 @@ class Router:
                      writers=routed.writers, last_token=tokens[-1])
 
     # ------------------------------------------------------------------ outcomes
-    def _finish(self, routed: RoutedRequest, outcome: str, error: str | None) -> None:
+    def _finish(self, routed: RoutedRequest, outcome: Answer, error: str | None) -> None:
         req = routed.req
         if not req.live:
             return
-        target = {"ok": S.FINISHED, "aborted": S.ABORTED, "failed": S.FAILED}[outcome]
+        target = {Answer.OK: S.FINISHED, Answer.ABORTED: S.ABORTED, Answer.FAILED: S.FAILED}[outcome]
         if target is S.FINISHED and req.state is S.PREFILLING:
             req.transition(S.DECODING)
         req.transition(target, error or "")
@@ -277,11 +283,11 @@ class Router:
         self.ledger.end(routed.rid, [routed.owner, *routed.writers])
         self.metrics.requests.labels(outcome).inc()
         routed.events.put_nowait(("done", outcome, error))
-        if outcome != "ok":
+        if outcome is not Answer.OK:
             log.warning("request %s %s: %s", routed.rid, outcome, error)
         self._forget_if_released(routed)
 
-    def abort(self, rid: str, source: str, reason: str) -> None:
+    def abort(self, rid: str, source: AbortSource, reason: str) -> None:
         """Abort a live request: fan ABORT out to its owner and every writer (step 2)."""
         routed = self.requests.get(rid)
         if routed is None or not routed.req.live:
@@ -289,72 +295,87 @@ class Router:
         self.metrics.aborts.labels(source).inc()
         routed.abort_source = source
         self._fan_out_abort(routed, source, reason)
-        outcome = "aborted" if source in ("client", "deadline", "shutdown") else "failed"
-        self._finish(routed, outcome, f"{source}: {reason}")
+        self._finish(routed, AbortSource(source).answer, f"{source}: {reason}")
 
     def shutdown(self, reason: str) -> int:
         """Before the router stops: every live request ends now with an error (HTTP 503),
         rather than at its deadline, and its ranks are told. Returns how many ended."""
         live = [r.rid for r in self.requests.values() if r.req.live]
         for rid in live:
-            self.abort(rid, "shutdown", reason)
+            self.abort(rid, AbortSource.SHUTDOWN, reason)
         return len(live)
 
     # ------------------------------------------------------------------ messages
-    def on_message(self, msg: Message) -> None:
-        self.last_seen[msg.src] = time.monotonic()
-        if msg.kind == "STATS":
-            self._on_stats(msg)
-            return
-        if msg.kind == "SEVERED":
-            self._on_severed(msg.peer_rank, msg.incarnation, f"severed by rank {msg.src}: {msg.reason}")
-            return
-        if msg.kind == "RELEASED":
-            if msg.abort_ms is not None:
-                self.abort_release_ms.append((msg.how, msg.abort_ms))
-                self.metrics.abort_release.observe(msg.abort_ms / 1e3)
-            if self.ledger.release(msg.src, msg.rid):
-                self._capacity_changed.set()
-            routed = self.requests.get(msg.rid)
-            if routed is not None:
-                if msg.src == routed.owner and routed.aborted_ns is not None:
-                    self._time_abort(routed, msg)
-                self._forget_if_released(routed)
-            return
-        routed = self.requests.get(msg.rid)
-        if routed is None or not routed.req.live:
-            return
-        if msg.kind == "TOKENS":
-            if routed.first_token_at is None:
-                routed.first_token_at = time.monotonic()
-                self.metrics.ttft.observe(routed.first_token_at - routed.submitted_at)
-                if routed.req.state is S.PREFILLING:
-                    routed.req.transition(S.DECODING)
-            self._place_tokens(routed, msg.offset, list(msg.tokens))
-        elif msg.kind == "DONE":
-            if msg.transfer_ms is not None:
-                routed.transfer_ms = msg.transfer_ms
-                self.metrics.transfer_latency.observe(msg.transfer_ms / 1e3)
-            routed.prefill_ms = msg.prefill_ms
-            if msg.outcome == "finished":
-                routed.expected_count = msg.count
-                if not self._complete_if_whole(routed):
-                    # Messages on one endpoint may overtake each other: wait a moment for
-                    # the missing tokens, then fail rather than answer short (I6).
-                    asyncio.get_running_loop().call_later(
-                        TOKENS_GRACE_S, lambda: self._finish(
-                            routed, "failed", f"decode reported {msg.count} tokens, "
-                                              f"{len(routed.req.output_tokens)} arrived in order"))
-            else:
-                # The owner runs the abort protocol with the writers itself.
-                self._finish(routed, "failed" if msg.outcome == "failed" else "aborted", msg.error)
-        elif msg.kind == "ABORT":
-            self.metrics.aborts.labels(msg.source).inc()
-            routed.abort_source = msg.source
-            self._finish(routed, "failed", f"{msg.source}: {msg.reason}")
-            self._fan_out_abort(routed, msg.source, msg.reason, skip=msg.src)
+    def _heard_from(self, handler):
+        """``handler``, after noting that its sender is alive (the heartbeat)."""
+        def heard(msg: Message) -> None:
+            self.last_seen[msg.src] = time.monotonic()
+            handler(msg)
+        return heard
 
-    def _fan_out_abort(self, routed: RoutedRequest, source: str, reason: str,
+    def _on_severed_msg(self, msg: Message) -> None:
+        self._on_severed(msg.peer_rank, msg.incarnation, f"severed by rank {msg.src}: {msg.reason}")
+
+    def _on_released(self, msg: Message) -> None:
+        if msg.abort_ms is not None:
+            self.abort_release_ms.append((msg.how, msg.abort_ms))
+            self.metrics.abort_release.observe(msg.abort_ms / 1e3)
+        if self.ledger.release(msg.src, msg.rid):
+            self._capacity_changed.set()
+        routed = self.requests.get(msg.rid)
+        if routed is not None:
+            if msg.src == routed.owner and routed.aborted_ns is not None:
+                self._time_abort(routed, msg)
+            self._forget_if_released(routed)
+
+    def _live(self, msg: Message) -> RoutedRequest | None:
+        """The live request a TOKENS, DONE or ABORT is about (I2: none once terminal)."""
+        routed = self.requests.get(msg.rid)
+        return routed if routed is not None and routed.req.live else None
+
+    def _on_tokens(self, msg: Message) -> None:
+        routed = self._live(msg)
+        if routed is None:
+            return
+        if routed.first_token_at is None:
+            routed.first_token_at = time.monotonic()
+            self.metrics.ttft.observe(routed.first_token_at - routed.submitted_at)
+            if routed.req.state is S.PREFILLING:
+                routed.req.transition(S.DECODING)
+        self._place_tokens(routed, msg.offset, list(msg.tokens))
+
+    def _on_done(self, msg: Message) -> None:
+        routed = self._live(msg)
+        if routed is None:
+            return
+        if msg.transfer_ms is not None:
+            routed.transfer_ms = msg.transfer_ms
+            self.metrics.transfer_latency.observe(msg.transfer_ms / 1e3)
+        routed.prefill_ms = msg.prefill_ms
+        if msg.outcome is Outcome.FINISHED:
+            routed.expected_count = msg.count
+            if not self._complete_if_whole(routed):
+                # Messages on one endpoint may overtake each other: wait a moment for
+                # the missing tokens, then fail rather than answer short (I6).
+                asyncio.get_running_loop().call_later(
+                    TOKENS_GRACE_S, lambda: self._finish(
+                        routed, Answer.FAILED, f"decode reported {msg.count} tokens, "
+                                               f"{len(routed.req.output_tokens)} arrived in order"))
+        else:
+            # The owner runs the abort protocol with the writers itself.
+            self._finish(routed, Answer.FAILED if msg.outcome is Outcome.FAILED
+                         else Answer.ABORTED, msg.error)
+
+    def _on_abort(self, msg: Message) -> None:
+        routed = self._live(msg)
+        if routed is None:
+            return
+        self.metrics.aborts.labels(msg.source).inc()
+        routed.abort_source = msg.source
+        self._finish(routed, Answer.FAILED, f"{msg.source}: {msg.reason}")
+        self._fan_out_abort(routed, msg.source, msg.reason, skip=msg.src)
+
+    def _fan_out_abort(self, routed: RoutedRequest, source: AbortSource, reason: str,
                        skip: int | None = None) -> None:
         """ABORT to every writer, then the owner (writers must stop, flush and ack; the
         owner only waits for their acks), except ``skip``, the rank it came from."""
@@ -396,10 +417,10 @@ class Router:
             return False
         got = len(routed.req.output_tokens)
         if got == count and not routed.early:
-            self._finish(routed, "ok", None)
+            self._finish(routed, Answer.OK, None)
             return True
         if got > count or any(off + len(c) > count for off, c in routed.early.items()):
-            self._finish(routed, "failed", f"decode reported {count} tokens, more arrived")
+            self._finish(routed, Answer.FAILED, f"decode reported {count} tokens, more arrived")
             return True
         return False
 
@@ -446,7 +467,7 @@ class Router:
                 continue
             if rank == routed.owner or (rank in routed.writers
                                         and routed.req.state is not S.DECODING):
-                self.abort(routed.rid, "peer", f"rank {rank} lost: {reason}")
+                self.abort(routed.rid, AbortSource.PEER, f"rank {rank} lost: {reason}")
 
     def check_heartbeats(self) -> None:
         now = time.monotonic()

@@ -25,15 +25,18 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
+from kvferry.engine.protocol.words import Kind
 from kvferry.transfer import (Batch, BatchStatus, Peer, RemoteSegment, Segment, TransferEngine,
                               TransferError, WireError)
 from kvferry.transfer.wire import Message, MessageKind
 
 from . import messages
-from .faults import FaultPlan
+from .faults import FaultHooks, FaultPlan
 from .rendezvous import RankCard
+
+Handlers = Mapping[Kind, Callable[[Message], None]]
 
 log = logging.getLogger("kvferry.cluster")
 
@@ -61,6 +64,7 @@ class ControlCounters:
     dropped_stale: int = 0
     dropped_malformed: int = 0
     dropped_severed: int = 0
+    dropped_unexpected: int = 0   # a kind this rank's role does not take
     severed: int = 0
 
 
@@ -88,7 +92,7 @@ def process_gone(pid: int) -> bool:
 
 class RankRuntime:
     def __init__(self, rank: int, engine: TransferEngine, cards: dict[int, RankCard],
-                 faults: FaultPlan | None = None) -> None:
+                 faults: FaultHooks | None = None) -> None:
         self.rank = rank
         self.engine = engine
         self.cards = cards
@@ -105,7 +109,8 @@ class RankRuntime:
         self._timers: list[_Timer] = []
         self._timer_order = itertools.count()
         self._deferred: list[tuple[Callable[[], None], str | None]] = []
-        self._handler: Callable[[Message], None] = lambda msg: None
+        self._handlers: Handlers = {}
+        self._role = "rank"
         self.on_send_failure: Callable[[int, Exception], None] = lambda rank, exc: None
         # Ends a request after an exception in its handling (see _request_failed).
         self.on_request_error: Callable[[str, str], None] = lambda rid, reason: None
@@ -263,17 +268,23 @@ class RankRuntime:
         log.warning("rank %d: %s to rank %d failed: %s", self.rank, kind, rank, exc)
         self.on_send_failure(rank, exc)
 
-    def write(self, rank: int, local: Segment, pages) -> Batch:
+    def write(self, rank: int, local: Segment, pages, rid: str | None = None) -> Batch:
         """One-sided write of (local offset, remote offset, length) triples into ``rank``'s
-        pool segment. Raises TransferError (bounds, severed, failed peer) before posting."""
-        return self.engine.write(self.peer(rank), local, self.remote_segment(rank), pages)
+        pool segment, for request ``rid``. Raises TransferError (bounds, severed, failed
+        peer) before posting."""
+        batch = self.engine.write(self.peer(rank), local, self.remote_segment(rank), pages)
+        if self.faults.enabled:
+            self.faults.wrote(self, rank, rid or "")
+        return batch
 
     def quiesce(self, rank: int) -> Batch:
         return self.engine.quiesce(self.peer(rank))
 
     # ------------------------------------------------------------------ receiving
-    def set_handler(self, fn: Callable[[Message], None]) -> None:
-        self._handler = fn
+    def set_handlers(self, handlers: Handlers, role: str) -> None:
+        """The role's handler for each kind it receives: the one dispatch scheme of every
+        role. A kind the role does not take is counted and logged, never raised."""
+        self._handlers, self._role = dict(handlers), role
 
     def _on_payload(self, sender_address: bytes, payload: bytes) -> None:
         try:
@@ -303,8 +314,14 @@ class RankRuntime:
         if len(seen) > DEDUP_WINDOW:
             seen.popitem(last=False)
         self.counters.received += 1
+        handler = self._handlers.get(Kind(msg.kind))
+        if handler is None:
+            self.counters.dropped_unexpected += 1
+            log.warning("%s rank %d: unexpected %s from rank %d", self._role, self.rank,
+                        msg.kind, src)
+            return
         try:
-            self._handler(msg)
+            handler(msg)
         except Exception as exc:
             self._request_failed(msg.fields.get("rid"), f"{msg.kind} from rank {src}", exc)
         if self._watches:

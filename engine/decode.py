@@ -1,10 +1,16 @@
-"""Batched greedy decode over pages, shared by the monolithic engine and a decode rank.
+"""Batched greedy decode over pages, for the monolithic engine (the oracle).
 
 A :class:`DecodeSlot` is everything decode keeps per request: its page list, its prompt
 length, the input token and its position for the next step, and the tokens emitted so far.
 It starts from pages alone (``DecodeSlot.start``): the prefill side contributes nothing
 but the pages, the prompt length and the last prompt token. Callers verify the pages
 (I5) before creating slots.
+
+The decode rank (:class:`kvferry.cluster.decode.DecodeRank`) does not use this step, on
+purpose: the monolithic engine is the oracle a disaggregated run must match bit for bit,
+and a bug shared by both sides would pass that comparison. Both call the same model
+(``PagedModel.decode_step``) and the same attention; only the bookkeeping around the call
+(the page table, positions, stop) is written twice, and the equality tests compare it.
 """
 
 from __future__ import annotations

@@ -14,6 +14,12 @@ Unsafe mode (``unsafe=True``, off by default, logged at CRITICAL): pages are fre
 quarantine and the integrity checks are skipped. It exists to show that the leak tests
 fail when the protection is off.
 
+Its I5 checks (``_verify``: :func:`~.integrity.verify_pages`) and decode step
+(:mod:`.decode`) are independent of the decode rank's on purpose, for the reason given in
+:mod:`.decode`: an oracle that shares the code it checks cannot catch that code's bugs.
+Both use the same primitives (:func:`~.integrity.check_transferred_length`, the canary
+table, :func:`~.integrity.page_checksums`).
+
 Upholds I1, I2 (every queue filters with :func:`is_live`), I3 (the pool is checked against
 the context length at construction), I5 and I6 (every rejection, abort and integrity
 failure is counted, logged with the request id and returned as an error).

@@ -41,6 +41,7 @@ import time
 import numpy as np
 import torch
 
+from kvferry.engine.protocol.words import Kind
 from kvferry.engine.stepwise import PrefillByLayers
 
 LAYERS, KV_HEADS, PAGE_SIZE, HEAD_DIM = 8, 8, 16, 128
@@ -164,8 +165,8 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
         worker = DecodeRank(rt, NullModel(), pool, router=0, transfer_timeout_s=30,
                             abort_deadline_s=5, integrity=False)
     stop: list = []
-    handler = worker.on_message
-    rt.set_handler(lambda msg: stop.append(1) if msg.kind == "SHUTDOWN" else handler(msg))
+    rt.set_handlers({**worker.handlers, Kind.SHUTDOWN: lambda msg: stop.append(1)},
+                    role=role)
     freeze_long_lived_objects()   # as a serving rank does (launch.py)
     while (cmd := inbox.get()) != "stop":
         case, pages = cmd

@@ -1,14 +1,14 @@
 """Unit and property tests of the cluster's pieces that need no processes."""
 from __future__ import annotations
 
+from kvferry.engine.protocol.words import Kind
+
 import msgpack
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvferry.cluster import messages as m
-from kvferry.cluster.decode import OWNER_TRANSITIONS, OwnerState
 from kvferry.cluster.faults import FaultPlan, FaultSpecError
-from kvferry.cluster.prefill import WRITER_TRANSITIONS, WriterState
 from kvferry.cluster.rendezvous import RankCard, RendezvousError
 from kvferry.cluster.router import Ledger
 from kvferry.cluster.runtime import RankRuntime
@@ -96,42 +96,6 @@ def test_decoding_refuses_other_versions_and_oversize():
         m.encode(m.ABORT_ACK.make(**HEADER, rid="x" * (m.MAX_REQUEST_ID + 1)))
 
 
-# ---------------------------------------------------------------- state tables
-@pytest.mark.parametrize("table,start,terminal", [
-    (WRITER_TRANSITIONS, WriterState.WAITING, {WriterState.DONE, WriterState.ABORTED}),
-    (OWNER_TRANSITIONS, OwnerState.AWAITING, {OwnerState.CLOSED}),
-])
-def test_protocol_tables_are_closed_and_terminal_states_absorb(table, start, terminal):
-    assert set(table) == set(type(start))
-    assert {s for s, out in table.items() if not out} == terminal
-    seen, todo = {start}, [start]
-    while todo:
-        for nxt in table[todo.pop()]:
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    assert seen == set(table), "every state is reachable from the start"
-    for s in table:          # and every state can reach a terminal one
-        assert any(_reaches(table, s, t) for t in terminal)
-
-
-def _reaches(table, src, dst) -> bool:
-    seen, todo = {src}, [src]
-    while todo:
-        s = todo.pop()
-        if s == dst:
-            return True
-        for n in table[s] - seen:
-            seen.add(n)
-            todo.append(n)
-    return False
-
-
-def test_owner_never_frees_quarantined_pages_except_by_closing():
-    assert OWNER_TRANSITIONS[OwnerState.QUARANTINED] == {OwnerState.CLOSED}
-    assert OwnerState.DECODING not in OWNER_TRANSITIONS[OwnerState.QUARANTINED]
-
-
 # ---------------------------------------------------------------- router ledger
 def test_ledger_counts_pages_of_ended_requests_until_released():
     led = Ledger({1: 10, 2: 10})
@@ -150,7 +114,7 @@ def test_fault_plan_parses_and_refuses():
     assert plan.on_send("ABORT_ACK", 1, b"p") == []
     assert plan.on_send("NOTICE", 1, b"p") == [(b"p", 0.0), (b"p", 0.0)]
     assert plan.on_send("PLAN", 1, b"p") == [(b"p", 0.5)]
-    assert plan.corrupts("..@x@..") and plan.at("mid-transfer", "..@y@..") == ("pause", 2.0)
+    assert plan.corrupt_marker == "@x@" and plan.at("mid-transfer", "..@y@..") == ("pause", 2.0)
     assert plan.at("after-write", "..@y@..") is None
     assert FaultPlan().on_send("ABORT", 1, b"p") == [(b"p", 0.0)]
     for bad in (["explode:X"], ["delay:PLAN"], ["at:mid-transfer:pause:@y@:soon"], ["at:nowhere:pause:@y@"],
@@ -285,7 +249,7 @@ def test_deferred_work_runs_after_the_messages_that_arrived_meanwhile():
                 src=1, inc=7, seq=2, rid="r", owner=2, writers=[1], source="client",
                 reason="gone")))
 
-    rt.set_handler(on_message)
+    rt.set_handlers({k: on_message for k in Kind}, role="test")
     engine.arriving.append(m.encode(m.PREFILL.make(src=1, inc=7, seq=1, rid="r",
                                                    tokens=b"\0" * 64, offset=0, total=16,
                                                    owner=2, owner_inc=7)))

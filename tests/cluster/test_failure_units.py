@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+from kvferry.engine.protocol.words import Kind
+
 import asyncio
 import time
 
@@ -140,7 +142,7 @@ def test_an_exception_in_a_handler_ends_the_request_it_was_handling(ended):
 
     def handler(msg):
         raise KeyError("no such page")
-    rt.set_handler(handler)
+    rt.set_handlers({k: handler for k in Kind}, role="test")
     engine.arriving.append(m.encode(m.ABORT_ACK.make(src=1, inc=7, seq=1, rid="req-9")))
     rt.pump(0)
     assert rt.counters.request_errors == 1

@@ -3,6 +3,8 @@ transfers into it (the loaded-owner case: over tcp the owner's own progress move
 bytes), each with its broken mode."""
 from __future__ import annotations
 
+from kvferry.engine.protocol.words import Kind
+
 import pytest
 
 from kvferry.cluster.batching import MIN_BATCH_BYTES, BatchSizer
@@ -49,7 +51,7 @@ def test_a_decoding_owner_keeps_progressing_while_the_wire_is_busy(drains, monke
     engine = _Engine()
     rt = _runtime(engine)
     got: list[str] = []
-    rt.set_handler(lambda msg: got.append(msg.rid))
+    rt.set_handlers({k: lambda msg: got.append(msg.rid) for k in Kind}, role="test")
     arrivals = [m.encode(m.ABORT_ACK.make(src=1, inc=7, seq=i + 1, rid=f"r{i}")) for i in range(20)]
 
     def progress(timeout_s=0, stay_awake=False):   # one message per poll, as a busy socket

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from kvferry.cluster import messages as m
-from kvferry.cluster.decode import DecodeRank, OwnedRequest, OwnerState
+from kvferry.cluster.decode import DecodeRank, OwnerState
+from kvferry.engine.protocol.owner import OwnerBook
+from kvferry.engine.protocol.words import Kind
 from kvferry.cluster.faults import FaultPlan
 from kvferry.cluster.metrics import ClusterMetrics
 from kvferry.cluster.prefill import PrefillRank
@@ -43,11 +45,12 @@ class RecordingRuntime:
         self.deferred: list = []
         self.defer_at_once = False   # broken mode: deferred work runs inside the handler
 
-    def set_handler(self, fn) -> None:
-        self.handler = fn
+    def set_handlers(self, handlers, role) -> None:
+        self.handlers = handlers
 
     def deliver(self, kind, src: int, **fields) -> None:
-        self.handler(kind.make(src=src, inc=1, seq=len(self.sent) + 1000, **fields))
+        msg = kind.make(src=src, inc=1, seq=len(self.sent) + 1000, **fields)
+        self.handlers[Kind(msg.kind)](msg)
 
     def send(self, rank, kind, **fields):
         self.sent.append((rank, kind.name, fields))
@@ -55,7 +58,7 @@ class RecordingRuntime:
 
     notify = send
 
-    def write(self, rank, local, pages):
+    def write(self, rank, local, pages, rid=None):
         self.writes.append((rank, np.asarray(pages)))
         return _Done()
 
@@ -244,7 +247,7 @@ def test_acks_that_overtake_the_abort_release_only_once_every_writer_acked(every
     Broken mode (an owner that counts one ack as all) releases the pages while writer 3
     may still write them, and the test sees it."""
     if not every_writer:
-        monkeypatch.setattr(OwnedRequest, "writers_done", lambda self: bool(self.acked))
+        monkeypatch.setattr(OwnerBook, "writers_done", lambda self: bool(self.acked))
     owner, rt = _owner()
     rt.deliver(m.ASSIGN, src=0, rid="r5", prompt_len=40, max_tokens=8, writers=[1, 3],
                last_token=7)
@@ -299,7 +302,7 @@ def test_the_owner_asks_writers_again_only_after_the_routers_abort_had_time(retr
     router alone, with no retry) keeps the pages quarantined until the deadline, and the
     test sees it."""
     if not retries:
-        monkeypatch.setattr(DecodeRank, "_ask_for_acks", lambda self, *a, **k: None)
+        monkeypatch.setattr(DecodeRank, "_arm_retry", lambda self, req: None)
     owner, rt = _owner()
     rt.deliver(m.ASSIGN, src=0, rid="r6", prompt_len=40, max_tokens=8, writers=[1],
                last_token=7)

@@ -1,0 +1,287 @@
+"""The protocol core's tables (kvferry.engine.protocol), walked without processes.
+
+Every (state, event) pair of both tables has an entry; a hypothesis state machine drives
+each table with arbitrary inputs in arbitrary order (notices, acks, aborts, timeouts,
+failures, severed writers, processes gone) while carrying out the effects against the real
+page allocator, and checks I2 and I4 after every step. Each walk is also run against a
+broken table (the one the ``--unsafe`` switch runs, and a writer that acks with writes in
+flight) and must catch it.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, \
+    run_state_machine_as_test
+
+from kvferry.engine.allocator import PageAllocator
+from kvferry.engine.protocol import owner as oc
+from kvferry.engine.protocol import writer as wc
+from kvferry.engine.protocol.owner import OwnerDo, OwnerEvent, OwnerState
+from kvferry.engine.protocol.table import Move, replace, terminal
+from kvferry.engine.protocol.writer import WriterDo, WriterEvent, WriterState
+
+WALK = settings(max_examples=150, stateful_step_count=30, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
+RELEASES = {OwnerDo.FREE, OwnerDo.RELEASE_ACKED, OwnerDo.RELEASE_SEVERED, OwnerDo.RELEASE_UNSAFE}
+
+
+@pytest.mark.parametrize("table,states,events", [
+    (oc.OWNER_TABLE, OwnerState, OwnerEvent), (wc.WRITER_TABLE, WriterState, WriterEvent)])
+def test_every_state_event_pair_has_an_entry(table, states, events):
+    assert set(table) == {(s, e) for s in states for e in events}
+
+
+def test_the_terminal_states_absorb_and_every_state_reaches_one():
+    for table, states, ends, start in [
+            (oc.OWNER_TABLE, OwnerState, {OwnerState.CLOSED}, OwnerState.NEW),
+            (wc.WRITER_TABLE, WriterState, {WriterState.DONE, WriterState.ABORTED},
+             WriterState.NEW)]:
+        assert terminal(table, states) == ends
+        reach = {start}
+        while True:
+            more = {m.to for (s, _), m in table.items() if s in reach} - reach
+            if not more:
+                break
+            reach |= more
+        assert reach == set(states), "every state is reachable from the start"
+
+
+def test_the_owner_releases_only_on_its_proofs():
+    """Read off the table: from a state where a writer may still write (AWAITING,
+    QUARANTINED, FENCED), the only entries that free or release pages are those whose
+    event is the proof."""
+    proofs = {OwnerEvent.ABORT_FLUSHED, OwnerEvent.FAIL_FLUSHED, OwnerEvent.LAST_FLUSH,
+              OwnerEvent.PROOF}
+    for (state, event), move in oc.OWNER_TABLE.items():
+        if state in (OwnerState.AWAITING, OwnerState.QUARANTINED, OwnerState.FENCED) and \
+                RELEASES & set(move.effects):
+            assert event in proofs, (state, event)
+        assert OwnerDo.RELEASE_UNSAFE not in move.effects
+
+
+# ------------------------------------------------------------------------ the owner
+def owner_walk(table):
+    class OwnerWalk(RuleBasedStateMachine):
+        """One request at an owner with 1-3 writers; each writer may flush (notice), ack,
+        be severed at the deadline, or die. ``may_land`` is the ground truth of I4: a
+        writer whose writes may still land (it has proven nothing and its process lives)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.alloc = PageAllocator(8)
+            self.book: oc.OwnerBook | None = None
+            self.tombstoned = False
+            self.released_while_landing: list[str] = []
+            self.gone: set[int] = set()
+
+        @rule(writers=st.integers(1, 3), pages=st.integers(1, 10))
+        @precondition(lambda self: self.book is None)
+        def assign(self, writers: int, pages: int) -> None:
+            self.book = oc.OwnerBook("r")
+            granted = pages <= self.alloc.free_pages
+            if granted:
+                self.alloc.allocate("r", pages)
+            self.feed(oc.on_assign(self.book, tuple(range(writers)), granted))
+
+        def writer(self, data) -> int:
+            assert self.book is not None and self.book.writers
+            return data.draw(st.sampled_from(self.book.writers))
+
+        @rule(data=st.data(), whole=st.booleans())
+        @precondition(lambda self: self.book is not None and self.book.writers)
+        def notice(self, data, whole: bool) -> None:
+            self.feed(oc.on_notice(self.book, self.writer(data), whole))
+
+        @rule(data=st.data(), severed=st.booleans())
+        @precondition(lambda self: self.book is not None and self.book.writers)
+        def ack(self, data, severed: bool) -> None:
+            self.feed(oc.on_ack(self.book, self.writer(data), severed))
+
+        @rule(told=st.booleans())
+        @precondition(lambda self: self.book is not None)
+        def abort(self, told: bool) -> None:
+            self.feed(oc.on_abort(self.book, writers_told=told))
+
+        @rule()
+        @precondition(lambda self: self.book is not None)
+        def fail(self) -> None:
+            self.feed(oc.on_failure(self.book))
+
+        @rule(event=st.sampled_from([OwnerEvent.VERIFIED, OwnerEvent.CORRUPT,
+                                     OwnerEvent.FINISHED, OwnerEvent.RETRY]))
+        @precondition(lambda self: self.book is not None)
+        def internal(self, event: OwnerEvent) -> None:
+            self.feed(event)
+
+        @rule()
+        @precondition(lambda self: self.book is not None
+                      and self.book.state is OwnerState.QUARANTINED)
+        def deadline(self) -> None:
+            self.feed(oc.on_deadline(self.book))
+
+        @rule(data=st.data())
+        @precondition(lambda self: self.book is not None and self.book.writers)
+        def dies(self, data) -> None:
+            self.gone.add(self.writer(data))
+
+        @rule()
+        @precondition(lambda self: self.book is not None and self.book.state is OwnerState.FENCED)
+        def proof_check(self) -> None:
+            self.feed(oc.on_proof_check(self.book, set(self.gone)))
+
+        def feed(self, event: OwnerEvent) -> None:
+            assert self.book is not None
+            before = self.book.state
+            move = oc.step(self.book, event, table)
+            for do in move.effects:
+                if do is OwnerDo.TOMBSTONE:
+                    self.tombstoned = True
+                elif do is OwnerDo.QUARANTINE:
+                    self.alloc.quarantine("r")
+                elif do in RELEASES:
+                    landing = [w for w in self.book.writers if w not in self.book.noticed
+                               and w not in self.book.acked and w not in self.gone]
+                    if landing:
+                        self.released_while_landing.append(
+                            f"{before.name} --{event.name}--> {do.name} with writers {landing} "
+                            f"still able to write")
+                    if self.alloc.quarantined_pages_of("r"):
+                        self.alloc.release("r")
+                    else:
+                        self.alloc.free("r")
+            if before is OwnerState.CLOSED:
+                assert move.to is OwnerState.CLOSED, "I2: CLOSED has no way out"
+
+        @invariant()
+        def i4_no_release_while_a_write_may_land(self) -> None:
+            assert not self.released_while_landing, self.released_while_landing
+
+        @invariant()
+        def i2_closed_means_tombstoned_and_nothing_held(self) -> None:
+            self.alloc.check_invariants()
+            if self.book is not None and self.book.state is OwnerState.CLOSED:
+                assert self.tombstoned and not self.alloc.pages_of("r")
+            if self.book is not None and self.book.state in (OwnerState.QUARANTINED,
+                                                             OwnerState.FENCED):
+                assert self.alloc.quarantined_pages_of("r") or not self.alloc.pages_of("r")
+
+    return OwnerWalk
+
+
+def test_the_owner_table_keeps_i2_and_i4_on_every_walk():
+    run_state_machine_as_test(owner_walk(oc.OWNER_TABLE), settings=WALK)
+
+
+@pytest.mark.parametrize("broken", ["unsafe", "release_on_sever", "single_ack"])
+def test_the_walk_catches_a_broken_owner_table(broken):
+    if broken == "single_ack":   # release on the first ack, as the spin model's mutant
+        table = replace(oc.OWNER_TABLE, {(OwnerState.QUARANTINED, OwnerEvent.FLUSH):
+                                         Move(OwnerState.CLOSED, (OwnerDo.RELEASE_ACKED,))})
+    else:
+        table = oc.owner_table(**{broken: True})
+    with pytest.raises(AssertionError, match="still able to write"):
+        run_state_machine_as_test(owner_walk(table), settings=WALK)
+
+
+# ------------------------------------------------------------------------ the writer
+def writer_walk(table):
+    class WriterWalk(RuleBasedStateMachine):
+        """One request at a writer: the prompt, the plan, the KV, batches posted and
+        settling, aborts and failures in any order. I4, writer side: no ack while a batch
+        is in flight, the source pages kept until a flush, nothing posted after an abort."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.alloc = PageAllocator(8)
+            self.book = wc.WriterBook("r", owner=2)
+            self.queued = 0
+            self.stopped = False
+            self.problems: list[str] = []
+            self.flushes = {WriterEvent.ACK_FLUSHED, WriterEvent.NOTICE_FLUSHED}
+
+        @rule()
+        @precondition(lambda self: not self.alloc.pages_of("r") and self.book.state in
+                      (WriterState.NEW, WriterState.PLANNED))
+        def prompt(self) -> None:
+            self.alloc.allocate("r", 2)
+            self.feed(WriterEvent.PROMPT)
+
+        @rule()
+        def plan(self) -> None:
+            self.feed(WriterEvent.PLAN)
+
+        @rule()
+        def kv_ready(self) -> None:
+            self.feed(WriterEvent.KV_READY)
+
+        @rule(ok=st.booleans())
+        @precondition(lambda self: self.book.in_flight > 0)
+        def settles(self, ok: bool) -> None:
+            self.feed(wc.on_settled(self.book, ok, self.queued > 0))
+
+        @rule()
+        def abort(self) -> None:
+            self.feed(wc.on_abort(self.book))
+
+        @rule()
+        def fail(self) -> None:
+            self.feed(wc.on_failure(self.book))
+
+        @rule(event=st.sampled_from([WriterEvent.NOTICE_FLUSHED, WriterEvent.ACK_FLUSHED]))
+        def flushed(self, event: WriterEvent) -> None:
+            self.feed(event)
+
+        def feed(self, event: WriterEvent) -> None:
+            before = self.book.state
+            move = wc.step(self.book, event, table)
+            where = f"{before.name} --{event.name}-->"
+            for do in move.effects:
+                if do in (WriterDo.POST_WRITES, WriterDo.POST_NEXT):
+                    if self.stopped:
+                        self.problems.append(f"{where} {do.name} after an abort")
+                    if do is WriterDo.POST_WRITES:
+                        self.queued = 2
+                    wc.on_posted(self.book)
+                    self.queued = max(0, self.queued - 1)
+                elif do is WriterDo.STOP_POSTING:
+                    self.stopped, self.queued = True, 0
+                elif do is WriterDo.TOMBSTONE:
+                    self.stopped = True
+                elif do in (WriterDo.SEND_ACK, WriterDo.ACK_NOW) and self.book.in_flight:
+                    self.problems.append(f"{where} {do.name} with {self.book.in_flight} "
+                                         f"batches in flight")
+                elif do is WriterDo.FREE_SOURCE:
+                    if event not in self.flushes or self.book.in_flight:
+                        self.problems.append(f"{where} FREE_SOURCE before a flush")
+                    self.alloc.free("r") if self.alloc.pages_of("r") else None
+            if before in (WriterState.DONE, WriterState.ABORTED):
+                assert move.to is before, "I2: DONE and ABORTED have no way out"
+
+        @invariant()
+        def i4_writer_side(self) -> None:
+            assert not self.problems, self.problems
+            self.alloc.check_invariants()
+
+    return WriterWalk
+
+
+def test_the_writer_table_keeps_i4_on_every_walk():
+    run_state_machine_as_test(writer_walk(wc.WRITER_TABLE), settings=WALK)
+
+
+@pytest.mark.parametrize("broken", ["ack_in_flight", "free_source_at_abort"])
+def test_the_walk_catches_a_broken_writer_table(broken):
+    S, E, D = WriterState, WriterEvent, WriterDo
+    move = (Move(S.ACKING, (D.STOP_POSTING, D.TOMBSTONE, D.SEND_ACK)) if broken == "ack_in_flight"
+            else Move(S.ABORTED, (D.STOP_POSTING, D.TOMBSTONE, D.FREE_SOURCE, D.ACK_NOW)))
+    table = replace(wc.WRITER_TABLE, {(S.WRITING, E.ABORT): move})
+    with pytest.raises(AssertionError, match="in flight|before a flush"):
+        run_state_machine_as_test(writer_walk(table), settings=WALK)
+
+
+def test_both_tables_render_for_a_reader():
+    owner, writer = oc.render_owner_table(), wc.render_writer_table()
+    assert "| QUARANTINED | LAST_FLUSH | CLOSED | RELEASE_ACKED |" in owner
+    assert "| DRAINING | DRAINED | ACKING | SEND_ACK |" in writer

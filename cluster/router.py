@@ -127,6 +127,9 @@ class Ledger:
 
 
 class Router:
+    HANDLES = frozenset({Kind.STATS, Kind.SEVERED, Kind.RELEASED, Kind.TOKENS, Kind.DONE,
+                         Kind.ABORT})
+
     def __init__(self, runtime: RankRuntime, topology: Topology, cards: dict[int, RankCard],
                  *, context_length: int, request_timeout_s: float, admission_wait_s: float,
                  metrics: ClusterMetrics) -> None:
@@ -158,6 +161,7 @@ class Router:
         self.handlers = {Kind.STATS: self._on_stats, Kind.SEVERED: self._on_severed_msg,
                          Kind.RELEASED: self._on_released, Kind.TOKENS: self._on_tokens,
                          Kind.DONE: self._on_done, Kind.ABORT: self._on_abort}
+        assert set(self.handlers) == self.HANDLES
         runtime.set_handlers({k: self._heard_from(fn) for k, fn in self.handlers.items()},
                              role="router")
         runtime.on_send_failure = self._on_send_failure

@@ -14,7 +14,6 @@ are cffi objects, typed ``Any``).
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
 
 ORIGIN_WHEEL = b"kvferry-ucx-origin=wheel"
 
@@ -38,8 +37,7 @@ def _load_wheel() -> bool:
 
 if _built_against_wheel():
     _load_wheel()
-ffi: Any
-lib: Any
+# ffi and lib are cffi objects (typed Any: the compiled module has no stubs).
 try:
     from ._ucp import ffi, lib
 except ImportError as first_error:

@@ -145,8 +145,9 @@ class TransferConfig:
         """The options the engine sets unless ``ucx_options`` (or, for transport options,
         the operator's ``UCX_*`` environment) says otherwise."""
         opts: dict[str, str] = {}
-        if self.tls():
-            opts["TLS"] = self.tls()
+        tls = self.tls()
+        if tls:
+            opts["TLS"] = tls
         if self.tcp_failure_detection and self.uses_tcp():
             opts.update(TCP_FAILURE_OPTIONS)
         if self.rc_failure_detection and self.uses_rc() and self.transports is not None:
@@ -302,11 +303,13 @@ class TransferEngine:
         out = ffi.new("kvf_worker_h *")
         with _environment(self._plan.environment):
             st = int(lib.kvf_worker_create(params, out))
-            self._horizon = self._read_horizon() if st == 0 else None
-        if st != 0:
+            # read while the worker's environment is in place
+            horizon = self._read_horizon() if st == 0 else None
+        if st != 0 or horizon is None:
             bad = ffi.string(bad_option).decode()
             raise ucx_error(st, "creating the UCX context/worker"
                             + (f" (option {bad}={self._options.get(bad)!r})" if bad else ""))
+        self._horizon = horizon
         self._worker: Any = out[0]  # kvf_worker_h
         addr, alen = ffi.new("void **"), ffi.new("size_t *")
         _check(lib.kvf_worker_address(self._worker, addr, alen), "worker address")
@@ -351,12 +354,12 @@ class TransferEngine:
         log.info("transfer engine %s: %s", self.name, self.describe())
 
     # ----------------------------------------------------------------- description
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """UCX version and library, build source (which UCX and why), the UCP API it was
         built against, what that build lacks, requested transports and options (and those
         this UCX lacks), the RDMA devices and transports (``transports="rdma"``), the
         failure horizon, and the transports each connected peer's endpoint uses."""
-        out = {
+        out: dict[str, Any] = {
             "ucx_version": ffi.string(lib.kvf_version_string()).decode(),
             "ucx_library": ffi.string(lib.kvf_library_path()).decode(),
             "ucx_build": ffi.string(lib.kvf_ucx_source()).decode(),
@@ -365,7 +368,7 @@ class TransferEngine:
             "transports_requested": self._options.get("TLS", "all (UCX default)"),
             "ucx_options": dict(self._options),
             "ucx_environment": {**self._plan.operator},
-            "failure_horizon": self._horizon.how if self._horizon else None,
+            "failure_horizon": self._horizon.how,
             "incarnation": f"{self.incarnation:#018x}",
             "name": self.name,
             "peers": {p.name: {"state": p.state.value, "transports": p.transports,
@@ -999,5 +1002,5 @@ class TransferEngine:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    def counters_dict(self) -> dict:
+    def counters_dict(self) -> dict[str, int]:
         return asdict(self.counters)

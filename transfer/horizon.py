@@ -93,8 +93,9 @@ def tcp_horizon(keepidle: str | None, keepintvl: str | None, keepcnt: str | None
                 user_timeout: str | None, user_timeout_supported: bool) -> FailureHorizon:
     """The tcp horizon from the option values the worker read (None: not known)."""
     idle, intvl = parse_seconds(keepidle or ""), parse_seconds(keepintvl or "")
-    count = int(keepcnt) if (keepcnt or "").isdigit() else None
-    keepalive = idle + intvl * count if None not in (idle, intvl, count) else None
+    count = int(keepcnt) if keepcnt is not None and keepcnt.isdigit() else None
+    keepalive = (idle + intvl * count if idle is not None and intvl is not None
+                 and count is not None else None)
     ka_text = (f"keep-alive {idle:g} s + {intvl:g} s x {count} = {keepalive:g} s"
                if keepalive is not None else
                f"keep-alive {keepidle} + {keepintvl} x {keepcnt} (not all set)")
@@ -115,7 +116,7 @@ def tcp_horizon(keepidle: str | None, keepintvl: str | None, keepcnt: str | None
 
 def rc_horizon(timeout: str | None, retry_count: str | None) -> FailureHorizon:
     t = parse_seconds(timeout or "")
-    r = int(retry_count) if (retry_count or "").isdigit() else None
+    r = int(retry_count) if retry_count is not None and retry_count.isdigit() else None
     if t is None or r is None:
         return FailureHorizon("rc", None, f"RC_TIMEOUT {timeout} x RC_RETRY_COUNT "
                                           f"{retry_count}: not a bounded horizon")
@@ -131,10 +132,10 @@ SHM_HORIZON = FailureHorizon("shm", None, "shared memory has no transport timeou
 
 def combine(horizons: list[FailureHorizon]) -> FailureHorizon:
     """The horizon of a transport mix: the longest bounded one (None only if all are)."""
-    bounded = [h for h in horizons if h.seconds is not None]
+    bounded = [(h.seconds, h) for h in horizons if h.seconds is not None]
     if not bounded:
         return horizons[0] if horizons else SHM_HORIZON
-    worst = max(bounded, key=lambda h: h.seconds)
+    worst = max(bounded, key=lambda sh: sh[0])[1]
     if len(horizons) == 1:
         return worst
     return FailureHorizon("+".join(h.transport for h in horizons), worst.seconds,

@@ -68,8 +68,9 @@ class Segment:
         return np.frombuffer(ffi.buffer(ffi.cast("char *", self.base), self.length),
                              dtype=np.uint8)
 
-    def as_torch(self):
-        """A uint8 CPU tensor viewing the whole segment (zero-copy)."""
+    def as_torch(self) -> Any:
+        """A uint8 CPU tensor viewing the whole segment (zero-copy); typed Any, since
+        torch is optional for this package."""
         import torch
 
         return torch.from_numpy(self.as_numpy())

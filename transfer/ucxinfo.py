@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._native import ffi, lib
 from .errors import RdmaUnavailableError, status_name
@@ -31,8 +32,10 @@ RDMA_TLS = ("rc", "ud", "dc")
 _LANE = re.compile(r"lane\[\d+\]:\s+\d+:([\w-]+)/(\S+?)\.\d+\s")
 
 
-def _text(ptr) -> str:
-    return ffi.string(ptr).decode(errors="replace")
+def _text(ptr: Any) -> str:
+    """A NUL-terminated C string (a cffi ``char *``) as text."""
+    text: bytes = ffi.string(ptr)
+    return text.decode(errors="replace")
 
 
 @functools.lru_cache(maxsize=1)
@@ -164,7 +167,7 @@ def lanes_from_print_info(text: str) -> str:
     return ",".join(seen)
 
 
-def endpoint_transports(ep) -> tuple[str, str]:
+def endpoint_transports(ep: Any) -> tuple[str, str]:
     """(transports "tl/dev,...", how they were read) of a ucp endpoint."""
     buf = ffi.new("char[]", 1 << 14)
     if lib.kvf_ep_transports(ep, buf, len(buf)) == 0:
@@ -174,7 +177,7 @@ def endpoint_transports(ep) -> tuple[str, str]:
     return "", "unavailable"
 
 
-def report(transports: str | None = None) -> dict:
+def report(transports: str | None = None) -> dict[str, Any]:
     """Everything above as one dict (the CLI's output)."""
     inv = inventory()
     out = {"ucx": ucx_label(), "build": _text(lib.kvf_ucx_source()), **versions(),

@@ -31,6 +31,9 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 UINT64_MAX = (1 << 64) - 1
 
 
+EnumClass = type[enum.Enum]  # a name for it inside Field, whose own `type` shadows type
+
+
 class FieldType(enum.Enum):
     INT = "int"            # signed 64-bit
     UINT64 = "uint64"      # unsigned 64-bit (incarnations, sequence numbers)
@@ -56,7 +59,7 @@ class Field:
     type: FieldType
     max_len: int | None = None
     optional: bool = False
-    choices: type[enum.Enum] | None = None
+    choices: EnumClass | None = None
 
     def limit(self) -> int:
         return self.max_len if self.max_len is not None else _DEFAULT_MAX_LEN.get(self.type, 0)
@@ -179,6 +182,10 @@ _CONVERT: dict[FieldType, Callable[[Any], Any]] = {
     FieldType.BYTES: bytes, FieldType.INT_LIST: list, FieldType.STR_LIST: list}
 
 
+# (field name, fast predicate, spec, conversion) for each field of a kind
+_PlanStep = tuple[str, Callable[[Any], bool], Field, Callable[[Any], Any] | None]
+
+
 @dataclass(frozen=True)
 class MessageKind:
     """A declared message kind of one codec. Its fields' checks are compiled once into a
@@ -187,6 +194,8 @@ class MessageKind:
 
     name: str
     fields: Mapping[str, Field]
+    _plan: tuple[_PlanStep, ...] = field(init=False, repr=False, compare=False)
+    _names: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         plan = tuple((n, _fast_check(f), f, _CONVERT.get(f.type)) for n, f in self.fields.items())
@@ -243,7 +252,8 @@ class Codec:
         if mk is None:
             raise WireError(f"{self.protocol}: cannot encode unknown kind {msg.kind!r}")
         values = msg.fields if msg.checked else mk.validate(msg.fields)
-        data = msgpack.packb([self.protocol, self.version, msg.kind, values], use_bin_type=True)
+        data: bytes = msgpack.packb([self.protocol, self.version, msg.kind, values],
+                                    use_bin_type=True)
         if len(data) > self.max_bytes:
             raise WireError(f"{self.protocol}.{msg.kind}: {len(data)} bytes exceed the "
                             f"limit {self.max_bytes}")

@@ -26,22 +26,26 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 
 
-def _locator():
+def _locator() -> ModuleType:
     spec = importlib.util.spec_from_file_location("kvferry_ucx_locate", HERE / "ucx_locate.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look the module up by name
     spec.loader.exec_module(module)
     return module
 
 
-def choose_ucx():
-    """The UcxBuild to compile against; exits with the locator's message when none fits."""
+def choose_ucx() -> Any:
+    """The UcxBuild to compile against (typed Any: ucx_locate is loaded from its file, not
+    imported); exits with the locator's message when none fits."""
     locator = _locator()
     try:
         build = locator.locate()

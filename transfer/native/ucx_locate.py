@@ -23,6 +23,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 MIN_VERSION = (1, 13)
 CHOICES = "KVFERRY_UCX=wheel|system|auto|/prefix"
@@ -189,7 +190,7 @@ def locate(env: dict[str, str] | None = None) -> UcxBuild:
                          "path (starting with / . or ~)")
 
 
-def _explicit(make, choice: str) -> UcxBuild:
+def _explicit(make: Callable[[], UcxBuild], choice: str) -> UcxBuild:
     try:
         return make()
     except UcxChoiceError as exc:
@@ -203,8 +204,9 @@ def _with_note(build: UcxBuild, note: str | None) -> UcxBuild:
 
 
 def _auto(home: str, env: dict[str, str]) -> UcxBuild:
-    attempts = [("UCX_HOME", lambda: from_prefix(home, "KVFERRY_UCX=auto, UCX_HOME"))] if home \
-        else []
+    attempts: list[tuple[str, Callable[[], UcxBuild]]] = []
+    if home:
+        attempts.append(("UCX_HOME", lambda: from_prefix(home, "KVFERRY_UCX=auto, UCX_HOME")))
     attempts.append(("pkg-config",
                      lambda: from_pkg_config("KVFERRY_UCX=auto, pkg-config", env)))
     skipped: list[str] = []

@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 
 from kvferry.transfer import SegmentDescriptor, TransferConfig, TransferEngine
-from kvferry.transfer._native import ffi, lib
+from kvferry.transfer._native import COPY_FLAG_STREAMING, ffi, lib
 
 MiB = 1 << 20
 
@@ -279,7 +279,8 @@ def memcpy_ceiling(args, npages: int, page: int) -> None:
             t0 = time.perf_counter()
             lib.kvf_memcpy_pages(ffi.cast("char *", dst.ctypes.data),
                                  ffi.cast("char *", src.ctypes.data),
-                                 ffi.cast("int64_t *", pages.ctypes.data), npages, streaming)
+                                 ffi.cast("int64_t *", pages.ctypes.data), npages,
+                                 COPY_FLAG_STREAMING if streaming else 0)
             dt = time.perf_counter() - t0
             if i >= args.warmup:
                 times.append(dt)

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import time
 
+from kvferry.engine.allocator import PageAllocator
+from kvferry.engine.pool import KVPool
+
 TOMBSTONE_S = 600.0
 
 
 class RankBooks:
     """Mixed into PrefillRank and DecodeRank, which set ``allocator`` and ``pool``."""
+
+    allocator: PageAllocator
+    pool: KVPool
 
     def _init_books(self) -> None:
         self.tombstones: dict[str, float] = {}

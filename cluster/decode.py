@@ -381,7 +381,7 @@ class DecodeRank(RankBooks):
             for r in batch:
                 if r.state is OwnerState.DECODING:
                     self.rt.run_for(r.rid, "failing a decode step",
-                                    lambda r=r: self.fail_request(r.rid, reason))
+                                    functools.partial(self.fail_request, r.rid, reason))
         return True
 
     def _page_table(self, batch: list[OwnedRequest]) -> torch.Tensor:

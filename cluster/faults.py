@@ -154,8 +154,11 @@ class FaultHooks:
     """The fault seam the ranks call; every hook does nothing. ``label`` names the
     request to a marker: the prompt's text at a writer, ``prompt_len=N`` elsewhere."""
 
-    enabled = False
     swallow_errors = False
+
+    @property
+    def enabled(self) -> bool:
+        return False
 
     def on_send(self, kind: str, rank: int, payload: bytes) -> list[tuple[bytes, float]]:
         return [(payload, 0.0)]
@@ -248,7 +251,7 @@ class FaultPlan(FaultHooks):
             log.warning("FAULT INJECTION ENABLED: %s", specs)
         return plan
 
-    @property  # type: ignore[override]
+    @property
     def enabled(self) -> bool:
         return bool(self.drop or self.duplicate or self.delay or self.reorder
                     or self.corrupt_marker or self.short_marker or self.points

@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if role is Role.ROUTER:
             return asyncio.run(serve_router(runtime, topology, cards, cfg, stop))
+        assert pool is not None, "a prefill or decode rank has a pool"
         return serve_worker(runtime, role, topology, cfg, model, pool, segment, stop)
     finally:
         engine.shutdown()
@@ -198,6 +199,7 @@ def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int
 def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: ServeConfig,
                  model, pool: KVPool, segment, stop: StopFlag) -> int:
     router = topology.router_rank
+    worker: PrefillRank | DecodeRank
     if role is Role.PREFILL:
         _, index = topology.group_of(runtime.rank)
         worker = PrefillRank(runtime, model, pool, segment,

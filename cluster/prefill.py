@@ -49,6 +49,7 @@ log = logging.getLogger("kvferry.cluster")
 PREFILL_SLICE_S = 0.001   # longest a prefill computes before the loop polls again
 CHECKSUM_SLICE_BYTES = 32 << 20   # pages checksummed per step
 
+_END = -1   # the prefill generator is exhausted
 WRITER_RECEIVES = frozenset({Kind.PREFILL, Kind.PLAN, Kind.ABORT})
 _COMPUTING = (WriterState.COMPUTING, WriterState.COMPUTING_PLANNED)
 
@@ -217,7 +218,8 @@ class PrefillRank(RankBooks):
         if job.prompt_parts is None:
             job.book.owner, job.owner_inc = msg.owner, msg.owner_inc
             job.prompt_parts = Reassembly(job.rid, "PREFILL", msg.total, TOKENS_PER_CHUNK)
-        if not job.prompt_parts.add(msg.offset, msg.total, np.frombuffer(msg.tokens, dtype="<i4")):
+        chunk = np.frombuffer(msg.tokens, dtype="<i4")
+        if not job.prompt_parts.add(msg.offset, msg.total, chunk):  # type: ignore[arg-type]
             return
         tokens, job.prompt_parts = job.prompt_parts.joined_array(), None
         need = -(-len(tokens) // self.pool.page_size)
@@ -285,8 +287,8 @@ class PrefillRank(RankBooks):
             head_range=self.heads)
         while True:
             with torch.no_grad():
-                layer = next(layers, StopIteration)
-            if layer is StopIteration:
+                layer = next(layers, _END)
+            if layer is _END:
                 break
             yield
             if layer == 0 and self.rt.faults.enabled:
@@ -389,7 +391,8 @@ class PrefillRank(RankBooks):
                 self._fail(job, AbortSource.TRANSFER,
                            f"notice to rank {job.owner} could not be sent")
                 return
-        self.rt.watch(notice, lambda b: self._on_notified(job), rid=job.rid)
+        if notice is not None:
+            self.rt.watch(notice, lambda b: self._on_notified(job), rid=job.rid)
 
     def _on_notified(self, job: WriteJob) -> None:
         self._feed(job, WriterEvent.NOTICE_FLUSHED)

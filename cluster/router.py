@@ -397,7 +397,7 @@ class Router:
         one also counts the way there, and what the owner was busy with meanwhile."""
         same_host = self.cards[routed.owner].host == self.cards[self.rt.rank].host
         end_ns = released.released_ns if same_host and released.released_ns else time.monotonic_ns()
-        ms = max(0.0, (end_ns - routed.aborted_ns) / 1e6)
+        ms = max(0.0, (end_ns - (routed.aborted_ns or end_ns)) / 1e6)
         self.abort_from_router_ms.append(ms)
         self.metrics.abort_from_router.observe(ms / 1e3)
 

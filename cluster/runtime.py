@@ -19,13 +19,14 @@ peer is not marked lost.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 from kvferry.engine.protocol.words import Kind
 from kvferry.transfer import (Batch, BatchStatus, Peer, RemoteSegment, Segment, TransferEngine,
@@ -37,6 +38,13 @@ from .faults import FaultHooks, FaultPlan
 from .rendezvous import RankCard
 
 Handlers = Mapping[Kind, Callable[[Message], None]]
+
+
+class Settles(Protocol):
+    """What :meth:`RankRuntime.watch` needs of a batch: a status query that never blocks
+    (a transfer engine's batch, or an injected in-flight write)."""
+
+    def peek(self) -> BatchStatus: ...
 
 log = logging.getLogger("kvferry.cluster")
 
@@ -105,7 +113,7 @@ class RankRuntime:
         self._severed: dict[int, int] = {}           # rank -> incarnation severed
         self._severed_peers: dict[int, Peer] = {}    # control-only endpoints to severed ranks
         self._gone_since: dict[int, float] = {}     # rank -> when its process was seen gone
-        self._watches: list[tuple[Batch, Callable[[Batch], None], str | None]] = []
+        self._watches: list[tuple[Settles, Callable[[Any], None], str | None]] = []
         self._timers: list[_Timer] = []
         self._timer_order = itertools.count()
         self._deferred: list[tuple[Callable[[], None], str | None]] = []
@@ -226,7 +234,9 @@ class RankRuntime:
         first = None
         for payload, delay in self.faults.on_send(kind, rank, data):
             if delay > 0:
-                self.call_later(delay, lambda p=payload: self._post(rank, kind, p, flushed))
+                def later(p: bytes = payload) -> None:
+                    self._post(rank, kind, p, flushed)
+                self.call_later(delay, later)
             else:
                 first = first or self._post(rank, kind, payload, flushed)
         if first is None and flushed:
@@ -358,7 +368,8 @@ class RankRuntime:
             self._request_failed(rid, what, exc)
 
     # ------------------------------------------------------------------ batches, timers
-    def watch(self, batch: Batch, callback: Callable[[Batch], None], rid: str | None = None) -> None:
+    def watch(self, batch: Settles, callback: Callable[[Any], None],
+              rid: str | None = None) -> None:
         """Call ``callback(batch)`` once the batch settles: from :meth:`pump`, or right
         after the message handler that posted it returns. ``rid``: the request an
         exception in ``callback`` ends."""
@@ -421,7 +432,7 @@ class RankRuntime:
             if batch.peek() is BatchStatus.PENDING:
                 pending.append(watched)
             else:
-                self.run_for(rid, "a batch callback", lambda: cb(batch))
+                self.run_for(rid, "a batch callback", functools.partial(cb, batch))
         settled = len(pending) < len(current)
         self._watches = pending + self._watches  # callbacks may have added watches
         return settled
@@ -435,8 +446,9 @@ class RankRuntime:
             return 0.0
         if self._watches:
             timeout_s = min(timeout_s, WATCH_POLL_S)
-        if self._timers:
-            timeout_s = min(timeout_s, self.next_timer_in())
+        next_timer = self.next_timer_in()
+        if next_timer is not None:
+            timeout_s = min(timeout_s, next_timer)
         return timeout_s
 
     def next_timer_in(self) -> float | None:

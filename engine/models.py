@@ -42,8 +42,10 @@ class PagedModel(Protocol):
 
     def prefill_layers(self, kv: torch.Tensor, tokens: Sequence[int] | torch.Tensor,
                        page_row: Sequence[int] | torch.Tensor, *,
-                       head_range: tuple[int, int] | None = None) -> Generator[int, None, object]:
-        """``prefill`` one layer at a time: yields each layer's index once it is written."""
+                       head_range: tuple[int, int] | None = None
+                       ) -> Generator[int | None, None, object]:
+        """``prefill`` one layer at a time: yields each layer's index once it is written
+        (and may yield None between chunks of a layer, to let the caller poll)."""
 
     def decode_step(
         self,

@@ -197,17 +197,21 @@ class MonolithicEngine:
 
     def step(self) -> list[str]:
         """One batched decode step over the decoding requests; returns those that finished."""
-        entries = [self._entries[r.request_id] for r in self.live() if r.state is S.DECODING]
-        entries = entries[: self.max_batch]
-        if not entries:
+        running: list[tuple[_Entry, DecodeSlot]] = []
+        for r in self.live():
+            entry = self._entries[r.request_id]
+            if r.state is S.DECODING and entry.slot is not None:
+                running.append((entry, entry.slot))
+        running = running[: self.max_batch]
+        if not running:
             return []
-        decode_step(self.model, self.pool.kv, [e.slot for e in entries])
+        decode_step(self.model, self.pool.kv, [slot for _, slot in running])
         finished = []
-        for entry in entries:
-            if entry.slot.done:
-                entry.request.output_tokens = list(entry.slot.output)
+        for entry, slot in running:
+            if slot.done:
+                entry.request.output_tokens = list(slot.output)
                 self.allocator.free(entry.request.request_id)
-                entry.request.transition(S.FINISHED, f"{len(entry.slot.output)} tokens")
+                entry.request.transition(S.FINISHED, f"{len(slot.output)} tokens")
                 self.counters["finished"] += 1
                 finished.append(entry.request.request_id)
         return finished

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MIN_BATCH_BYTES = 4 << 20
-SMOOTHING = 0.5   # weight of the newest measurement
+SMOOTHING = 0.5  # weight of the newest measurement
 
 
 @dataclass
@@ -24,7 +24,7 @@ class BatchSizer:
     target_s: float
     max_bytes: int
     min_bytes: int = MIN_BATCH_BYTES
-    rate: dict[int, float] = field(default_factory=dict)   # owner -> bytes per second
+    rate: dict[int, float] = field(default_factory=dict)  # owner -> bytes per second
 
     def batch_bytes(self, owner: int) -> int:
         """Bytes the next batch to ``owner`` may carry."""
@@ -36,7 +36,7 @@ class BatchSizer:
     def settled(self, owner: int, nbytes: int, seconds: float) -> None:
         """A batch of ``nbytes`` to ``owner`` completed ``seconds`` after it was posted."""
         if nbytes < self.min_bytes // 4 or seconds <= 0:
-            return   # too small to say anything about the link
+            return  # too small to say anything about the link
         measured = nbytes / seconds
         old = self.rate.get(owner)
         self.rate[owner] = measured if old is None else SMOOTHING * measured + (1 - SMOOTHING) * old

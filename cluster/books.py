@@ -34,8 +34,11 @@ class RankBooks:
     def stats(self) -> dict:
         """Pool figures for the router's /metrics and /status (I3, I6)."""
         counts = self.allocator.counts()
-        return dict(free=counts["free"], owned=counts["owned"],
-                    quarantined=counts["quarantined"],
-                    capacity_tokens=self.pool.capacity_tokens,
-                    integrity_failures=self.integrity_failures,
-                    allocations=self.allocations)
+        return dict(
+            free=counts["free"],
+            owned=counts["owned"],
+            quarantined=counts["quarantined"],
+            capacity_tokens=self.pool.capacity_tokens,
+            integrity_failures=self.integrity_failures,
+            allocations=self.allocations,
+        )

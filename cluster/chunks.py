@@ -21,13 +21,13 @@ the largest chunk of each kind encodes well under the 4 MiB message limit
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import numpy as np
 
-TOKENS_PER_CHUNK = 1 << 19    # int32 tokens per PREFILL: 2 MiB
-PAGES_PER_CHUNK = 1 << 16     # pages (and generations, checksums) per PLAN or NOTICE
+TOKENS_PER_CHUNK = 1 << 19  # int32 tokens per PREFILL: 2 MiB
+PAGES_PER_CHUNK = 1 << 16  # pages (and generations, checksums) per PLAN or NOTICE
 
 
 class ChunkError(ValueError):
@@ -70,17 +70,25 @@ class Reassembly:
         """Take one chunk; True once every chunk is in. Raises ChunkError for a chunk
         that does not fit."""
         if total != self.total:
-            raise ChunkError(self.rid, self.what, f"total {total}, earlier chunks said {self.total}")
+            raise ChunkError(
+                self.rid, self.what, f"total {total}, earlier chunks said {self.total}"
+            )
         if len(lists) != self.width:
             raise ChunkError(self.rid, self.what, f"{len(lists)} lists, expected {self.width}")
         if offset < 0 or offset % self.size or (offset >= total and not offset == total == 0):
-            raise ChunkError(self.rid, self.what, f"offset {offset} is not a chunk of {total} "
-                                                  f"items in chunks of {self.size}")
+            raise ChunkError(
+                self.rid,
+                self.what,
+                f"offset {offset} is not a chunk of {total} items in chunks of {self.size}",
+            )
         expect = min(self.size, total - offset)
         for i, values in enumerate(lists):
             if len(values) != expect and not (i in self.optional and len(values) == 0):
-                raise ChunkError(self.rid, self.what, f"{len(values)} items at offset {offset}, "
-                                                      f"expected {expect} of {total}")
+                raise ChunkError(
+                    self.rid,
+                    self.what,
+                    f"{len(values)} items at offset {offset}, expected {expect} of {total}",
+                )
         self.parts.setdefault(offset, lists)
         return self.complete
 
@@ -102,6 +110,9 @@ class Reassembly:
 
     def _in_order(self) -> list[tuple[Sequence[int], ...]]:
         if not self.complete:
-            raise ChunkError(self.rid, self.what, f"{len(self.parts)} of "
-                                                  f"{chunk_count(self.total, self.size)} chunks in")
+            raise ChunkError(
+                self.rid,
+                self.what,
+                f"{len(self.parts)} of {chunk_count(self.total, self.size)} chunks in",
+            )
         return [self.parts[offset] for offset in sorted(self.parts)]

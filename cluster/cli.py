@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _check_capacity(args: argparse.Namespace) -> int:
@@ -24,8 +24,13 @@ def _check_capacity(args: argparse.Namespace) -> int:
     from kvferry.engine.pool import PoolConfig
 
     config = PoolConfig.for_tokens(
-        args.pool_tokens, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        page_size=args.page_size, dtype=args.dtype, device=args.device,
+        args.pool_tokens,
+        layers=args.layers,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        page_size=args.page_size,
+        dtype=args.dtype,
+        device=args.device,
     )
     report = check_capacity(config, args.context_length)
     if args.json:
@@ -43,28 +48,48 @@ def _check_capacity(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvferry", description="KV-cache page transfer for disaggregated inference")
+    parser = argparse.ArgumentParser(
+        prog="kvferry", description="KV-cache page transfer for disaggregated inference"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    cap = sub.add_parser("check-capacity", help="build a KV pool, measure its capacity, compare with the context length")
-    cap.add_argument("--context-length", type=int, required=True, help="declared context length in tokens")
-    cap.add_argument("--pool-tokens", type=int, required=True, help="pool size to allocate, in tokens")
+    cap = sub.add_parser(
+        "check-capacity",
+        help="build a KV pool, measure its capacity, compare with the context length",
+    )
+    cap.add_argument(
+        "--context-length", type=int, required=True, help="declared context length in tokens"
+    )
+    cap.add_argument(
+        "--pool-tokens", type=int, required=True, help="pool size to allocate, in tokens"
+    )
     cap.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
-    cap.add_argument("--layers", type=int, default=1, help="layers per page (default 1: small, fast check)")
+    cap.add_argument(
+        "--layers", type=int, default=1, help="layers per page (default 1: small, fast check)"
+    )
     cap.add_argument("--kv-heads", type=int, default=1, help="KV heads (default 1)")
     cap.add_argument("--head-dim", type=int, default=8, help="head dimension (default 8)")
-    cap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="KV dtype (default bf16)")
+    cap.add_argument(
+        "--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="KV dtype (default bf16)"
+    )
     cap.add_argument("--device", default="cpu", help="torch device of the pool (default cpu)")
     cap.add_argument("--json", action="store_true", help="also print the report as one JSON line")
     cap.set_defaults(func=_check_capacity)
 
-    serve = sub.add_parser("serve", add_help=False,
-                           help="serve a cluster (under torchrun, or a local one with --nproc)")
+    serve = sub.add_parser(
+        "serve",
+        add_help=False,
+        help="serve a cluster (under torchrun, or a local one with --nproc)",
+    )
     serve.set_defaults(func=_serve)
-    work = sub.add_parser("workload", add_help=False,
-                          help="run concurrent users against a cluster and check for leaks")
+    work = sub.add_parser(
+        "workload",
+        add_help=False,
+        help="run concurrent users against a cluster and check for leaks",
+    )
     work.set_defaults(func=_workload)
-    live = sub.add_parser("cluster-capacity",
-                          help="every rank's measured pool capacity vs the context length")
+    live = sub.add_parser(
+        "cluster-capacity", help="every rank's measured pool capacity vs the context length"
+    )
     live.add_argument("--url", default="http://127.0.0.1:8000", help="the router's URL")
     live.add_argument("--json", action="store_true", help="print the answer as one JSON line")
     live.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
@@ -80,17 +105,27 @@ def _serve(args: argparse.Namespace) -> int:
         from kvferry.cluster.launch import main as launch_main
 
         if "-h" in rest or "--help" in rest:
-            print("Outside torchrun, `kvferry serve --nproc N [options]` starts a local cluster "
-                  "of N ranks with torchrun --standalone.\n")
+            print(
+                "Outside torchrun, `kvferry serve --nproc N [options]` starts a local cluster "
+                "of N ranks with torchrun --standalone.\n"
+            )
             rest = [a for a in rest if a not in ("--nproc",)]
         return launch_main(rest)
     nproc = 3
     if "--nproc" in rest:
         i = rest.index("--nproc")
         nproc = int(rest[i + 1])
-        del rest[i:i + 2]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "kvferry.cluster.launch", *rest]
+        del rest[i : i + 2]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "kvferry.cluster.launch",
+        *rest,
+    ]
     os.execv(sys.executable, cmd)
     return 0  # not reached
 
@@ -119,13 +154,19 @@ def _cluster_capacity(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(body))
     else:
-        print(f"{'rank':>4}  {'role':<8} {'host':<20} {'capacity_tokens':>15} {'context_length':>14}  ok")
+        columns = ("rank", "role", "host", "capacity_tokens", "context_length")
+        print("{:>4}  {:<8} {:<20} {:>15} {:>14}  ok".format(*columns))
         for r in rows:
-            print(f"{r['rank']:>4}  {r['role']:<8} {r['host'][:20]:<20} {r['capacity_tokens']:>15} "
-                  f"{r['context_length']:>14}  {'yes' if r['ok'] else 'NO'}")
+            print(
+                f"{r['rank']:>4}  {r['role']:<8} {r['host'][:20]:<20} {r['capacity_tokens']:>15} "
+                f"{r['context_length']:>14}  {'yes' if r['ok'] else 'NO'}"
+            )
     if short:
-        print(f"error: {len(short)} rank(s) hold fewer tokens than the context length "
-              f"{body['context_length']}: ranks {[r['rank'] for r in short]}", file=sys.stderr)
+        print(
+            f"error: {len(short)} rank(s) hold fewer tokens than the context length "
+            f"{body['context_length']}: ranks {[r['rank'] for r in short]}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

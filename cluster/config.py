@@ -9,29 +9,29 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class ServeConfig:
     # model and pool
-    model: str = "replay"            # "replay" or "llama" (random weights)
+    model: str = "replay"  # "replay" or "llama" (random weights)
     layers: int = 1
     kv_heads: int = 2
     q_heads: int = 2
     head_dim: int = 32
     page_size: int = 16
     dtype: str = "fp32"
-    pool_tokens: int = 65536          # per rank, before measuring what was really allocated
+    pool_tokens: int = 65536  # per rank, before measuring what was really allocated
     context_length: int = 32768
     lower_context_length: bool = False  # operator accepts a context shorter than declared
     # protocol
     tp: int = 1
     prefill: int | None = None
-    transports: str | None = None     # UCX transports: "shm", "tcp" or None for UCX's choice
-    request_timeout_s: float = 60.0   # front door deadline for one request
+    transports: str | None = None  # UCX transports: "shm", "tcp" or None for UCX's choice
+    request_timeout_s: float = 60.0  # front door deadline for one request
     transfer_timeout_s: float = 10.0  # decode waits this long for every writer's notice
     # The owner waits this long for ABORT_ACKs, then severs. 5 s: past the tcp transport's
     # failure horizon (TCP_USER_TIMEOUT 4 s with 1 s keep-alives, set by the transfer
     # engine), so a writer that is still connected has either acked or been declared dead
     # by its transport; write batches are bounded so one lands well inside it.
     abort_deadline_s: float = 5.0
-    admission_wait_s: float = 5.0     # a request waits this long for pages, then 503
-    integrity: bool = True            # checksums and canaries on every transferred page
+    admission_wait_s: float = 5.0  # a request waits this long for pages, then 503
+    integrity: bool = True  # checksums and canaries on every transferred page
     unsafe_free_on_abort: bool = False  # DANGEROUS: frees pages at abort, no quarantine
     unsafe_release_on_sever: bool = False  # DANGEROUS: releases at the deadline once severed
     # front door
@@ -65,53 +65,118 @@ def positive_float(text: str) -> float:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeConfig()
     m = parser.add_argument_group("model and pool")
-    m.add_argument("--model", choices=["replay", "llama"], default=d.model,
-                   help="replay: answers replay the prompt, so a leak is readable; "
-                        "llama: small random-weight model for realistic shapes (default %(default)s)")
+    m.add_argument(
+        "--model",
+        choices=["replay", "llama"],
+        default=d.model,
+        help="replay: answers replay the prompt, so a leak is readable; "
+        "llama: small random-weight model for realistic shapes (default %(default)s)",
+    )
     m.add_argument("--layers", type=positive_int, default=d.layers)
     m.add_argument("--kv-heads", type=positive_int, default=d.kv_heads)
     m.add_argument("--q-heads", type=positive_int, default=d.q_heads)
     m.add_argument("--head-dim", type=positive_int, default=d.head_dim)
-    m.add_argument("--page-size", type=positive_int, default=d.page_size,
-                   help="tokens per page, 1 or more (default %(default)s)")
-    m.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=d.dtype,
-                   help="KV pool dtype (default %(default)s)")
-    m.add_argument("--pool-tokens", type=positive_int, default=d.pool_tokens,
-                   help="tokens of KV pool per rank (default %(default)s)")
-    m.add_argument("--context-length", type=positive_int, default=d.context_length,
-                   help="longest prompt + output served, 1 or more (default %(default)s)")
-    m.add_argument("--lower-context-length", action="store_true",
-                   help="start even if the measured pool is below --context-length, serving "
-                        "the measured capacity instead (logged)")
+    m.add_argument(
+        "--page-size",
+        type=positive_int,
+        default=d.page_size,
+        help="tokens per page, 1 or more (default %(default)s)",
+    )
+    m.add_argument(
+        "--dtype",
+        choices=["fp32", "fp16", "bf16"],
+        default=d.dtype,
+        help="KV pool dtype (default %(default)s)",
+    )
+    m.add_argument(
+        "--pool-tokens",
+        type=positive_int,
+        default=d.pool_tokens,
+        help="tokens of KV pool per rank (default %(default)s)",
+    )
+    m.add_argument(
+        "--context-length",
+        type=positive_int,
+        default=d.context_length,
+        help="longest prompt + output served, 1 or more (default %(default)s)",
+    )
+    m.add_argument(
+        "--lower-context-length",
+        action="store_true",
+        help="start even if the measured pool is below --context-length, serving "
+        "the measured capacity instead (logged)",
+    )
     p = parser.add_argument_group("roles and protocol")
-    p.add_argument("--prefill", type=positive_int, default=None,
-                   help="number of prefill ranks (default: about half of the non-router ranks)")
-    p.add_argument("--tp", type=positive_int, default=d.tp, help="tensor-parallel size of a prefill group")
-    p.add_argument("--transports", choices=["shm", "tcp", "rdma"], default=None,
-                   help="UCX transports for page writes: shm, tcp, or rdma (rc/ud/dc over verbs; "
-                        "needs a UCX built with verbs and an RDMA device) (default: UCX's choice)")
-    p.add_argument("--request-timeout", dest="request_timeout_s", type=positive_float,
-                   default=d.request_timeout_s, help="seconds (default %(default)s)")
-    p.add_argument("--transfer-timeout", dest="transfer_timeout_s", type=positive_float,
-                   default=d.transfer_timeout_s,
-                   help="seconds a decode rank waits for every writer's notice, per 65,536 "
-                        "prompt tokens (default %(default)s)")
-    p.add_argument("--abort-deadline", dest="abort_deadline_s", type=positive_float,
-                   default=d.abort_deadline_s,
-                   help="seconds an owner waits for abort acks before severing (default %(default)s)")
-    p.add_argument("--admission-wait", dest="admission_wait_s", type=positive_float,
-                   default=d.admission_wait_s, help="seconds (default %(default)s)")
-    p.add_argument("--no-integrity", dest="integrity", action="store_false",
-                   help="skip page checksums and canaries")
-    p.add_argument("--unsafe-free-on-abort", action="store_true",
-                   help="DANGEROUS, for tests only: free pages at abort without quarantine "
-                        "and skip integrity checks")
-    p.add_argument("--unsafe-release-on-sever", action="store_true",
-                   help="DANGEROUS, for tests only: at the abort deadline release quarantined "
-                        "pages once the silent writers are severed, without proof that their "
-                        "writes stopped")
-    p.add_argument("--fault", action="append", default=[],
-                   help="enable a fault hook (tests only), e.g. corrupt-page:MARKER")
+    p.add_argument(
+        "--prefill",
+        type=positive_int,
+        default=None,
+        help="number of prefill ranks (default: about half of the non-router ranks)",
+    )
+    p.add_argument(
+        "--tp", type=positive_int, default=d.tp, help="tensor-parallel size of a prefill group"
+    )
+    p.add_argument(
+        "--transports",
+        choices=["shm", "tcp", "rdma"],
+        default=None,
+        help="UCX transports for page writes: shm, tcp, or rdma (rc/ud/dc over verbs; "
+        "needs a UCX built with verbs and an RDMA device) (default: UCX's choice)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        dest="request_timeout_s",
+        type=positive_float,
+        default=d.request_timeout_s,
+        help="seconds (default %(default)s)",
+    )
+    p.add_argument(
+        "--transfer-timeout",
+        dest="transfer_timeout_s",
+        type=positive_float,
+        default=d.transfer_timeout_s,
+        help="seconds a decode rank waits for every writer's notice, per 65,536 "
+        "prompt tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--abort-deadline",
+        dest="abort_deadline_s",
+        type=positive_float,
+        default=d.abort_deadline_s,
+        help="seconds an owner waits for abort acks before severing (default %(default)s)",
+    )
+    p.add_argument(
+        "--admission-wait",
+        dest="admission_wait_s",
+        type=positive_float,
+        default=d.admission_wait_s,
+        help="seconds (default %(default)s)",
+    )
+    p.add_argument(
+        "--no-integrity",
+        dest="integrity",
+        action="store_false",
+        help="skip page checksums and canaries",
+    )
+    p.add_argument(
+        "--unsafe-free-on-abort",
+        action="store_true",
+        help="DANGEROUS, for tests only: free pages at abort without quarantine "
+        "and skip integrity checks",
+    )
+    p.add_argument(
+        "--unsafe-release-on-sever",
+        action="store_true",
+        help="DANGEROUS, for tests only: at the abort deadline release quarantined "
+        "pages once the silent writers are severed, without proof that their "
+        "writes stopped",
+    )
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        help="enable a fault hook (tests only), e.g. corrupt-page:MARKER",
+    )
     f = parser.add_argument_group("front door")
     f.add_argument("--host", default=d.host)
     f.add_argument("--port", type=int, default=d.port, help="front door port (default %(default)s)")

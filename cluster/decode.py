@@ -31,18 +31,28 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvferry.engine.admission import pages_needed
 from kvferry.engine.allocator import OutOfPages, PageAllocator, PageGrant
-from kvferry.engine.integrity import (CanaryTable, IntegrityError, check_transferred_length,
-                                      expected_canaries, page_checksums, request_id_hash)
-from kvferry.engine.kernels.ownership import (PageOwnership, check_ownership_reference,
-                                              describe_kinds)
+from kvferry.engine.integrity import (
+    CanaryTable,
+    IntegrityError,
+    check_transferred_length,
+    expected_canaries,
+    page_checksums,
+    request_id_hash,
+)
+from kvferry.engine.kernels.ownership import (
+    PageOwnership,
+    check_ownership_reference,
+    describe_kinds,
+)
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol import owner as core
 from kvferry.engine.protocol.owner import OwnerBook, OwnerDo, OwnerEvent, OwnerState
@@ -59,8 +69,15 @@ from .topology import head_range
 log = logging.getLogger("kvferry.cluster")
 
 OWNER_RECEIVES = frozenset({Kind.ASSIGN, Kind.NOTICE, Kind.ABORT, Kind.ABORT_ACK})
-_ABORTS = frozenset({OwnerEvent.ABORT, OwnerEvent.ABORT_TOLD, OwnerEvent.ABORT_FLUSHED,
-                     OwnerEvent.FAIL, OwnerEvent.FAIL_FLUSHED})
+_ABORTS = frozenset(
+    {
+        OwnerEvent.ABORT,
+        OwnerEvent.ABORT_TOLD,
+        OwnerEvent.ABORT_FLUSHED,
+        OwnerEvent.FAIL,
+        OwnerEvent.FAIL_FLUSHED,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -87,17 +104,17 @@ class OwnedRequest:
     grants: list[PageGrant] = field(default_factory=list)
     book: OwnerBook = field(init=False)
     notice_parts: dict[int, Reassembly] = field(default_factory=dict)
-    notices: dict[int, Notice] = field(default_factory=dict)   # whole notices
+    notices: dict[int, Notice] = field(default_factory=dict)  # whole notices
     generated: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)
     planned_at: float = field(default_factory=time.monotonic)
     timer: Any = None
     abort_started: float = 0.0
-    abort_source: AbortSource = AbortSource.INTERNAL   # ASK_ACKS's words
+    abort_source: AbortSource = AbortSource.INTERNAL  # ASK_ACKS's words
     abort_reason: str = ""
-    error: str = ""                         # REPORT_FAILED's words
+    error: str = ""  # REPORT_FAILED's words
     transfer_ms: float | None = None
-    prefill_ms: float | None = None       # the slowest writer's prefill compute
+    prefill_ms: float | None = None  # the slowest writer's prefill compute
     warned: bool = False
 
     def __post_init__(self) -> None:
@@ -127,24 +144,34 @@ class OwnedRequest:
 
 
 TOKEN_FLUSH = 16
-TIMEOUT_TOKENS = 1 << 16          # the transfer timeout applies per this many prompt tokens
-VERIFY_SLICE_S = 0.005            # longest the checks run before the loop polls again
-CHECKSUM_SLICE_BYTES = 32 << 20   # pages checksummed per step of the checks
-PROOF_CHECK_S = 0.05              # how often a fenced request looks for its proof
+TIMEOUT_TOKENS = 1 << 16  # the transfer timeout applies per this many prompt tokens
+VERIFY_SLICE_S = 0.005  # longest the checks run before the loop polls again
+CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step of the checks
+PROOF_CHECK_S = 0.05  # how often a fenced request looks for its proof
 
 
 class DecodeRank(RankBooks):
-    def __init__(self, runtime: RankRuntime, model, pool: KVPool, router: int, *,
-                 transfer_timeout_s: float, abort_deadline_s: float, integrity: bool = True,
-                 unsafe: bool = False, release_on_sever: bool = False,
-                 max_batch: int = 64) -> None:
+    def __init__(
+        self,
+        runtime: RankRuntime,
+        model,
+        pool: KVPool,
+        router: int,
+        *,
+        transfer_timeout_s: float,
+        abort_deadline_s: float,
+        integrity: bool = True,
+        unsafe: bool = False,
+        release_on_sever: bool = False,
+        max_batch: int = 64,
+    ) -> None:
         self.rt = runtime
         self.model = model
         self.pool = pool
         self.router = router
         self.transfer_timeout_s = transfer_timeout_s
         self.abort_deadline_s = abort_deadline_s
-        self.integrity = integrity and not unsafe   # checksums and canaries
+        self.integrity = integrity and not unsafe  # checksums and canaries
         self.unsafe = unsafe
         self.max_batch = max_batch
         self.release_on_sever = release_on_sever
@@ -153,8 +180,12 @@ class DecodeRank(RankBooks):
         self.canaries = CanaryTable(pool.num_pages)
         self.reqs: dict[str, OwnedRequest] = {}
         self._init_books()
-        self.handlers = {Kind.ASSIGN: self._on_assign, Kind.NOTICE: self._on_notice,
-                         Kind.ABORT: self._on_abort, Kind.ABORT_ACK: self._on_ack}
+        self.handlers = {
+            Kind.ASSIGN: self._on_assign,
+            Kind.NOTICE: self._on_notice,
+            Kind.ABORT: self._on_abort,
+            Kind.ABORT_ACK: self._on_ack,
+        }
         assert set(self.handlers) == OWNER_RECEIVES
         runtime.set_handlers(self.handlers, role="decode")
         runtime.on_request_error = self.fail_request
@@ -162,8 +193,11 @@ class DecodeRank(RankBooks):
     # -------------------------------------------------------------- the table
     def _feed(self, req: OwnedRequest, event: OwnerEvent) -> None:
         """Move the request by the owner's table and carry out the effects it lists."""
-        if event in _ABORTS and req.book.state not in (OwnerState.QUARANTINED,
-                                                       OwnerState.FENCED, OwnerState.CLOSED):
+        if event in _ABORTS and req.book.state not in (
+            OwnerState.QUARANTINED,
+            OwnerState.FENCED,
+            OwnerState.CLOSED,
+        ):
             req.abort_started = req.abort_started or time.monotonic()
         move = core.step(req.book, event, self.table)
         for do in move.effects:
@@ -179,11 +213,21 @@ class DecodeRank(RankBooks):
             generations = [g.generation for g in req.grants]
             for w in req.writers:
                 for lo, hi in spans(len(req.grants), PAGES_PER_CHUNK):
-                    self.rt.send(w, m.PLAN, rid=rid, offset=lo, total=len(req.grants),
-                                 pages=req.pages[lo:hi], generations=generations[lo:hi])
+                    self.rt.send(
+                        w,
+                        m.PLAN,
+                        rid=rid,
+                        offset=lo,
+                        total=len(req.grants),
+                        pages=req.pages[lo:hi],
+                        generations=generations[lo:hi],
+                    )
         elif do is D.ARM_TRANSFER_TIMER:
-            req.timer = self.rt.call_later(self.transfer_timeout_for(req.prompt_len),
-                                           lambda: self._transfer_timeout(req), rid=rid)
+            req.timer = self.rt.call_later(
+                self.transfer_timeout_for(req.prompt_len),
+                lambda: self._transfer_timeout(req),
+                rid=rid,
+            )
         elif do is D.CANCEL_TIMER:
             if req.timer is not None:
                 req.timer.cancel()
@@ -194,33 +238,61 @@ class DecodeRank(RankBooks):
         elif do is D.REPORT_FAILED:
             self._done(rid, Outcome.FAILED, req.error)
         elif do is D.REPORT_FINISHED:
-            self._done(rid, Outcome.FINISHED, None, count=len(req.generated),
-                       transfer_ms=req.transfer_ms, prefill_ms=req.prefill_ms)
+            self._done(
+                rid,
+                Outcome.FINISHED,
+                None,
+                count=len(req.generated),
+                transfer_ms=req.transfer_ms,
+                prefill_ms=req.prefill_ms,
+            )
         elif do is D.ABORT_WRITERS:
             for w in req.writers:
-                self.rt.send(w, m.ABORT, rid=rid, owner=self.rt.rank, writers=list(req.writers),
-                             source=AbortSource.DECODE, reason="no decode pages")
+                self.rt.send(
+                    w,
+                    m.ABORT,
+                    rid=rid,
+                    owner=self.rt.rank,
+                    writers=list(req.writers),
+                    source=AbortSource.DECODE,
+                    reason="no decode pages",
+                )
         elif do is D.REPORT_NOTHING_HELD:
             self.rt.send(self.router, m.RELEASED, rid=rid, pages=0, how=Release.FREED)
         elif do is D.FREE:
             if req.abort_started:
-                log.info("request %s aborted (%s) after every writer finished; pages freed",
-                         rid, req.abort_reason)
+                log.info(
+                    "request %s aborted (%s) after every writer finished; pages freed",
+                    rid,
+                    req.abort_reason,
+                )
             self._close(req, self.allocator.free(rid), req.book.free_reason())
         elif do is D.QUARANTINE:
             self.allocator.quarantine(rid)
-            log.debug("request %s aborted (%s); %d pages quarantined until writers %s ack",
-                      rid, req.abort_reason, len(req.grants), req.book.pending())
+            log.debug(
+                "request %s aborted (%s); %d pages quarantined until writers %s ack",
+                rid,
+                req.abort_reason,
+                len(req.grants),
+                req.book.pending(),
+            )
         elif do is D.ASK_ACKS:
             for w in req.book.pending():
-                self.rt.send(w, m.ABORT, rid=rid, owner=self.rt.rank, writers=req.writers,
-                             source=req.abort_source, reason=req.abort_reason)
+                self.rt.send(
+                    w,
+                    m.ABORT,
+                    rid=rid,
+                    owner=self.rt.rank,
+                    writers=req.writers,
+                    source=req.abort_source,
+                    reason=req.abort_reason,
+                )
         elif do is D.ARM_RETRY:
             self._arm_retry(req)
         elif do is D.ARM_DEADLINE:
             req.timer = self.rt.call_later(
-                self.abort_deadline_s, lambda: self._feed(req, core.on_deadline(req.book)),
-                rid=rid)
+                self.abort_deadline_s, lambda: self._feed(req, core.on_deadline(req.book)), rid=rid
+            )
         elif do is D.SEVER_PENDING:
             self._sever(req)
         elif do is D.CHECK_PROOF:
@@ -233,20 +305,26 @@ class DecodeRank(RankBooks):
         elif do is D.RELEASE_SEVERED:
             self._close(req, self.allocator.release(rid), Release.SEVERED)
         elif do is D.RELEASE_UNSAFE:
-            log.error("UNSAFE: request %s: releasing %d pages without proof that writers %s "
-                      "stopped", rid, len(req.grants), req.book.pending())
+            log.error(
+                "UNSAFE: request %s: releasing %d pages without proof that writers %s stopped",
+                rid,
+                len(req.grants),
+                req.book.pending(),
+            )
             quarantined = bool(self.allocator.quarantined_pages_of(rid))
             pages = self.allocator.release(rid) if quarantined else self.allocator.free(rid)
             self._close(req, pages, Release.UNSAFE)
         elif do is D.COUNT_INTEGRITY:
             self.integrity_failures += 1
-            log.error("request %s: integrity check failed on rank %d: %s", rid, self.rt.rank,
-                      req.error)
+            log.error(
+                "request %s: integrity check failed on rank %d: %s", rid, self.rt.rank, req.error
+            )
         else:  # pragma: no cover - the enum is closed
             raise AssertionError(f"request {rid}: no handler for {do}")
 
-    def _abort(self, req: OwnedRequest, event: OwnerEvent, source: AbortSource,
-               reason: str) -> None:
+    def _abort(
+        self, req: OwnedRequest, event: OwnerEvent, source: AbortSource, reason: str
+    ) -> None:
         if req.book.state not in (OwnerState.QUARANTINED, OwnerState.FENCED, OwnerState.CLOSED):
             req.abort_source, req.abort_reason = source, reason
         self._feed(req, event)
@@ -256,8 +334,7 @@ class DecodeRank(RankBooks):
         rid = msg.rid
         if rid in self.tombstones or rid in self.reqs:
             return
-        req = OwnedRequest(rid, msg.prompt_len, msg.max_tokens, list(msg.writers),
-                           msg.last_token)
+        req = OwnedRequest(rid, msg.prompt_len, msg.max_tokens, list(msg.writers), msg.last_token)
         need = pages_needed(msg.prompt_len, msg.max_tokens, self.pool.page_size)
         try:
             req.grants = self.allocator.allocate(rid, need)
@@ -280,21 +357,31 @@ class DecodeRank(RankBooks):
         if req is None:
             return
         if msg.src not in req.writers:
-            log.warning("request %s: notice from rank %d, which is not one of its writers %s",
-                        req.rid, msg.src, req.writers)
+            log.warning(
+                "request %s: notice from rank %d, which is not one of its writers %s",
+                req.rid,
+                msg.src,
+                req.writers,
+            )
             return
         whole = False
         if req.state is OwnerState.AWAITING and msg.src not in req.notices:
             parts = req.notice_parts.get(msg.src)
             if parts is None:
                 parts = req.notice_parts[msg.src] = Reassembly(
-                    req.rid, f"NOTICE of rank {msg.src}", msg.total, PAGES_PER_CHUNK, width=3,
-                    optional=frozenset({2}))
+                    req.rid,
+                    f"NOTICE of rank {msg.src}",
+                    msg.total,
+                    PAGES_PER_CHUNK,
+                    width=3,
+                    optional=frozenset({2}),
+                )
             if parts.add(msg.offset, msg.total, msg.pages, msg.generations, msg.checksums):
                 pages, generations, checksums = parts.joined()
                 del req.notice_parts[msg.src]
-                req.notices[msg.src] = Notice(msg.tokens, pages, generations, checksums,
-                                              msg.bytes, msg.prefill_ms)
+                req.notices[msg.src] = Notice(
+                    msg.tokens, pages, generations, checksums, msg.bytes, msg.prefill_ms
+                )
                 whole = True
         self._feed(req, core.on_notice(req.book, msg.src, whole))
 
@@ -309,9 +396,14 @@ class DecodeRank(RankBooks):
         if self.unsafe:
             self._feed(req, OwnerEvent.VERIFIED)
             return
-        run_in_slices(self.rt, req.rid, self._verify_steps(req), VERIFY_SLICE_S,
-                      wanted=lambda: req.state is OwnerState.VERIFYING,
-                      then=lambda: self._feed(req, OwnerEvent.VERIFIED))
+        run_in_slices(
+            self.rt,
+            req.rid,
+            self._verify_steps(req),
+            VERIFY_SLICE_S,
+            wanted=lambda: req.state is OwnerState.VERIFYING,
+            then=lambda: self._feed(req, OwnerEvent.VERIFIED),
+        )
 
     def _verify_steps(self, req: OwnedRequest) -> Iterator[None]:
         try:
@@ -330,47 +422,62 @@ class DecodeRank(RankBooks):
         for w in req.writers:
             notice = req.notices[w]
             check_transferred_length(req.rid, req.prompt_len, notice.tokens)
-            if (list(notice.pages) != [g.page for g in mine]
-                    or list(notice.generations) != [g.generation for g in mine]):
-                raise IntegrityError(req.rid, f"writer rank {w} wrote {len(notice.pages)} pages "
-                                              f"{list(notice.pages)[:8]} generations "
-                                              f"{list(notice.generations)[:8]}; the prompt of "
-                                              f"{req.prompt_len} tokens needs {need}: "
-                                              f"{[(g.page, g.generation) for g in mine][:8]}")
+            if list(notice.pages) != [g.page for g in mine] or list(notice.generations) != [
+                g.generation for g in mine
+            ]:
+                raise IntegrityError(
+                    req.rid,
+                    f"writer rank {w} wrote {len(notice.pages)} pages "
+                    f"{list(notice.pages)[:8]} generations "
+                    f"{list(notice.generations)[:8]}; the prompt of "
+                    f"{req.prompt_len} tokens needs {need}: "
+                    f"{[(g.page, g.generation) for g in mine][:8]}",
+                )
             lo, hi = head_range(req.writers.index(w), len(req.writers), self.pool.kv_heads)
             slice_bytes = self.pool.kv[0, :, :, lo:hi].numel() * self.pool.kv.element_size()
             if notice.bytes != need * slice_bytes:
-                raise IntegrityError(req.rid, f"writer rank {w} posted {notice.bytes} bytes; "
-                                              f"{need} pages of heads [{lo}, {hi}) hold "
-                                              f"{need * slice_bytes}")
+                raise IntegrityError(
+                    req.rid,
+                    f"writer rank {w} posted {notice.bytes} bytes; "
+                    f"{need} pages of heads [{lo}, {hi}) hold "
+                    f"{need * slice_bytes}",
+                )
             if not self.integrity:
                 continue
             mismatched = self.canaries.mismatched(notice.pages, expected_canaries(req.rid, mine))
             if mismatched:
                 raise IntegrityError(req.rid, f"canary mismatch on pages {mismatched[:8]}")
             if len(notice.checksums) != len(notice.pages):
-                raise IntegrityError(req.rid, f"writer rank {w} sent {len(notice.checksums)} "
-                                              f"checksums for {len(notice.pages)} pages")
+                raise IntegrityError(
+                    req.rid,
+                    f"writer rank {w} sent {len(notice.checksums)} "
+                    f"checksums for {len(notice.pages)} pages",
+                )
             view = self.pool.kv[:, :, :, lo:hi]
             per_step = max(1, CHECKSUM_SLICE_BYTES // slice_bytes)
             want = torch.tensor(notice.checksums, dtype=torch.int64)
             bad: list[int] = []
             for start in range(0, len(notice.pages), per_step):
-                pages = notice.pages[start:start + per_step]
+                pages = notice.pages[start : start + per_step]
                 got = page_checksums(view, pages).cpu()
-                bad += [pages[i] for i in (got != want[start:start + len(pages)]).nonzero()
-                        .flatten().tolist()]
+                bad += [
+                    pages[i]
+                    for i in (got != want[start : start + len(pages)]).nonzero().flatten().tolist()
+                ]
                 yield
             if bad:
-                raise IntegrityError(req.rid, f"checksum mismatch on {len(bad)} of {need} pages "
-                                              f"written by rank {w} (first: {bad[:4]})")
+                raise IntegrityError(
+                    req.rid,
+                    f"checksum mismatch on {len(bad)} of {need} pages "
+                    f"written by rank {w} (first: {bad[:4]})",
+                )
 
     # -------------------------------------------------------------- decoding
     def step(self) -> bool:
         """One decode step for up to ``max_batch`` decoding requests; False if none. An
         exception in the step fails the requests of its batch (their writers have all
         noticed, so their pages are freed) and the rank goes on."""
-        batch = [r for r in self.reqs.values() if r.state is OwnerState.DECODING][:self.max_batch]
+        batch = [r for r in self.reqs.values() if r.state is OwnerState.DECODING][: self.max_batch]
         if not batch:
             return False
         try:
@@ -380,8 +487,11 @@ class DecodeRank(RankBooks):
             log.error("requests %s: %s", [r.rid for r in batch], reason, exc_info=exc)
             for r in batch:
                 if r.state is OwnerState.DECODING:
-                    self.rt.run_for(r.rid, "failing a decode step",
-                                    functools.partial(self.fail_request, r.rid, reason))
+                    self.rt.run_for(
+                        r.rid,
+                        "failing a decode step",
+                        functools.partial(self.fail_request, r.rid, reason),
+                    )
         return True
 
     def _page_table(self, batch: list[OwnedRequest]) -> torch.Tensor:
@@ -391,8 +501,8 @@ class DecodeRank(RankBooks):
         table = np.empty((len(batch), width), dtype=np.int32)
         for i, r in enumerate(batch):
             pages = r.page_row
-            table[i, :len(pages)] = pages
-            table[i, len(pages):] = pages[0]
+            table[i, : len(pages)] = pages
+            table[i, len(pages) :] = pages[0]
         return torch.from_numpy(table)
 
     def _still_owned(self, batch: list[OwnedRequest], table: torch.Tensor) -> list[int]:
@@ -401,9 +511,10 @@ class DecodeRank(RankBooks):
         canary; each other one fails with the I5 error, before this step gives it a token."""
         gens = torch.zeros(table.shape, dtype=torch.int64)
         for i, r in enumerate(batch):
-            gens[i, :len(r.grants)] = r.generation_row
-        owned = PageOwnership.create(self.canaries.table,
-                                     torch.tensor([r.rid_hash for r in batch]), gens)
+            gens[i, : len(r.grants)] = r.generation_row
+        owned = PageOwnership.create(
+            self.canaries.table, torch.tensor([r.rid_hash for r in batch]), gens
+        )
         seq_lens = torch.tensor([r.prompt_len + len(r.generated) for r in batch])
         check_ownership_reference(table, seq_lens, self.pool.page_size, self.pool.num_pages, owned)
         failures = owned.failures()
@@ -411,11 +522,14 @@ class DecodeRank(RankBooks):
         for b, bits, first in failures:
             r = batch[b]
             page = r.pages[first] if first < len(r.pages) else "-"
-            exc = IntegrityError(r.rid, f"page ownership check at decode step "
-                                        f"{len(r.generated)}: {describe_kinds(bits)} (logical "
-                                        f"page {first}, page {page})")
+            exc = IntegrityError(
+                r.rid,
+                f"page ownership check at decode step "
+                f"{len(r.generated)}: {describe_kinds(bits)} (logical "
+                f"page {first}, page {page})",
+            )
             r.error = f"integrity: {exc}"
-            self._feed(r, OwnerEvent.CORRUPT)   # every writer noticed: nothing more can land
+            self._feed(r, OwnerEvent.CORRUPT)  # every writer noticed: nothing more can land
         return [i for i in range(len(batch)) if i not in bad]
 
     def _step(self, batch: list[OwnedRequest]) -> None:
@@ -433,16 +547,23 @@ class DecodeRank(RankBooks):
         if self.rt.faults.enabled:
             self.rt.faults.before_decode_step([f"prompt_len={r.prompt_len}" for r in batch])
         with torch.no_grad():
-            out = self.model.decode_step(self.pool.kv, table.to(device), positions, inputs,
-                                         prompt_lens).tolist()
-        for r, tok in zip(batch, out):
+            out = self.model.decode_step(
+                self.pool.kv, table.to(device), positions, inputs, prompt_lens
+            ).tolist()
+        for r, tok in zip(batch, out, strict=True):
             r.generated.append(int(tok))
             r.unsent.append(int(tok))
             finished = len(r.generated) >= r.max_tokens or (
-                self.model.stop_token is not None and tok == self.model.stop_token)
+                self.model.stop_token is not None and tok == self.model.stop_token
+            )
             if finished or len(r.unsent) >= TOKEN_FLUSH or len(r.generated) == 1:
-                self.rt.send(self.router, m.TOKENS, rid=r.rid,
-                             offset=len(r.generated) - len(r.unsent), tokens=r.unsent)
+                self.rt.send(
+                    self.router,
+                    m.TOKENS,
+                    rid=r.rid,
+                    offset=len(r.generated) - len(r.unsent),
+                    tokens=r.unsent,
+                )
                 r.unsent = []
             if finished:
                 self._feed(r, OwnerEvent.FINISHED)
@@ -452,9 +573,11 @@ class DecodeRank(RankBooks):
         if req.state is not OwnerState.AWAITING:
             return
         missing = sorted(set(req.writers) - set(req.notices))
-        reason = (f"no completion notice from writer ranks {missing} within "
-                  f"{self.transfer_timeout_for(req.prompt_len):.1f} s "
-                  f"({self.transfer_timeout_s:.1f} s per {TIMEOUT_TOKENS} prompt tokens)")
+        reason = (
+            f"no completion notice from writer ranks {missing} within "
+            f"{self.transfer_timeout_for(req.prompt_len):.1f} s "
+            f"({self.transfer_timeout_s:.1f} s per {TIMEOUT_TOKENS} prompt tokens)"
+        )
         req.error = f"transfer timeout: {reason}"
         self._abort(req, core.on_failure(req.book), AbortSource.TRANSFER, reason)
 
@@ -468,16 +591,24 @@ class DecodeRank(RankBooks):
             req = OwnedRequest(msg.rid, 0, 0, [], 0)
         # The router sends its ABORT to every writer as well as to us: asking them again
         # now would only double the messages on the abort's critical path.
-        self._abort(req, core.on_abort(req.book, writers_told=msg.src == self.router),
-                    msg.source, msg.reason)
+        self._abort(
+            req,
+            core.on_abort(req.book, writers_told=msg.src == self.router),
+            msg.source,
+            msg.reason,
+        )
 
     def _on_ack(self, msg: Message) -> None:
         req = self.reqs.get(msg.rid)
         if req is None or msg.src not in req.writers:
             return
         # Before we heard of an abort, a writer's ack is the abort (see core.on_ack).
-        self._abort(req, core.on_ack(req.book, msg.src, self.rt.is_severed(msg.src)),
-                    AbortSource.WRITER, f"writer rank {msg.src} acked an abort")
+        self._abort(
+            req,
+            core.on_ack(req.book, msg.src, self.rt.is_severed(msg.src)),
+            AbortSource.WRITER,
+            f"writer rank {msg.src} acked an abort",
+        )
 
     def _arm_retry(self, req: OwnedRequest) -> None:
         """Ask every writer that has not acked again after a while, for as long as the
@@ -485,18 +616,30 @@ class DecodeRank(RankBooks):
         severed writer that comes back (a healed partition, a resumed process) still
         learns to ack."""
         pending = req.book.pending()
-        every = (1.0 if any(self.rt.is_severed(w) for w in pending)
-                 else max(0.05, self.abort_deadline_s / 8))
+        every = (
+            1.0
+            if any(self.rt.is_severed(w) for w in pending)
+            else max(0.05, self.abort_deadline_s / 8)
+        )
         self.rt.call_later(every, lambda: self._feed(req, OwnerEvent.RETRY), rid=req.rid)
 
     def _sever(self, req: OwnedRequest) -> None:
-        log.warning("request %s: writers %s did not ack within %.1f s; severing them",
-                    req.rid, sorted(req.book.fenced), self.abort_deadline_s)
+        log.warning(
+            "request %s: writers %s did not ack within %.1f s; severing them",
+            req.rid,
+            sorted(req.book.fenced),
+            self.abort_deadline_s,
+        )
         for w in sorted(req.book.fenced):
             reason = f"no ABORT_ACK for request {req.rid} within {self.abort_deadline_s:.1f} s"
             self.rt.sever(w, reason)
-            self.rt.send(self.router, m.SEVERED, peer_rank=w,
-                         incarnation=self.rt.cards[w].incarnation, reason=reason)
+            self.rt.send(
+                self.router,
+                m.SEVERED,
+                peer_rank=w,
+                incarnation=self.rt.cards[w].incarnation,
+                reason=reason,
+            )
 
     def _check_proof(self, req: OwnedRequest) -> None:
         """Release once no write from any severed writer can land (I4): each one either
@@ -511,31 +654,62 @@ class DecodeRank(RankBooks):
         waited = time.monotonic() - req.abort_started
         if waited > self.abort_deadline_s * 10 and not req.warned:
             req.warned = True
-            log.error("request %s: %d pages stay quarantined: severed writers %s neither "
-                      "acked nor are known to be gone after %.1f s", req.rid, len(req.grants),
-                      sorted(req.book.fenced - req.book.acked), waited)
+            log.error(
+                "request %s: %d pages stay quarantined: severed writers %s neither "
+                "acked nor are known to be gone after %.1f s",
+                req.rid,
+                len(req.grants),
+                sorted(req.book.fenced - req.book.acked),
+                waited,
+            )
 
     # -------------------------------------------------------------- release
     def _close(self, req: OwnedRequest, pages: list[int], how: Release) -> None:
         if req.timer is not None:
             req.timer.cancel()
         self.reqs.pop(req.rid, None)
-        released_ns = time.monotonic_ns()   # the router times aborts on this clock too
+        released_ns = time.monotonic_ns()  # the router times aborts on this clock too
         self.tombstones[req.rid] = released_ns / 1e9
         abort_ms = None
         if req.abort_started:
             abort_ms = 1e3 * (released_ns / 1e9 - req.abort_started)
-            log.info("request %s: %d pages released (%s) %.1f ms after the abort (%s)",
-                     req.rid, len(pages), how.value, abort_ms,
-                     req.abort_reason or "writers finished")
-        self.rt.send(self.router, m.RELEASED, rid=req.rid, pages=len(pages), how=how,
-                     abort_ms=abort_ms, released_ns=released_ns)
+            log.info(
+                "request %s: %d pages released (%s) %.1f ms after the abort (%s)",
+                req.rid,
+                len(pages),
+                how.value,
+                abort_ms,
+                req.abort_reason or "writers finished",
+            )
+        self.rt.send(
+            self.router,
+            m.RELEASED,
+            rid=req.rid,
+            pages=len(pages),
+            how=how,
+            abort_ms=abort_ms,
+            released_ns=released_ns,
+        )
 
-    def _done(self, rid: str, outcome: Outcome, error: str | None, count: int | None = None,
-              transfer_ms: float | None = None, prefill_ms: float | None = None) -> None:
-        self.rt.send(self.router, m.DONE, rid=rid, outcome=outcome,
-                     error=error, count=count,
-                     transfer_ms=transfer_ms, prefill_ms=prefill_ms)
+    def _done(
+        self,
+        rid: str,
+        outcome: Outcome,
+        error: str | None,
+        count: int | None = None,
+        transfer_ms: float | None = None,
+        prefill_ms: float | None = None,
+    ) -> None:
+        self.rt.send(
+            self.router,
+            m.DONE,
+            rid=rid,
+            outcome=outcome,
+            error=error,
+            count=count,
+            transfer_ms=transfer_ms,
+            prefill_ms=prefill_ms,
+        )
 
     def fail_request(self, rid: str, reason: str) -> None:
         """An exception while handling ``rid`` here (see RankRuntime._request_failed): the
@@ -552,9 +726,16 @@ class DecodeRank(RankBooks):
     # -------------------------------------------------------------- housekeeping
     def in_flight(self) -> bool:
         """Some request awaits its writers' notices or acks."""
-        return any(r.state in (OwnerState.AWAITING, OwnerState.VERIFYING,
-                               OwnerState.QUARANTINED, OwnerState.FENCED)
-                   for r in self.reqs.values())
+        return any(
+            r.state
+            in (
+                OwnerState.AWAITING,
+                OwnerState.VERIFYING,
+                OwnerState.QUARANTINED,
+                OwnerState.FENCED,
+            )
+            for r in self.reqs.values()
+        )
 
     def busy(self) -> bool:
         return any(r.state is OwnerState.DECODING for r in self.reqs.values())

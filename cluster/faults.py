@@ -55,8 +55,9 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -112,12 +113,13 @@ class HeldWrite:
     as a posted one-sided write would. Over shared memory it lands by copying through the
     owner's mapping, whatever became of either side's endpoint meanwhile."""
 
-    def __init__(self, rid: str, owner: int, segment: Any, triples: np.ndarray,
-                 target: int | None) -> None:
+    def __init__(
+        self, rid: str, owner: int, segment: Any, triples: np.ndarray, target: int | None
+    ) -> None:
         self.rid, self.owner, self.segment, self.triples = rid, owner, segment, triples
         self.target = target
         self.landed = False
-        self.batch: Any = None           # the real batch, when it lands by a real post
+        self.batch: Any = None  # the real batch, when it lands by a real post
         self.timer: Any = None
 
     def peek(self) -> BatchStatus:
@@ -144,8 +146,9 @@ class HeldWrite:
                 ctypes.memmove(self.target + remote, self.segment.base + local, length)
             return
         try:
-            self.batch = rt.engine.write(rt.peer(self.owner), self.segment,
-                                         rt.remote_segment(self.owner), self.triples)
+            self.batch = rt.engine.write(
+                rt.peer(self.owner), self.segment, rt.remote_segment(self.owner), self.triples
+            )
         except TransferError as exc:
             log.warning("request %s: in-flight pages could not land: %s", self.rid, exc)
 
@@ -172,15 +175,17 @@ class FaultHooks:
     def before_decode_step(self, labels: Sequence[str]) -> None:
         pass
 
-    def tamper_source(self, rid: str, tokens: np.ndarray, pool: Any, pages: Sequence[int],
-                      heads: tuple[int, int]) -> None:
+    def tamper_source(
+        self, rid: str, tokens: np.ndarray, pool: Any, pages: Sequence[int], heads: tuple[int, int]
+    ) -> None:
         pass
 
     def pages_to_write(self, rid: str, tokens: np.ndarray, pages: int) -> int:
         return pages
 
-    def hold_in_flight(self, rt: Any, rid: str, tokens: np.ndarray, owner: int, segment: Any,
-                       triples: np.ndarray) -> tuple[np.ndarray, HeldWrite | None]:
+    def hold_in_flight(
+        self, rt: Any, rid: str, tokens: np.ndarray, owner: int, segment: Any, triples: np.ndarray
+    ) -> tuple[np.ndarray, HeldWrite | None]:
         """``(post now, held)``: with no fault, everything is posted now."""
         return triples, None
 
@@ -211,7 +216,7 @@ class FaultPlan(FaultHooks):
         self._rng = random.Random(self.seed)
 
     @classmethod
-    def parse(cls, specs: list[str], seed: int = 0) -> "FaultPlan":
+    def parse(cls, specs: list[str], seed: int = 0) -> FaultPlan:
         plan = cls(seed=seed)
         for spec in specs:
             parts = spec.split(":")
@@ -253,9 +258,17 @@ class FaultPlan(FaultHooks):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.drop or self.duplicate or self.delay or self.reorder
-                    or self.corrupt_marker or self.short_marker or self.points
-                    or self.decode_delay_s or self.swallow_errors)
+        return bool(
+            self.drop
+            or self.duplicate
+            or self.delay
+            or self.reorder
+            or self.corrupt_marker
+            or self.short_marker
+            or self.points
+            or self.decode_delay_s
+            or self.swallow_errors
+        )
 
     def at(self, point: str, text: str) -> tuple[str, float] | None:
         """The action (and its seconds) for a request whose prompt is ``text`` at ``point``."""
@@ -309,14 +322,16 @@ class FaultPlan(FaultHooks):
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "stop":
-            subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"],
-                             start_new_session=True)
+            subprocess.Popen(
+                ["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"], start_new_session=True
+            )
             os.kill(os.getpid(), signal.SIGSTOP)
             return GO
         if action == "pause":
             return PointDecision(Decision.PAUSE, seconds)
-        return PointDecision(Decision.FAIL_PREFILL if action == "fail-prefill"
-                             else Decision.FAIL_TRANSFER)
+        return PointDecision(
+            Decision.FAIL_PREFILL if action == "fail-prefill" else Decision.FAIL_TRANSFER
+        )
 
     def before_decode_step(self, labels: Sequence[str]) -> None:
         if self.decode_delay_s:
@@ -324,16 +339,21 @@ class FaultPlan(FaultHooks):
         for label in labels:
             self.raise_at("owner-decode", label)
 
-    def tamper_source(self, rid: str, tokens: np.ndarray, pool: Any, pages: Sequence[int],
-                      heads: tuple[int, int]) -> None:
+    def tamper_source(
+        self, rid: str, tokens: np.ndarray, pool: Any, pages: Sequence[int], heads: tuple[int, int]
+    ) -> None:
         """corrupt-page: negate the value vector of the first token (layer 0, the first
         head of this writer), after its checksum: the bytes on the wire no longer match
         the checksums sent."""
         if self.corrupt_marker is None or self.corrupt_marker not in self._text(rid, tokens):
             return
         pool.kv[pages[0], 0, 1, heads[0], 0, :].neg_()
-        log.warning("fault: request %s: corrupted the first token's values in source page "
-                    "%d after its checksum", rid, pages[0])
+        log.warning(
+            "fault: request %s: corrupted the first token's values in source page "
+            "%d after its checksum",
+            rid,
+            pages[0],
+        )
 
     def pages_to_write(self, rid: str, tokens: np.ndarray, pages: int) -> int:
         """short-write: the incident's shape, a 1-page stub written and noticed for a
@@ -343,13 +363,14 @@ class FaultPlan(FaultHooks):
         log.warning("fault: request %s: writing 1 of its %d prompt pages", rid, pages)
         return 1
 
-    def hold_in_flight(self, rt: Any, rid: str, tokens: np.ndarray, owner: int, segment: Any,
-                       triples: np.ndarray) -> tuple[np.ndarray, HeldWrite | None]:
+    def hold_in_flight(
+        self, rt: Any, rid: str, tokens: np.ndarray, owner: int, segment: Any, triples: np.ndarray
+    ) -> tuple[np.ndarray, HeldWrite | None]:
         mid = self.at("mid-transfer", self._text(rid, tokens)) if self.points else None
         if mid is None or len(triples) < 2:
             return triples, None
         half = len(triples) // 2
-        try:   # where an in-flight write lands even if endpoints change state meanwhile
+        try:  # where an in-flight write lands even if endpoints change state meanwhile
             target = rt.remote_segment(owner).direct
         except TransferError:
             target = None
@@ -374,5 +395,13 @@ def no_faults() -> FaultHooks:
     return FaultHooks()
 
 
-__all__ = ["Decision", "FaultHooks", "FaultPlan", "FaultSpecError", "HeldWrite",
-           "InjectedFault", "PointDecision", "no_faults"]
+__all__ = [
+    "Decision",
+    "FaultHooks",
+    "FaultPlan",
+    "FaultSpecError",
+    "HeldWrite",
+    "InjectedFault",
+    "PointDecision",
+    "no_faults",
+]

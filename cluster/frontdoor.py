@@ -42,7 +42,7 @@ from .router import RoutedRequest, Router, Unavailable
 log = logging.getLogger("kvferry.cluster")
 
 MAX_BODY = 16 << 20
-UTF8_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})   # ASCII is UTF-8
+UTF8_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})  # ASCII is UTF-8
 
 
 class BadRequest(ValueError):
@@ -56,8 +56,10 @@ def _error(status: int, kind: str, message: str, **extra) -> web.Response:
 def decode_body(raw: bytes, charset: str | None) -> object:
     """The JSON value of a request body; BadRequest for anything but UTF-8 JSON."""
     if charset is not None and charset.strip().lower() not in UTF8_CHARSETS:
-        raise BadRequest(f"unsupported charset {charset[:40]!r} in Content-Type: send "
-                         f"UTF-8 JSON (charset=utf-8 or none)")
+        raise BadRequest(
+            f"unsupported charset {charset[:40]!r} in Content-Type: send "
+            f"UTF-8 JSON (charset=utf-8 or none)"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -66,7 +68,7 @@ def decode_body(raw: bytes, charset: str | None) -> object:
         return json.loads(text)
     except RecursionError:
         raise BadRequest("body is not valid JSON: nested too deeply") from None
-    except ValueError as exc:   # JSONDecodeError, and ints over Python's digit limit
+    except ValueError as exc:  # JSONDecodeError, and ints over Python's digit limit
         raise BadRequest(f"body is not valid JSON: {str(exc)[:200]}") from None
 
 
@@ -82,8 +84,10 @@ def parse_completion(body: object) -> tuple[str, int, bool]:
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise BadRequest(f"'prompt' is not valid Unicode text: {exc.reason} at character "
-                         f"{exc.start} (U+{ord(prompt[exc.start]):04X})") from None
+        raise BadRequest(
+            f"'prompt' is not valid Unicode text: {exc.reason} at character "
+            f"{exc.start} (U+{ord(prompt[exc.start]):04X})"
+        ) from None
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise BadRequest(f"'max_tokens' must be a positive integer, got {str(max_tokens)[:40]}")
     if not isinstance(stream, bool):
@@ -103,31 +107,43 @@ async def _no_unexpected_errors(request: web.Request, handler) -> web.StreamResp
         raise
     except Exception as exc:
         rid = request.get("request_id")
-        log.exception("front door: %s %s failed%s", request.method, request.path,
-                      f" (request {rid})" if rid else "")
-        return _error(500, "internal", f"{type(exc).__name__}: {str(exc)[:500]}"
-                      + (f" (request {rid})" if rid else ""), request_id=rid)
+        log.exception(
+            "front door: %s %s failed%s",
+            request.method,
+            request.path,
+            f" (request {rid})" if rid else "",
+        )
+        return _error(
+            500,
+            "internal",
+            f"{type(exc).__name__}: {str(exc)[:500]}" + (f" (request {rid})" if rid else ""),
+            request_id=rid,
+        )
 
 
 class FrontDoor:
     def __init__(self, router: Router) -> None:
         self.router = router
         self.app = web.Application(client_max_size=MAX_BODY, middlewares=[_no_unexpected_errors])
-        self.app.add_routes([
-            web.post("/v1/completions", self.completions),
-            web.get("/health", self.health),
-            web.get("/metrics", self.metrics),
-            web.get("/capacity", self.capacity),
-            web.get("/status", self.status),
-        ])
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+                web.get("/capacity", self.capacity),
+                web.get("/status", self.status),
+            ]
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             charset = request.charset
-        except Exception:   # a Content-Type header aiohttp cannot parse
+        except Exception:  # a Content-Type header aiohttp cannot parse
             return _error(400, "bad_request", "Content-Type header does not parse")
         try:
-            prompt, max_tokens, stream = parse_completion(decode_body(await request.read(), charset))
+            prompt, max_tokens, stream = parse_completion(
+                decode_body(await request.read(), charset)
+            )
         except BadRequest as exc:
             return _error(400, "bad_request", str(exc))
         try:
@@ -145,7 +161,9 @@ class FrontDoor:
             self.router.abort(routed.rid, AbortSource.CLIENT, "client disconnected")
             raise
         except Exception as exc:
-            self.router.abort(routed.rid, AbortSource.INTERNAL, f"front door: {type(exc).__name__}: {exc}")
+            self.router.abort(
+                routed.rid, AbortSource.INTERNAL, f"front door: {type(exc).__name__}: {exc}"
+            )
             raise
 
     async def _whole(self, routed: RoutedRequest) -> web.Response:
@@ -158,25 +176,41 @@ class FrontDoor:
     def _final_response(self, routed: RoutedRequest) -> web.Response:
         rid = routed.rid
         if routed.outcome is Answer.OK:
-            return web.json_response({
-                "id": rid, "text": routed.text,
-                "usage": {"prompt_tokens": routed.req.prompt_len,
-                          "completion_tokens": len(routed.req.output_tokens)},
-                "timing": {"ttft_ms": _ms(routed.first_token_at, routed.submitted_at),
-                           "total_ms": _ms(time.monotonic(), routed.submitted_at),
-                           "prefill_ms": routed.prefill_ms,
-                           "transfer_ms": routed.transfer_ms}})
-        status = {AbortSource.DEADLINE: 504, AbortSource.SHUTDOWN: 503}.get(
-            routed.abort_source, 500) if routed.abort_source else 500
-        return _error(status, routed.outcome or Answer.FAILED, f"request {rid}: {routed.error}",
-                      request_id=rid)
+            return web.json_response(
+                {
+                    "id": rid,
+                    "text": routed.text,
+                    "usage": {
+                        "prompt_tokens": routed.req.prompt_len,
+                        "completion_tokens": len(routed.req.output_tokens),
+                    },
+                    "timing": {
+                        "ttft_ms": _ms(routed.first_token_at, routed.submitted_at),
+                        "total_ms": _ms(time.monotonic(), routed.submitted_at),
+                        "prefill_ms": routed.prefill_ms,
+                        "transfer_ms": routed.transfer_ms,
+                    },
+                }
+            )
+        status = (
+            {AbortSource.DEADLINE: 504, AbortSource.SHUTDOWN: 503}.get(routed.abort_source, 500)
+            if routed.abort_source
+            else 500
+        )
+        return _error(
+            status,
+            routed.outcome or Answer.FAILED,
+            f"request {rid}: {routed.error}",
+            request_id=rid,
+        )
 
     async def _stream(self, request: web.Request, routed: RoutedRequest) -> web.StreamResponse:
         first = await routed.events.get()
         if first[0] == "done" and routed.outcome is not Answer.OK:
             return self._final_response(routed)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         text = StreamDecoder()
         event = first
@@ -190,12 +224,24 @@ class FrontDoor:
                     rest = text.finish()
                     if rest:
                         await _sse(resp, {"id": routed.rid, "text": rest})
-                    await _sse(resp, {"id": routed.rid, "finish_reason": "length",
-                                      "usage": {"completion_tokens": len(routed.req.output_tokens)}})
+                    await _sse(
+                        resp,
+                        {
+                            "id": routed.rid,
+                            "finish_reason": "length",
+                            "usage": {"completion_tokens": len(routed.req.output_tokens)},
+                        },
+                    )
                     await resp.write(b"data: [DONE]\n\n")
                 else:
-                    await _sse(resp, {"id": routed.rid, "error": routed.outcome,
-                                      "message": f"request {routed.rid}: {routed.error}"})
+                    await _sse(
+                        resp,
+                        {
+                            "id": routed.rid,
+                            "error": routed.outcome,
+                            "message": f"request {routed.rid}: {routed.error}",
+                        },
+                    )
                 break
             event = await routed.events.get()
         await resp.write_eof()
@@ -203,8 +249,11 @@ class FrontDoor:
 
     async def health(self, request: web.Request) -> web.Response:
         self.router.check_heartbeats()
-        body = {"ok": not self.router.unhealthy, "unhealthy": self.router.unhealthy,
-                "context_length": self.router.context_length}
+        body = {
+            "ok": not self.router.unhealthy,
+            "unhealthy": self.router.unhealthy,
+            "context_length": self.router.context_length,
+        }
         return web.json_response(body, status=200 if body["ok"] else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -212,8 +261,9 @@ class FrontDoor:
         return web.Response(body=data, headers={"Content-Type": content_type})
 
     async def capacity(self, request: web.Request) -> web.Response:
-        return web.json_response({"context_length": self.router.context_length,
-                                  "ranks": self.router.capacity_table()})
+        return web.json_response(
+            {"context_length": self.router.context_length, "ranks": self.router.capacity_table()}
+        )
 
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(self.router.status())

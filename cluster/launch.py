@@ -46,9 +46,9 @@ from .wakeup import EngineWaker
 log = logging.getLogger("kvferry.cluster")
 
 STATS_INTERVAL_S = 0.5
-DRAIN_MIN_S = 0.001   # least progress time a decoding owner gives in-flight transfers per step
+DRAIN_MIN_S = 0.001  # least progress time a decoding owner gives in-flight transfers per step
 HEARTBEAT_CHECK_S = 0.5
-ROUTER_MAX_SLEEP_S = 0.05   # a stop asked for by a signal is seen within this
+ROUTER_MAX_SLEEP_S = 0.05  # a stop asked for by a signal is seen within this
 RENDEZVOUS_TIMEOUT_S = 120.0
 
 
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvferry serve",
         description="Serve a disaggregated cluster: run under torchrun; rank 0 is the router "
-                    "(HTTP front door), then prefill ranks, then decode ranks.")
+        "(HTTP front door), then prefill ranks, then decode ranks.",
+    )
     add_serve_arguments(parser)
     parser.add_argument("--log-level", default=os.environ.get("KVFERRY_LOG", "INFO"))
     return parser
@@ -64,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_logging(level: str, rank: int, role: Role) -> None:
     logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-        format=f"%(asctime)s rank{rank}/{role.value} %(levelname)s %(name)s: %(message)s")
+        level=getattr(logging, level.upper(), logging.INFO),
+        stream=sys.stderr,
+        format=f"%(asctime)s rank{rank}/{role.value} %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def init_distributed() -> tuple[int, int, object]:
@@ -100,23 +103,31 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, store = init_distributed()
     try:
         topology = Topology.for_world(world, cfg.prefill, cfg.tp)
-    except ValueError as exc:   # every rank sees the same: each says why and stops
+    except ValueError as exc:  # every rank sees the same: each says why and stops
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
     role = topology.role(rank)
     setup_logging(args.log_level, rank, role)
     if cfg.unsafe_release_on_sever:
-        log.error("UNSAFE MODE: quarantined pages are released at the abort deadline once "
-                  "silent writers are severed, without proof their writes stopped")
+        log.error(
+            "UNSAFE MODE: quarantined pages are released at the abort deadline once "
+            "silent writers are severed, without proof their writes stopped"
+        )
     if cfg.unsafe_free_on_abort:
-        log.error("UNSAFE MODE: pages are freed at abort without quarantine and integrity "
-                  "checks are off; answers can contain other requests' data")
+        log.error(
+            "UNSAFE MODE: pages are freed at abort without quarantine and integrity "
+            "checks are off; answers can contain other requests' data"
+        )
     faults = FaultPlan.parse(cfg.fault, seed=rank)
     try:
-        engine = TransferEngine(TransferConfig(transports=cfg.transports,
-                                               name=f"rank{rank}/{role.value}",
-                                               max_message_bytes=4 << 20))
-    except TransferError as exc:   # e.g. --transports rdma without a device or verbs
+        engine = TransferEngine(
+            TransferConfig(
+                transports=cfg.transports,
+                name=f"rank{rank}/{role.value}",
+                max_message_bytes=4 << 20,
+            )
+        )
+    except TransferError as exc:  # e.g. --transports rdma without a device or verbs
         log.error("refusing to start: %s", exc)
         publish_failure(store, rank, str(exc))
         return 3
@@ -132,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             pcfg = pool_config(cfg, model)
             segment = engine.allocate(pcfg.total_bytes)
             pool = KVPool.from_buffer(pcfg, segment.as_torch())
-            lowered = min(cfg.context_length, pool.capacity_tokens) if cfg.lower_context_length else None
+            lowered = (
+                min(cfg.context_length, pool.capacity_tokens) if cfg.lower_context_length else None
+            )
             context_length = enforce_startup_capacity(pool, cfg.context_length, lowered)
             log.info("pool: %s; serving context length %d", pool, context_length)
     except (CapacityError, ValueError) as exc:
@@ -140,14 +153,20 @@ def main(argv: list[str] | None = None) -> int:
         publish_failure(store, rank, str(exc))
         engine.shutdown()
         return 3
-    card = RankCard(rank=rank, role=role.value, address=engine.address,
-                    incarnation=engine.incarnation,
-                    segment=segment.descriptor().pack() if segment is not None else None,
-                    num_pages=pool.num_pages if pool is not None else 0,
-                    page_size=cfg.page_size,
-                    capacity_tokens=pool.capacity_tokens if pool is not None else 0,
-                    context_length=context_length, host=socket.gethostname(), pid=os.getpid(),
-                    transports=transports_in_use(engine.describe()))
+    card = RankCard(
+        rank=rank,
+        role=role.value,
+        address=engine.address,
+        incarnation=engine.incarnation,
+        segment=segment.descriptor().pack() if segment is not None else None,
+        num_pages=pool.num_pages if pool is not None else 0,
+        page_size=cfg.page_size,
+        capacity_tokens=pool.capacity_tokens if pool is not None else 0,
+        context_length=context_length,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        transports=transports_in_use(engine.describe()),
+    )
     publish(store, card)
     try:
         cards = gather(store, world, RENDEZVOUS_TIMEOUT_S)
@@ -184,39 +203,71 @@ def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int
         s = worker.stats()
         c = runtime.engine.counters
         d = runtime.dropped()
-        runtime.send(router, m.STATS, free=s["free"], owned=s["owned"],
-                     quarantined=s["quarantined"], capacity_tokens=s["capacity_tokens"],
-                     context_length=context_length, bytes_written=c.bytes_written,
-                     batches=c.batches, integrity_failures=s["integrity_failures"],
-                     severed=runtime.counters.severed, allocations=s["allocations"],
-                     dropped_duplicate=d["duplicate"],
-                     dropped_stale=d["stale"], dropped_malformed=d["malformed"])
+        runtime.send(
+            router,
+            m.STATS,
+            free=s["free"],
+            owned=s["owned"],
+            quarantined=s["quarantined"],
+            capacity_tokens=s["capacity_tokens"],
+            context_length=context_length,
+            bytes_written=c.bytes_written,
+            batches=c.batches,
+            integrity_failures=s["integrity_failures"],
+            severed=runtime.counters.severed,
+            allocations=s["allocations"],
+            dropped_duplicate=d["duplicate"],
+            dropped_stale=d["stale"],
+            dropped_malformed=d["malformed"],
+        )
         worker.sweep()
         runtime.call_later(STATS_INTERVAL_S, send)
+
     return send
 
 
-def serve_worker(runtime: RankRuntime, role: Role, topology: Topology, cfg: ServeConfig,
-                 model, pool: KVPool, segment, stop: StopFlag) -> int:
+def serve_worker(
+    runtime: RankRuntime,
+    role: Role,
+    topology: Topology,
+    cfg: ServeConfig,
+    model,
+    pool: KVPool,
+    segment,
+    stop: StopFlag,
+) -> int:
     router = topology.router_rank
     worker: PrefillRank | DecodeRank
     if role is Role.PREFILL:
         _, index = topology.group_of(runtime.rank)
-        worker = PrefillRank(runtime, model, pool, segment,
-                             head_range(index, cfg.tp, model.kv_heads),
-                             router, unsafe=cfg.unsafe_free_on_abort,
-                             max_batch_bytes=batch_bound(cfg.abort_deadline_s),
-                             batch_target_s=cfg.abort_deadline_s / 10,
-                             integrity=cfg.integrity)
+        worker = PrefillRank(
+            runtime,
+            model,
+            pool,
+            segment,
+            head_range(index, cfg.tp, model.kv_heads),
+            router,
+            unsafe=cfg.unsafe_free_on_abort,
+            max_batch_bytes=batch_bound(cfg.abort_deadline_s),
+            batch_target_s=cfg.abort_deadline_s / 10,
+            integrity=cfg.integrity,
+        )
     else:
-        worker = DecodeRank(runtime, model, pool, router,
-                            transfer_timeout_s=cfg.transfer_timeout_s,
-                            abort_deadline_s=cfg.abort_deadline_s, integrity=cfg.integrity,
-                            unsafe=cfg.unsafe_free_on_abort,
-                            release_on_sever=cfg.unsafe_release_on_sever)
-    runtime.set_handlers({**worker.handlers,
-                          Kind.SHUTDOWN: lambda msg: stop.set("SHUTDOWN from the router")},
-                         role=role.value)
+        worker = DecodeRank(
+            runtime,
+            model,
+            pool,
+            router,
+            transfer_timeout_s=cfg.transfer_timeout_s,
+            abort_deadline_s=cfg.abort_deadline_s,
+            integrity=cfg.integrity,
+            unsafe=cfg.unsafe_free_on_abort,
+            release_on_sever=cfg.unsafe_release_on_sever,
+        )
+    runtime.set_handlers(
+        {**worker.handlers, Kind.SHUTDOWN: lambda msg: stop.set("SHUTDOWN from the router")},
+        role=role.value,
+    )
     _stats_sender(runtime, worker, router, runtime.cards[runtime.rank].context_length)()
     log.info("%s rank %d ready", role.value, runtime.rank)
     run_worker(runtime, worker, decode=role is Role.DECODE, stopped=lambda: stop.stop)
@@ -267,19 +318,35 @@ def batch_bound(abort_deadline_s: float) -> int:
     follows well inside the deadline (clamped to [4 MiB, 1 GiB])."""
     gbps = measure_copy_gbps()
     bound = int(min(1 << 30, max(4 << 20, gbps * 1e9 * abort_deadline_s / 10)))
-    log.info("write batches bounded to %.1f MiB: measured copy bandwidth %.2f GB/s x abort "
-             "deadline %.1f s / 10", bound / (1 << 20), gbps, abort_deadline_s)
+    log.info(
+        "write batches bounded to %.1f MiB: measured copy bandwidth %.2f GB/s x abort "
+        "deadline %.1f s / 10",
+        bound / (1 << 20),
+        gbps,
+        abort_deadline_s,
+    )
     return bound
 
 
-async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int, RankCard],
-                       cfg: ServeConfig, stop: StopFlag) -> int:
+async def serve_router(
+    runtime: RankRuntime,
+    topology: Topology,
+    cards: dict[int, RankCard],
+    cfg: ServeConfig,
+    stop: StopFlag,
+) -> int:
     from aiohttp import web
 
     metrics = ClusterMetrics()
-    router = Router(runtime, topology, cards, context_length=cfg.context_length,
-                    request_timeout_s=cfg.request_timeout_s,
-                    admission_wait_s=cfg.admission_wait_s, metrics=metrics)
+    router = Router(
+        runtime,
+        topology,
+        cards,
+        context_length=cfg.context_length,
+        request_timeout_s=cfg.request_timeout_s,
+        admission_wait_s=cfg.admission_wait_s,
+        metrics=metrics,
+    )
     for row in router.capacity_table():
         metrics.capacity.labels(str(row["rank"]), row["role"]).set(row["capacity_tokens"])
     door = FrontDoor(router)
@@ -294,9 +361,15 @@ async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int
             log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, exc)
             stop.set("no port to listen on")
             return 3
-        log.info("kvferry: serving on http://%s:%d (prefill groups %s, decode ranks %s, "
-                 "context length %d)", cfg.host, cfg.port, topology.prefill_groups,
-                 topology.decode_ranks, router.context_length)
+        log.info(
+            "kvferry: serving on http://%s:%d (prefill groups %s, decode ranks %s, "
+            "context length %d)",
+            cfg.host,
+            cfg.port,
+            topology.prefill_groups,
+            topology.decode_ranks,
+            router.context_length,
+        )
         waker = EngineWaker(runtime.engine, asyncio.get_running_loop())
         runtime.on_new_work = waker.wake
         next_check = 0.0
@@ -312,7 +385,7 @@ async def serve_router(runtime: RankRuntime, topology: Topology, cards: dict[int
         ended = router.shutdown(f"the cluster is stopping ({stop.reason or 'router exit'})")
         if ended:
             log.info("router: %d live request(s) answered 503 at shutdown", ended)
-        await asyncio.sleep(0)   # their handlers answer before the site closes
+        await asyncio.sleep(0)  # their handlers answer before the site closes
         if waker is not None:
             waker.close()
         for rank in range(1, topology.world_size):

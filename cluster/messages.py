@@ -31,9 +31,9 @@ from .chunks import PAGES_PER_CHUNK, TOKENS_PER_CHUNK
 from .topology import Role
 
 MAX_REQUEST_ID = 128
-MAX_TOKENS_PER_MESSAGE = 1 << 20      # generated tokens in one TOKENS message
-MAX_ERROR_CHARS = 4096                # DONE.error
-MAX_REASON_CHARS = 1024               # ABORT.reason, SEVERED.reason
+MAX_TOKENS_PER_MESSAGE = 1 << 20  # generated tokens in one TOKENS message
+MAX_ERROR_CHARS = 4096  # DONE.error
+MAX_REASON_CHARS = 1024  # ABORT.reason, SEVERED.reason
 
 CODEC = Codec("kvf.cluster", version=1, max_bytes=16 << 20)
 
@@ -41,71 +41,106 @@ _RID = Field(FieldType.STR, max_len=MAX_REQUEST_ID)
 _HEADER = dict(src=Field(FieldType.INT), inc=Field(FieldType.UINT64), seq=Field(FieldType.UINT64))
 
 PREFILL = CODEC.kind(
-    Kind.PREFILL, **_HEADER, rid=_RID,
+    Kind.PREFILL,
+    **_HEADER,
+    rid=_RID,
     tokens=Field(FieldType.BYTES, max_len=4 * TOKENS_PER_CHUNK),  # int32 little-endian
-    offset=Field(FieldType.INT),                # of this chunk's first token in the prompt
-    total=Field(FieldType.INT),                 # the prompt's length
+    offset=Field(FieldType.INT),  # of this chunk's first token in the prompt
+    total=Field(FieldType.INT),  # the prompt's length
     owner=Field(FieldType.INT),
-    owner_inc=Field(FieldType.UINT64))
+    owner_inc=Field(FieldType.UINT64),
+)
 ASSIGN = CODEC.kind(
-    Kind.ASSIGN, **_HEADER, rid=_RID,
+    Kind.ASSIGN,
+    **_HEADER,
+    rid=_RID,
     prompt_len=Field(FieldType.INT),
     max_tokens=Field(FieldType.INT),
     writers=Field(FieldType.INT_LIST, max_len=256),
-    last_token=Field(FieldType.INT))            # decode's first input (see engine.models)
+    last_token=Field(FieldType.INT),
+)  # decode's first input (see engine.models)
 PLAN = CODEC.kind(
-    Kind.PLAN, **_HEADER, rid=_RID,
-    offset=Field(FieldType.INT),                # of this chunk's first page in the plan
-    total=Field(FieldType.INT),                 # pages in the whole plan
-    pages=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
-    generations=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK))
-NOTICE = CODEC.kind(
-    Kind.NOTICE, **_HEADER, rid=_RID,
-    tokens=Field(FieldType.INT),              # prompt positions whose KV was written
-    offset=Field(FieldType.INT),              # of this chunk's first page in the notice
-    total=Field(FieldType.INT),               # pages the writer wrote in all
+    Kind.PLAN,
+    **_HEADER,
+    rid=_RID,
+    offset=Field(FieldType.INT),  # of this chunk's first page in the plan
+    total=Field(FieldType.INT),  # pages in the whole plan
     pages=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
     generations=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
-    checksums=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),   # empty: checks off
-    bytes=Field(FieldType.INT),               # bytes the writer posted (checked by the owner)
-    prefill_ms=Field(FieldType.FLOAT, optional=True))   # the writer's prefill compute time
+)
+NOTICE = CODEC.kind(
+    Kind.NOTICE,
+    **_HEADER,
+    rid=_RID,
+    tokens=Field(FieldType.INT),  # prompt positions whose KV was written
+    offset=Field(FieldType.INT),  # of this chunk's first page in the notice
+    total=Field(FieldType.INT),  # pages the writer wrote in all
+    pages=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
+    generations=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
+    checksums=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),  # empty: checks off
+    bytes=Field(FieldType.INT),  # bytes the writer posted (checked by the owner)
+    prefill_ms=Field(FieldType.FLOAT, optional=True),
+)  # the writer's prefill compute time
 TOKENS = CODEC.kind(
-    Kind.TOKENS, **_HEADER, rid=_RID,
-    offset=Field(FieldType.INT),                # index of the first token in the answer
-    tokens=Field(FieldType.INT_LIST, max_len=MAX_TOKENS_PER_MESSAGE))
+    Kind.TOKENS,
+    **_HEADER,
+    rid=_RID,
+    offset=Field(FieldType.INT),  # index of the first token in the answer
+    tokens=Field(FieldType.INT_LIST, max_len=MAX_TOKENS_PER_MESSAGE),
+)
 DONE = CODEC.kind(
-    Kind.DONE, **_HEADER, rid=_RID,
+    Kind.DONE,
+    **_HEADER,
+    rid=_RID,
     outcome=Field(FieldType.STR, max_len=32, choices=Outcome),
     error=Field(FieldType.STR, max_len=MAX_ERROR_CHARS, optional=True),
-    count=Field(FieldType.INT, optional=True),   # tokens generated in all (finished)
+    count=Field(FieldType.INT, optional=True),  # tokens generated in all (finished)
     transfer_ms=Field(FieldType.FLOAT, optional=True),
-    prefill_ms=Field(FieldType.FLOAT, optional=True))
+    prefill_ms=Field(FieldType.FLOAT, optional=True),
+)
 ABORT = CODEC.kind(
-    Kind.ABORT, **_HEADER, rid=_RID,
-    owner=Field(FieldType.INT),                 # the decode rank owning the pages
+    Kind.ABORT,
+    **_HEADER,
+    rid=_RID,
+    owner=Field(FieldType.INT),  # the decode rank owning the pages
     writers=Field(FieldType.INT_LIST, max_len=256),
     source=Field(FieldType.STR, max_len=32, choices=AbortSource),
-    reason=Field(FieldType.STR, max_len=MAX_REASON_CHARS))
+    reason=Field(FieldType.STR, max_len=MAX_REASON_CHARS),
+)
 ABORT_ACK = CODEC.kind(Kind.ABORT_ACK, **_HEADER, rid=_RID)
 RELEASED = CODEC.kind(
-    Kind.RELEASED, **_HEADER, rid=_RID,
+    Kind.RELEASED,
+    **_HEADER,
+    rid=_RID,
     pages=Field(FieldType.INT),
     how=Field(FieldType.STR, max_len=32, choices=Release),
-    abort_ms=Field(FieldType.FLOAT, optional=True),   # owner: from the abort to the release
-    released_ns=Field(FieldType.UINT64, optional=True))  # owner's CLOCK_MONOTONIC then
+    abort_ms=Field(FieldType.FLOAT, optional=True),  # owner: from the abort to the release
+    released_ns=Field(FieldType.UINT64, optional=True),
+)  # owner's CLOCK_MONOTONIC then
 STATS = CODEC.kind(
-    Kind.STATS, **_HEADER,
-    free=Field(FieldType.INT), owned=Field(FieldType.INT), quarantined=Field(FieldType.INT),
-    capacity_tokens=Field(FieldType.INT), context_length=Field(FieldType.INT),
-    bytes_written=Field(FieldType.INT), batches=Field(FieldType.INT),
-    integrity_failures=Field(FieldType.INT), severed=Field(FieldType.INT),
+    Kind.STATS,
+    **_HEADER,
+    free=Field(FieldType.INT),
+    owned=Field(FieldType.INT),
+    quarantined=Field(FieldType.INT),
+    capacity_tokens=Field(FieldType.INT),
+    context_length=Field(FieldType.INT),
+    bytes_written=Field(FieldType.INT),
+    batches=Field(FieldType.INT),
+    integrity_failures=Field(FieldType.INT),
+    severed=Field(FieldType.INT),
     allocations=Field(FieldType.INT),
-    dropped_duplicate=Field(FieldType.INT), dropped_stale=Field(FieldType.INT),
-    dropped_malformed=Field(FieldType.INT))
+    dropped_duplicate=Field(FieldType.INT),
+    dropped_stale=Field(FieldType.INT),
+    dropped_malformed=Field(FieldType.INT),
+)
 SEVERED = CODEC.kind(
-    Kind.SEVERED, **_HEADER,
-    peer_rank=Field(FieldType.INT), incarnation=Field(FieldType.UINT64),
-    reason=Field(FieldType.STR, max_len=MAX_REASON_CHARS))
+    Kind.SEVERED,
+    **_HEADER,
+    peer_rank=Field(FieldType.INT),
+    incarnation=Field(FieldType.UINT64),
+    reason=Field(FieldType.STR, max_len=MAX_REASON_CHARS),
+)
 SHUTDOWN = CODEC.kind(Kind.SHUTDOWN, **_HEADER)
 
 KINDS: dict[str, MessageKind] = dict(CODEC.kinds)
@@ -143,7 +178,7 @@ def clip(text: str | None, limit: int) -> str | None:
     the report of a failure fail to send."""
     if text is None or len(text) <= limit:
         return text
-    return text[:limit - 24] + f"... [{len(text)} chars]"
+    return text[: limit - 24] + f"... [{len(text)} chars]"
 
 
 def clip_free_text(kind: MessageKind, fields: dict) -> dict:

@@ -24,41 +24,65 @@ class ClusterMetrics:
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
         self.aborts = Counter("kvferry_aborts", "Aborts by source", ["source"], registry=r)
-        self.pages = Gauge("kvferry_pages", "KV pool pages by state", ["rank", "role", "state"],
-                           registry=r)
-        self.capacity = Gauge("kvferry_pool_capacity_tokens", "Measured pool capacity",
-                              ["rank", "role"], registry=r)
-        self.context_length = Gauge("kvferry_context_length_tokens",
-                                    "Context length the cluster serves", registry=r)
-        self.bytes_moved = Gauge("kvferry_transfer_bytes", "Bytes written one-sided, per rank",
-                                 ["rank"], registry=r)
-        self.batches = Gauge("kvferry_transfer_batches", "Write batches posted, per rank",
-                             ["rank"], registry=r)
-        self.integrity_failures = Gauge("kvferry_integrity_failures",
-                                        "Pages that failed checksum, canary or length checks",
-                                        ["rank"], registry=r)
-        self.allocations = Gauge("kvferry_page_allocations", "Page grants made, per rank",
-                                 ["rank"], registry=r)
-        self.severed = Gauge("kvferry_severed_peers", "Peers severed after an abort deadline",
-                             ["rank"], registry=r)
-        self.dropped_messages = Gauge("kvferry_dropped_messages",
-                                      "Control messages dropped (duplicate, stale, malformed)",
-                                      ["rank", "reason"], registry=r)
+        self.pages = Gauge(
+            "kvferry_pages", "KV pool pages by state", ["rank", "role", "state"], registry=r
+        )
+        self.capacity = Gauge(
+            "kvferry_pool_capacity_tokens", "Measured pool capacity", ["rank", "role"], registry=r
+        )
+        self.context_length = Gauge(
+            "kvferry_context_length_tokens", "Context length the cluster serves", registry=r
+        )
+        self.bytes_moved = Gauge(
+            "kvferry_transfer_bytes", "Bytes written one-sided, per rank", ["rank"], registry=r
+        )
+        self.batches = Gauge(
+            "kvferry_transfer_batches", "Write batches posted, per rank", ["rank"], registry=r
+        )
+        self.integrity_failures = Gauge(
+            "kvferry_integrity_failures",
+            "Pages that failed checksum, canary or length checks",
+            ["rank"],
+            registry=r,
+        )
+        self.allocations = Gauge(
+            "kvferry_page_allocations", "Page grants made, per rank", ["rank"], registry=r
+        )
+        self.severed = Gauge(
+            "kvferry_severed_peers", "Peers severed after an abort deadline", ["rank"], registry=r
+        )
+        self.dropped_messages = Gauge(
+            "kvferry_dropped_messages",
+            "Control messages dropped (duplicate, stale, malformed)",
+            ["rank", "reason"],
+            registry=r,
+        )
         self.transfer_latency = Histogram(
-            "kvferry_transfer_seconds", "From write plan to the last writer's notice",
-            registry=r, buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10))
+            "kvferry_transfer_seconds",
+            "From write plan to the last writer's notice",
+            registry=r,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
+        )
         self.abort_release = Histogram(
             "kvferry_abort_release_seconds",
             "From the abort's first sign at the owner (its ABORT or a writer's ack) to its "
             "pages' release",
-            registry=r, buckets=(.0001, .0002, .0005, .001, .002, .005, .01, .05, .1, 1, 5, 30))
+            registry=r,
+            buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 1, 5, 30),
+        )
         self.abort_from_router = Histogram(
             "kvferry_abort_from_router_seconds",
             "From the router's ABORT to the owner's release (owner's clock on this host, "
             "else until its RELEASED arrived)",
-            registry=r, buckets=(.0002, .0005, .001, .002, .005, .01, .02, .05, .1, 1, 5, 30))
-        self.ttft = Histogram("kvferry_time_to_first_token_seconds", "Time to first token",
-                              registry=r, buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30))
+            registry=r,
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 1, 5, 30),
+        )
+        self.ttft = Histogram(
+            "kvferry_time_to_first_token_seconds",
+            "Time to first token",
+            registry=r,
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+        )
 
     def set_rank_stats(self, rank: int, role: str, stats: dict) -> None:
         labels = str(rank)

@@ -12,12 +12,21 @@ def build_model(cfg: ServeConfig) -> PagedModel:
     """The same weights on every rank: the replay model is hand-built, the Llama-style
     model is seeded, so prefill and decode ranks compute consistent KV."""
     if cfg.model == "replay":
-        return ReplayModel(ReplayConfig(layers=cfg.layers, kv_heads=cfg.kv_heads,
-                                        q_per_kv=max(1, cfg.q_heads // cfg.kv_heads),
-                                        head_dim=cfg.head_dim,
-                                        max_positions=max(2, cfg.context_length)))
-    return LlamaModel(LlamaConfig(layers=cfg.layers, q_heads=cfg.q_heads, kv_heads=cfg.kv_heads,
-                                  head_dim=cfg.head_dim), dtype=parse_dtype(cfg.dtype))
+        return ReplayModel(
+            ReplayConfig(
+                layers=cfg.layers,
+                kv_heads=cfg.kv_heads,
+                q_per_kv=max(1, cfg.q_heads // cfg.kv_heads),
+                head_dim=cfg.head_dim,
+                max_positions=max(2, cfg.context_length),
+            )
+        )
+    return LlamaModel(
+        LlamaConfig(
+            layers=cfg.layers, q_heads=cfg.q_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim
+        ),
+        dtype=parse_dtype(cfg.dtype),
+    )
 
 
 def pool_config(cfg: ServeConfig, model: PagedModel) -> PoolConfig:

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,10 +47,10 @@ from .sliced import run_in_slices
 
 log = logging.getLogger("kvferry.cluster")
 
-PREFILL_SLICE_S = 0.001   # longest a prefill computes before the loop polls again
-CHECKSUM_SLICE_BYTES = 32 << 20   # pages checksummed per step
+PREFILL_SLICE_S = 0.001  # longest a prefill computes before the loop polls again
+CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step
 
-_END = -1   # the prefill generator is exhausted
+_END = -1  # the prefill generator is exhausted
 WRITER_RECEIVES = frozenset({Kind.PREFILL, Kind.PLAN, Kind.ABORT})
 _COMPUTING = (WriterState.COMPUTING, WriterState.COMPUTING_PLANNED)
 
@@ -61,20 +62,20 @@ class WriteJob:
     rid: str
     book: WriterBook = field(init=False)
     owner_inc: int = 0
-    tokens: np.ndarray | None = None       # int32 prompt tokens
+    tokens: np.ndarray | None = None  # int32 prompt tokens
     src_pages: list[int] = field(default_factory=list)
     dst_pages: list[int] | None = None
     dst_generations: list[int] | None = None
     checksums: list[int] = field(default_factory=list)
     posted_bytes: int = 0
-    sent_pages: int = 0                    # prompt pages written (all, unless a fault)
-    timer: Any = None                      # an injected pause at a protocol point
-    queue: np.ndarray | None = None        # (local, remote, length) rows not yet posted
+    sent_pages: int = 0  # prompt pages written (all, unless a fault)
+    timer: Any = None  # an injected pause at a protocol point
+    queue: np.ndarray | None = None  # (local, remote, length) rows not yet posted
     prompt_parts: Reassembly | None = None  # PREFILL chunks so far
-    plan_parts: Reassembly | None = None    # PLAN chunks so far
+    plan_parts: Reassembly | None = None  # PLAN chunks so far
     prefill_started: float = 0.0
     prefill_ms: float | None = None
-    abort_source: AbortSource = AbortSource.INTERNAL   # TELL_ABORT's words
+    abort_source: AbortSource = AbortSource.INTERNAL  # TELL_ABORT's words
     abort_reason: str = ""
 
     def __post_init__(self) -> None:
@@ -93,10 +94,20 @@ class WriteJob:
 
 
 class PrefillRank(RankBooks):
-    def __init__(self, runtime: RankRuntime, model, pool: KVPool, segment: Segment,
-                 head_range: tuple[int, int], router: int, unsafe: bool = False,
-                 max_batch_bytes: int = 256 << 20, integrity: bool = True,
-                 prefill_slice_s: float = PREFILL_SLICE_S, batch_target_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        runtime: RankRuntime,
+        model,
+        pool: KVPool,
+        segment: Segment,
+        head_range: tuple[int, int],
+        router: int,
+        unsafe: bool = False,
+        max_batch_bytes: int = 256 << 20,
+        integrity: bool = True,
+        prefill_slice_s: float = PREFILL_SLICE_S,
+        batch_target_s: float = 0.5,
+    ) -> None:
         self.rt = runtime
         self.model = model
         self.pool = pool
@@ -115,8 +126,11 @@ class PrefillRank(RankBooks):
         self._run_lengths = np.array([n for _, n in runs], dtype=np.int64)
         self._row_bytes = int(self._run_lengths[0])
         self.batches = BatchSizer(target_s=batch_target_s, max_bytes=max_batch_bytes)
-        self.handlers = {Kind.PREFILL: self._on_prefill, Kind.PLAN: self._on_plan,
-                         Kind.ABORT: self._on_abort}
+        self.handlers = {
+            Kind.PREFILL: self._on_prefill,
+            Kind.PLAN: self._on_plan,
+            Kind.ABORT: self._on_abort,
+        }
         assert set(self.handlers) == WRITER_RECEIVES
         runtime.set_handlers(self.handlers, role="prefill")
         runtime.on_request_error = self.fail_request
@@ -128,8 +142,12 @@ class PrefillRank(RankBooks):
         move = core.step(job.book, event, self.table)
         if move.ignored:
             if event in (WriterEvent.FAIL, WriterEvent.FAIL_IDLE):
-                log.error("request %s: %s (the writer had already reached %s; nothing more "
-                          "to undo)", job.rid, job.abort_reason, before.value)
+                log.error(
+                    "request %s: %s (the writer had already reached %s; nothing more to undo)",
+                    job.rid,
+                    job.abort_reason,
+                    before.value,
+                )
             return
         for do in move.effects:
             self._do(do, job)
@@ -155,19 +173,25 @@ class PrefillRank(RankBooks):
         elif do is D.TOMBSTONE:
             self.tombstones[job.rid] = time.monotonic()
         elif do is D.TELL_ABORT:
-            log.error("request %s: prefill rank %d failed: %s", job.rid, self.rt.rank,
-                      job.abort_reason)
+            log.error(
+                "request %s: prefill rank %d failed: %s", job.rid, self.rt.rank, job.abort_reason
+            )
             for rank in {self.router, job.owner} - {-1}:
-                self.rt.send(rank, m.ABORT, rid=job.rid, owner=job.owner,
-                             writers=[self.rt.rank], source=job.abort_source,
-                             reason=job.abort_reason)
+                self.rt.send(
+                    rank,
+                    m.ABORT,
+                    rid=job.rid,
+                    owner=job.owner,
+                    writers=[self.rt.rank],
+                    source=job.abort_source,
+                    reason=job.abort_reason,
+                )
         elif do is D.SEND_ACK:
             ack = self.rt.notify(job.owner, m.ABORT_ACK, rid=job.rid) if job.owner >= 0 else None
             if ack is None:
                 self._feed(job, WriterEvent.ACK_FLUSHED)
             else:
-                self.rt.watch(ack, lambda b: self._feed(job, WriterEvent.ACK_FLUSHED),
-                              rid=job.rid)
+                self.rt.watch(ack, lambda b: self._feed(job, WriterEvent.ACK_FLUSHED), rid=job.rid)
         elif do is D.ACK_NOW:
             if job.owner >= 0:
                 self.rt.notify(job.owner, m.ABORT_ACK, rid=job.rid)
@@ -192,14 +216,19 @@ class PrefillRank(RankBooks):
         if decision.decision is Decision.GO:
             then(job)
         elif decision.decision is Decision.PAUSE:
+
             def resume() -> None:
                 job.timer = None
                 if job.state is state:
                     then(job)
+
             job.timer = self.rt.call_later(decision.seconds, resume, rid=job.rid)
         else:
-            source = (AbortSource.PREFILL if decision.decision is Decision.FAIL_PREFILL
-                      else AbortSource.TRANSFER)
+            source = (
+                AbortSource.PREFILL
+                if decision.decision is Decision.FAIL_PREFILL
+                else AbortSource.TRANSFER
+            )
             self._fail(job, source, f"injected fail-{source.value} at {point}")
 
     # -------------------------------------------------------------- messages
@@ -240,8 +269,12 @@ class PrefillRank(RankBooks):
         if job.owner < 0:
             job.book.owner = msg.src
         elif job.owner != msg.src:
-            log.warning("request %s: PLAN from rank %d, but its owner is rank %d; ignored",
-                        msg.rid, msg.src, job.owner)
+            log.warning(
+                "request %s: PLAN from rank %d, but its owner is rank %d; ignored",
+                msg.rid,
+                msg.src,
+                job.owner,
+            )
             return
         if job.plan_parts is None:
             job.plan_parts = Reassembly(job.rid, "PLAN", msg.total, PAGES_PER_CHUNK, width=2)
@@ -262,8 +295,13 @@ class PrefillRank(RankBooks):
                 self.jobs[msg.rid] = job
         if job.owner < 0:
             job.book.owner = msg.owner
-        log.debug("request %s: writer rank %d told to abort (%s: %s)", job.rid, self.rt.rank,
-                  msg.source, msg.reason)
+        log.debug(
+            "request %s: writer rank %d told to abort (%s: %s)",
+            job.rid,
+            self.rt.rank,
+            msg.source,
+            msg.reason,
+        )
         self._feed(job, core.on_abort(job.book))
 
     # -------------------------------------------------------------- prefill
@@ -272,9 +310,14 @@ class PrefillRank(RankBooks):
         # The prefill and the checksums run in slices (see .sliced): an ABORT that arrives
         # during a long prefill waits for about one slice and one step (a layer, or a chunk
         # of a long prompt's tokens), not the whole prefill; a fast one never yields.
-        run_in_slices(self.rt, job.rid, self._prefill_steps(job), self.prefill_slice_s,
-                      wanted=lambda: job.state in _COMPUTING,
-                      then=lambda: self._feed(job, WriterEvent.KV_READY))
+        run_in_slices(
+            self.rt,
+            job.rid,
+            self._prefill_steps(job),
+            self.prefill_slice_s,
+            wanted=lambda: job.state in _COMPUTING,
+            then=lambda: self._feed(job, WriterEvent.KV_READY),
+        )
 
     def _prefill_steps(self, job: WriteJob) -> Iterator[None]:
         """The prefill, one model step at a time (the model yields a layer's index once
@@ -283,8 +326,11 @@ class PrefillRank(RankBooks):
         checksums the owner will check what lands against (I5), a slice of pages a step."""
         assert job.tokens is not None
         layers = self.model.prefill_layers(
-            self.pool.kv, torch.from_numpy(job.tokens.astype(np.int64)), job.src_pages,
-            head_range=self.heads)
+            self.pool.kv,
+            torch.from_numpy(job.tokens.astype(np.int64)),
+            job.src_pages,
+            head_range=self.heads,
+        )
         while True:
             with torch.no_grad():
                 layer = next(layers, _END)
@@ -305,7 +351,9 @@ class PrefillRank(RankBooks):
         per_step = max(1, CHECKSUM_SLICE_BYTES // (view[0].numel() * view.element_size()))
         job.checksums = []
         for start in range(0, len(job.src_pages), per_step):
-            job.checksums.extend(page_checksums(view, job.src_pages[start:start + per_step]).tolist())
+            job.checksums.extend(
+                page_checksums(view, job.src_pages[start : start + per_step]).tolist()
+            )
             yield
 
     # -------------------------------------------------------------- writing
@@ -314,8 +362,8 @@ class PrefillRank(RankBooks):
         of this writer's heads in the pages it sends."""
         assert job.dst_pages is not None
         pb = self.pool.page_bytes
-        src = np.asarray(job.src_pages[:job.sent_pages], dtype=np.int64)
-        dst = np.asarray(job.dst_pages[:len(src)], dtype=np.int64)
+        src = np.asarray(job.src_pages[: job.sent_pages], dtype=np.int64)
+        dst = np.asarray(job.dst_pages[: len(src)], dtype=np.int64)
         local = (src[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
         remote = (dst[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
         lengths = np.broadcast_to(self._run_lengths, (len(src), len(self._run_lengths))).reshape(-1)
@@ -324,17 +372,21 @@ class PrefillRank(RankBooks):
     def _post_writes(self, job: WriteJob) -> None:
         assert job.tokens is not None and job.dst_pages is not None
         if len(job.dst_pages) < len(job.src_pages):
-            self._fail(job, AbortSource.PREFILL,
-                       f"plan holds {len(job.dst_pages)} pages but the prompt of "
-                       f"{len(job.tokens)} tokens needs {len(job.src_pages)}")
+            self._fail(
+                job,
+                AbortSource.PREFILL,
+                f"plan holds {len(job.dst_pages)} pages but the prompt of "
+                f"{len(job.tokens)} tokens needs {len(job.src_pages)}",
+            )
             return
         faults = self.rt.faults
         faults.tamper_source(job.rid, job.tokens, self.pool, job.src_pages, self.heads)
         job.sent_pages = faults.pages_to_write(job.rid, job.tokens, len(job.src_pages))
         triples = self._triples(job)
         job.posted_bytes = int(triples[:, 2].sum())
-        job.queue, held = faults.hold_in_flight(self.rt, job.rid, job.tokens, job.owner,
-                                                self.segment, triples)
+        job.queue, held = faults.hold_in_flight(
+            self.rt, job.rid, job.tokens, job.owner, self.segment, triples
+        )
         if held is not None:
             core.on_posted(job.book)
             self.rt.watch(held, lambda b: self._on_written(job, b), rid=job.rid)
@@ -363,6 +415,7 @@ class PrefillRank(RankBooks):
         def written(b: Batch) -> None:
             self.batches.settled(job.owner, nbytes, time.monotonic() - posted_at)
             self._on_written(job, b)
+
         self.rt.watch(batch, written, rid=job.rid)
         return True
 
@@ -384,12 +437,22 @@ class PrefillRank(RankBooks):
         notice = None
         for lo, hi in spans(sent, PAGES_PER_CHUNK):
             notice = self.rt.notify(
-                job.owner, m.NOTICE, rid=job.rid, tokens=len(job.tokens), offset=lo, total=sent,
-                pages=job.dst_pages[lo:hi], generations=job.dst_generations[lo:hi],
-                checksums=checksums[lo:hi], bytes=job.posted_bytes, prefill_ms=job.prefill_ms)
+                job.owner,
+                m.NOTICE,
+                rid=job.rid,
+                tokens=len(job.tokens),
+                offset=lo,
+                total=sent,
+                pages=job.dst_pages[lo:hi],
+                generations=job.dst_generations[lo:hi],
+                checksums=checksums[lo:hi],
+                bytes=job.posted_bytes,
+                prefill_ms=job.prefill_ms,
+            )
             if notice is None:
-                self._fail(job, AbortSource.TRANSFER,
-                           f"notice to rank {job.owner} could not be sent")
+                self._fail(
+                    job, AbortSource.TRANSFER, f"notice to rank {job.owner} could not be sent"
+                )
                 return
         if notice is not None:
             self.rt.watch(notice, lambda b: self._on_notified(job), rid=job.rid)
@@ -406,8 +469,12 @@ class PrefillRank(RankBooks):
         nothing more is posted, and the ack follows what is in flight."""
         job = self.jobs.get(rid)
         if job is None:
-            log.error("request %s: failed on prefill rank %d after it ended here: %s", rid,
-                      self.rt.rank, reason)
+            log.error(
+                "request %s: failed on prefill rank %d after it ended here: %s",
+                rid,
+                self.rt.rank,
+                reason,
+            )
             return
         self._fail(job, AbortSource.INTERNAL, reason)
 

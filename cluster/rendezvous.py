@@ -30,29 +30,31 @@ class RendezvousError(RuntimeError):
 class RankCard:
     rank: int
     role: str
-    address: bytes                # TransferEngine.address
+    address: bytes  # TransferEngine.address
     incarnation: int
-    segment: bytes | None         # packed SegmentDescriptor of the KV pool (None: router)
+    segment: bytes | None  # packed SegmentDescriptor of the KV pool (None: router)
     num_pages: int
     page_size: int
-    capacity_tokens: int          # measured from the allocated pool (I3)
+    capacity_tokens: int  # measured from the allocated pool (I3)
     context_length: int
     host: str
     pid: int
-    transports: str = ""          # the UCX transports it asked for (and RDMA devices), /status
+    transports: str = ""  # the UCX transports it asked for (and RDMA devices), /status
 
     def pack(self) -> bytes:
         return msgpack.packb({"v": CARD_VERSION, **asdict(self)}, use_bin_type=True)
 
     @classmethod
-    def unpack(cls, data: bytes) -> "RankCard":
+    def unpack(cls, data: bytes) -> RankCard:
         try:
             obj = msgpack.unpackb(data, raw=False, max_bin_len=1 << 20, max_str_len=1 << 16)
         except Exception as exc:
             raise RendezvousError(f"undecodable rank card ({type(exc).__name__})") from None
         if not isinstance(obj, dict) or obj.get("v") != CARD_VERSION:
-            raise RendezvousError(f"rank card of version {obj.get('v') if isinstance(obj, dict) else '?'}"
-                                  f", expected {CARD_VERSION}")
+            raise RendezvousError(
+                f"rank card of version {obj.get('v') if isinstance(obj, dict) else '?'}"
+                f", expected {CARD_VERSION}"
+            )
         obj.pop("v")
         fields = cls.__dataclass_fields__.keys()
         if set(obj) != set(fields):
@@ -77,8 +79,10 @@ def gather(store, world_size: int, timeout_s: float, poll_s: float = 0.1) -> dic
     while True:
         failed = [r for r in range(world_size) if store.check([f"{FAIL_PREFIX}{r}"])]
         if failed:
-            reasons = "; ".join(f"rank {r}: {store.get(f'{FAIL_PREFIX}{r}').decode(errors='replace')}"
-                                for r in failed)
+            reasons = "; ".join(
+                f"rank {r}: {store.get(f'{FAIL_PREFIX}{r}').decode(errors='replace')}"
+                for r in failed
+            )
             raise RendezvousError(f"rank(s) {failed} failed to start: {reasons}")
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if not missing:

@@ -28,7 +28,8 @@ import numpy as np
 from kvferry.engine.admission import AdmissionRejected, admit, pages_needed
 from kvferry.engine.lifecycle import Request, RequestState
 from kvferry.engine.protocol.words import AbortSource, Answer, Kind, Outcome
-from kvferry.engine.tokenizer import decode as detokenize, encode as tokenize
+from kvferry.engine.tokenizer import decode as detokenize
+from kvferry.engine.tokenizer import encode as tokenize
 from kvferry.transfer.wire import Message
 
 from . import messages as m
@@ -43,7 +44,7 @@ log = logging.getLogger("kvferry.cluster")
 S = RequestState
 HEARTBEAT_TIMEOUT_S = 5.0
 TOKENS_GRACE_S = 1.0
-ABORT_RELEASE_WINDOW = 2000   # the owners' latest abort-to-release times kept for /status
+ABORT_RELEASE_WINDOW = 2000  # the owners' latest abort-to-release times kept for /status
 
 
 def latency_summary(values_ms: list[float]) -> dict:
@@ -51,9 +52,17 @@ def latency_summary(values_ms: list[float]) -> dict:
     if not values_ms:
         return {"count": 0}
     v = sorted(values_ms)
-    pick = lambda q: round(v[min(len(v) - 1, int(q * len(v)))], 3)
-    return {"count": len(v), "p50_ms": pick(0.5), "p90_ms": pick(0.9), "p99_ms": pick(0.99),
-            "max_ms": round(v[-1], 3)}
+
+    def pick(q: float) -> float:
+        return round(v[min(len(v) - 1, int(q * len(v)))], 3)
+
+    return {
+        "count": len(v),
+        "p50_ms": pick(0.5),
+        "p90_ms": pick(0.9),
+        "p99_ms": pick(0.99),
+        "max_ms": round(v[-1], 3),
+    }
 
 
 class Unavailable(Exception):
@@ -75,15 +84,15 @@ class RoutedRequest:
     submitted_at: float
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
-    outcome: Answer | None = None       # OK, ABORTED or FAILED, once answered
+    outcome: Answer | None = None  # OK, ABORTED or FAILED, once answered
     error: str | None = None
-    abort_source: AbortSource | None = None   # who ended it, when it did not complete
+    abort_source: AbortSource | None = None  # who ended it, when it did not complete
     transfer_ms: float | None = None
     prefill_ms: float | None = None
     deadline_timer: asyncio.TimerHandle | None = None
-    expected_count: int | None = None   # from DONE(finished)
-    early: dict[int, list[int]] = field(default_factory=dict)   # chunks ahead of a gap
-    aborted_ns: int | None = None       # when this router fanned the abort out (monotonic)
+    expected_count: int | None = None  # from DONE(finished)
+    early: dict[int, list[int]] = field(default_factory=dict)  # chunks ahead of a gap
+    aborted_ns: int | None = None  # when this router fanned the abort out (monotonic)
 
     @property
     def rid(self) -> str:
@@ -127,17 +136,27 @@ class Ledger:
 
 
 class Router:
-    HANDLES = frozenset({Kind.STATS, Kind.SEVERED, Kind.RELEASED, Kind.TOKENS, Kind.DONE,
-                         Kind.ABORT})
+    HANDLES = frozenset(
+        {Kind.STATS, Kind.SEVERED, Kind.RELEASED, Kind.TOKENS, Kind.DONE, Kind.ABORT}
+    )
 
-    def __init__(self, runtime: RankRuntime, topology: Topology, cards: dict[int, RankCard],
-                 *, context_length: int, request_timeout_s: float, admission_wait_s: float,
-                 metrics: ClusterMetrics) -> None:
+    def __init__(
+        self,
+        runtime: RankRuntime,
+        topology: Topology,
+        cards: dict[int, RankCard],
+        *,
+        context_length: int,
+        request_timeout_s: float,
+        admission_wait_s: float,
+        metrics: ClusterMetrics,
+    ) -> None:
         self.rt = runtime
         self.topology = topology
         self.cards = cards
-        self.context_length = min([context_length] + [c.context_length for c in cards.values()
-                                                      if c.role != "router"])
+        self.context_length = min(
+            [context_length] + [c.context_length for c in cards.values() if c.role != "router"]
+        )
         self.request_timeout_s = request_timeout_s
         self.admission_wait_s = admission_wait_s
         self.metrics = metrics
@@ -158,15 +177,20 @@ class Router:
         # From this router's ABORT to the owner's release (see _time_abort).
         self.abort_from_router_ms: deque[float] = deque(maxlen=ABORT_RELEASE_WINDOW)
         metrics.context_length.set(self.context_length)
-        self.handlers = {Kind.STATS: self._on_stats, Kind.SEVERED: self._on_severed_msg,
-                         Kind.RELEASED: self._on_released, Kind.TOKENS: self._on_tokens,
-                         Kind.DONE: self._on_done, Kind.ABORT: self._on_abort}
+        self.handlers = {
+            Kind.STATS: self._on_stats,
+            Kind.SEVERED: self._on_severed_msg,
+            Kind.RELEASED: self._on_released,
+            Kind.TOKENS: self._on_tokens,
+            Kind.DONE: self._on_done,
+            Kind.ABORT: self._on_abort,
+        }
         assert set(self.handlers) == self.HANDLES
-        runtime.set_handlers({k: self._heard_from(fn) for k, fn in self.handlers.items()},
-                             role="router")
+        runtime.set_handlers(
+            {k: self._heard_from(fn) for k, fn in self.handlers.items()}, role="router"
+        )
         runtime.on_send_failure = self._on_send_failure
-        runtime.on_request_error = lambda rid, reason: self.abort(rid, AbortSource.INTERNAL,
-                                                                  reason)
+        runtime.on_request_error = lambda rid, reason: self.abort(rid, AbortSource.INTERNAL, reason)
 
     # ------------------------------------------------------------------ admission
     def new_request_id(self) -> str:
@@ -174,32 +198,53 @@ class Router:
 
     def _pick(self, prompt_len: int, need_decode: int) -> tuple[int, list[int]] | None:
         need_prefill = pages_needed(prompt_len, 0, self.page_size)
-        decodes = [r for r in self.topology.decode_ranks
-                   if r not in self.unhealthy and self.ledger.free(r) >= need_decode]
-        groups = [g for g in self.topology.prefill_groups
-                  if not set(g) & set(self.unhealthy)
-                  and min(self.ledger.free(r) for r in g) >= need_prefill]
+        decodes = [
+            r
+            for r in self.topology.decode_ranks
+            if r not in self.unhealthy and self.ledger.free(r) >= need_decode
+        ]
+        groups = [
+            g
+            for g in self.topology.prefill_groups
+            if not set(g) & set(self.unhealthy)
+            and min(self.ledger.free(r) for r in g) >= need_prefill
+        ]
         if not decodes or not groups:
             return None
         turn = next(self._rr)
         owner = max(decodes, key=lambda r: (self.ledger.free(r), -((r + turn) % len(decodes))))
-        group = max(groups, key=lambda g: (min(self.ledger.free(r) for r in g), -(turn % len(groups))))
+        group = max(
+            groups, key=lambda g: (min(self.ledger.free(r) for r in g), -(turn % len(groups)))
+        )
         return owner, list(group)
 
     def check_admission(self, rid: str, prompt_len: int, max_tokens: int) -> None:
         """I1: raise AdmissionRejected if this request can never fit anywhere."""
         healthy_decode = [r for r in self.topology.decode_ranks if r not in self.unhealthy]
-        healthy_prefill = [g for g in self.topology.prefill_groups if not set(g) & set(self.unhealthy)]
+        healthy_prefill = [
+            g for g in self.topology.prefill_groups if not set(g) & set(self.unhealthy)
+        ]
         if not healthy_decode or not healthy_prefill:
-            raise Unavailable(rid, f"no healthy {'decode' if not healthy_decode else 'prefill'} "
-                                   f"rank (unhealthy: {self.unhealthy})")
+            raise Unavailable(
+                rid,
+                f"no healthy {'decode' if not healthy_decode else 'prefill'} "
+                f"rank (unhealthy: {self.unhealthy})",
+            )
         decode_cap = max(self.ledger.totals[r] for r in healthy_decode) * self.page_size
-        prefill_cap = max(min(self.ledger.totals[r] for r in g) for g in healthy_prefill) * self.page_size
+        prefill_cap = (
+            max(min(self.ledger.totals[r] for r in g) for g in healthy_prefill) * self.page_size
+        )
         admit(rid, prompt_len, max_tokens, self.context_length, decode_cap)
         if prompt_len > prefill_cap:
-            raise AdmissionRejected(rid, prompt_len, max_tokens, self.context_length, prefill_cap,
-                                    f"prompt needs {prompt_len} positions, more than a prefill "
-                                    f"pool can hold ({prefill_cap} tokens)")
+            raise AdmissionRejected(
+                rid,
+                prompt_len,
+                max_tokens,
+                self.context_length,
+                prefill_cap,
+                f"prompt needs {prompt_len} positions, more than a prefill "
+                f"pool can hold ({prefill_cap} tokens)",
+            )
 
     async def submit(self, prompt: str, max_tokens: int) -> RoutedRequest:
         """Admit and dispatch; raises AdmissionRejected (400) or Unavailable (503)."""
@@ -223,15 +268,21 @@ class Router:
             if remaining <= 0:
                 self.metrics.requests.labels(Answer.UNAVAILABLE).inc()
                 free = {r: self.ledger.free(r) for r in self.ledger.totals}
-                quarantined = {r: self.ledger.totals[r] - self.ledger.reusable(r)
-                               for r in self.ledger.totals if self.ledger.reusable(r) < self.ledger.totals[r]}
-                raise Unavailable(rid, f"no pool has room for {need} pages within "
-                                       f"{self.admission_wait_s:.1f} s (free pages by rank: {free}; "
-                                       f"held in quarantine: {quarantined})")
+                quarantined = {
+                    r: self.ledger.totals[r] - self.ledger.reusable(r)
+                    for r in self.ledger.totals
+                    if self.ledger.reusable(r) < self.ledger.totals[r]
+                }
+                raise Unavailable(
+                    rid,
+                    f"no pool has room for {need} pages within "
+                    f"{self.admission_wait_s:.1f} s (free pages by rank: {free}; "
+                    f"held in quarantine: {quarantined})",
+                )
             self._capacity_changed.clear()
             try:
                 await asyncio.wait_for(self._capacity_changed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         owner, writers = placement
         req.transition(S.ADMITTED)
@@ -242,10 +293,19 @@ class Router:
             self.ledger.reserve(w, rid, pages_needed(len(tokens), 0, self.page_size))
         req.transition(S.PREFILLING)
         routed.deadline_timer = asyncio.get_running_loop().call_later(
-            self.request_timeout_s, lambda: self.abort(
-                rid, AbortSource.DEADLINE, f"no answer within {self.request_timeout_s:.1f} s"))
-        log.info("request %s: %d prompt tokens, max_tokens %d -> prefill %s, decode %d",
-                 rid, len(tokens), max_tokens, writers, owner)
+            self.request_timeout_s,
+            lambda: self.abort(
+                rid, AbortSource.DEADLINE, f"no answer within {self.request_timeout_s:.1f} s"
+            ),
+        )
+        log.info(
+            "request %s: %d prompt tokens, max_tokens %d -> prefill %s, decode %d",
+            rid,
+            len(tokens),
+            max_tokens,
+            writers,
+            owner,
+        )
         try:
             self._dispatch(routed, prompt, tokens, max_tokens)
         except Exception as exc:
@@ -258,8 +318,9 @@ class Router:
             self.abort(rid, AbortSource.INTERNAL, reason)
         return routed
 
-    def _dispatch(self, routed: RoutedRequest, prompt: str, tokens: list[int],
-                  max_tokens: int) -> None:
+    def _dispatch(
+        self, routed: RoutedRequest, prompt: str, tokens: list[int], max_tokens: int
+    ) -> None:
         """PREFILL (the prompt in chunks) to every writer, ASSIGN to the owner."""
         rid, owner = routed.rid, routed.owner
         self.rt.faults.raise_at("router-dispatch", prompt)
@@ -267,17 +328,34 @@ class Router:
         owner_inc = self.cards[owner].incarnation
         for w in routed.writers:
             for lo, hi in spans(len(packed), TOKENS_PER_CHUNK):
-                self.rt.send(w, m.PREFILL, rid=rid, tokens=packed[lo:hi].tobytes(), offset=lo,
-                             total=len(packed), owner=owner, owner_inc=owner_inc)
-        self.rt.send(owner, m.ASSIGN, rid=rid, prompt_len=len(tokens), max_tokens=max_tokens,
-                     writers=routed.writers, last_token=tokens[-1])
+                self.rt.send(
+                    w,
+                    m.PREFILL,
+                    rid=rid,
+                    tokens=packed[lo:hi].tobytes(),
+                    offset=lo,
+                    total=len(packed),
+                    owner=owner,
+                    owner_inc=owner_inc,
+                )
+        self.rt.send(
+            owner,
+            m.ASSIGN,
+            rid=rid,
+            prompt_len=len(tokens),
+            max_tokens=max_tokens,
+            writers=routed.writers,
+            last_token=tokens[-1],
+        )
 
     # ------------------------------------------------------------------ outcomes
     def _finish(self, routed: RoutedRequest, outcome: Answer, error: str | None) -> None:
         req = routed.req
         if not req.live:
             return
-        target = {Answer.OK: S.FINISHED, Answer.ABORTED: S.ABORTED, Answer.FAILED: S.FAILED}[outcome]
+        target = {Answer.OK: S.FINISHED, Answer.ABORTED: S.ABORTED, Answer.FAILED: S.FAILED}[
+            outcome
+        ]
         if target is S.FINISHED and req.state is S.PREFILLING:
             req.transition(S.DECODING)
         req.transition(target, error or "")
@@ -312,9 +390,11 @@ class Router:
     # ------------------------------------------------------------------ messages
     def _heard_from(self, handler):
         """``handler``, after noting that its sender is alive (the heartbeat)."""
+
         def heard(msg: Message) -> None:
             self.last_seen[msg.src] = time.monotonic()
             handler(msg)
+
         return heard
 
     def _on_severed_msg(self, msg: Message) -> None:
@@ -362,13 +442,21 @@ class Router:
                 # Messages on one endpoint may overtake each other: wait a moment for
                 # the missing tokens, then fail rather than answer short (I6).
                 asyncio.get_running_loop().call_later(
-                    TOKENS_GRACE_S, lambda: self._finish(
-                        routed, Answer.FAILED, f"decode reported {msg.count} tokens, "
-                                               f"{len(routed.req.output_tokens)} arrived in order"))
+                    TOKENS_GRACE_S,
+                    lambda: self._finish(
+                        routed,
+                        Answer.FAILED,
+                        f"decode reported {msg.count} tokens, "
+                        f"{len(routed.req.output_tokens)} arrived in order",
+                    ),
+                )
         else:
             # The owner runs the abort protocol with the writers itself.
-            self._finish(routed, Answer.FAILED if msg.outcome is Outcome.FAILED
-                         else Answer.ABORTED, msg.error)
+            self._finish(
+                routed,
+                Answer.FAILED if msg.outcome is Outcome.FAILED else Answer.ABORTED,
+                msg.error,
+            )
 
     def _on_abort(self, msg: Message) -> None:
         routed = self._live(msg)
@@ -379,16 +467,24 @@ class Router:
         self._finish(routed, Answer.FAILED, f"{msg.source}: {msg.reason}")
         self._fan_out_abort(routed, msg.source, msg.reason, skip=msg.src)
 
-    def _fan_out_abort(self, routed: RoutedRequest, source: AbortSource, reason: str,
-                       skip: int | None = None) -> None:
+    def _fan_out_abort(
+        self, routed: RoutedRequest, source: AbortSource, reason: str, skip: int | None = None
+    ) -> None:
         """ABORT to every writer, then the owner (writers must stop, flush and ack; the
         owner only waits for their acks), except ``skip``, the rank it came from."""
         if routed.aborted_ns is None:
             routed.aborted_ns = time.monotonic_ns()
         for rank in [*routed.writers, routed.owner]:
             if rank != skip:
-                self.rt.send(rank, m.ABORT, rid=routed.rid, owner=routed.owner,
-                             writers=routed.writers, source=source, reason=reason)
+                self.rt.send(
+                    rank,
+                    m.ABORT,
+                    rid=routed.rid,
+                    owner=routed.owner,
+                    writers=routed.writers,
+                    source=source,
+                    reason=reason,
+                )
 
     def _time_abort(self, routed: RoutedRequest, released: Message) -> None:
         """From this router's ABORT to the owner's release: on the owner's clock when it
@@ -406,7 +502,7 @@ class Router:
         contiguous answer so far is streamed or counted."""
         out = routed.req.output_tokens
         if offset < len(out) or offset in routed.early:
-            return    # already placed (a duplicate)
+            return  # already placed (a duplicate)
         routed.early[offset] = tokens
         while len(out) in routed.early:
             chunk = routed.early.pop(len(out))
@@ -436,12 +532,18 @@ class Router:
 
     def _on_stats(self, msg: Message) -> None:
         stats = dict(msg.fields)
-        stats["dropped"] = {"duplicate": msg.dropped_duplicate, "stale": msg.dropped_stale,
-                            "malformed": msg.dropped_malformed}
+        stats["dropped"] = {
+            "duplicate": msg.dropped_duplicate,
+            "stale": msg.dropped_stale,
+            "malformed": msg.dropped_malformed,
+        }
         self.rank_stats[msg.src] = stats
         self.metrics.set_rank_stats(msg.src, self.cards[msg.src].role, stats)
-        if (msg.src in self.unhealthy and msg.src not in self.severed
-                and self.unhealthy[msg.src].startswith("no heartbeat")):
+        if (
+            msg.src in self.unhealthy
+            and msg.src not in self.severed
+            and self.unhealthy[msg.src].startswith("no heartbeat")
+        ):
             log.info("rank %d is back", msg.src)
             del self.unhealthy[msg.src]
 
@@ -469,8 +571,9 @@ class Router:
         for routed in list(self.requests.values()):
             if not routed.req.live:
                 continue
-            if rank == routed.owner or (rank in routed.writers
-                                        and routed.req.state is not S.DECODING):
+            if rank == routed.owner or (
+                rank in routed.writers and routed.req.state is not S.DECODING
+            ):
                 self.abort(routed.rid, AbortSource.PEER, f"rank {rank} lost: {reason}")
 
     def check_heartbeats(self) -> None:
@@ -487,29 +590,42 @@ class Router:
         for rank, card in sorted(self.cards.items()):
             if card.role == "router":
                 continue
-            rows.append({"rank": rank, "role": card.role, "host": card.host,
-                         "capacity_tokens": card.capacity_tokens,
-                         "context_length": self.context_length,
-                         "ok": card.capacity_tokens >= self.context_length})
+            rows.append(
+                {
+                    "rank": rank,
+                    "role": card.role,
+                    "host": card.host,
+                    "capacity_tokens": card.capacity_tokens,
+                    "context_length": self.context_length,
+                    "ok": card.capacity_tokens >= self.context_length,
+                }
+            )
         return rows
 
     def abort_release_summary(self) -> dict:
         """The latest ``ABORT_RELEASE_WINDOW`` abort-to-release times measured by the
         owners (all of them are in the ``kvferry_abort_release_seconds`` histogram): all,
         those that waited in quarantine for writers' acks, and each one."""
-        return {"all": latency_summary([ms for _, ms in self.abort_release_ms]),
-                "quarantined": latency_summary([ms for how, ms in self.abort_release_ms
-                                                if how != "freed"]),
-                "recent": [[how, round(ms, 3)] for how, ms in self.abort_release_ms],
-                "from_router": latency_summary(list(self.abort_from_router_ms)),
-                "recent_from_router": [round(ms, 3) for ms in self.abort_from_router_ms]}
+        return {
+            "all": latency_summary([ms for _, ms in self.abort_release_ms]),
+            "quarantined": latency_summary(
+                [ms for how, ms in self.abort_release_ms if how != "freed"]
+            ),
+            "recent": [[how, round(ms, 3)] for how, ms in self.abort_release_ms],
+            "from_router": latency_summary(list(self.abort_from_router_ms)),
+            "recent_from_router": [round(ms, 3) for ms in self.abort_from_router_ms],
+        }
 
     def status(self) -> dict:
         live = sum(1 for r in self.requests.values() if r.req.live)
-        return {"live_requests": live, "held_pages": self.ledger.outstanding(),
-                "quarantined_requests": {r: sorted(s) for r, s in self.ledger.orphaned.items() if s},
-                "unhealthy": self.unhealthy, "severed": sorted(self.severed),
-                "transports": {r: c.transports for r, c in sorted(self.cards.items())},
-                "ranks": self.rank_stats,
-                "abort_release": self.abort_release_summary(),
-                "context_length": self.context_length}
+        return {
+            "live_requests": live,
+            "held_pages": self.ledger.outstanding(),
+            "quarantined_requests": {r: sorted(s) for r, s in self.ledger.orphaned.items() if s},
+            "unhealthy": self.unhealthy,
+            "severed": sorted(self.severed),
+            "transports": {r: c.transports for r, c in sorted(self.cards.items())},
+            "ranks": self.rank_stats,
+            "abort_release": self.abort_release_summary(),
+            "context_length": self.context_length,
+        }

@@ -25,12 +25,21 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 from kvferry.engine.protocol.words import Kind
-from kvferry.transfer import (Batch, BatchStatus, Peer, RemoteSegment, Segment, TransferEngine,
-                              TransferError, WireError)
+from kvferry.transfer import (
+    Batch,
+    BatchStatus,
+    Peer,
+    RemoteSegment,
+    Segment,
+    TransferEngine,
+    TransferError,
+    WireError,
+)
 from kvferry.transfer.wire import Message, MessageKind
 
 from . import messages
@@ -46,11 +55,12 @@ class Settles(Protocol):
 
     def peek(self) -> BatchStatus: ...
 
+
 log = logging.getLogger("kvferry.cluster")
 
 DEDUP_WINDOW = 4096
-DRAIN_S = 0.2   # progress after a writer's death before its quarantined pages are released
-WATCH_POLL_S = 0.0005   # the longest sleep while a watched batch is pending
+DRAIN_S = 0.2  # progress after a writer's death before its quarantined pages are released
+WATCH_POLL_S = 0.0005  # the longest sleep while a watched batch is pending
 
 
 class LocalSendError(Exception):
@@ -65,14 +75,14 @@ class LocalSendError(Exception):
 @dataclass
 class ControlCounters:
     sent: int = 0
-    request_errors: int = 0     # exceptions that ended a request (on_request_error)
+    request_errors: int = 0  # exceptions that ended a request (on_request_error)
     received: int = 0
     send_failures: int = 0
     dropped_duplicate: int = 0
     dropped_stale: int = 0
     dropped_malformed: int = 0
     dropped_severed: int = 0
-    dropped_unexpected: int = 0   # a kind this rank's role does not take
+    dropped_unexpected: int = 0  # a kind this rank's role does not take
     severed: int = 0
 
 
@@ -99,8 +109,13 @@ def process_gone(pid: int) -> bool:
 
 
 class RankRuntime:
-    def __init__(self, rank: int, engine: TransferEngine, cards: dict[int, RankCard],
-                 faults: FaultHooks | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        engine: TransferEngine,
+        cards: dict[int, RankCard],
+        faults: FaultHooks | None = None,
+    ) -> None:
         self.rank = rank
         self.engine = engine
         self.cards = cards
@@ -110,9 +125,9 @@ class RankRuntime:
         self._peers: dict[int, Peer] = {}
         self._segments: dict[int, RemoteSegment] = {}
         self._seen: dict[int, OrderedDict[tuple[int, int], None]] = {}
-        self._severed: dict[int, int] = {}           # rank -> incarnation severed
-        self._severed_peers: dict[int, Peer] = {}    # control-only endpoints to severed ranks
-        self._gone_since: dict[int, float] = {}     # rank -> when its process was seen gone
+        self._severed: dict[int, int] = {}  # rank -> incarnation severed
+        self._severed_peers: dict[int, Peer] = {}  # control-only endpoints to severed ranks
+        self._gone_since: dict[int, float] = {}  # rank -> when its process was seen gone
         self._watches: list[tuple[Settles, Callable[[Any], None], str | None]] = []
         self._timers: list[_Timer] = []
         self._timer_order = itertools.count()
@@ -138,12 +153,15 @@ class RankRuntime:
         apart from the data path."""
         if self.is_severed(rank):
             if not severed_ok:
-                raise TransferError(f"rank {rank} is severed (incarnation "
-                                    f"{self._severed[rank]:#x})")
+                raise TransferError(
+                    f"rank {rank} is severed (incarnation {self._severed[rank]:#x})"
+                )
             peer = self._severed_peers.get(rank)
             if peer is None or not self.engine.peer_alive(peer):
                 card = self.cards[rank]
-                peer = self.engine.connect(card.address, name=f"rank{rank}/{card.role}@{card.host} (severed)")
+                peer = self.engine.connect(
+                    card.address, name=f"rank{rank}/{card.role}@{card.host} (severed)"
+                )
                 self._severed_peers[rank] = peer
             return peer
         peer = self._peers.get(rank)
@@ -161,7 +179,9 @@ class RankRuntime:
             card = self.cards[rank]
             if card.segment is None:
                 raise TransferError(f"rank {rank} ({card.role}) publishes no segment")
-            rseg = self.engine.open_segment(peer, card.segment, expected_incarnation=card.incarnation)
+            rseg = self.engine.open_segment(
+                peer, card.segment, expected_incarnation=card.incarnation
+            )
             self._segments[rank] = rseg
         return rseg
 
@@ -188,8 +208,15 @@ class RankRuntime:
         self._segments.pop(rank, None)
         if peer is not None:
             self.engine.close(peer, force=True)
-        log.warning("rank %d severed rank %d (pid %d on %s, incarnation %#x): %s", self.rank,
-                    rank, card.pid, card.host, card.incarnation, reason)
+        log.warning(
+            "rank %d severed rank %d (pid %d on %s, incarnation %#x): %s",
+            self.rank,
+            rank,
+            card.pid,
+            card.host,
+            card.incarnation,
+            reason,
+        )
 
     def write_path_closed(self, rank: int) -> bool:
         """True when no write from ``rank`` can land any more without its ack: its process
@@ -209,9 +236,14 @@ class RankRuntime:
     # ------------------------------------------------------------------ sending
     def _fill(self, rank: int, kind: MessageKind, fields: dict) -> bytes:
         try:
-            return messages.encode(kind.make(src=self.rank, inc=self.incarnation,
-                                             seq=next(self._seq),
-                                             **messages.clip_free_text(kind, fields)))
+            return messages.encode(
+                kind.make(
+                    src=self.rank,
+                    inc=self.incarnation,
+                    seq=next(self._seq),
+                    **messages.clip_free_text(kind, fields),
+                )
+            )
         except WireError as exc:
             self.counters.send_failures += 1
             raise LocalSendError(kind.name, rank, str(exc)) from None
@@ -234,8 +266,10 @@ class RankRuntime:
         first = None
         for payload, delay in self.faults.on_send(kind, rank, data):
             if delay > 0:
+
                 def later(p: bytes = payload) -> None:
                     self._post(rank, kind, p, flushed)
+
                 self.call_later(delay, later)
             else:
                 first = first or self._post(rank, kind, payload, flushed)
@@ -246,6 +280,7 @@ class RankRuntime:
     def _post(self, rank: int, kind: str, payload: bytes, flushed: bool = False) -> Batch | None:
         def post(peer: Peer) -> Batch:
             return self.engine.notify(peer, payload) if flushed else self.engine.send(peer, payload)
+
         batch = self._guarded(rank, kind, post)
         if batch is not None:
             self.counters.sent += 1
@@ -264,7 +299,7 @@ class RankRuntime:
     def _guarded(self, rank: int, kind: str, op) -> Batch | None:
         try:
             return op(self.peer(rank, severed_ok=(kind == "ABORT")))
-        except WireError as exc:   # over the engine's message size: ours, not the peer's
+        except WireError as exc:  # over the engine's message size: ours, not the peer's
             self.counters.send_failures += 1
             raise LocalSendError(kind, rank, str(exc)) from None
         except (TransferError, OSError) as exc:
@@ -307,8 +342,13 @@ class RankRuntime:
         card = self.cards.get(src)
         if card is None or msg.inc != card.incarnation:
             self.counters.dropped_stale += 1
-            log.info("rank %d dropped %s from rank %s: incarnation %#x is not the current one",
-                     self.rank, msg.kind, src, msg.inc)
+            log.info(
+                "rank %d dropped %s from rank %s: incarnation %#x is not the current one",
+                self.rank,
+                msg.kind,
+                src,
+                msg.inc,
+            )
             return
         if self.is_severed(src) and msg.kind != "ABORT_ACK":
             # A severed writer's late ABORT_ACK still counts: it follows that writer's
@@ -327,8 +367,9 @@ class RankRuntime:
         handler = self._handlers.get(Kind(msg.kind))
         if handler is None:
             self.counters.dropped_unexpected += 1
-            log.warning("%s rank %d: unexpected %s from rank %d", self._role, self.rank,
-                        msg.kind, src)
+            log.warning(
+                "%s rank %d: unexpected %s from rank %d", self._role, self.rank, msg.kind, src
+            )
             return
         try:
             handler(msg)
@@ -357,8 +398,11 @@ class RankRuntime:
         try:
             self.on_request_error(rid, reason)
         except Exception:
-            log.exception("request %s: ending it after an internal error failed too; its "
-                          "pages stay as they are (quarantined pages wait for proof)", rid)
+            log.exception(
+                "request %s: ending it after an internal error failed too; its "
+                "pages stay as they are (quarantined pages wait for proof)",
+                rid,
+            )
 
     def run_for(self, rid: str | None, what: str, fn: Callable[[], None]) -> None:
         """Call ``fn``; an exception ends request ``rid`` (see :meth:`_request_failed`)."""
@@ -368,8 +412,9 @@ class RankRuntime:
             self._request_failed(rid, what, exc)
 
     # ------------------------------------------------------------------ batches, timers
-    def watch(self, batch: Settles, callback: Callable[[Any], None],
-              rid: str | None = None) -> None:
+    def watch(
+        self, batch: Settles, callback: Callable[[Any], None], rid: str | None = None
+    ) -> None:
         """Call ``callback(batch)`` once the batch settles: from :meth:`pump`, or right
         after the message handler that posted it returns. ``rid``: the request an
         exception in ``callback`` ends."""
@@ -456,6 +501,9 @@ class RankRuntime:
 
     def dropped(self) -> dict[str, int]:
         c = self.counters
-        return {"duplicate": c.dropped_duplicate, "stale": c.dropped_stale,
-                "malformed": c.dropped_malformed + self.engine.counters.malformed_messages,
-                "severed": c.dropped_severed}
+        return {
+            "duplicate": c.dropped_duplicate,
+            "stale": c.dropped_stale,
+            "malformed": c.dropped_malformed + self.engine.counters.malformed_messages,
+            "severed": c.dropped_severed,
+        }

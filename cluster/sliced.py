@@ -12,15 +12,23 @@ the loop polls in between. Work that fits in one slice never yields and costs no
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 
 class Defers(Protocol):
     def defer(self, fn: Callable[[], None], rid: str | None = None) -> None: ...
 
 
-def run_in_slices(rt: Defers, rid: str, steps: Iterator[object], slice_s: float, *,
-                  wanted: Callable[[], bool], then: Callable[[], None]) -> None:
+def run_in_slices(
+    rt: Defers,
+    rid: str,
+    steps: Iterator[object],
+    slice_s: float,
+    *,
+    wanted: Callable[[], bool],
+    then: Callable[[], None],
+) -> None:
     """Run ``steps`` to the end in slices of ``slice_s`` seconds, then defer ``then`` (so a
     message that arrived during the last slice is handled first). Between slices, and
     before ``then``, ``wanted()`` is asked: once it is False (the request was aborted

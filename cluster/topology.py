@@ -40,22 +40,27 @@ class Topology:
         if self.prefill < 1 or self.decode < 1 or self.tp < 1:
             raise TopologyError(
                 f"need at least one prefill and one decode rank and tp >= 1; got "
-                f"prefill={self.prefill} decode={self.decode} tp={self.tp}")
+                f"prefill={self.prefill} decode={self.decode} tp={self.tp}"
+            )
         if self.prefill % self.tp:
             raise TopologyError(
                 f"prefill ranks ({self.prefill}) must be a multiple of the tensor-parallel "
-                f"size ({self.tp})")
+                f"size ({self.tp})"
+            )
         if self.world_size != 1 + self.prefill + self.decode:
             raise TopologyError(
                 f"world size {self.world_size} != 1 router + {self.prefill} prefill + "
-                f"{self.decode} decode = {1 + self.prefill + self.decode}")
+                f"{self.decode} decode = {1 + self.prefill + self.decode}"
+            )
 
     @classmethod
-    def for_world(cls, world_size: int, prefill: int | None, tp: int = 1) -> "Topology":
+    def for_world(cls, world_size: int, prefill: int | None, tp: int = 1) -> Topology:
         """Fill in the decode count (and the prefill count, if absent) from the world size."""
         if world_size < 3:
-            raise TopologyError(f"a cluster needs at least 3 ranks (router, prefill, decode); "
-                                f"world size is {world_size}")
+            raise TopologyError(
+                f"a cluster needs at least 3 ranks (router, prefill, decode); "
+                f"world size is {world_size}"
+            )
         if prefill is None:
             prefill = tp * max(1, (world_size - 1) // (2 * tp))
         return cls(world_size=world_size, prefill=prefill, decode=world_size - 1 - prefill, tp=tp)
@@ -85,7 +90,7 @@ class Topology:
     def prefill_groups(self) -> list[list[int]]:
         """Each group's ranks, in TP order: member i writes heads [i*H/tp, (i+1)*H/tp)."""
         ranks = self.prefill_ranks
-        return [ranks[i:i + self.tp] for i in range(0, len(ranks), self.tp)]
+        return [ranks[i : i + self.tp] for i in range(0, len(ranks), self.tp)]
 
     def group_of(self, rank: int) -> tuple[int, int]:
         """(group index, position in the group) of a prefill rank."""

@@ -6,6 +6,7 @@ random Llama-style models, and a monolithic engine that is the oracle for the
 disaggregated path.
 """
 
+from . import tokenizer
 from .admission import AdmissionLimits, AdmissionRejected, admit, pages_needed, pool_capacity_tokens
 from .allocator import (
     AllocatorError,
@@ -16,8 +17,20 @@ from .allocator import (
     PageOwnershipError,
     PageState,
 )
-from .attention import dense_attention, gather_kv, paged_decode_attention, write_kv_pages, write_kv_tokens
-from .capacity import CapacityError, CapacityReport, check_capacity, enforce_startup_capacity, measure_capacity
+from .attention import (
+    dense_attention,
+    gather_kv,
+    paged_decode_attention,
+    write_kv_pages,
+    write_kv_tokens,
+)
+from .capacity import (
+    CapacityError,
+    CapacityReport,
+    check_capacity,
+    enforce_startup_capacity,
+    measure_capacity,
+)
 from .decode import DecodeSlot, decode_step
 from .integrity import (
     Canary,
@@ -45,6 +58,5 @@ from .models import PagedModel
 from .monolithic import GenerationResult, IntegrityPolicy, MonolithicEngine
 from .pool import DTYPES, KVPool, PoolConfig, PoolShapeError, parse_dtype
 from .replay import ReplayConfig, ReplayModel
-from . import tokenizer
 
 __all__ = [name for name in dir() if not name.startswith("_")]

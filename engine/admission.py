@@ -23,7 +23,9 @@ def pages_needed(prompt_tokens: int, max_tokens: int, page_size: int) -> int:
     if page_size < 1:
         raise ValueError(f"page_size must be positive, got {page_size}")
     if prompt_tokens < 0 or max_tokens < 0:
-        raise ValueError(f"token counts must be non-negative: prompt {prompt_tokens}, max_tokens {max_tokens}")
+        raise ValueError(
+            f"token counts must be non-negative: prompt {prompt_tokens}, max_tokens {max_tokens}"
+        )
     return -(-(prompt_tokens + max_tokens) // page_size)
 
 
@@ -95,14 +97,22 @@ def admit(
     pool_capacity_tokens: int | Sequence[int],
 ) -> None:
     """Return if the request can ever fit; raise :class:`AdmissionRejected` otherwise."""
-    capacities = (pool_capacity_tokens,) if isinstance(pool_capacity_tokens, int) else tuple(pool_capacity_tokens)
+    capacities = (
+        (pool_capacity_tokens,)
+        if isinstance(pool_capacity_tokens, int)
+        else tuple(pool_capacity_tokens)
+    )
     if not capacities:
-        raise ValueError(f"request {request_id!r}: admission needs the capacity of at least one pool")
+        raise ValueError(
+            f"request {request_id!r}: admission needs the capacity of at least one pool"
+        )
     capacity = min(capacities)
     requested = prompt_tokens + max_tokens
 
     def reject(reason: str) -> AdmissionRejected:
-        return AdmissionRejected(request_id, prompt_tokens, max_tokens, context_length, capacity, reason)
+        return AdmissionRejected(
+            request_id, prompt_tokens, max_tokens, context_length, capacity, reason
+        )
 
     if prompt_tokens < 1:
         raise reject("empty prompt")
@@ -111,4 +121,6 @@ def admit(
     if requested > context_length:
         raise reject(f"needs {requested} positions, more than the context length {context_length}")
     if requested > capacity:
-        raise reject(f"needs {requested} positions, more than the pool can hold ({capacity} tokens)")
+        raise reject(
+            f"needs {requested} positions, more than the pool can hold ({capacity} tokens)"
+        )

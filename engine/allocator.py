@@ -55,7 +55,14 @@ class OutOfPages(AllocatorError):
 class PageOwnershipError(AllocatorError):
     """A request tried to act on a page it does not hold in the needed state."""
 
-    def __init__(self, request_id: str, page: int, owner: str | None, state: PageState, wanted_state: PageState) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        page: int,
+        owner: str | None,
+        state: PageState,
+        wanted_state: PageState,
+    ) -> None:
         super().__init__(
             f"request {request_id!r}: page {page} is {state.value} (owner {owner!r}), "
             f"expected {wanted_state.value} by {request_id!r}"
@@ -81,7 +88,9 @@ class PageAllocator:
         self._owner: list[str | None] = [None] * num_pages
         self._generation = [0] * num_pages
         self._free_heap = list(range(num_pages))  # a sorted list is a valid heap
-        self._held: dict[str, list[int]] = {}  # request -> pages OWNED or QUARANTINED, in grant order
+        self._held: dict[
+            str, list[int]
+        ] = {}  # request -> pages OWNED or QUARANTINED, in grant order
         self._next_generation = 1
         self._counts = {PageState.FREE: num_pages, PageState.OWNED: 0, PageState.QUARANTINED: 0}
         if unsafe:
@@ -111,7 +120,9 @@ class PageAllocator:
         return [p for p in self._held.get(request_id, ()) if self._state[p] is PageState.OWNED]
 
     def quarantined_pages_of(self, request_id: str) -> list[int]:
-        return [p for p in self._held.get(request_id, ()) if self._state[p] is PageState.QUARANTINED]
+        return [
+            p for p in self._held.get(request_id, ()) if self._state[p] is PageState.QUARANTINED
+        ]
 
     @property
     def free_pages(self) -> int:
@@ -138,7 +149,12 @@ class PageAllocator:
         self._next_generation += 1
         heap, pop = self._free_heap, heapq.heappop
         pages = [pop(heap) for _ in range(n)]
-        state, owner, generations, owned = self._state, self._owner, self._generation, PageState.OWNED
+        state, owner, generations, owned = (
+            self._state,
+            self._owner,
+            self._generation,
+            PageState.OWNED,
+        )
         for page in pages:
             state[page] = owned
             owner[page] = request_id
@@ -167,7 +183,9 @@ class PageAllocator:
         pages = self.owned_pages_of(request_id)
         if self.unsafe:
             if pages:
-                log.critical("UNSAFE: request %r: %d pages freed without quarantine", request_id, len(pages))
+                log.critical(
+                    "UNSAFE: request %r: %d pages freed without quarantine", request_id, len(pages)
+                )
             self._to_free(request_id, pages)
             return pages
         state, quarantined = self._state, PageState.QUARANTINED
@@ -189,16 +207,24 @@ class PageAllocator:
         for state in self._state:
             recount[state] += 1
         if recount != self._counts or sum(recount.values()) != self.num_pages:
-            raise AllocatorInvariantError(f"counts {self._counts} but pages say {recount} of {self.num_pages}")
-        if sorted(self._free_heap) != [p for p in range(self.num_pages) if self._state[p] is PageState.FREE]:
+            raise AllocatorInvariantError(
+                f"counts {self._counts} but pages say {recount} of {self.num_pages}"
+            )
+        if sorted(self._free_heap) != [
+            p for p in range(self.num_pages) if self._state[p] is PageState.FREE
+        ]:
             raise AllocatorInvariantError("free list does not match the pages marked free")
         held = {p: rid for rid, pages in self._held.items() for p in pages}
         for page in range(self.num_pages):
             state, owner = self._state[page], self._owner[page]
             if state is PageState.FREE and (owner is not None or page in held):
-                raise AllocatorInvariantError(f"free page {page} still attributed to {owner or held.get(page)!r}")
+                raise AllocatorInvariantError(
+                    f"free page {page} still attributed to {owner or held.get(page)!r}"
+                )
             if state is not PageState.FREE and (owner is None or held.get(page) != owner):
-                raise AllocatorInvariantError(f"{state.value} page {page}: owner {owner!r}, held by {held.get(page)!r}")
+                raise AllocatorInvariantError(
+                    f"{state.value} page {page}: owner {owner!r}, held by {held.get(page)!r}"
+                )
 
     # --- internals --------------------------------------------------------------------
     def _index(self, page: int) -> int:

@@ -21,16 +21,24 @@ from collections.abc import Sequence
 import torch
 
 
-def _check_shapes(q: torch.Tensor, kv: torch.Tensor, layer: int, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def _check_shapes(
+    q: torch.Tensor, kv: torch.Tensor, layer: int, page_table: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
     if kv.dim() != 6 or kv.shape[2] != 2:
-        raise ValueError(f"kv must be [pages, layers, 2, kv_heads, page_size, head_dim], got {tuple(kv.shape)}")
+        raise ValueError(
+            f"kv must be [pages, layers, 2, kv_heads, page_size, head_dim], got {tuple(kv.shape)}"
+        )
     if q.dim() != 3 or q.shape[2] != kv.shape[5]:
         raise ValueError(f"q must be [batch, q_heads, {kv.shape[5]}], got {tuple(q.shape)}")
     if q.shape[1] % kv.shape[3]:
         raise ValueError(f"q_heads {q.shape[1]} is not a multiple of kv_heads {kv.shape[3]}")
     if not 0 <= layer < kv.shape[1]:
         raise ValueError(f"layer {layer} outside [0, {kv.shape[1]})")
-    if page_table.dim() != 2 or page_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+    if (
+        page_table.dim() != 2
+        or page_table.shape[0] != q.shape[0]
+        or seq_lens.shape != (q.shape[0],)
+    ):
         raise ValueError(
             f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
             f"do not match batch {q.shape[0]}"
@@ -62,7 +70,9 @@ def paged_decode_attention(
         return torch.zeros_like(q)
     n_pages = -(-max_len // page_size)
     if n_pages > page_table.shape[1]:
-        raise ValueError(f"seq_len {max_len} needs {n_pages} pages, page table has {page_table.shape[1]}")
+        raise ValueError(
+            f"seq_len {max_len} needs {n_pages} pages, page table has {page_table.shape[1]}"
+        )
     table = page_table[:, :n_pages].to(device=kv.device, dtype=torch.int64)
     positions = torch.arange(n_pages * page_size, device=kv.device)
     valid = positions[None, :] < seq_lens[:, None]  # [batch, T]
@@ -71,15 +81,21 @@ def paged_decode_attention(
     if bool(((table < 0) | (table >= kv.shape[0])).any()):
         raise IndexError(f"page table names a page outside [0, {kv.shape[0]})")
     gathered = kv[:, layer][table]  # [batch, n_pages, 2, kv_heads, page_size, head_dim]
-    gathered = gathered.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, kv_heads, n_pages * page_size, head_dim)
+    gathered = gathered.permute(2, 0, 3, 1, 4, 5).reshape(
+        2, batch, kv_heads, n_pages * page_size, head_dim
+    )
     keys = gathered[0].float()
-    values = gathered[1].float().masked_fill(~valid[:, None, :, None], 0.0)  # stale slots may hold NaN
+    values = (
+        gathered[1].float().masked_fill(~valid[:, None, :, None], 0.0)
+    )  # stale slots may hold NaN
     qf = q.float().view(batch, kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,bktd->bkgt", qf, keys) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgt,bktd->bkgd", weights, values)
-    out = out.masked_fill((seq_lens == 0)[:, None, None, None], 0.0)  # empty rows: softmax of nothing
+    out = out.masked_fill(
+        (seq_lens == 0)[:, None, None, None], 0.0
+    )  # empty rows: softmax of nothing
     return out.reshape(batch, q_heads, head_dim).to(q.dtype)
 
 
@@ -97,7 +113,9 @@ def write_kv_pages(
     k, v: ``[T, heads, head_dim]`` for KV heads ``[head_lo, head_lo+heads)`` (a TP shard
     writes only its heads). Values are cast to the pool dtype."""
     if k.shape != v.shape or k.dim() != 3:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, heads, head_dim]")
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, heads, head_dim]"
+        )
     tokens, heads, head_dim = k.shape
     if tokens == 0:
         return
@@ -122,7 +140,12 @@ def write_kv_pages(
 
 
 def write_kv_tokens(
-    kv: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor
+    kv: torch.Tensor,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Decode write: one position per sequence. k, v: ``[batch, kv_heads, head_dim]``;
     pages, slots: ``[batch]`` (page id and slot inside it of each sequence's position)."""
@@ -132,7 +155,9 @@ def write_kv_tokens(
     kv[pages, layer, 1, :, slots] = v.to(kv.dtype)
 
 
-def gather_kv(kv: torch.Tensor, layer: int, page_table_row: torch.Tensor | list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    kv: torch.Tensor, layer: int, page_table_row: torch.Tensor | list[int], seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense ``(K, V)``, each ``[seq_len, kv_heads, head_dim]``, of one sequence (for checks)."""
     page_size = kv.shape[4]
     row = torch.as_tensor(page_table_row, dtype=torch.int64, device=kv.device)
@@ -142,7 +167,9 @@ def gather_kv(kv: torch.Tensor, layer: int, page_table_row: torch.Tensor | list[
     return kv[pages, layer, 0, :, slots], kv[pages, layer, 1, :, slots]
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """fp32 reference for one query against dense K/V: q ``[q_heads, d]``,
     k/v ``[T, kv_heads, d]``."""
     q_heads, head_dim = q.shape

@@ -70,7 +70,9 @@ def measure_capacity(pool: KVPool) -> int:
 
 
 def report_for(pool: KVPool, context_length: int) -> CapacityReport:
-    return CapacityReport(measure_capacity(pool), context_length, pool.nbytes, pool.num_pages, pool.page_size)
+    return CapacityReport(
+        measure_capacity(pool), context_length, pool.nbytes, pool.num_pages, pool.page_size
+    )
 
 
 def check_capacity(config: PoolConfig | KVPool, context_length: int) -> CapacityReport:
@@ -91,14 +93,20 @@ def enforce_startup_capacity(
     measured = measure_capacity(pool)
     if lowered_context_length is not None:
         if lowered_context_length < 1:
-            raise ValueError(f"lowered context length must be positive, got {lowered_context_length}")
+            raise ValueError(
+                f"lowered context length must be positive, got {lowered_context_length}"
+            )
         if lowered_context_length > measured:
-            raise CapacityError(measured, lowered_context_length, "even the lowered context length does not fit")
+            raise CapacityError(
+                measured, lowered_context_length, "even the lowered context length does not fit"
+            )
         if lowered_context_length < declared_context_length:
             log.warning(
                 "context length lowered by the operator from %d to %d tokens "
                 "to fit a pool of %d tokens",
-                declared_context_length, lowered_context_length, measured,
+                declared_context_length,
+                lowered_context_length,
+                measured,
             )
         return lowered_context_length
     if measured < declared_context_length:

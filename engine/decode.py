@@ -15,8 +15,8 @@ and a bug shared by both sides would pass that comparison. Both call the same mo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -35,8 +35,22 @@ class DecodeSlot:
     stopped: bool = False
 
     @classmethod
-    def start(cls, request_id: str, page_row: Sequence[int], prompt_len: int, last_prompt_token: int, max_tokens: int) -> "DecodeSlot":
-        return cls(request_id, list(page_row), prompt_len, max_tokens, prompt_len - 1, int(last_prompt_token))
+    def start(
+        cls,
+        request_id: str,
+        page_row: Sequence[int],
+        prompt_len: int,
+        last_prompt_token: int,
+        max_tokens: int,
+    ) -> DecodeSlot:
+        return cls(
+            request_id,
+            list(page_row),
+            prompt_len,
+            max_tokens,
+            prompt_len - 1,
+            int(last_prompt_token),
+        )
 
     @property
     def done(self) -> bool:
@@ -52,7 +66,8 @@ def decode_step(model: PagedModel, kv: torch.Tensor, slots: Sequence[DecodeSlot]
     for slot in active:
         if slot.position // page_size >= len(slot.page_row):
             raise IndexError(
-                f"request {slot.request_id!r}: position {slot.position} beyond its {len(slot.page_row)} pages"
+                f"request {slot.request_id!r}: position {slot.position} beyond its "
+                f"{len(slot.page_row)} pages"
             )
     width = max(len(s.page_row) for s in active)
     table = torch.zeros(len(active), width, dtype=torch.int32)
@@ -62,7 +77,7 @@ def decode_step(model: PagedModel, kv: torch.Tensor, slots: Sequence[DecodeSlot]
     tokens = torch.tensor([s.token for s in active], dtype=torch.int64)
     prompt_lens = torch.tensor([s.prompt_len for s in active], dtype=torch.int64)
     emitted = model.decode_step(kv, table.to(kv.device), positions, tokens, prompt_lens).tolist()
-    for slot, token in zip(active, emitted):
+    for slot, token in zip(active, emitted, strict=True):
         slot.output.append(int(token))
         slot.position += 1
         slot.token = int(token)

@@ -47,7 +47,9 @@ class IntegrityError(Exception):
 
 class TransferLengthError(IntegrityError):
     def __init__(self, request_id: str, expected_tokens: int, received_tokens: int) -> None:
-        super().__init__(request_id, f"received {received_tokens} positions of KV, expected {expected_tokens}")
+        super().__init__(
+            request_id, f"received {received_tokens} positions of KV, expected {expected_tokens}"
+        )
         self.expected_tokens = expected_tokens
         self.received_tokens = received_tokens
 
@@ -61,7 +63,9 @@ def check_transferred_length(request_id: str, expected_tokens: int, received_tok
 # --- checksums -----------------------------------------------------------------------
 def _page_words(kv: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """``[n, words]`` int64 holding each page's bytes as unsigned 32-bit words (or bytes)."""
-    flat = kv[pages].reshape(pages.numel(), -1)  # gather copies the listed pages only: [n, elements]
+    flat = kv[pages].reshape(
+        pages.numel(), -1
+    )  # gather copies the listed pages only: [n, elements]
     raw = flat.view(torch.uint8)
     if raw.shape[1] % 4 == 0:
         return raw.view(torch.int32).to(torch.int64) & _WORD_MASK
@@ -80,7 +84,9 @@ def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> tor
     for start in range(0, pages.numel(), per_chunk):
         words = _page_words(kv, pages[start : start + per_chunk]) % MODULUS
         if weights is None:
-            weights = torch.arange(1, words.shape[1] + 1, dtype=torch.int64, device=kv.device) % MODULUS
+            weights = (
+                torch.arange(1, words.shape[1] + 1, dtype=torch.int64, device=kv.device) % MODULUS
+            )
         s1 = words.sum(dim=1) % MODULUS
         s2 = ((words * weights) % MODULUS).sum(dim=1) % MODULUS
         out[start : start + per_chunk] = s1 * (1 << 31) + s2
@@ -121,7 +127,8 @@ class CanaryTable:
             raise ValueError(f"{len(pages)} pages but {len(canaries)} canaries")
         if pages:
             self.table[torch.as_tensor(list(pages), dtype=torch.int64)] = torch.tensor(
-                [[c.request_id_hash, c.generation, c.page_index] for c in canaries], dtype=torch.int64
+                [[c.request_id_hash, c.generation, c.page_index] for c in canaries],
+                dtype=torch.int64,
             )
 
     def get(self, page: int) -> Canary | None:
@@ -140,7 +147,9 @@ class CanaryTable:
             raise ValueError(f"{len(pages)} pages but {len(expected)} expected canaries")
         if not pages:
             return []
-        want = torch.tensor([[c.request_id_hash, c.generation, c.page_index] for c in expected], dtype=torch.int64)
+        want = torch.tensor(
+            [[c.request_id_hash, c.generation, c.page_index] for c in expected], dtype=torch.int64
+        )
         bad = (self.rows(pages) != want).any(dim=1)
         return [page for page, is_bad in zip(pages, bad.tolist(), strict=True) if is_bad]
 

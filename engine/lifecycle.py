@@ -49,7 +49,9 @@ TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = {
 }
 
 
-def terminal_states(table: Mapping[RequestState, frozenset[RequestState]]) -> frozenset[RequestState]:
+def terminal_states(
+    table: Mapping[RequestState, frozenset[RequestState]],
+) -> frozenset[RequestState]:
     """States with no way out in ``table``."""
     return frozenset(state for state, targets in table.items() if not targets)
 
@@ -83,7 +85,9 @@ def table_violations(table: Mapping[RequestState, frozenset[RequestState]]) -> l
     problems = []
     for ending in (S.FINISHED, S.REJECTED, S.ABORTED, S.FAILED):
         if table.get(ending):
-            problems.append(f"{ending.value} is not terminal: leads to {sorted(s.value for s in table[ending])}")
+            problems.append(
+                f"{ending.value} is not terminal: leads to {sorted(s.value for s in table[ending])}"
+            )
     for state, targets in table.items():
         if S.REJECTED in targets and state is not S.QUEUED:
             problems.append(f"{state.value} -> rejected: rejection must precede allocation")
@@ -95,7 +99,9 @@ def table_violations(table: Mapping[RequestState, frozenset[RequestState]]) -> l
 
 
 class IllegalTransition(Exception):
-    def __init__(self, request_id: str, current: RequestState, wanted: RequestState, reason: str = "") -> None:
+    def __init__(
+        self, request_id: str, current: RequestState, wanted: RequestState, reason: str = ""
+    ) -> None:
         super().__init__(
             f"request {request_id!r}: illegal transition {current.value} -> {wanted.value}"
             + (f" ({reason})" if reason else "")

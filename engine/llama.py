@@ -45,7 +45,9 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if self.q_heads % self.kv_heads:
-            raise ValueError(f"q_heads {self.q_heads} must be a multiple of kv_heads {self.kv_heads}")
+            raise ValueError(
+                f"q_heads {self.q_heads} must be a multiple of kv_heads {self.kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
 
@@ -66,7 +68,12 @@ class _Layer:
 class LlamaModel(PrefillByLayers):
     stop_token: int | None = EOS
 
-    def __init__(self, config: LlamaConfig = LlamaConfig(), device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig = LlamaConfig(),
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.config = config
         self.layers = config.layers
         self.kv_heads = config.kv_heads
@@ -82,9 +89,13 @@ class LlamaModel(PrefillByLayers):
             return w.to(device=self.device, dtype=dtype)
 
         def norm() -> torch.Tensor:
-            return (1.0 + 0.1 * torch.randn(c.hidden, generator=gen)).to(device=self.device, dtype=dtype)
+            return (1.0 + 0.1 * torch.randn(c.hidden, generator=gen)).to(
+                device=self.device, dtype=dtype
+            )
 
-        self.embed = torch.randn(c.vocab_size, c.hidden, generator=gen).to(device=self.device, dtype=dtype)
+        self.embed = torch.randn(c.vocab_size, c.hidden, generator=gen).to(
+            device=self.device, dtype=dtype
+        )
         self.blocks = [
             _Layer(
                 attn_norm=norm(),
@@ -102,24 +113,40 @@ class LlamaModel(PrefillByLayers):
         self.final_norm = norm()
         self.lm_head = weight(c.hidden, c.vocab_size)
         half = c.head_dim // 2
-        self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(half, dtype=torch.float32, device=self.device) / half))
+        self._inv_freq = 1.0 / (
+            c.rope_theta ** (torch.arange(half, dtype=torch.float32, device=self.device) / half)
+        )
 
-    def pool_config(self, page_size: int, num_pages: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PoolConfig:
-        return PoolConfig(self.layers, self.kv_heads, self.head_dim, page_size, num_pages, dtype, device)
+    def pool_config(
+        self,
+        page_size: int,
+        num_pages: int,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ) -> PoolConfig:
+        return PoolConfig(
+            self.layers, self.kv_heads, self.head_dim, page_size, num_pages, dtype, device
+        )
 
     # --- pieces -----------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)).to(x.dtype) * weight
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)).to(
+            x.dtype
+        ) * weight
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: ``[T, heads, head_dim]``, positions ``[T]``; rotate halves."""
-        angles = positions.to(self.device, torch.float32)[:, None] * self._inv_freq[None, :]  # [T, half]
+        angles = (
+            positions.to(self.device, torch.float32)[:, None] * self._inv_freq[None, :]
+        )  # [T, half]
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
-    def _qkv(self, block: _Layer, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(
+        self, block: _Layer, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
         x = self._rms(h, block.attn_norm)
         q = (x @ block.wq).view(-1, c.q_heads, c.head_dim)
@@ -145,7 +172,9 @@ class LlamaModel(PrefillByLayers):
         return out.transpose(0, 1).reshape(q.shape[0], -1).to(self.dtype)
 
     # --- reference without pages -----------------------------------------------------------
-    def forward_dense(self, tokens: Sequence[int] | torch.Tensor, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def forward_dense(
+        self, tokens: Sequence[int] | torch.Tensor, kv_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Logits ``[T, vocab]`` (fp32) of every position, no pages involved. ``kv_dtype``
         rounds K/V as a pool of that dtype would."""
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=self.device).reshape(-1)
@@ -182,7 +211,15 @@ class LlamaModel(PrefillByLayers):
         h = self.embed[tokens]
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, h, positions)
-            write_kv_pages(kv, layer, k[:, lo:hi].to(kv.device), v[:, lo:hi].to(kv.device), page_row, 0, head_lo=lo)
+            write_kv_pages(
+                kv,
+                layer,
+                k[:, lo:hi].to(kv.device),
+                v[:, lo:hi].to(kv.device),
+                page_row,
+                0,
+                head_lo=lo,
+            )
             yield layer
             k, v = k.to(kv.dtype).to(self.dtype), v.to(kv.dtype).to(self.dtype)
             h = h + self._causal(q, k, v) @ block.wo
@@ -190,7 +227,11 @@ class LlamaModel(PrefillByLayers):
         return self._logits(h[-1:])[0]
 
     def decode_logits(
-        self, kv: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
+        self,
+        kv: torch.Tensor,
+        page_table: torch.Tensor,
+        positions: torch.Tensor,
+        tokens: torch.Tensor,
     ) -> torch.Tensor:
         """Write each input token's K/V at its position, attend over ``0 .. position``;
         logits ``[batch, vocab]`` fp32."""

@@ -29,7 +29,9 @@ class PagedModel(Protocol):
     head_dim: int
     stop_token: int | None
 
-    def pool_config(self, page_size: int, num_pages: int, dtype: torch.dtype = ..., device: str = ...) -> PoolConfig: ...
+    def pool_config(
+        self, page_size: int, num_pages: int, dtype: torch.dtype = ..., device: str = ...
+    ) -> PoolConfig: ...
 
     def prefill(
         self,
@@ -40,10 +42,14 @@ class PagedModel(Protocol):
         head_range: tuple[int, int] | None = None,
     ) -> None: ...
 
-    def prefill_layers(self, kv: torch.Tensor, tokens: Sequence[int] | torch.Tensor,
-                       page_row: Sequence[int] | torch.Tensor, *,
-                       head_range: tuple[int, int] | None = None
-                       ) -> Generator[int | None, None, object]:
+    def prefill_layers(
+        self,
+        kv: torch.Tensor,
+        tokens: Sequence[int] | torch.Tensor,
+        page_row: Sequence[int] | torch.Tensor,
+        *,
+        head_range: tuple[int, int] | None = None,
+    ) -> Generator[int | None, None, object]:
         """``prefill`` one layer at a time: yields each layer's index once it is written
         (and may yield None between chunks of a layer, to let the caller poll)."""
 

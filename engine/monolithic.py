@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from .admission import AdmissionRejected, admit, pages_needed, pool_capacity_tokens
 from .allocator import PageAllocator, PageGrant
@@ -100,7 +100,11 @@ class MonolithicEngine:
         unsafe: bool = False,
         max_batch: int = 8,
     ) -> None:
-        if (pool.layers, pool.kv_heads, pool.head_dim) != (model.layers, model.kv_heads, model.head_dim):
+        if (pool.layers, pool.kv_heads, pool.head_dim) != (
+            model.layers,
+            model.kv_heads,
+            model.head_dim,
+        ):
             raise ValueError(f"pool {pool!r} does not match the model's layers/kv_heads/head_dim")
         self.context_length = enforce_startup_capacity(pool, context_length, lowered_context_length)
         self.model = model
@@ -139,7 +143,10 @@ class MonolithicEngine:
         self._order.append(request_id)
         try:
             admit(
-                request_id, len(tokens), max_tokens, self.context_length,
+                request_id,
+                len(tokens),
+                max_tokens,
+                self.context_length,
                 pool_capacity_tokens(self.allocator, self.pool.page_size),
             )
         except AdmissionRejected as rejected:
@@ -157,23 +164,31 @@ class MonolithicEngine:
         entry = self._entry(request_id)
         request = entry.request
         if request.state is not S.ADMITTED:
-            raise ValueError(f"request {request_id!r} is {request.state.value}, prefill needs admitted")
+            raise ValueError(
+                f"request {request_id!r} is {request.state.value}, prefill needs admitted"
+            )
         needed = pages_needed(request.prompt_len, request.max_tokens, self.pool.page_size)
         if needed > self.allocator.free_pages:
             return False
         entry.grants = self.allocator.allocate(request_id, needed)
         request.transition(S.PREFILLING)
-        written = request.prompt_len if written_tokens is None else min(written_tokens, request.prompt_len)
+        written = (
+            request.prompt_len
+            if written_tokens is None
+            else min(written_tokens, request.prompt_len)
+        )
         row = [g.page for g in entry.grants]
         if written:
             self.model.prefill(self.pool.kv, request.prompt_tokens[:written], row)
         entry.written_tokens = written
         written_pages = -(-written // self.pool.page_size)
         stamped = entry.grants[:written_pages]
-        self.canaries.stamp([g.page for g in stamped], expected_canaries(request_id, entry.grants)[:written_pages])
+        self.canaries.stamp(
+            [g.page for g in stamped], expected_canaries(request_id, entry.grants)[:written_pages]
+        )
         if self.integrity.checksums and stamped:
             sums = page_checksums(self.pool.kv, [g.page for g in stamped]).tolist()
-            entry.written_checksums = dict(zip((g.page for g in stamped), sums))
+            entry.written_checksums = dict(zip((g.page for g in stamped), sums, strict=True))
         return True
 
     def begin_decode(self, request_id: str) -> bool:
@@ -181,7 +196,9 @@ class MonolithicEngine:
         entry = self._entry(request_id)
         request = entry.request
         if request.state is not S.PREFILLING:
-            raise ValueError(f"request {request_id!r} is {request.state.value}, decode needs prefilling")
+            raise ValueError(
+                f"request {request_id!r} is {request.state.value}, decode needs prefilling"
+            )
         try:
             self._verify(entry)
         except IntegrityError as error:
@@ -190,8 +207,11 @@ class MonolithicEngine:
             return False
         request.transition(S.DECODING, "pages verified")
         entry.slot = DecodeSlot.start(
-            request_id, [g.page for g in entry.grants], request.prompt_len,
-            request.prompt_tokens[-1], request.max_tokens,
+            request_id,
+            [g.page for g in entry.grants],
+            request.prompt_len,
+            request.prompt_tokens[-1],
+            request.max_tokens,
         )
         return True
 
@@ -216,7 +236,9 @@ class MonolithicEngine:
                 finished.append(entry.request.request_id)
         return finished
 
-    def abort(self, request_id: str, reason: str = "aborted", *, hold_quarantine: bool = False) -> list[int]:
+    def abort(
+        self, request_id: str, reason: str = "aborted", *, hold_quarantine: bool = False
+    ) -> list[int]:
         """Abort a live request: its pages go to quarantine (freed at once in unsafe mode) and,
         unless ``hold_quarantine``, are released because no writer remains. Returns the pages."""
         entry = self._entry(request_id)
@@ -238,7 +260,9 @@ class MonolithicEngine:
             if not self.step() and not any(r.state is S.DECODING for r in self.live()):
                 self._fail_unschedulable()
 
-    def generate(self, requests: Iterable[tuple[str, str | Sequence[int], int]]) -> list[GenerationResult]:
+    def generate(
+        self, requests: Iterable[tuple[str, str | Sequence[int], int]]
+    ) -> list[GenerationResult]:
         ids = []
         for request_id, prompt, max_tokens in requests:
             self.submit(request_id, prompt, max_tokens)
@@ -269,31 +293,44 @@ class MonolithicEngine:
         for request in self.live():
             if request.state is S.ADMITTED:
                 needed = pages_needed(request.prompt_len, request.max_tokens, self.pool.page_size)
-                reason = f"needs {needed} pages, {self.allocator.free_pages} free and nothing running to free more"
+                reason = (
+                    f"needs {needed} pages, {self.allocator.free_pages} free and nothing "
+                    "running to free more"
+                )
                 self._count("failed", request.request_id, reason)
                 self._end(self._entries[request.request_id], S.FAILED, reason)
 
     def _verify(self, entry: _Entry) -> None:
         request = entry.request
         rid = request.request_id
-        prompt_pages = [g.page for g in entry.grants[: -(-request.prompt_len // self.pool.page_size)]]
+        prompt_pages = [
+            g.page for g in entry.grants[: -(-request.prompt_len // self.pool.page_size)]
+        ]
         if self.integrity.length:
             check_transferred_length(rid, request.prompt_len, entry.written_tokens)
         if self.integrity.canaries:
             want = expected_canaries(rid, entry.grants)[: len(prompt_pages)]
-            bad = verify_pages(self.pool.kv, prompt_pages, canary_table=self.canaries, expected=want)
+            bad = verify_pages(
+                self.pool.kv, prompt_pages, canary_table=self.canaries, expected=want
+            )
             if bad:
                 raise IntegrityError(rid, "canary mismatch", bad)
         if self.integrity.checksums:
             missing = [p for p in prompt_pages if p not in entry.written_checksums]
             present = [p for p in prompt_pages if p in entry.written_checksums]
             bad = verify_pages(
-                self.pool.kv, present, expected_checksums=[entry.written_checksums[p] for p in present]
+                self.pool.kv,
+                present,
+                expected_checksums=[entry.written_checksums[p] for p in present],
             )
             if missing or bad:
-                raise IntegrityError(rid, "checksum mismatch or page never written", sorted(missing + bad))
+                raise IntegrityError(
+                    rid, "checksum mismatch or page never written", sorted(missing + bad)
+                )
 
-    def _end(self, entry: _Entry, state: RequestState, reason: str, *, release: bool = True) -> None:
+    def _end(
+        self, entry: _Entry, state: RequestState, reason: str, *, release: bool = True
+    ) -> None:
         rid = entry.request.request_id
         entry.request.transition(state, reason)
         entry.slot = None

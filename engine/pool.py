@@ -72,8 +72,18 @@ class PoolConfig:
     ) -> PoolConfig:
         """A config with ``pool_tokens // page_size`` pages (whole pages only)."""
         if pool_tokens < page_size:
-            raise ValueError(f"pool of {pool_tokens} tokens is smaller than one page of {page_size}")
-        return cls(layers, kv_heads, head_dim, page_size, pool_tokens // page_size, parse_dtype(dtype), device)
+            raise ValueError(
+                f"pool of {pool_tokens} tokens is smaller than one page of {page_size}"
+            )
+        return cls(
+            layers,
+            kv_heads,
+            head_dim,
+            page_size,
+            pool_tokens // page_size,
+            parse_dtype(dtype),
+            device,
+        )
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -110,8 +120,10 @@ def check_pool_shape(kv: torch.Tensor, layers: int, kv_heads: int, head_dim: int
     """Raise unless the pool tensor ``[pages, layers, 2, kv_heads, page_size, head_dim]``
     has the model's layers, KV heads and head dim."""
     if (kv.shape[1], kv.shape[3], kv.shape[5]) != (layers, kv_heads, head_dim):
-        raise ValueError(f"pool (layers, kv_heads, head_dim) = {(kv.shape[1], kv.shape[3], kv.shape[5])}, "
-                         f"model needs {(layers, kv_heads, head_dim)}")
+        raise ValueError(
+            f"pool (layers, kv_heads, head_dim) = {(kv.shape[1], kv.shape[3], kv.shape[5])}, "
+            f"model needs {(layers, kv_heads, head_dim)}"
+        )
 
 
 def coalesce_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -135,7 +147,9 @@ class KVPool:
     memory the transfer engine registered), see :meth:`from_buffer`.
     """
 
-    def __init__(self, config: PoolConfig, storage: torch.Tensor | None = None, *, zero: bool = False) -> None:
+    def __init__(
+        self, config: PoolConfig, storage: torch.Tensor | None = None, *, zero: bool = False
+    ) -> None:
         self.config = config
         if storage is None:
             make = torch.zeros if zero else torch.empty
@@ -200,7 +214,9 @@ class KVPool:
     @property
     def capacity_tokens(self) -> int:
         """Tokens the allocated tensor can hold: whole pages backed by real storage."""
-        backed_bytes = self.kv.untyped_storage().nbytes() - self.kv.storage_offset() * self.kv.element_size()
+        backed_bytes = (
+            self.kv.untyped_storage().nbytes() - self.kv.storage_offset() * self.kv.element_size()
+        )
         backed_pages = min(self.num_pages, backed_bytes // self.page_bytes)
         return backed_pages * self.page_size
 
@@ -234,7 +250,11 @@ class KVPool:
         s0, s1, s2, s3 = (self.kv.stride(i) * esize for i in range(4))
         base = int(self.kv.storage_offset()) * esize + page * s0 + head_lo * s3
         nbytes = (head_hi - head_lo) * s3
-        return [(base + layer * s1 + kv_index * s2, nbytes) for layer in range(self.layers) for kv_index in range(2)]
+        return [
+            (base + layer * s1 + kv_index * s2, nbytes)
+            for layer in range(self.layers)
+            for kv_index in range(2)
+        ]
 
     def _check_page(self, page: int) -> None:
         if not 0 <= page < self.num_pages:

@@ -41,7 +41,7 @@ from .pool import PoolConfig, check_pool_shape
 from .stepwise import PrefillByLayers
 from .tokenizer import CONFLICT, TOKEN_BITS, VOCAB_SIZE
 
-PREFILL_CHUNK_TOKENS = 1 << 16   # tokens a prefill step writes (a long prompt yields between)
+PREFILL_CHUNK_TOKENS = 1 << 16  # tokens a prefill step writes (a long prompt yields between)
 
 
 @dataclass(frozen=True)
@@ -83,13 +83,23 @@ class ReplayModel(PrefillByLayers):
         self.head_dim = config.head_dim
         self.scale = (math.log(config.max_positions) + 24.0) / 2.0
 
-    def pool_config(self, page_size: int, num_pages: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PoolConfig:
-        return PoolConfig(self.layers, self.kv_heads, self.head_dim, page_size, num_pages, dtype, device)
+    def pool_config(
+        self,
+        page_size: int,
+        num_pages: int,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ) -> PoolConfig:
+        return PoolConfig(
+            self.layers, self.kv_heads, self.head_dim, page_size, num_pages, dtype, device
+        )
 
     # --- codes ----------------------------------------------------------------------
     def key_codes(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.numel() and int(positions.max()) >= self.config.max_positions:
-            raise ValueError(f"position {int(positions.max())} beyond max_positions {self.config.max_positions}")
+            raise ValueError(
+                f"position {int(positions.max())} beyond max_positions {self.config.max_positions}"
+            )
         return sign_code(positions, self.config.position_bits, self.head_dim)
 
     def value_codes(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -130,16 +140,28 @@ class ReplayModel(PrefillByLayers):
             yield layer
 
     # --- decode -----------------------------------------------------------------------
-    def read_positions(self, kv: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def read_positions(
+        self,
+        kv: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> torch.Tensor:
         """Token stored at ``targets[b]`` of each sequence, read by attention alone: ``[batch]``."""
         self._check_pool(kv)
-        q = self.key_codes(targets.to(kv.device))[:, None, :].expand(-1, self.q_heads, -1).contiguous()
+        q = (
+            self.key_codes(targets.to(kv.device))[:, None, :]
+            .expand(-1, self.q_heads, -1)
+            .contiguous()
+        )
         votes = []
         for layer in range(self.layers):
-            out = paged_decode_attention(q, kv, layer, page_table, seq_lens, scale=self.scale)  # [B, qh, d]
+            out = paged_decode_attention(
+                q, kv, layer, page_table, seq_lens, scale=self.scale
+            )  # [B, qh, d]
             votes.append(out[..., :TOKEN_BITS])
         bits = torch.stack(votes)  # [layers, B, qh, TOKEN_BITS]
-        weights = (1 << torch.arange(TOKEN_BITS, device=bits.device))
+        weights = 1 << torch.arange(TOKEN_BITS, device=bits.device)
         per_head = ((bits > 0).long() * weights).sum(-1)  # [layers, B, qh]
         first = per_head[0, :, 0]
         agree = (per_head == first[None, :, None]).all(dim=2).all(dim=0)

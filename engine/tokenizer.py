@@ -48,7 +48,7 @@ class StreamDecoder:
                 continue
             if token not in SPECIAL_NAMES:
                 raise ValueError(f"token {token} outside vocabulary of {VOCAB_SIZE}")
-            out.append(self._utf8.decode(bytes(run), final=True))   # a special ends a run
+            out.append(self._utf8.decode(bytes(run), final=True))  # a special ends a run
             run.clear()
             if self.show_specials:
                 out.append(SPECIAL_NAMES[token])

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -76,12 +75,24 @@ def cuda_time(fn: Callable[[], object], warmup: int, iters: int, repeat: int = 1
 
 
 # --- inputs ----------------------------------------------------------------------------
-def random_case(gen: torch.Generator, dtype, head_dim, page_size, seq_lens, kv_heads=8, group=4, layers=2, spare=5):
+def random_case(
+    gen: torch.Generator,
+    dtype,
+    head_dim,
+    page_size,
+    seq_lens,
+    kv_heads=8,
+    group=4,
+    layers=2,
+    spare=5,
+):
     """Pool ``[pages, layers, 2, kv_heads, page_size, head_dim]`` on the GPU, shuffled table
     ``[batch, width]`` int32 (padding -1), q ``[batch, q_heads, head_dim]``."""
     width = max(1, max(-(-n // page_size) for n in seq_lens))
     pages = width * len(seq_lens) + spare
-    kv = torch.randn(pages, layers, 2, kv_heads, page_size, head_dim, generator=gen, device=DEV).to(dtype)
+    kv = torch.randn(pages, layers, 2, kv_heads, page_size, head_dim, generator=gen, device=DEV).to(
+        dtype
+    )
     perm = torch.randperm(pages, generator=gen, device=DEV).to(torch.int32)
     table = torch.full((len(seq_lens), width), -1, dtype=torch.int32, device=DEV)
     for b, n in enumerate(seq_lens):
@@ -126,24 +137,55 @@ def correctness(seed: int) -> None:
                 if SMALL and (dtype, head_dim) not in ((torch.bfloat16, 128), (torch.float16, 64)):
                     continue
                 top = 200 if SMALL else 3000
-                lens = [int(torch.randint(1, top, (1,), generator=gen, device=DEV)), 0, top + 96, 77]
-                kv, table, seq_lens, q = random_case(gen, dtype, head_dim, page_size, lens, kv_heads=2 if SMALL else 8)
+                lens = [
+                    int(torch.randint(1, top, (1,), generator=gen, device=DEV)),
+                    0,
+                    top + 96,
+                    77,
+                ]
+                kv, table, seq_lens, q = random_case(
+                    gen, dtype, head_dim, page_size, lens, kv_heads=2 if SMALL else 8
+                )
                 want = reference(q, kv, 1, table, seq_lens)
                 for splits in (1, 7, None):
                     out = torch.full_like(q, float("nan"))
-                    got = triton_decode.paged_decode_attention(q, kv, 1, table, seq_lens, num_splits=splits, out=out)
+                    got = triton_decode.paged_decode_attention(
+                        q, kv, 1, table, seq_lens, num_splits=splits, out=out
+                    )
                     err = (got.float() - want.float()).abs().max().item()
                     ok = bool(torch.isfinite(got).all()) and bool((got[1] == 0).all())
-                    ok = ok and bool(torch.allclose(got.float(), want.float(), atol=tol[dtype], rtol=tol[dtype]))
-                    check(f"decode {str(dtype)[6:]} d{head_dim} p{page_size} splits={splits or 'auto'}", ok, max_abs_err=err)
+                    ok = ok and bool(
+                        torch.allclose(got.float(), want.float(), atol=tol[dtype], rtol=tol[dtype])
+                    )
+                    check(
+                        f"decode {str(dtype)[6:]} d{head_dim} p{page_size} splits={splits or 'auto'}",
+                        ok,
+                        max_abs_err=err,
+                    )
                 canaries, rids, gens, fresh = stamp_all(kv, table, seq_lens, page_size)
                 own = fresh()
-                checked = triton_decode.paged_decode_attention(q, kv, 1, table, seq_lens, num_splits=5, ownership=own, out=torch.full_like(q, float("nan")))
-                plain = triton_decode.paged_decode_attention(q, kv, 1, table, seq_lens, num_splits=5, out=torch.full_like(q, float("nan")))
-                check(f"check on == off bit for bit {str(dtype)[6:]} d{head_dim} p{page_size}", torch.equal(checked, plain) and own.failures() == [])
+                checked = triton_decode.paged_decode_attention(
+                    q,
+                    kv,
+                    1,
+                    table,
+                    seq_lens,
+                    num_splits=5,
+                    ownership=own,
+                    out=torch.full_like(q, float("nan")),
+                )
+                plain = triton_decode.paged_decode_attention(
+                    q, kv, 1, table, seq_lens, num_splits=5, out=torch.full_like(q, float("nan"))
+                )
+                check(
+                    f"check on == off bit for bit {str(dtype)[6:]} d{head_dim} p{page_size}",
+                    torch.equal(checked, plain) and own.failures() == [],
+                )
 
     # every mismatch kind, kernel flags against the torch reference
-    kv, table, seq_lens, q = random_case(gen, torch.bfloat16, 128, 16, [300, 200, 0, 513], kv_heads=1 if SMALL else 8)
+    kv, table, seq_lens, q = random_case(
+        gen, torch.bfloat16, 128, 16, [300, 200, 0, 513], kv_heads=1 if SMALL else 8
+    )
     canaries, rids, gens, fresh = stamp_all(kv, table, seq_lens, 16)
     base_table, base_canaries = table.clone(), canaries.clone()
     kinds = {
@@ -160,11 +202,19 @@ def correctness(seed: int) -> None:
         lens_saved = seq_lens.clone()
         corrupt(table, canaries)
         own, ref = fresh(), fresh()
-        out = triton_decode.paged_decode_attention(q, kv, 0, table, seq_lens, num_splits=3, ownership=own)
+        out = triton_decode.paged_decode_attention(
+            q, kv, 0, table, seq_lens, num_splits=3, ownership=own
+        )
         check_ownership_reference(table, seq_lens, 16, kv.shape[0], ref)
         got, want = own.failures(), ref.failures()
-        check(f"ownership {name}", got == want and len(got) == 1, kernel=got, reference=want,
-              kinds=own_mod.describe_kinds(got[0][1]) if got else "none", finite=bool(torch.isfinite(out).all()))
+        check(
+            f"ownership {name}",
+            got == want and len(got) == 1,
+            kernel=got,
+            reference=want,
+            kinds=own_mod.describe_kinds(got[0][1]) if got else "none",
+            finite=bool(torch.isfinite(out).all()),
+        )
         seq_lens.copy_(lens_saved)
 
     # a pool whose offsets pass 2^31 elements
@@ -173,33 +223,60 @@ def correctness(seed: int) -> None:
     else:
         pool_past_2_31(gen, reference, triton_decode)
     checksums(gen, checksum_reference, triton_checksum)
-    for kind, compiled in list(triton_decode.LAUNCHED.items()) + list(triton_checksum.LAUNCHED.items()):
-        emit("jit", kernel=kind, registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
-             shared=getattr(getattr(compiled, "metadata", None), "shared", None))
+    for kind, compiled in list(triton_decode.LAUNCHED.items()) + list(
+        triton_checksum.LAUNCHED.items()
+    ):
+        emit(
+            "jit",
+            kernel=kind,
+            registers=getattr(compiled, "n_regs", None),
+            spills=getattr(compiled, "n_spills", None),
+            shared=getattr(getattr(compiled, "metadata", None), "shared", None),
+        )
 
 
 def pool_past_2_31(gen, reference, triton_decode) -> None:
     per_page = 16 * 128 * 8 * 2
     pages = (1 << 31) // per_page + 64
     big = torch.empty(pages, 1, 2, 8, 16, 128, dtype=torch.bfloat16, device=DEV)
-    table = torch.tensor([[pages - 1, 3, pages - 40], [pages - 2, 17, pages - 64]], dtype=torch.int32, device=DEV)
-    big[table.long().flatten()] = torch.randn(6, 1, 2, 8, 16, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    table = torch.tensor(
+        [[pages - 1, 3, pages - 40], [pages - 2, 17, pages - 64]], dtype=torch.int32, device=DEV
+    )
+    big[table.long().flatten()] = torch.randn(6, 1, 2, 8, 16, 128, generator=gen, device=DEV).to(
+        torch.bfloat16
+    )
     seq_lens = torch.tensor([40, 48], dtype=torch.int32, device=DEV)
     q = torch.randn(2, 32, 128, generator=gen, device=DEV).to(torch.bfloat16)
-    got = triton_decode.paged_decode_attention(q, big, 0, table, seq_lens, num_splits=2, out=torch.full_like(q, float("nan")))
+    got = triton_decode.paged_decode_attention(
+        q, big, 0, table, seq_lens, num_splits=2, out=torch.full_like(q, float("nan"))
+    )
     want = reference(q, big, 0, table, seq_lens)
-    check("pool past 2^31 elements", bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)), elements=big.numel())
+    check(
+        "pool past 2^31 elements",
+        bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)),
+        elements=big.numel(),
+    )
     del big
 
 
 def checksums(gen, checksum_reference, triton_checksum) -> None:
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        kv = torch.randn(30 if SMALL else 300, 2, 2, 8, 16, 128, generator=gen, device=DEV).to(dtype)
+        kv = torch.randn(30 if SMALL else 300, 2, 2, 8, 16, 128, generator=gen, device=DEV).to(
+            dtype
+        )
         kv.view(torch.uint8)[7] = 0xFF
         pages = torch.randperm(kv.shape[0], generator=gen, device=DEV)[: kv.shape[0] * 2 // 3]
-        check(f"checksum {str(dtype)[6:]}", torch.equal(triton_checksum.page_checksums(kv, pages), checksum_reference(kv, pages)))
+        check(
+            f"checksum {str(dtype)[6:]}",
+            torch.equal(triton_checksum.page_checksums(kv, pages), checksum_reference(kv, pages)),
+        )
     odd = torch.randint(0, 256, (50, 3, 7), generator=gen, device=DEV, dtype=torch.uint8)
-    check("checksum odd page bytes", torch.equal(triton_checksum.page_checksums(odd, [4, 0, 2]), checksum_reference(odd, [4, 0, 2])))
+    check(
+        "checksum odd page bytes",
+        torch.equal(
+            triton_checksum.page_checksums(odd, [4, 0, 2]), checksum_reference(odd, [4, 0, 2])
+        ),
+    )
 
 
 # --- timings ---------------------------------------------------------------------------
@@ -212,10 +289,14 @@ def copy_bandwidth(warmup: int, iters: int) -> float:
     return gbs
 
 
-def attention_cases(cases, copy_gbs: float, warmup: int, iters: int, deadline: float, flex: bool) -> None:
+def attention_cases(
+    cases, copy_gbs: float, warmup: int, iters: int, deadline: float, flex: bool
+) -> None:
     from kvferry.engine.kernels import triton_decode
 
-    q_heads, kv_heads, head_dim, page_size, dtype = (8, 2, 128, 16, torch.bfloat16) if SMALL else (32, 8, 128, 16, torch.bfloat16)
+    q_heads, kv_heads, head_dim, page_size, dtype = (
+        (8, 2, 128, 16, torch.bfloat16) if SMALL else (32, 8, 128, 16, torch.bfloat16)
+    )
     gen = torch.Generator(device=DEV).manual_seed(7)
     flex_fn = None
     if flex:
@@ -224,15 +305,23 @@ def attention_cases(cases, copy_gbs: float, warmup: int, iters: int, deadline: f
 
             flex_fn = torch.compile(flex_attention, dynamic=False)
         except Exception as error:  # this torch has none
-            emit("baseline", name="flex", available=False, reason=f"{type(error).__name__}: {error}")
+            emit(
+                "baseline", name="flex", available=False, reason=f"{type(error).__name__}: {error}"
+            )
     for batch, context in cases:
         if time.monotonic() > deadline:
             emit("skipped", case=f"{batch}x{context}", reason="time budget")
             continue
         pages_per_seq = context // page_size
         num_pages = batch * pages_per_seq + 16
-        kv = torch.empty(num_pages, 2, 2, kv_heads, page_size, head_dim, dtype=dtype, device=DEV).normal_()
-        table = torch.randperm(num_pages, generator=gen, device=DEV)[: batch * pages_per_seq].view(batch, pages_per_seq).to(torch.int32)
+        kv = torch.empty(
+            num_pages, 2, 2, kv_heads, page_size, head_dim, dtype=dtype, device=DEV
+        ).normal_()
+        table = (
+            torch.randperm(num_pages, generator=gen, device=DEV)[: batch * pages_per_seq]
+            .view(batch, pages_per_seq)
+            .to(torch.int32)
+        )
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
         q = torch.randn(batch, q_heads, head_dim, generator=gen, device=DEV).to(dtype)
         out = torch.empty_like(q)
@@ -243,13 +332,29 @@ def attention_cases(cases, copy_gbs: float, warmup: int, iters: int, deadline: f
         splits = triton_decode.choose_splits(batch, kv_heads, context, kv.device)
         results = {}
         for name, fn in (
-            ("triton", lambda: triton_decode.paged_decode_attention(q, kv, 1, table, seq_lens, out=out)),
-            ("triton+check", lambda: triton_decode.paged_decode_attention(q, kv, 1, table, seq_lens, out=out, ownership=own)),
+            (
+                "triton",
+                lambda: triton_decode.paged_decode_attention(q, kv, 1, table, seq_lens, out=out),
+            ),
+            (
+                "triton+check",
+                lambda: triton_decode.paged_decode_attention(
+                    q, kv, 1, table, seq_lens, out=out, ownership=own
+                ),
+            ),
         ):
             t = cuda_time(fn, warmup, iters)
             results[name] = t
-            emit("attention", case=f"{batch}x{context}", impl=name, splits=splits, bytes=io_bytes, seconds=t,
-                 gb_s=io_bytes / t / 1e9, of_copy=io_bytes / t / 1e9 / copy_gbs)
+            emit(
+                "attention",
+                case=f"{batch}x{context}",
+                impl=name,
+                splits=splits,
+                bytes=io_bytes,
+                seconds=t,
+                gb_s=io_bytes / t / 1e9,
+                of_copy=io_bytes / t / 1e9 / copy_gbs,
+            )
         check(f"clean timing run {batch}x{context} raised no flag", own.failures() == [])
 
         def gathered():
@@ -260,16 +365,32 @@ def attention_cases(cases, copy_gbs: float, warmup: int, iters: int, deadline: f
 
         def sdpa():
             k, v = gathered()
-            return torch.nn.functional.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, None, :], k, v, enable_gqa=True
+            )
 
         try:
             t = cuda_time(sdpa, warmup, iters)
             results["torch"] = t
-            emit("attention", case=f"{batch}x{context}", impl="torch gather+sdpa", bytes=io_bytes, seconds=t,
-                 gb_s=io_bytes / t / 1e9, of_copy=io_bytes / t / 1e9 / copy_gbs)
+            emit(
+                "attention",
+                case=f"{batch}x{context}",
+                impl="torch gather+sdpa",
+                bytes=io_bytes,
+                seconds=t,
+                gb_s=io_bytes / t / 1e9,
+                of_copy=io_bytes / t / 1e9 / copy_gbs,
+            )
         except Exception as error:
-            emit("baseline", name="sdpa", case=f"{batch}x{context}", available=False, reason=f"{type(error).__name__}: {error}"[:300])
+            emit(
+                "baseline",
+                name="sdpa",
+                case=f"{batch}x{context}",
+                available=False,
+                reason=f"{type(error).__name__}: {error}"[:300],
+            )
         if flex_fn is not None and time.monotonic() < deadline - 60:
+
             def flex_run():
                 k, v = gathered()
                 return flex_fn(q[:, :, None, :], k, v, enable_gqa=True)
@@ -278,33 +399,62 @@ def attention_cases(cases, copy_gbs: float, warmup: int, iters: int, deadline: f
                 compile_start = time.monotonic()
                 flex_run()  # compiles for this shape
                 if time.monotonic() - compile_start > 40:
-                    emit("baseline", name="flex", note="compile took over 40 s: later cases skip FlexAttention")
+                    emit(
+                        "baseline",
+                        name="flex",
+                        note="compile took over 40 s: later cases skip FlexAttention",
+                    )
                     flex_budget_spent = True
                 else:
                     flex_budget_spent = False
                 t = cuda_time(flex_run, max(warmup, 2), iters)
                 results["flex"] = t
-                emit("attention", case=f"{batch}x{context}", impl="torch gather+flex", bytes=io_bytes, seconds=t,
-                     gb_s=io_bytes / t / 1e9, of_copy=io_bytes / t / 1e9 / copy_gbs)
+                emit(
+                    "attention",
+                    case=f"{batch}x{context}",
+                    impl="torch gather+flex",
+                    bytes=io_bytes,
+                    seconds=t,
+                    gb_s=io_bytes / t / 1e9,
+                    of_copy=io_bytes / t / 1e9 / copy_gbs,
+                )
                 if flex_budget_spent:
                     flex_fn = None
             except Exception as error:
-                emit("baseline", name="flex", case=f"{batch}x{context}", available=False, reason=f"{type(error).__name__}: {error}"[:300])
+                emit(
+                    "baseline",
+                    name="flex",
+                    case=f"{batch}x{context}",
+                    available=False,
+                    reason=f"{type(error).__name__}: {error}"[:300],
+                )
                 flex_fn = None
         torch_best = min([results[k] for k in ("torch", "flex") if k in results], default=None)
-        emit("summary", case=f"{batch}x{context}", check_cost=results["triton+check"] / results["triton"] - 1,
-             vs_torch=(torch_best / results["triton"]) if torch_best else None)
+        emit(
+            "summary",
+            case=f"{batch}x{context}",
+            check_cost=results["triton+check"] / results["triton"] - 1,
+            vs_torch=(torch_best / results["triton"]) if torch_best else None,
+        )
         del kv
 
 
 def checksum_bandwidth(copy_gbs: float, warmup: int, iters: int) -> None:
     from kvferry.engine.kernels import triton_checksum
 
-    kv = torch.empty(16 if SMALL else 16384, 2, 2, 8, 16, 128, dtype=torch.bfloat16, device=DEV).normal_()  # 2 GiB
+    kv = torch.empty(
+        16 if SMALL else 16384, 2, 2, 8, 16, 128, dtype=torch.bfloat16, device=DEV
+    ).normal_()  # 2 GiB
     pages = torch.arange(kv.shape[0], device=DEV)
     t = cuda_time(lambda: triton_checksum.page_checksums(kv, pages), warmup, iters)
     nbytes = kv.numel() * kv.element_size()
-    emit("checksum", bytes=nbytes, seconds=t, gb_s=nbytes / t / 1e9, of_copy=nbytes / t / 1e9 / copy_gbs)
+    emit(
+        "checksum",
+        bytes=nbytes,
+        seconds=t,
+        gb_s=nbytes / t / 1e9,
+        of_copy=nbytes / t / 1e9 / copy_gbs,
+    )
 
 
 def goals(say: Callable[[str], None]) -> None:
@@ -314,15 +464,23 @@ def goals(say: Callable[[str], None]) -> None:
     for case in ("1x131072", "16x8192"):
         if (case, "triton") in att:
             frac = att[(case, "triton")]["of_copy"]
-            say(f"goal {case}: attention >= 0.80 of copy: {frac:.2f} {'met' if frac >= 0.8 else 'NOT met'}")
+            say(
+                f"goal {case}: attention >= 0.80 of copy: {frac:.2f} {'met' if frac >= 0.8 else 'NOT met'}"
+            )
             vs = summ[case]["vs_torch"]
             if vs is not None:
-                say(f"goal {case}: >= 2x the torch baseline: {vs:.2f}x {'met' if vs >= 2 else 'NOT met'}")
+                say(
+                    f"goal {case}: >= 2x the torch baseline: {vs:.2f}x {'met' if vs >= 2 else 'NOT met'}"
+                )
     for case, r in summ.items():
-        say(f"goal {case}: ownership check costs <= 3 %: {100 * r['check_cost']:+.1f} % {'met' if r['check_cost'] <= 0.03 else 'NOT met'}")
+        say(
+            f"goal {case}: ownership check costs <= 3 %: {100 * r['check_cost']:+.1f} % {'met' if r['check_cost'] <= 0.03 else 'NOT met'}"
+        )
     for r in RESULTS:
         if r["kind"] == "checksum":
-            say(f"goal checksum >= 0.80 of copy: {r['of_copy']:.2f} {'met' if r['of_copy'] >= 0.8 else 'NOT met'}")
+            say(
+                f"goal checksum >= 0.80 of copy: {r['of_copy']:.2f} {'met' if r['of_copy'] >= 0.8 else 'NOT met'}"
+            )
 
 
 def table() -> None:
@@ -330,32 +488,67 @@ def table() -> None:
     print(f"{'what':34} {'GB/s':>8} {'of copy':>8} {'ms':>9}  note")
     for r in RESULTS:
         if r["kind"] == "copy":
-            print(f"{'device-to-device copy':34} {r['gb_s']:8.0f} {1:8.2f} {r['seconds'] * 1e3:9.3f}  read + written")
+            print(
+                f"{'device-to-device copy':34} {r['gb_s']:8.0f} {1:8.2f} {r['seconds'] * 1e3:9.3f}  read + written"
+            )
         elif r["kind"] == "attention":
             note = f"splits {r['splits']}" if "splits" in r else ""
-            print(f"{r['case'] + ' ' + r['impl']:34} {r['gb_s']:8.0f} {r['of_copy']:8.2f} {r['seconds'] * 1e3:9.3f}  {note}")
+            print(
+                f"{r['case'] + ' ' + r['impl']:34} {r['gb_s']:8.0f} {r['of_copy']:8.2f} {r['seconds'] * 1e3:9.3f}  {note}"
+            )
         elif r["kind"] == "summary":
-            vs = f"{r['vs_torch']:.2f}x the best torch baseline" if r["vs_torch"] else "no torch baseline"
-            print(f"{r['case'] + ' summary':34} {'':>8} {'':>8} {'':>9}  check costs {100 * r['check_cost']:+.1f} %, {vs}")
+            vs = (
+                f"{r['vs_torch']:.2f}x the best torch baseline"
+                if r["vs_torch"]
+                else "no torch baseline"
+            )
+            print(
+                f"{r['case'] + ' summary':34} {'':>8} {'':>8} {'':>9}  check costs {100 * r['check_cost']:+.1f} %, {vs}"
+            )
         elif r["kind"] == "checksum":
-            print(f"{'checksum, whole pool':34} {r['gb_s']:8.0f} {r['of_copy']:8.2f} {r['seconds'] * 1e3:9.3f}")
+            print(
+                f"{'checksum, whole pool':34} {r['gb_s']:8.0f} {r['of_copy']:8.2f} {r['seconds'] * 1e3:9.3f}"
+            )
     for r in RESULTS:
         if r["kind"] == "jit":
-            print(f"{'JIT ' + r['kernel']:34} {'':>8} {'':>8} {'':>9}  registers {r['registers']}, spills {r['spills']}")
+            print(
+                f"{'JIT ' + r['kernel']:34} {'':>8} {'':>8} {'':>9}  registers {r['registers']}, spills {r['spills']}"
+            )
     goals(print)
     checks = [r for r in RESULTS if r["kind"] == "check"]
-    print(f"checks: {sum(r['ok'] for r in checks)} passed, {len(FAILED)} failed" + (f" ({', '.join(FAILED)})" if FAILED else ""))
+    print(
+        f"checks: {sum(r['ok'] for r in checks)} passed, {len(FAILED)} failed"
+        + (f" ({', '.join(FAILED)})" if FAILED else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=240.0, help="seconds after which timings are skipped (default 240)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=240.0,
+        help="seconds after which timings are skipped (default 240)",
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline (it compiles on first use)")
+    parser.add_argument(
+        "--no-flex",
+        action="store_true",
+        help="skip the FlexAttention baseline (it compiles on first use)",
+    )
     parser.add_argument("--checks-only", action="store_true", help="correctness only, no timings")
-    parser.add_argument("--dry-run", action="store_true", help="no GPU: the script's own logic on CPU under the interpreter, small shapes")
-    parser.add_argument("--seed", type=int, default=int(time.time()) % 100_000, help="inputs' seed (default: fresh each run)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="no GPU: the script's own logic on CPU under the interpreter, small shapes",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=int(time.time()) % 100_000,
+        help="inputs' seed (default: fresh each run)",
+    )
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     global DEV, SMALL
@@ -373,17 +566,33 @@ def main(argv: list[str] | None = None) -> int:
 
     if DEV == "cuda":
         props = torch.cuda.get_device_properties(0)
-        emit("device", name=props.name, sms=props.multi_processor_count, capability=f"{props.major}.{props.minor}",
-             memory_gib=round(props.total_memory / 2**30, 1), torch=torch.__version__, cuda=torch.version.cuda,
-             triton=triton.__version__, seed=args.seed)
+        emit(
+            "device",
+            name=props.name,
+            sms=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+            memory_gib=round(props.total_memory / 2**30, 1),
+            torch=torch.__version__,
+            cuda=torch.version.cuda,
+            triton=triton.__version__,
+            seed=args.seed,
+        )
     else:
-        emit("device", name="cpu (dry run under the Triton interpreter)", torch=torch.__version__, triton=triton.__version__, seed=args.seed)
+        emit(
+            "device",
+            name="cpu (dry run under the Triton interpreter)",
+            torch=torch.__version__,
+            triton=triton.__version__,
+            seed=args.seed,
+        )
     correctness(args.seed)
     emit("phase", name="checks", seconds=time.monotonic() - t0)
     if not args.checks_only:
         copy_gbs = copy_bandwidth(args.warmup, args.iters)
         cases = [(1, 512), (2, 256)] if SMALL else [(1, 131072), (16, 8192), (64, 2048)]
-        attention_cases(cases, copy_gbs, args.warmup, args.iters, t0 + args.budget, not (args.no_flex or SMALL))
+        attention_cases(
+            cases, copy_gbs, args.warmup, args.iters, t0 + args.budget, not (args.no_flex or SMALL)
+        )
         if time.monotonic() < t0 + args.budget:
             checksum_bandwidth(copy_gbs, args.warmup, args.iters)
         emit("phase", name="timings", seconds=time.monotonic() - t0)

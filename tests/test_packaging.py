@@ -1,5 +1,6 @@
 """Every Python package folder is listed in pyproject.toml: a non-editable install (the
 distribution-UCX build) takes only what is listed, and a missing subpackage breaks it."""
+
 from __future__ import annotations
 
 import tomllib
@@ -19,8 +20,10 @@ def packages_on_disk() -> set[str]:
 
 
 def test_every_package_folder_is_listed():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-                 ["packages"])
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     assert packages_on_disk() <= listed, sorted(packages_on_disk() - listed)
-    assert not packages_on_disk() <= listed - {"kvferry.engine.protocol"}, \
+    assert not packages_on_disk() <= listed - {"kvferry.engine.protocol"}, (
         "the check catches a subpackage left out"
+    )

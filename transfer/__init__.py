@@ -13,18 +13,45 @@ Quick tour::
     eng.write(peer, seg, rseg, [[0, 4096, 4096]]).wait(5.0) # visible at the target
     eng.notify(peer, b"done").wait(5.0)                     # arrives after the data
 """
+
 from .batch import Batch, BatchStatus
 from .engine import TransferConfig, TransferCounters, TransferEngine
-from .errors import (DeadlineExceeded, PeerFailedError, RdmaUnavailableError,
-                     SegmentBoundsError, StaleIncarnationError, TransferError, UcxError, WireError, ucx_error)
+from .errors import (
+    DeadlineExceeded,
+    PeerFailedError,
+    RdmaUnavailableError,
+    SegmentBoundsError,
+    StaleIncarnationError,
+    TransferError,
+    UcxError,
+    WireError,
+    ucx_error,
+)
 from .peer import Peer, PeerState
 from .protocol import AddressInfo, IncomingMessage, decode_address
 from .segment import RemoteSegment, Segment, SegmentDescriptor
 
 __all__ = [
-    "TransferEngine", "TransferConfig", "TransferCounters", "Segment", "SegmentDescriptor",
-    "RemoteSegment", "Peer", "PeerState", "Batch", "BatchStatus", "TransferError",
-    "PeerFailedError", "DeadlineExceeded", "SegmentBoundsError", "StaleIncarnationError",
-    "WireError", "UcxError", "RdmaUnavailableError", "ucx_error", "AddressInfo",
-    "IncomingMessage", "decode_address",
+    "AddressInfo",
+    "Batch",
+    "BatchStatus",
+    "DeadlineExceeded",
+    "IncomingMessage",
+    "Peer",
+    "PeerFailedError",
+    "PeerState",
+    "RdmaUnavailableError",
+    "RemoteSegment",
+    "Segment",
+    "SegmentBoundsError",
+    "SegmentDescriptor",
+    "StaleIncarnationError",
+    "TransferConfig",
+    "TransferCounters",
+    "TransferEngine",
+    "TransferError",
+    "UcxError",
+    "WireError",
+    "decode_address",
+    "ucx_error",
 ]

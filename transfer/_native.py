@@ -11,6 +11,7 @@ The flag and field-mask constants of ``native/kvf_ucp.h`` are mirrored here once
 the compiled module, under their names without the ``KVF_`` prefix (``lib`` and ``ffi``
 are cffi objects, typed ``Any``).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -56,7 +57,8 @@ def _check_versions() -> None:
             f"({ffi.string(lib.kvf_ucx_source()).decode()}) but loaded UCX "
             f"{ffi.string(lib.kvf_version_string()).decode()} from "
             f"{ffi.string(lib.kvf_library_path()).decode()}: rebuild it against that UCX "
-            "(KVFERRY_UCX=system or a prefix) or fix LD_LIBRARY_PATH")
+            "(KVFERRY_UCX=system or a prefix) or fix LD_LIBRARY_PATH"
+        )
 
 
 _check_versions()
@@ -83,10 +85,24 @@ MSG_FLAG_FLUSH: int = lib.KVF_MSG_FLAG_FLUSH
 ENVELOPE_FLAG_FLUSHED: int = lib.KVF_ENVELOPE_FLAG_FLUSHED
 COPY_FLAG_STREAMING: int = lib.KVF_COPY_FLAG_STREAMING
 
-__all__ = ["ffi", "lib", "WORKER_PARAM_FIELD_OPTIONS", "WORKER_PARAM_FIELD_MAX_SENDER",
-           "WORKER_PARAM_FIELD_MAX_PAYLOAD", "WORKER_PARAM_FIELD_BUSY_POLL_US",
-           "WORKER_PARAM_FIELD_SPIN_US", "WORKER_PARAM_FIELD_BAD_OPTION",
-           "WAIT_FLAG_STAY_AWAKE", "EP_CLOSE_FLAG_FORCE", "MEM_MAP_FLAG_ALLOCATE",
-           "RMA_PARAM_FIELD_DIRECT_BASE", "RMA_PARAM_FIELD_STREAMING_MIN_BYTES",
-           "RMA_PARAM_FIELD_SKIP_PAGE", "RMA_PARAM_FIELD_NOTICE", "MSG_FLAG_NOTICE",
-           "MSG_FLAG_FLUSH", "ENVELOPE_FLAG_FLUSHED", "COPY_FLAG_STREAMING"]
+__all__ = [
+    "COPY_FLAG_STREAMING",
+    "ENVELOPE_FLAG_FLUSHED",
+    "EP_CLOSE_FLAG_FORCE",
+    "MEM_MAP_FLAG_ALLOCATE",
+    "MSG_FLAG_FLUSH",
+    "MSG_FLAG_NOTICE",
+    "RMA_PARAM_FIELD_DIRECT_BASE",
+    "RMA_PARAM_FIELD_NOTICE",
+    "RMA_PARAM_FIELD_SKIP_PAGE",
+    "RMA_PARAM_FIELD_STREAMING_MIN_BYTES",
+    "WAIT_FLAG_STAY_AWAKE",
+    "WORKER_PARAM_FIELD_BAD_OPTION",
+    "WORKER_PARAM_FIELD_BUSY_POLL_US",
+    "WORKER_PARAM_FIELD_MAX_PAYLOAD",
+    "WORKER_PARAM_FIELD_MAX_SENDER",
+    "WORKER_PARAM_FIELD_OPTIONS",
+    "WORKER_PARAM_FIELD_SPIN_US",
+    "ffi",
+    "lib",
+]

@@ -21,6 +21,7 @@ The methods here are thin accessors over those: ``peek()`` is ``engine.poll(batc
 UCX cannot cancel a posted put, so the bytes may still land; a caller that needs proof
 that nothing more lands severs the peer (``engine.close(peer, force=True)``) (I4).
 """
+
 from __future__ import annotations
 
 import enum
@@ -50,8 +51,9 @@ class Batch:
     ``finished_at``. ``native`` is the ``kvf_batch_t`` the native layer completes; it
     belongs to the engine."""
 
-    def __init__(self, engine: TransferEngine, peer: Peer, op: str, nbytes: int,
-                 npages: int, native: Any):
+    def __init__(
+        self, engine: TransferEngine, peer: Peer, op: str, nbytes: int, npages: int, native: Any
+    ):
         self.engine = engine
         self.peer = peer
         self.op = op
@@ -64,8 +66,10 @@ class Batch:
         self.error: TransferError | None = None
 
     def __repr__(self) -> str:
-        return (f"Batch(op={self.op}, peer={self.peer.name!r}, pages={self.npages}, "
-                f"bytes={self.nbytes}, status={self.final or 'pending'})")
+        return (
+            f"Batch(op={self.op}, peer={self.peer.name!r}, pages={self.npages}, "
+            f"bytes={self.nbytes}, status={self.final or 'pending'})"
+        )
 
     def done(self) -> bool:
         return self.status() is not BatchStatus.PENDING

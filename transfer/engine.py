@@ -54,6 +54,7 @@ shared-memory endpoints and slows tcp/cma RMA to software emulation. Peer death 
 detected from request errors, from the peer's process (a pidfd, when it runs on this
 host) and by deadlines.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -65,9 +66,10 @@ import select
 import socket
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -78,32 +80,68 @@ from ._native import ffi, lib
 from .batch import Batch, BatchStatus
 from .envelope import REASONS as ENVELOPE_REFUSALS
 from .envelope import EnvelopeError
-from .errors import (PEER_FAILURE_STATUSES, DeadlineExceeded, PeerFailedError,
-                     StaleIncarnationError, TransferError, WireError, status_name, ucx_error)
+from .errors import (
+    PEER_FAILURE_STATUSES,
+    DeadlineExceeded,
+    PeerFailedError,
+    StaleIncarnationError,
+    TransferError,
+    WireError,
+    status_name,
+    ucx_error,
+)
 from .pages import as_page_array, check_pages
 from .peer import Peer, PeerState
-from .protocol import (ADDRESS, CODEC, MAX_PAYLOAD, MAX_SENDER, AddressInfo,
-                       IncomingMessage, decode_address)
+from .protocol import (
+    ADDRESS,
+    CODEC,
+    MAX_PAYLOAD,
+    MAX_SENDER,
+    AddressInfo,
+    IncomingMessage,
+    decode_address,
+)
 from .segment import RemoteSegment, Segment, SegmentDescriptor
 
 log = logging.getLogger("kvferry.transfer")
 
 TRANSPORT_PRESETS = {"shm": "sm,self", "tcp": "tcp,self", "rdma": "rc,ud,dc,self"}
-TCP_FAILURE_OPTIONS = {"TCP_KEEPIDLE": "1s", "TCP_KEEPINTVL": "1s", "TCP_KEEPCNT": "3",
-                       "TCP_USER_TIMEOUT": "4s"}
+TCP_FAILURE_OPTIONS = {
+    "TCP_KEEPIDLE": "1s",
+    "TCP_KEEPINTVL": "1s",
+    "TCP_KEEPCNT": "3",
+    "TCP_USER_TIMEOUT": "4s",
+}
 # RC: the NIC runs a 0.5 s timeout as 4.096 us x 2^17 = 0.54 s per try; 8 tries (7 retries)
 # take 4.3 s, inside the 5 s default abort deadline as tcp's 4 s are. UCX's defaults
 # (1.0 s, 7) give 1.07 s x 8 = 8.6 s.
 RC_FAILURE_OPTIONS = {"RC_TIMEOUT": "0.5s", "RC_RETRY_COUNT": "7"}
 RC_UCX_DEFAULTS = {"RC_TIMEOUT": "1.0s", "RC_RETRY_COUNT": "7"}
 # Options below ucp, by prefix: the (component, transport) this UCX reads them for.
-TL_OPTION_HOMES = {"TCP_": ("tcp", "tcp"), "RC_": ("ib", "rc_verbs"), "UD_": ("ib", "ud_verbs"),
-                   "DC_": ("ib", "dc_mlx5"), "IB_": ("ib", "rc_verbs")}
+TL_OPTION_HOMES = {
+    "TCP_": ("tcp", "tcp"),
+    "RC_": ("ib", "rc_verbs"),
+    "UD_": ("ib", "ud_verbs"),
+    "DC_": ("ib", "dc_mlx5"),
+    "IB_": ("ib", "rc_verbs"),
+}
 UCS_ERR_NO_ELEM = -12
 UCS_ERR_BUSY = -15
 UCS_ERR_OUT_OF_RANGE = -19
-RDMA_TLS_WORDS = ("rc", "ud", "dc", "rc_verbs", "rc_mlx5", "ud_verbs", "ud_mlx5", "dc_mlx5",
-                  "rc_x", "ud_x", "dc_x", "ib")
+RDMA_TLS_WORDS = (
+    "rc",
+    "ud",
+    "dc",
+    "rc_verbs",
+    "rc_mlx5",
+    "ud_verbs",
+    "ud_mlx5",
+    "dc_mlx5",
+    "rc_x",
+    "ud_x",
+    "dc_x",
+    "ib",
+)
 MessageHandler = Callable[[bytes, bytes], None]
 
 
@@ -113,18 +151,18 @@ class TransferConfig:
 
     transports: str | None = None
     name: str = ""
-    direct_copy: bool = True          # copy pages directly into mapped remote memory
-    streaming_stores: bool = True     # ... with non-temporal stores (no read-for-ownership)
+    direct_copy: bool = True  # copy pages directly into mapped remote memory
+    streaming_stores: bool = True  # ... with non-temporal stores (no read-for-ownership)
     streaming_min_bytes: int = 1 << 20  # ... for batches of at least this many bytes
-    prefault_direct: bool = True      # ... mapped with its page tables populated up front
+    prefault_direct: bool = True  # ... mapped with its page tables populated up front
     max_message_bytes: int = 256 << 10  # payload limit of notify/send (and of receipt)
-    spin_us: int = 50                 # busy-poll at least this long before sleeping
-    busy_poll_us: int = 1000          # ... and until this long after the last activity
+    spin_us: int = 50  # busy-poll at least this long before sleeping
+    busy_poll_us: int = 1000  # ... and until this long after the last activity
     liveness_interval_s: float = 0.005  # how often waits look at the peer's process
-    default_timeout_s: float = 30.0   # Batch.wait() without a timeout
-    close_timeout_s: float = 2.0      # bound on endpoint close
+    default_timeout_s: float = 30.0  # Batch.wait() without a timeout
+    close_timeout_s: float = 2.0  # bound on endpoint close
     tcp_failure_detection: bool = True  # tcp keep-alive so a silent partition fails
-    rc_failure_detection: bool = True   # RC timeout x retries inside the abort deadline
+    rc_failure_detection: bool = True  # RC timeout x retries inside the abort deadline
     ucx_options: dict[str, str] = field(default_factory=dict)  # extra ucp_config_modify keys
     # Injected fault for tests that must show they can fail: skip page i of every write.
     fault_skip_page: int | None = None
@@ -169,7 +207,7 @@ class TransferCounters:
     failures: int = 0
     timeouts: int = 0
     notifies: int = 0
-    notifies_flushed: int = 0   # notices that waited for an endpoint flush (UCX puts before)
+    notifies_flushed: int = 0  # notices that waited for an endpoint flush (UCX puts before)
     messages_sent: int = 0
     messages_received: int = 0
     malformed_messages: int = 0
@@ -184,7 +222,7 @@ def _tl_home(key: str) -> tuple[str, str, str] | None:
     """(component, transport, option) of a transport-level option, None for ucp's own."""
     for prefix, (component, tl) in TL_OPTION_HOMES.items():
         if key.startswith(prefix):
-            return component, tl, key[len(prefix):]
+            return component, tl, key[len(prefix) :]
     return None
 
 
@@ -196,12 +234,13 @@ class OptionPlan:
 
     ucp: dict[str, str] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)  # UCX_KEY -> value
-    operator: dict[str, str] = field(default_factory=dict)     # UCX_KEY -> operator's value
+    operator: dict[str, str] = field(default_factory=dict)  # UCX_KEY -> operator's value
     unsupported: list[str] = field(default_factory=list)
 
 
-def plan_options(options: dict[str, str], defaults: dict[str, str],
-                 explicit: dict[str, str], env: dict[str, str]) -> OptionPlan:
+def plan_options(
+    options: dict[str, str], defaults: dict[str, str], explicit: dict[str, str], env: dict[str, str]
+) -> OptionPlan:
     plan = OptionPlan()
     for key, value in options.items():
         home = _tl_home(key)
@@ -213,8 +252,7 @@ def plan_options(options: dict[str, str], defaults: dict[str, str],
             plan.operator[name] = env[name]
             continue
         if ucxinfo.iface_option(*home)[0] == UCS_ERR_NO_ELEM and home[0] == "tcp":
-            plan.unsupported.append(f"{key}={value} (this UCX's {home[1]} has no "
-                                    f"{home[2]} option)")
+            plan.unsupported.append(f"{key}={value} (this UCX's {home[1]} has no {home[2]} option)")
             continue
         plan.environment[name] = value
     return plan
@@ -280,18 +318,22 @@ class TransferEngine:
         self.counters = TransferCounters()
         self._rdma = ucxinfo.check_rdma() if self.config.transports == "rdma" else None
         self._options = self.config.resolved_ucx_options()
-        self._plan = plan_options(self._options, self.config.engine_defaults(),
-                                  self.config.ucx_options, dict(os.environ))
-        opt_text = ffi.new("char[]", "\n".join(
-            f"{k}={v}" for k, v in self._plan.ucp.items()).encode())
+        self._plan = plan_options(
+            self._options, self.config.engine_defaults(), self.config.ucx_options, dict(os.environ)
+        )
+        opt_text = ffi.new(
+            "char[]", "\n".join(f"{k}={v}" for k, v in self._plan.ucp.items()).encode()
+        )
         bad_option = ffi.new("char[]", 128)
         params = ffi.new("kvf_worker_params_t *")
-        params.field_mask = (native.WORKER_PARAM_FIELD_OPTIONS
-                             | native.WORKER_PARAM_FIELD_MAX_SENDER
-                             | native.WORKER_PARAM_FIELD_MAX_PAYLOAD
-                             | native.WORKER_PARAM_FIELD_BUSY_POLL_US
-                             | native.WORKER_PARAM_FIELD_SPIN_US
-                             | native.WORKER_PARAM_FIELD_BAD_OPTION)
+        params.field_mask = (
+            native.WORKER_PARAM_FIELD_OPTIONS
+            | native.WORKER_PARAM_FIELD_MAX_SENDER
+            | native.WORKER_PARAM_FIELD_MAX_PAYLOAD
+            | native.WORKER_PARAM_FIELD_BUSY_POLL_US
+            | native.WORKER_PARAM_FIELD_SPIN_US
+            | native.WORKER_PARAM_FIELD_BAD_OPTION
+        )
         params.max_am_bytes = min(self.config.max_message_bytes, MAX_PAYLOAD) + (128 << 10)
         params.options = opt_text
         params.max_sender = MAX_SENDER
@@ -307,8 +349,11 @@ class TransferEngine:
             horizon = self._read_horizon() if st == 0 else None
         if st != 0 or horizon is None:
             bad = ffi.string(bad_option).decode()
-            raise ucx_error(st, "creating the UCX context/worker"
-                            + (f" (option {bad}={self._options.get(bad)!r})" if bad else ""))
+            raise ucx_error(
+                st,
+                "creating the UCX context/worker"
+                + (f" (option {bad}={self._options.get(bad)!r})" if bad else ""),
+            )
         self._horizon = horizon
         self._worker: Any = out[0]  # kvf_worker_h
         addr, alen = ffi.new("void **"), ffi.new("size_t *")
@@ -327,9 +372,17 @@ class TransferEngine:
         host, boot_id, pidns = _host_identity()
         self._identity = (host, boot_id, pidns)
         self.name = self.config.name or f"{host}:{os.getpid()}"
-        self.address: bytes = CODEC.encode(ADDRESS.make(
-            ucx=ucx_address, incarnation=self.incarnation, name=self.name, host=host,
-            boot_id=boot_id, pidns=pidns, pid=os.getpid()))
+        self.address: bytes = CODEC.encode(
+            ADDRESS.make(
+                ucx=ucx_address,
+                incarnation=self.incarnation,
+                name=self.name,
+                host=host,
+                boot_id=boot_id,
+                pidns=pidns,
+                pid=os.getpid(),
+            )
+        )
         self._sender = ffi.from_buffer(self.address)
         self._msg_param.sender = self._sender
         self._msg_param.sender_length = len(self.address)
@@ -337,7 +390,7 @@ class TransferEngine:
         self._rma_param.notice = self._msg_param
         self._peers: dict[bytes, Peer] = {}
         self._segments: list[Segment] = []
-        self._inflight: list[tuple[Any, Any]] = []   # (kvf_batch_t *, keep-alive refs)
+        self._inflight: list[tuple[Any, Any]] = []  # (kvf_batch_t *, keep-alive refs)
         self._sweep_at = 256
         # Peers whose batches failed with a peer-failure status, seen by poll(): marked
         # failed and severed in the progress path (poll itself touches no endpoint).
@@ -349,8 +402,9 @@ class TransferEngine:
         self._seq = itertools.count(1)
         self._closed = False
         # -1: never stream; else the batch size (bytes) from which direct copies stream
-        self._streaming_min_bytes = (max(0, self.config.streaming_min_bytes)
-                                     if self.config.streaming_stores else -1)
+        self._streaming_min_bytes = (
+            max(0, self.config.streaming_min_bytes) if self.config.streaming_stores else -1
+        )
         log.info("transfer engine %s: %s", self.name, self.describe())
 
     # ----------------------------------------------------------------- description
@@ -371,9 +425,14 @@ class TransferEngine:
             "failure_horizon": self._horizon.how,
             "incarnation": f"{self.incarnation:#018x}",
             "name": self.name,
-            "peers": {p.name: {"state": p.state.value, "transports": p.transports,
-                               "transports_from": p.transports_from}
-                      for p in self._peers.values()},
+            "peers": {
+                p.name: {
+                    "state": p.state.value,
+                    "transports": p.transports,
+                    "transports_from": p.transports_from,
+                }
+                for p in self._peers.values()
+            },
         }
         if self._rdma is not None:
             out["rdma"] = dict(self._rdma)
@@ -392,22 +451,33 @@ class TransferEngine:
         if st == 0 and value:
             return value
         name = f"UCX_{key}"
-        return (self._plan.environment.get(name) or self._plan.operator.get(name)
-                or self._plan.ucp.get(key) or ucx_default)
+        return (
+            self._plan.environment.get(name)
+            or self._plan.operator.get(name)
+            or self._plan.ucp.get(key)
+            or ucx_default
+        )
 
     def _read_horizon(self) -> horizons.FailureHorizon:
         parts: list[horizons.FailureHorizon] = []
         if self.config.uses_tcp():
             supported = ucxinfo.iface_option("tcp", "tcp", "USER_TIMEOUT")[0] != UCS_ERR_NO_ELEM
-            parts.append(horizons.tcp_horizon(
-                self._option_value("TCP_KEEPIDLE"), self._option_value("TCP_KEEPINTVL"),
-                self._option_value("TCP_KEEPCNT"), self._option_value("TCP_USER_TIMEOUT"),
-                supported))
-        if self.config.uses_rc() and (self._rdma is not None or
-                                      ucxinfo.inventory().rdma_devices()):
-            parts.append(horizons.rc_horizon(
-                self._option_value("RC_TIMEOUT", RC_UCX_DEFAULTS["RC_TIMEOUT"]),
-                self._option_value("RC_RETRY_COUNT", RC_UCX_DEFAULTS["RC_RETRY_COUNT"])))
+            parts.append(
+                horizons.tcp_horizon(
+                    self._option_value("TCP_KEEPIDLE"),
+                    self._option_value("TCP_KEEPINTVL"),
+                    self._option_value("TCP_KEEPCNT"),
+                    self._option_value("TCP_USER_TIMEOUT"),
+                    supported,
+                )
+            )
+        if self.config.uses_rc() and (self._rdma is not None or ucxinfo.inventory().rdma_devices()):
+            parts.append(
+                horizons.rc_horizon(
+                    self._option_value("RC_TIMEOUT", RC_UCX_DEFAULTS["RC_TIMEOUT"]),
+                    self._option_value("RC_RETRY_COUNT", RC_UCX_DEFAULTS["RC_RETRY_COUNT"]),
+                )
+            )
         tls = self.config.tls()
         if tls is None or "sm" in tls.split(",") or tls == "all" or not parts:
             parts.append(horizons.SHM_HORIZON)
@@ -453,8 +523,12 @@ class TransferEngine:
     def _map(self, address: int, nbytes: int, allocate: bool, owner: Any) -> Segment:
         memh, base, mlen = ffi.new("kvf_mem_h *"), ffi.new("void **"), ffi.new("size_t *")
         flags = native.MEM_MAP_FLAG_ALLOCATE if allocate else 0
-        _check(lib.kvf_mem_map(self._worker, ffi.cast("void *", address), nbytes, flags,
-                               memh, base, mlen), f"mapping {nbytes} bytes")
+        _check(
+            lib.kvf_mem_map(
+                self._worker, ffi.cast("void *", address), nbytes, flags, memh, base, mlen
+            ),
+            f"mapping {nbytes} bytes",
+        )
         rbuf, rsize = ffi.new("void **"), ffi.new("size_t *")
         st = lib.kvf_rkey_pack(self._worker, memh[0], rbuf, rsize)
         if st != 0:
@@ -463,9 +537,15 @@ class TransferEngine:
         rkey = bytes(ffi.buffer(rbuf[0], rsize[0]))
         lib.kvf_rkey_buffer_release(rbuf[0])
         length = nbytes if not allocate else min(nbytes, int(mlen[0]))
-        seg = Segment(base=int(ffi.cast("uintptr_t", base[0])), length=length, rkey=rkey,
-                      incarnation=self.incarnation, allocated=allocate, memh=memh[0],
-                      owner=owner)
+        seg = Segment(
+            base=int(ffi.cast("uintptr_t", base[0])),
+            length=length,
+            rkey=rkey,
+            incarnation=self.incarnation,
+            allocated=allocate,
+            memh=memh[0],
+            owner=owner,
+        )
         self._segments.append(seg)
         return seg
 
@@ -499,8 +579,12 @@ class TransferEngine:
                     peer.state, peer.failure = PeerState.FAILED, f"process {info.pid} is gone"
         peer.transports, peer.transports_from = ucxinfo.endpoint_transports(peer.ep)
         self._peers[peer_address] = peer
-        log.info("connected to %s (incarnation %#x) over %s", name, info.incarnation,
-                 peer.transports or "?")
+        log.info(
+            "connected to %s (incarnation %#x) over %s",
+            name,
+            info.incarnation,
+            peer.transports or "?",
+        )
         return peer
 
     @staticmethod
@@ -537,8 +621,12 @@ class TransferEngine:
         self.counters.peers_failed += 1
         log.warning("peer %s failed: %s; severing its endpoint", peer.name, reason)
         self._release_rkeys(peer)
-        lib.kvf_ep_close(self._worker, peer.ep, native.EP_CLOSE_FLAG_FORCE,
-                         int(self.config.close_timeout_s * 1000))
+        lib.kvf_ep_close(
+            self._worker,
+            peer.ep,
+            native.EP_CLOSE_FLAG_FORCE,
+            int(self.config.close_timeout_s * 1000),
+        )
 
     @staticmethod
     def _release_rkeys(peer: Peer) -> None:
@@ -581,12 +669,19 @@ class TransferEngine:
         peer.failure = peer.failure or ("severed" if force else "closed")
         self._release_rkeys(peer)
         if was_connected:
-            st = lib.kvf_ep_close(self._worker, peer.ep,
-                                  native.EP_CLOSE_FLAG_FORCE if force else 0,
-                                  int(self.config.close_timeout_s * 1000))
+            st = lib.kvf_ep_close(
+                self._worker,
+                peer.ep,
+                native.EP_CLOSE_FLAG_FORCE if force else 0,
+                int(self.config.close_timeout_s * 1000),
+            )
             if st != 0 and not force:
-                lib.kvf_ep_close(self._worker, peer.ep, native.EP_CLOSE_FLAG_FORCE,
-                                 int(self.config.close_timeout_s * 1000))
+                lib.kvf_ep_close(
+                    self._worker,
+                    peer.ep,
+                    native.EP_CLOSE_FLAG_FORCE,
+                    int(self.config.close_timeout_s * 1000),
+                )
         if peer.pidfd is not None:
             os.close(peer.pidfd)
             peer.pidfd = None
@@ -594,15 +689,18 @@ class TransferEngine:
             del self._peers[peer.address]
         self.progress(0)
 
-    def open_segment(self, peer: Peer, desc: SegmentDescriptor | bytes,
-                     expected_incarnation: int | None = None) -> RemoteSegment:
+    def open_segment(
+        self, peer: Peer, desc: SegmentDescriptor | bytes, expected_incarnation: int | None = None
+    ) -> RemoteSegment:
         """Unpack a peer's segment descriptor. Refused (StaleIncarnationError) when its
         incarnation is not ``expected_incarnation`` or not the peer's own."""
         if isinstance(desc, (bytes, bytearray, memoryview)):
             desc = SegmentDescriptor.unpack(bytes(desc))
         self._require_peer(peer)
-        for what, expected in (("descriptor vs expected", expected_incarnation),
-                               (f"descriptor vs peer {peer.name}", peer.incarnation)):
+        for what, expected in (
+            ("descriptor vs expected", expected_incarnation),
+            (f"descriptor vs peer {peer.name}", peer.incarnation),
+        ):
             if expected is not None and desc.incarnation != expected:
                 self.counters.stale_refused += 1
                 raise StaleIncarnationError(what, desc.incarnation, expected)
@@ -624,15 +722,24 @@ class TransferEngine:
         t0 = time.monotonic()
         err = lib.kvf_prefault(rseg.direct, rseg.length)
         if err:
-            log.info("segment of %s (%d bytes) not pre-faulted (%s); its pages fault on "
-                     "first write", peer.name, rseg.length, os.strerror(err))
+            log.info(
+                "segment of %s (%d bytes) not pre-faulted (%s); its pages fault on first write",
+                peer.name,
+                rseg.length,
+                os.strerror(err),
+            )
         else:
-            log.debug("segment of %s (%d bytes) pre-faulted in %.1f ms", peer.name,
-                      rseg.length, 1e3 * (time.monotonic() - t0))
+            log.debug(
+                "segment of %s (%d bytes) pre-faulted in %.1f ms",
+                peer.name,
+                rseg.length,
+                1e3 * (time.monotonic() - t0),
+            )
 
     # ------------------------------------------------------------------- batches
-    def write(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any,
-              notice: bytes | None = None) -> Batch:
+    def write(
+        self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any, notice: bytes | None = None
+    ) -> Batch:
         """Put pages (local offset, remote offset, length) from ``seg`` into ``rseg``.
         The batch completes once every page is visible at the target (flushed).
 
@@ -646,8 +753,15 @@ class TransferEngine:
         """Get pages (local offset, remote offset, length) from ``rseg`` into ``seg``."""
         return self._rma(peer, seg, rseg, pages, write=False)
 
-    def _rma(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any,
-             write: bool, notice: bytes | None = None) -> Batch:
+    def _rma(
+        self,
+        peer: Peer,
+        seg: Segment,
+        rseg: RemoteSegment,
+        pages: Any,
+        write: bool,
+        notice: bytes | None = None,
+    ) -> Batch:
         self._require_peer(peer)
         if rseg.peer is not peer:
             raise TransferError(f"remote segment belongs to {rseg.peer.name}, not {peer.name}")
@@ -691,8 +805,9 @@ class TransferEngine:
             if st == UCS_ERR_OUT_OF_RANGE:
                 self.counters.bounds_refused += 1
                 check_pages(arr, seg.length, rseg.length)  # raises with the numbers
-                raise AssertionError("the native bounds check refused a page list that "
-                                     "check_pages accepts")
+                raise AssertionError(
+                    "the native bounds check refused a page list that check_pages accepts"
+                )
             _check(st, "posting a batch", peer.name)
         nbytes = int(handle.bytes)
         counters = self.counters
@@ -703,7 +818,7 @@ class TransferEngine:
         counters.pages_posted += int(handle.posted)
         counters.pages_direct += int(handle.direct)
         puts = write and handle.posted != handle.direct
-        if puts or flush:   # later notices to peer flush until this batch is done
+        if puts or flush:  # later notices to peer flush until this batch is done
             self._hold_notices_for(peer, handle)
         op = "write" if write else "read"
         if notice is not None:
@@ -739,8 +854,9 @@ class TransferEngine:
         handle = ffi.new("kvf_batch_t *")
         flush = flushed and self._needs_flush(peer)
         msg = self._msg_param
-        msg.flags = ((native.MSG_FLAG_NOTICE if flushed else 0)
-                     | (native.MSG_FLAG_FLUSH if flush else 0))
+        msg.flags = (native.MSG_FLAG_NOTICE if flushed else 0) | (
+            native.MSG_FLAG_FLUSH if flush else 0
+        )
         msg.seq = next(self._seq)
         data = ffi.from_buffer(payload)
         msg.payload = data
@@ -753,14 +869,15 @@ class TransferEngine:
                 counters.notifies_flushed += 1
                 self._hold_notices_for(peer, handle)
         counters.messages_sent += 1
-        return self._track(peer, "notify" if flushed else "send", len(payload), 0, handle,
-                           None)
+        return self._track(peer, "notify" if flushed else "send", len(payload), 0, handle, None)
 
     def _checked_payload(self, payload: bytes) -> bytes:
         """``payload`` as bytes, refused (WireError, nothing sent) over the size limit."""
         if len(payload) > self.config.max_message_bytes:
-            raise WireError(f"payload of {len(payload)} bytes exceeds max_message_bytes "
-                            f"{self.config.max_message_bytes}")
+            raise WireError(
+                f"payload of {len(payload)} bytes exceeds max_message_bytes "
+                f"{self.config.max_message_bytes}"
+            )
         return payload if type(payload) is bytes else bytes(payload)
 
     @staticmethod
@@ -783,16 +900,16 @@ class TransferEngine:
     def _send_raw(self, peer: Peer, data: bytes, flushed: bool = False) -> Batch:
         """Post already-encoded bytes (the envelope is the caller's business)."""
         handle = ffi.new("kvf_batch_t *")
-        lib.kvf_raw_send(peer.ep, data, len(data), native.MSG_FLAG_FLUSH if flushed else 0,
-                         handle)
+        lib.kvf_raw_send(peer.ep, data, len(data), native.MSG_FLAG_FLUSH if flushed else 0, handle)
         if flushed:
             self.counters.notifies += 1
             self._hold_notices_for(peer, handle)
         self.counters.messages_sent += 1
         return self._track(peer, "notify" if flushed else "send", len(data), 0, handle, None)
 
-    def _track(self, peer: Peer, op: str, nbytes: int, npages: int, handle: Any,
-               keep: Any) -> Batch:
+    def _track(
+        self, peer: Peer, op: str, nbytes: int, npages: int, handle: Any, keep: Any
+    ) -> Batch:
         self.counters.batches += 1
         batch = Batch(self, peer, op, nbytes, npages, handle)
         peer.unsettled += 1
@@ -801,7 +918,7 @@ class TransferEngine:
             if len(self._inflight) > self._sweep_at:
                 self._sweep()
         self.poll(batch)
-        if self._failed_peers:   # it failed at once: act on it here, on the posting path
+        if self._failed_peers:  # it failed at once: act on it here, on the posting path
             self._sever_failed_peers()
         return batch
 
@@ -825,8 +942,9 @@ class TransferEngine:
             status = int(h.status)
             err: TransferError
             if status in PEER_FAILURE_STATUSES:
-                err = PeerFailedError(peer.name, f"{batch.op} failed with {status_name(status)}",
-                                      status)
+                err = PeerFailedError(
+                    peer.name, f"{batch.op} failed with {status_name(status)}", status
+                )
                 self._failed_peers.append((peer, err.reason))
             else:
                 err = ucx_error(status, f"{batch.op} batch", peer=peer.name)
@@ -834,14 +952,18 @@ class TransferEngine:
         elif h.outstanding == 0:
             self._settle(batch, BatchStatus.COMPLETED, None)
         elif peer.state is not PeerState.CONNECTED:
-            self._settle(batch, BatchStatus.FAILED,
-                         PeerFailedError(peer.name, peer.failure or "peer is gone"))
+            self._settle(
+                batch,
+                BatchStatus.FAILED,
+                PeerFailedError(peer.name, peer.failure or "peer is gone"),
+            )
         else:
             return BatchStatus.PENDING
         return batch.final or BatchStatus.PENDING
 
-    def wait(self, batch: Batch, timeout_s: float | None = None, *,
-             deadline: float | None = None) -> BatchStatus:
+    def wait(
+        self, batch: Batch, timeout_s: float | None = None, *, deadline: float | None = None
+    ) -> BatchStatus:
         """Drive progress until ``batch`` settles or the deadline passes (``timeout_s``
         relative, default ``config.default_timeout_s``; or ``deadline``, an absolute
         ``time.monotonic()``), and return its final status. Raises nothing for the
@@ -851,15 +973,22 @@ class TransferEngine:
         waited and the peer. A timed-out batch may still land later (UCX cannot cancel a
         put)."""
         if deadline is None:
-            deadline = time.monotonic() + (self.config.default_timeout_s
-                                           if timeout_s is None else timeout_s)
+            deadline = time.monotonic() + (
+                self.config.default_timeout_s if timeout_s is None else timeout_s
+            )
         step = self.config.liveness_interval_s
         while self.poll(batch) is BatchStatus.PENDING:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._settle(batch, BatchStatus.TIMED_OUT, DeadlineExceeded(
-                    f"{batch.op} batch of {batch.npages} pages ({batch.nbytes} bytes)",
-                    time.monotonic() - batch.posted_at, peer=batch.peer.name))
+                self._settle(
+                    batch,
+                    BatchStatus.TIMED_OUT,
+                    DeadlineExceeded(
+                        f"{batch.op} batch of {batch.npages} pages ({batch.nbytes} bytes)",
+                        time.monotonic() - batch.posted_at,
+                        peer=batch.peer.name,
+                    ),
+                )
                 break
             self.progress(min(remaining, step))
         if self._failed_peers:
@@ -918,9 +1047,13 @@ class TransferEngine:
             n = int(lib.kvf_worker_progress(self._worker))
         else:
             count = self._wait_count
-            st = lib.kvf_worker_wait(self._worker, max(1, math.ceil(timeout_s * 1000)),
-                                     native.WAIT_FLAG_STAY_AWAKE if stay_awake else 0, count)
-            n = int(count[0]) if st == 0 else 0   # a failed arm: as no events
+            st = lib.kvf_worker_wait(
+                self._worker,
+                max(1, math.ceil(timeout_s * 1000)),
+                native.WAIT_FLAG_STAY_AWAKE if stay_awake else 0,
+                count,
+            )
+            n = int(count[0]) if st == 0 else 0  # a failed arm: as no events
         self._drain_messages()
         if len(self._inflight) > self._sweep_at:
             self._sweep()
@@ -943,8 +1076,10 @@ class TransferEngine:
             try:
                 env = m.env
                 if env.error:
-                    self._refuse(int(m.length), ENVELOPE_REFUSALS.get(
-                        EnvelopeError(env.error), f"reason {env.error}"))
+                    self._refuse(
+                        int(m.length),
+                        ENVELOPE_REFUSALS.get(EnvelopeError(env.error), f"reason {env.error}"),
+                    )
                     continue
                 sender_address = unpack(env.sender, env.sender_length)
                 payload = unpack(env.payload, env.payload_length)
@@ -963,13 +1098,13 @@ class TransferEngine:
                     senders.clear()
                 senders[sender_address] = sender
             if sender.incarnation != incarnation:
-                self._refuse(len(payload), "envelope incarnation differs from its sender "
-                             "address")
+                self._refuse(len(payload), "envelope incarnation differs from its sender address")
                 continue
             counters.messages_received += 1
             if self._handler is None:
-                self._inbox.append(IncomingMessage(sender_address, sender.name, incarnation,
-                                                   seq, flushed, payload))
+                self._inbox.append(
+                    IncomingMessage(sender_address, sender.name, incarnation, seq, flushed, payload)
+                )
                 continue
             try:
                 self._handler(sender_address, payload)
@@ -980,8 +1115,9 @@ class TransferEngine:
 
     def _refuse(self, nbytes: int, why: str) -> None:
         self.counters.malformed_messages += 1
-        log.warning("engine %s: refused a malformed message of %d bytes: %s", self.name,
-                    nbytes, why)
+        log.warning(
+            "engine %s: refused a malformed message of %d bytes: %s", self.name, nbytes, why
+        )
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
@@ -996,7 +1132,7 @@ class TransferEngine:
         lib.kvf_worker_destroy(self._worker)
         self._inflight.clear()
 
-    def __enter__(self) -> "TransferEngine":
+    def __enter__(self) -> TransferEngine:
         return self
 
     def __exit__(self, *exc: Any) -> None:

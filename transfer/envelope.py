@@ -21,6 +21,7 @@ Layout (little-endian, 32-byte header, nothing after the payload)::
 Upholds I6 for control input: a malformed envelope is refused with a named reason and
 counted, never delivered.
 """
+
 from __future__ import annotations
 
 import enum
@@ -72,11 +73,24 @@ class Envelope:
 def encode(env: Envelope) -> bytes:
     """The envelope's bytes (what ``kvf_msg_send`` puts on the wire)."""
     if not 0 < len(env.sender) < (1 << 32) or len(env.payload) >= (1 << 32):
-        raise WireError(f"envelope: sender of {len(env.sender)} or payload of "
-                        f"{len(env.payload)} bytes cannot be encoded")
-    return HEADER.pack(MAGIC, VERSION, FLAG_FLUSHED if env.flushed else 0, 0,
-                       env.incarnation, env.seq, len(env.sender),
-                       len(env.payload)) + env.sender + env.payload
+        raise WireError(
+            f"envelope: sender of {len(env.sender)} or payload of "
+            f"{len(env.payload)} bytes cannot be encoded"
+        )
+    return (
+        HEADER.pack(
+            MAGIC,
+            VERSION,
+            FLAG_FLUSHED if env.flushed else 0,
+            0,
+            env.incarnation,
+            env.seq,
+            len(env.sender),
+            len(env.payload),
+        )
+        + env.sender
+        + env.payload
+    )
 
 
 def check(data: bytes, max_sender: int, max_payload: int) -> EnvelopeError:

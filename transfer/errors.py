@@ -3,6 +3,7 @@
 Each error carries the numbers that explain it (peer name, status code, offsets) so that
 callers above (engine, cluster) can log and count it (I6: every fault is visible).
 """
+
 from __future__ import annotations
 
 
@@ -20,8 +21,9 @@ class UcxError(TransferError):
         if status is not None:
             self.status = status
         self.peer = peer
-        super().__init__(f"{message}: {self.ucs_name} ({self.status})"
-                         + (f" [peer {peer}]" if peer else ""))
+        super().__init__(
+            f"{message}: {self.ucs_name} ({self.status})" + (f" [peer {peer}]" if peer else "")
+        )
 
 
 class PeerFailedError(TransferError):
@@ -31,8 +33,10 @@ class PeerFailedError(TransferError):
         self.peer = peer
         self.reason = reason
         self.status = status
-        super().__init__(f"peer {peer!r} failed: {reason}"
-                         + (f" (ucs status {status})" if status is not None else ""))
+        super().__init__(
+            f"peer {peer!r} failed: {reason}"
+            + (f" (ucs status {status})" if status is not None else "")
+        )
 
 
 class DeadlineExceeded(TransferError):
@@ -43,8 +47,10 @@ class DeadlineExceeded(TransferError):
         self.what = what
         self.timeout_s = timeout_s
         self.peer = peer
-        super().__init__(f"{what} did not complete within {timeout_s:.3f} s"
-                         + (f" [peer {peer}]" if peer else ""))
+        super().__init__(
+            f"{what} did not complete within {timeout_s:.3f} s"
+            + (f" [peer {peer}]" if peer else "")
+        )
 
 
 class RdmaUnavailableError(TransferError):
@@ -60,14 +66,23 @@ class RdmaUnavailableError(TransferError):
 class SegmentBoundsError(TransferError, ValueError):
     """A page (local offset, remote offset, length) falls outside a segment."""
 
-    def __init__(self, index: int, local_off: int, remote_off: int, length: int,
-                 local_len: int, remote_len: int, why: str):
+    def __init__(
+        self,
+        index: int,
+        local_off: int,
+        remote_off: int,
+        length: int,
+        local_len: int,
+        remote_len: int,
+        why: str,
+    ):
         self.index = index
         self.local_off, self.remote_off, self.length = local_off, remote_off, length
         self.local_len, self.remote_len = local_len, remote_len
         super().__init__(
             f"page {index} (local_off={local_off}, remote_off={remote_off}, length={length}) "
-            f"{why}: local segment {local_len} B, remote segment {remote_len} B; nothing posted")
+            f"{why}: local segment {local_len} B, remote segment {remote_len} B; nothing posted"
+        )
 
 
 class StaleIncarnationError(TransferError):
@@ -85,14 +100,30 @@ class WireError(TransferError, ValueError):
 
 # ucs_status_t values (ucs/type/status.h) -> names; each becomes a UcxError subclass.
 UCS_STATUS_NAMES: dict[int, str] = {
-    -1: "UCS_ERR_NO_MESSAGE", -2: "UCS_ERR_NO_RESOURCE", -3: "UCS_ERR_IO_ERROR",
-    -4: "UCS_ERR_NO_MEMORY", -5: "UCS_ERR_INVALID_PARAM", -6: "UCS_ERR_UNREACHABLE",
-    -7: "UCS_ERR_INVALID_ADDR", -8: "UCS_ERR_NOT_IMPLEMENTED", -9: "UCS_ERR_MESSAGE_TRUNCATED",
-    -10: "UCS_ERR_NO_PROGRESS", -11: "UCS_ERR_BUFFER_TOO_SMALL", -12: "UCS_ERR_NO_ELEM",
-    -13: "UCS_ERR_SOME_CONNECTS_FAILED", -14: "UCS_ERR_NO_DEVICE", -15: "UCS_ERR_BUSY",
-    -16: "UCS_ERR_CANCELED", -17: "UCS_ERR_SHMEM_SEGMENT", -18: "UCS_ERR_ALREADY_EXISTS",
-    -19: "UCS_ERR_OUT_OF_RANGE", -20: "UCS_ERR_TIMED_OUT", -21: "UCS_ERR_EXCEEDS_LIMIT",
-    -22: "UCS_ERR_UNSUPPORTED", -23: "UCS_ERR_REJECTED", -24: "UCS_ERR_NOT_CONNECTED",
+    -1: "UCS_ERR_NO_MESSAGE",
+    -2: "UCS_ERR_NO_RESOURCE",
+    -3: "UCS_ERR_IO_ERROR",
+    -4: "UCS_ERR_NO_MEMORY",
+    -5: "UCS_ERR_INVALID_PARAM",
+    -6: "UCS_ERR_UNREACHABLE",
+    -7: "UCS_ERR_INVALID_ADDR",
+    -8: "UCS_ERR_NOT_IMPLEMENTED",
+    -9: "UCS_ERR_MESSAGE_TRUNCATED",
+    -10: "UCS_ERR_NO_PROGRESS",
+    -11: "UCS_ERR_BUFFER_TOO_SMALL",
+    -12: "UCS_ERR_NO_ELEM",
+    -13: "UCS_ERR_SOME_CONNECTS_FAILED",
+    -14: "UCS_ERR_NO_DEVICE",
+    -15: "UCS_ERR_BUSY",
+    -16: "UCS_ERR_CANCELED",
+    -17: "UCS_ERR_SHMEM_SEGMENT",
+    -18: "UCS_ERR_ALREADY_EXISTS",
+    -19: "UCS_ERR_OUT_OF_RANGE",
+    -20: "UCS_ERR_TIMED_OUT",
+    -21: "UCS_ERR_EXCEEDS_LIMIT",
+    -22: "UCS_ERR_UNSUPPORTED",
+    -23: "UCS_ERR_REJECTED",
+    -24: "UCS_ERR_NOT_CONNECTED",
     -25: "UCS_ERR_CONNECTION_RESET",
 }
 # Link failures (-40..-59) and endpoint failures (-60..-89) are ranges in UCX.
@@ -107,24 +138,31 @@ def _class_name(ucs_name: str) -> str:
 
 UCS_ERRORS: dict[int, type[UcxError]] = {}
 for _code, _name in UCS_STATUS_NAMES.items():
-    _cls = type(_class_name(_name), (UcxError,), {"status": _code, "ucs_name": _name,
-                                                  "__doc__": f"UCX status {_name} ({_code})."})
+    _cls = type(
+        _class_name(_name),
+        (UcxError,),
+        {"status": _code, "ucs_name": _name, "__doc__": f"UCX status {_name} ({_code})."},
+    )
     UCS_ERRORS[_code] = _cls
     globals()[_cls.__name__] = _cls
 
 
 class UcsLinkFailureError(UcxError):
     """UCX status in the link-failure range (-40..-59)."""
+
     ucs_name = "UCS_ERR_LINK_FAILURE"
 
 
 class UcsEndpointFailureError(UcxError):
     """UCX status in the endpoint-failure range (-60..-89), e.g. UCS_ERR_ENDPOINT_TIMEOUT."""
+
     ucs_name = "UCS_ERR_ENDPOINT_FAILURE"
 
 
 # Statuses that mean "the path to the peer is gone" rather than a local mistake.
-PEER_FAILURE_STATUSES = frozenset({-3, -6, -16, -17, -20, -24, -25, *_LINK_FAILURE, *_ENDPOINT_FAILURE})
+PEER_FAILURE_STATUSES = frozenset(
+    {-3, -6, -16, -17, -20, -24, -25, *_LINK_FAILURE, *_ENDPOINT_FAILURE}
+)
 
 
 def ucx_error(status: int, message: str, peer: str | None = None) -> UcxError:

@@ -14,6 +14,7 @@ compares with the abort deadline (an owner severs writers that have not acked by
 Values are what the worker was created with (the engine's options or the operator's
 ``UCX_*`` environment, else UCX's defaults as this UCX reports them).
 """
+
 from __future__ import annotations
 
 import logging
@@ -78,56 +79,91 @@ class FailureHorizon:
         deadline lies past it (WARNING when it does not)."""
         head = f"failure horizon ({self.transport}): {self.how}"
         if self.seconds is None:
-            return logging.INFO, (f"{head}; --abort-deadline {abort_deadline_s:g} s only "
-                                  "bounds the wait for abort acks")
+            return logging.INFO, (
+                f"{head}; --abort-deadline {abort_deadline_s:g} s only "
+                "bounds the wait for abort acks"
+            )
         if abort_deadline_s > self.seconds:
-            return logging.INFO, (f"{head}; --abort-deadline {abort_deadline_s:g} s lies past "
-                                  "it: a connected writer has acked or been declared dead "
-                                  "by its transport when its owner severs it")
-        return logging.WARNING, (f"{head}; --abort-deadline {abort_deadline_s:g} s does NOT "
-                                 f"lie past it: raise it above {self.seconds:.1f} s or "
-                                 "shorten the transport's timeouts")
+            return logging.INFO, (
+                f"{head}; --abort-deadline {abort_deadline_s:g} s lies past "
+                "it: a connected writer has acked or been declared dead "
+                "by its transport when its owner severs it"
+            )
+        return logging.WARNING, (
+            f"{head}; --abort-deadline {abort_deadline_s:g} s does NOT "
+            f"lie past it: raise it above {self.seconds:.1f} s or "
+            "shorten the transport's timeouts"
+        )
 
 
-def tcp_horizon(keepidle: str | None, keepintvl: str | None, keepcnt: str | None,
-                user_timeout: str | None, user_timeout_supported: bool) -> FailureHorizon:
+def tcp_horizon(
+    keepidle: str | None,
+    keepintvl: str | None,
+    keepcnt: str | None,
+    user_timeout: str | None,
+    user_timeout_supported: bool,
+) -> FailureHorizon:
     """The tcp horizon from the option values the worker read (None: not known)."""
     idle, intvl = parse_seconds(keepidle or ""), parse_seconds(keepintvl or "")
     count = int(keepcnt) if keepcnt is not None and keepcnt.isdigit() else None
-    keepalive = (idle + intvl * count if idle is not None and intvl is not None
-                 and count is not None else None)
-    ka_text = (f"keep-alive {idle:g} s + {intvl:g} s x {count} = {keepalive:g} s"
-               if keepalive is not None else
-               f"keep-alive {keepidle} + {keepintvl} x {keepcnt} (not all set)")
+    keepalive = (
+        idle + intvl * count
+        if idle is not None and intvl is not None and count is not None
+        else None
+    )
+    ka_text = (
+        f"keep-alive {idle:g} s + {intvl:g} s x {count} = {keepalive:g} s"
+        if keepalive is not None
+        else f"keep-alive {keepidle} + {keepintvl} x {keepcnt} (not all set)"
+    )
     user = parse_seconds(user_timeout or "") if user_timeout_supported else None
     if user is not None:
         seconds = max(user, keepalive or 0.0)
-        return FailureHorizon("tcp", seconds, f"{ka_text} when idle, TCP_USER_TIMEOUT "
-                                              f"{user:g} s with data in flight: {seconds:g} s")
+        return FailureHorizon(
+            "tcp",
+            seconds,
+            f"{ka_text} when idle, TCP_USER_TIMEOUT {user:g} s with data in flight: {seconds:g} s",
+        )
     retries2 = read_tcp_retries2()
     kernel = tcp_retries2_horizon_s(retries2)
-    why = ("this UCX has no TCP_USER_TIMEOUT option" if not user_timeout_supported
-           else f"TCP_USER_TIMEOUT is {user_timeout or 'unset'}")
-    return FailureHorizon("tcp", max(kernel, keepalive or 0.0),
-                          f"{ka_text} when idle; with data in flight the kernel's "
-                          f"retransmission limit (net.ipv4.tcp_retries2={retries2}: about "
-                          f"{kernel:.0f} s), since {why}")
+    why = (
+        "this UCX has no TCP_USER_TIMEOUT option"
+        if not user_timeout_supported
+        else f"TCP_USER_TIMEOUT is {user_timeout or 'unset'}"
+    )
+    return FailureHorizon(
+        "tcp",
+        max(kernel, keepalive or 0.0),
+        f"{ka_text} when idle; with data in flight the kernel's "
+        f"retransmission limit (net.ipv4.tcp_retries2={retries2}: about "
+        f"{kernel:.0f} s), since {why}",
+    )
 
 
 def rc_horizon(timeout: str | None, retry_count: str | None) -> FailureHorizon:
     t = parse_seconds(timeout or "")
     r = int(retry_count) if retry_count is not None and retry_count.isdigit() else None
     if t is None or r is None:
-        return FailureHorizon("rc", None, f"RC_TIMEOUT {timeout} x RC_RETRY_COUNT "
-                                          f"{retry_count}: not a bounded horizon")
+        return FailureHorizon(
+            "rc",
+            None,
+            f"RC_TIMEOUT {timeout} x RC_RETRY_COUNT {retry_count}: not a bounded horizon",
+        )
     seconds = rc_horizon_s(t, r)
-    return FailureHorizon("rc", seconds, f"RC_TIMEOUT {timeout} (the NIC runs "
-                                         f"{ib_timeout_s(t) * 1e3:.0f} ms) x "
-                                         f"(RC_RETRY_COUNT {r} + 1) = {seconds:.1f} s")
+    return FailureHorizon(
+        "rc",
+        seconds,
+        f"RC_TIMEOUT {timeout} (the NIC runs "
+        f"{ib_timeout_s(t) * 1e3:.0f} ms) x "
+        f"(RC_RETRY_COUNT {r} + 1) = {seconds:.1f} s",
+    )
 
 
-SHM_HORIZON = FailureHorizon("shm", None, "shared memory has no transport timeout; a "
-                                          "writer's death is seen through its process")
+SHM_HORIZON = FailureHorizon(
+    "shm",
+    None,
+    "shared memory has no transport timeout; a writer's death is seen through its process",
+)
 
 
 def combine(horizons: list[FailureHorizon]) -> FailureHorizon:
@@ -138,5 +174,8 @@ def combine(horizons: list[FailureHorizon]) -> FailureHorizon:
     worst = max(bounded, key=lambda sh: sh[0])[1]
     if len(horizons) == 1:
         return worst
-    return FailureHorizon("+".join(h.transport for h in horizons), worst.seconds,
-                          "; ".join(f"{h.transport}: {h.how}" for h in horizons))
+    return FailureHorizon(
+        "+".join(h.transport for h in horizons),
+        worst.seconds,
+        "; ".join(f"{h.transport}: {h.how}" for h in horizons),
+    )

@@ -3,9 +3,10 @@
 :func:`check_pages` validates a page list against both segments before anything is
 posted, so a bad offset is refused with the numbers and never reaches UCX (a put to the
 wrong remote offset would land in memory another request owns: see I4/I5). The hot path
-runs the same checks natively inside ``kvf_put_pages``/``kvf_get_pages`` and defers to :func:`check_pages`
-for the error and its numbers.
+runs the same checks natively inside ``kvf_put_pages``/``kvf_get_pages`` and defers to
+:func:`check_pages` for the error and its numbers.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,8 +18,13 @@ LOCAL, REMOTE, LENGTH = 0, 1, 2
 
 def as_page_array(pages: object) -> np.ndarray:
     """The page list as a C-contiguous int64 array of shape [n, 3] (copied if needed)."""
-    if (type(pages) is np.ndarray and pages.dtype == np.int64 and pages.ndim == 2
-            and pages.shape[1] == 3 and pages.flags.c_contiguous):
+    if (
+        type(pages) is np.ndarray
+        and pages.dtype == np.int64
+        and pages.ndim == 2
+        and pages.shape[1] == 3
+        and pages.flags.c_contiguous
+    ):
         return pages
     arr = np.asarray(pages)
     if arr.dtype.kind not in "iu":
@@ -49,12 +55,14 @@ def check_pages(pages: np.ndarray, local_len: int, remote_len: int) -> int:
             _raise(pages, int(np.argmax(bad)), local_len, remote_len, why)
     bad_local = loc > (local_len - ln)
     if bad_local.any():
-        _raise(pages, int(np.argmax(bad_local)), local_len, remote_len,
-               "ends past the local segment")
+        _raise(
+            pages, int(np.argmax(bad_local)), local_len, remote_len, "ends past the local segment"
+        )
     bad_remote = rem > (remote_len - ln)
     if bad_remote.any():
-        _raise(pages, int(np.argmax(bad_remote)), local_len, remote_len,
-               "ends past the remote segment")
+        _raise(
+            pages, int(np.argmax(bad_remote)), local_len, remote_len, "ends past the remote segment"
+        )
     return int(ln.sum())
 
 

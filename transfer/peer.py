@@ -6,6 +6,7 @@ and the bookkeeping the engine's batches and notices need. Callers read ``name``
 ``state``, ``failure``, ``incarnation`` and ``transports``; everything else is the
 engine's.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -9,6 +9,7 @@ Active messages travel in a fixed binary envelope (sender address and incarnatio
 sequence number, the flushed flag, the payload), built and parsed natively: see
 :mod:`kvferry.transfer.envelope`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from .wire import Codec, Field, FieldType
 MAX_UCX_ADDRESS = 64 << 10
 MAX_RKEY = 16 << 10
 MAX_PAYLOAD = 4 << 20
-MAX_SENDER = MAX_UCX_ADDRESS + 1024   # an encoded ADDRESS, in every envelope
+MAX_SENDER = MAX_UCX_ADDRESS + 1024  # an encoded ADDRESS, in every envelope
 
 CODEC = Codec("kvf.transfer", version=1, max_bytes=MAX_PAYLOAD + 2 * MAX_UCX_ADDRESS)
 
@@ -42,6 +43,7 @@ SEGMENT = CODEC.kind(
     allocated=Field(FieldType.BOOL),
 )
 
+
 @dataclass(frozen=True)
 class AddressInfo:
     """A decoded engine address."""
@@ -60,6 +62,7 @@ def decode_address(address: bytes) -> AddressInfo:
     msg = CODEC.decode(address)
     if msg.kind != "ADDRESS":
         from .errors import WireError
+
         raise WireError(f"expected an ADDRESS, got {msg.kind}")
     return AddressInfo(**msg.fields)
 

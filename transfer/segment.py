@@ -6,6 +6,7 @@ another incarnation is refused (a restarted peer's memory is not the memory we w
 about). Memory stays registered until :meth:`TransferEngine.deregister`; freeing memory
 that a peer may still write is the caller's decision to prove safe (I4).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,12 +32,18 @@ class SegmentDescriptor:
     allocated: bool = False
 
     def pack(self) -> bytes:
-        return CODEC.encode(SEGMENT.make(base=self.base, length=self.length, rkey=self.rkey,
-                                         incarnation=self.incarnation,
-                                         allocated=self.allocated))
+        return CODEC.encode(
+            SEGMENT.make(
+                base=self.base,
+                length=self.length,
+                rkey=self.rkey,
+                incarnation=self.incarnation,
+                allocated=self.allocated,
+            )
+        )
 
     @classmethod
-    def unpack(cls, data: bytes) -> "SegmentDescriptor":
+    def unpack(cls, data: bytes) -> SegmentDescriptor:
         msg = CODEC.decode(data)
         if msg.kind != "SEGMENT":
             raise WireError(f"expected a SEGMENT descriptor, got {msg.kind}")
@@ -58,15 +65,15 @@ class Segment:
     registered: bool = True
 
     def descriptor(self) -> SegmentDescriptor:
-        return SegmentDescriptor(self.base, self.length, self.rkey, self.incarnation,
-                                 self.allocated)
+        return SegmentDescriptor(
+            self.base, self.length, self.rkey, self.incarnation, self.allocated
+        )
 
     def as_numpy(self) -> np.ndarray:
         """A uint8 view of the whole segment (zero-copy)."""
         from ._native import ffi
 
-        return np.frombuffer(ffi.buffer(ffi.cast("char *", self.base), self.length),
-                             dtype=np.uint8)
+        return np.frombuffer(ffi.buffer(ffi.cast("char *", self.base), self.length), dtype=np.uint8)
 
     def as_torch(self) -> Any:
         """A uint8 CPU tensor viewing the whole segment (zero-copy); typed Any, since
@@ -81,7 +88,7 @@ class RemoteSegment:
     """A peer's segment opened on this engine: the unpacked rkey, and, when the memory is
     mapped into this process (``direct`` is its local address), a direct copy path."""
 
-    peer: "Peer"
+    peer: Peer
     descriptor: SegmentDescriptor
     rkey: Any = field(repr=False)
     direct: int | None = None

@@ -5,6 +5,7 @@ refusal of ``transports="rdma"`` when verbs or a device is missing.
 ``python -m kvferry.transfer [--transports rdma]`` prints it as JSON (exit status 2
 when ``--transports rdma`` would be refused, with the reason).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,12 @@ from .errors import RdmaUnavailableError, status_name
 # Optional features of the native layer: the UCX release that brought each, and what a
 # build without it does instead.
 FEATURES = {
-    "ep_transports": ((1, 14), "per-endpoint transport query (ucp_ep_query with "
-                               "UCP_EP_ATTR_FIELD_TRANSPORTS); an endpoint's transports are "
-                               "read from ucp_ep_print_info instead"),
+    "ep_transports": (
+        (1, 14),
+        "per-endpoint transport query (ucp_ep_query with "
+        "UCP_EP_ATTR_FIELD_TRANSPORTS); an endpoint's transports are "
+        "read from ucp_ep_print_info instead",
+    ),
 }
 # uct components whose memory domains are RDMA devices (verbs; "mlx5" in newer UCX).
 RDMA_COMPONENTS = ("ib", "mlx5")
@@ -50,8 +54,11 @@ def versions() -> dict[str, str]:
 def unavailable_features() -> list[str]:
     """A sentence per optional feature this build lacks (empty on a recent UCX)."""
     have = set(filter(None, _text(lib.kvf_features()).split(",")))
-    return [f"{what}: needs UCX >= {v[0]}.{v[1]}, built against {versions()['built']}"
-            for name, (v, what) in FEATURES.items() if name not in have]
+    return [
+        f"{what}: needs UCX >= {v[0]}.{v[1]}, built against {versions()['built']}"
+        for name, (v, what) in FEATURES.items()
+        if name not in have
+    ]
 
 
 def has_feature(name: str) -> bool:
@@ -67,7 +74,7 @@ class Inventory:
     resources: dict[str, list[str]] = field(default_factory=dict)  # "ib/mlx5_0" -> [...]
 
     @classmethod
-    def parse(cls, text: str) -> "Inventory":
+    def parse(cls, text: str) -> Inventory:
         inv = cls()
         for line in text.splitlines():
             parts = line.split("\t")
@@ -86,8 +93,12 @@ class Inventory:
 
     def rdma_transports(self) -> list[str]:
         """rc/ud/dc resources as "tl/device:port"."""
-        return [r for rs in self.resources.values() for r in rs
-                if r.split("/")[0].split("_")[0] in RDMA_TLS]
+        return [
+            r
+            for rs in self.resources.values()
+            for r in rs
+            if r.split("/")[0].split("_")[0] in RDMA_TLS
+        ]
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,8 +107,9 @@ def inventory() -> Inventory:
     buf = ffi.new("char[]", 1 << 16)
     st = lib.kvf_uct_inventory(",".join(RDMA_COMPONENTS).encode(), buf, len(buf))
     if st != 0:
-        raise RdmaUnavailableError(f"listing UCX's transport components failed: "
-                                   f"{status_name(int(st))}", "components")
+        raise RdmaUnavailableError(
+            f"listing UCX's transport components failed: {status_name(int(st))}", "components"
+        )
     return Inventory.parse(_text(buf))
 
 
@@ -111,8 +123,10 @@ def iface_option(component: str, tl: str, name: str) -> tuple[int, str]:
 
 
 def ucx_label() -> str:
-    return (f"UCX {versions()['running']} at {_text(lib.kvf_library_path()) or '?'} "
-            f"({_text(lib.kvf_ucx_source()).split(';')[0]})")
+    return (
+        f"UCX {versions()['running']} at {_text(lib.kvf_library_path()) or '?'} "
+        f"({_text(lib.kvf_ucx_source()).split(';')[0]})"
+    )
 
 
 def _net_devices(env: dict[str, str]) -> list[str] | None:
@@ -122,29 +136,39 @@ def _net_devices(env: dict[str, str]) -> list[str] | None:
 
 def rdma_refusal(inv: Inventory, label: str, env: dict[str, str]) -> tuple[str, str] | None:
     """(what is missing, message) when ``transports="rdma"`` cannot run, else None."""
-    fix = ("build kvferry against a UCX with verbs: KVFERRY_UCX=system (or =/prefix) "
-           "pip install -e . (README, section RDMA)")
+    fix = (
+        "build kvferry against a UCX with verbs: KVFERRY_UCX=system (or =/prefix) "
+        "pip install -e . (README, section RDMA)"
+    )
     if not inv.has_verbs():
         found = ", ".join(inv.components) or "none"
-        return "verbs", (f"--transports rdma needs a UCX built with verbs, but {label} has "
-                         f"no verbs transport component ({' or '.join(RDMA_COMPONENTS)}; "
-                         f"its components: {found}); {fix}")
+        return "verbs", (
+            f"--transports rdma needs a UCX built with verbs, but {label} has "
+            f"no verbs transport component ({' or '.join(RDMA_COMPONENTS)}; "
+            f"its components: {found}); {fix}"
+        )
     devices = inv.rdma_devices()
     if not devices:
-        return "device", (f"--transports rdma: no RDMA device: {label} has verbs but its "
-                          f"verbs components list no device (check ibv_devices, "
-                          f"/sys/class/infiniband, the NIC driver and rdma-core's "
-                          f"providers)")
+        return "device", (
+            f"--transports rdma: no RDMA device: {label} has verbs but its "
+            f"verbs components list no device (check ibv_devices, "
+            f"/sys/class/infiniband, the NIC driver and rdma-core's "
+            f"providers)"
+        )
     transports = inv.rdma_transports()
     if not transports:
-        return "transport", (f"--transports rdma: the RDMA devices {', '.join(devices)} offer "
-                             f"no rc, ud or dc transport under {label}")
+        return "transport", (
+            f"--transports rdma: the RDMA devices {', '.join(devices)} offer "
+            f"no rc, ud or dc transport under {label}"
+        )
     wanted = _net_devices(env)
     if wanted is not None:
         usable = [t for t in transports if t.split("/", 1)[1] in wanted]
         if not usable:
-            return "device", (f"--transports rdma: UCX_NET_DEVICES={','.join(wanted)} names "
-                              f"none of the RDMA devices ({', '.join(transports)})")
+            return "device", (
+                f"--transports rdma: UCX_NET_DEVICES={','.join(wanted)} names "
+                f"none of the RDMA devices ({', '.join(transports)})"
+            )
     return None
 
 
@@ -159,7 +183,7 @@ def check_rdma(env: dict[str, str] | None = None) -> dict[str, list[str]]:
 
 
 def lanes_from_print_info(text: str) -> str:
-    """"tl/dev,..." from ucp_ep_print_info's lane lines (first appearance order)."""
+    """ "tl/dev,..." from ucp_ep_print_info's lane lines (first appearance order)."""
     seen: list[str] = []
     for tl, dev in _LANE.findall(text):
         if f"{tl}/{dev}" not in seen:
@@ -180,10 +204,16 @@ def endpoint_transports(ep: Any) -> tuple[str, str]:
 def report(transports: str | None = None) -> dict[str, Any]:
     """Everything above as one dict (the CLI's output)."""
     inv = inventory()
-    out = {"ucx": ucx_label(), "build": _text(lib.kvf_ucx_source()), **versions(),
-           "unavailable": unavailable_features(), "components": inv.components,
-           "verbs": inv.has_verbs(), "rdma_devices": inv.rdma_devices(),
-           "rdma_transports": inv.rdma_transports()}
+    out = {
+        "ucx": ucx_label(),
+        "build": _text(lib.kvf_ucx_source()),
+        **versions(),
+        "unavailable": unavailable_features(),
+        "components": inv.components,
+        "verbs": inv.has_verbs(),
+        "rdma_devices": inv.rdma_devices(),
+        "rdma_transports": inv.rdma_transports(),
+    }
     if transports == "rdma":
         refused = rdma_refusal(inv, ucx_label(), dict(os.environ))
         out["rdma_refused"] = None if refused is None else refused[1]

@@ -16,12 +16,14 @@ Example::
     msg = codec.decode(data)          # Message(kind="ABORT", fields={...})
     msg.request_id, msg["seq"]
 """
+
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import msgpack
 
@@ -35,18 +37,22 @@ EnumClass = type[enum.Enum]  # a name for it inside Field, whose own `type` shad
 
 
 class FieldType(enum.Enum):
-    INT = "int"            # signed 64-bit
-    UINT64 = "uint64"      # unsigned 64-bit (incarnations, sequence numbers)
+    INT = "int"  # signed 64-bit
+    UINT64 = "uint64"  # unsigned 64-bit (incarnations, sequence numbers)
     BOOL = "bool"
-    FLOAT = "float"        # finite float
-    STR = "str"            # max_len in characters
-    BYTES = "bytes"        # max_len in bytes
+    FLOAT = "float"  # finite float
+    STR = "str"  # max_len in characters
+    BYTES = "bytes"  # max_len in bytes
     INT_LIST = "int_list"  # list of signed 64-bit ints, max_len items
     STR_LIST = "str_list"  # list of str (each at most 1024 chars), max_len items
 
 
-_DEFAULT_MAX_LEN = {FieldType.STR: 1024, FieldType.BYTES: 64 << 10,
-                    FieldType.INT_LIST: 1 << 16, FieldType.STR_LIST: 1024}
+_DEFAULT_MAX_LEN = {
+    FieldType.STR: 1024,
+    FieldType.BYTES: 64 << 10,
+    FieldType.INT_LIST: 1 << 16,
+    FieldType.STR_LIST: 1024,
+}
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,9 @@ def _check_value(kind: str, name: str, spec: Field, value: Any) -> None:
         if len(value) > spec.limit():
             raise bad(f"{len(value)} items exceed the limit {spec.limit()}")
         # exact type int excludes bool; the type set and min/max run in C, not per item
-        if value and not (set(map(type, value)) == {int}
-                          and INT64_MIN <= min(value) and max(value) <= INT64_MAX):
+        if value and not (
+            set(map(type, value)) == {int} and INT64_MIN <= min(value) and max(value) <= INT64_MAX
+        ):
             raise bad("expected every item to be an int64")
     elif t is FieldType.STR_LIST:
         if not isinstance(value, (list, tuple)):
@@ -159,10 +166,15 @@ def _fast_check(spec: Field) -> Callable[[Any], bool]:
         return lambda v: type(v) is bytes and len(v) <= lim
     if t is FieldType.INT_LIST:
         # the type set, min and max run in C, not per item; exact type int excludes bool
-        return lambda v: type(v) is list and len(v) <= lim and (
-            not v or (set(map(type, v)) == _INT_ONLY and INT64_MIN <= min(v)
-                      and max(v) <= INT64_MAX))
-    return lambda v: False   # str lists: always the full check
+        return lambda v: (
+            type(v) is list
+            and len(v) <= lim
+            and (
+                not v
+                or (set(map(type, v)) == _INT_ONLY and INT64_MIN <= min(v) and max(v) <= INT64_MAX)
+            )
+        )
+    return lambda v: False  # str lists: always the full check
 
 
 def _choose(kind: str, name: str, spec: Field, value: Any) -> enum.Enum:
@@ -179,7 +191,10 @@ def _choose(kind: str, name: str, spec: Field, value: Any) -> enum.Enum:
 
 
 _CONVERT: dict[FieldType, Callable[[Any], Any]] = {
-    FieldType.BYTES: bytes, FieldType.INT_LIST: list, FieldType.STR_LIST: list}
+    FieldType.BYTES: bytes,
+    FieldType.INT_LIST: list,
+    FieldType.STR_LIST: list,
+}
 
 
 # (field name, fast predicate, spec, conversion) for each field of a kind
@@ -252,11 +267,13 @@ class Codec:
         if mk is None:
             raise WireError(f"{self.protocol}: cannot encode unknown kind {msg.kind!r}")
         values = msg.fields if msg.checked else mk.validate(msg.fields)
-        data: bytes = msgpack.packb([self.protocol, self.version, msg.kind, values],
-                                    use_bin_type=True)
+        data: bytes = msgpack.packb(
+            [self.protocol, self.version, msg.kind, values], use_bin_type=True
+        )
         if len(data) > self.max_bytes:
-            raise WireError(f"{self.protocol}.{msg.kind}: {len(data)} bytes exceed the "
-                            f"limit {self.max_bytes}")
+            raise WireError(
+                f"{self.protocol}.{msg.kind}: {len(data)} bytes exceed the limit {self.max_bytes}"
+            )
         return data
 
     def decode(self, data: bytes | bytearray | memoryview) -> Message:
@@ -265,8 +282,9 @@ class Codec:
         except WireError:
             raise
         except Exception as exc:  # any decoder failure becomes a WireError
-            raise WireError(f"{self.protocol}: undecodable message ({type(exc).__name__}: "
-                            f"{str(exc)[:120]})") from None
+            raise WireError(
+                f"{self.protocol}: undecodable message ({type(exc).__name__}: {str(exc)[:120]})"
+            ) from None
 
     def _decode(self, data: bytes | bytearray | memoryview) -> Message:
         if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -275,9 +293,17 @@ class Codec:
         if n > self.max_bytes:
             raise WireError(f"{self.protocol}: {n} bytes exceed the limit {self.max_bytes}")
         try:
-            obj = msgpack.unpackb(bytes(data), raw=False, use_list=True, strict_map_key=True,
-                                  max_bin_len=self.max_bytes, max_str_len=self.max_bytes,
-                                  max_array_len=1 << 16, max_map_len=256, max_ext_len=0)
+            obj = msgpack.unpackb(
+                bytes(data),
+                raw=False,
+                use_list=True,
+                strict_map_key=True,
+                max_bin_len=self.max_bytes,
+                max_str_len=self.max_bytes,
+                max_array_len=1 << 16,
+                max_map_len=256,
+                max_ext_len=0,
+            )
         except Exception as exc:
             raise WireError(f"{self.protocol}: malformed msgpack ({type(exc).__name__})") from None
         if not isinstance(obj, list) or len(obj) != 4:

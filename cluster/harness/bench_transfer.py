@@ -15,6 +15,7 @@ In the same run: a memcpy of the same pages into pre-faulted memory (the ceiling
 idle target's CPU use, and the CPU cost of one write + notice + delivery measured in one
 process (two engines, no wake-ups: the software cost alone).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,9 +57,14 @@ def scattered(n: int, page: int, src_len: int, dst_len: int, seed: int) -> np.nd
 
 # --------------------------------------------------------------------------- target
 def run_target(args) -> int:
-    eng = TransferEngine(TransferConfig(transports=args.transport, name="bench-target",
-                                        spin_us=args.spin_us,
-                                        busy_poll_us=args.busy_poll_us))
+    eng = TransferEngine(
+        TransferConfig(
+            transports=args.transport,
+            name="bench-target",
+            spin_us=args.spin_us,
+            busy_poll_us=args.busy_poll_us,
+        )
+    )
     if args.dest == "allocate":
         seg = eng.allocate(args.size)
     else:
@@ -80,17 +86,29 @@ def run_target(args) -> int:
         stamp = np.frombuffer(int(cmd.get("i", 0)).to_bytes(8, "little"), np.uint8)
         every_byte = cmd.get("check") == "byte-exact"
         for lo, ro, ln in cmd.get("pages", ()):
-            ok = (np.array_equal(view[ro:ro + 8], stamp)
-                  and np.array_equal(view[ro + ln - 8:ro + ln], stamp)
-                  and (not every_byte
-                       or np.array_equal(view[ro + 8:ro + ln - 8], pattern[lo + 8:lo + ln - 8])))
+            ok = (
+                np.array_equal(view[ro : ro + 8], stamp)
+                and np.array_equal(view[ro + ln - 8 : ro + ln], stamp)
+                and (
+                    not every_byte
+                    or np.array_equal(view[ro + 8 : ro + ln - 8], pattern[lo + 8 : lo + ln - 8])
+                )
+            )
             bad += not ok
         peer = peers.get(sender) or peers.setdefault(sender, eng.connect(sender))
         eng.send(peer, msgpack.packb({"t": t, "i": cmd.get("i", 0), "bad": bad}))
 
     eng.set_message_handler(handle)
-    print(json.dumps({"address": eng.address.hex(), "segment": seg.descriptor().pack().hex(),
-                      "describe": eng.describe()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "address": eng.address.hex(),
+                "segment": seg.descriptor().pack().hex(),
+                "describe": eng.describe(),
+            }
+        ),
+        flush=True,
+    )
     deadline = time.monotonic() + args.lifetime
     parent = os.getppid()
     while not state["exit"] and time.monotonic() < deadline and os.getppid() == parent:
@@ -109,25 +127,45 @@ def cpu_seconds(pid: int) -> float:
 class Bench:
     def __init__(self, args, transport: str, dest: str):
         self.args, self.transport, self.dest = args, transport, dest
-        cmd = [sys.executable, "-m", "kvferry.cluster.harness.bench_transfer",
-               "--role", "target", "--transport", transport,
-               "--dest", dest, "--size", str(args.dst_mib * MiB), "--spin-us",
-               str(args.spin_us), "--busy-poll-us", str(args.busy_poll_us),
-               "--src-size", str(args.src_mib * MiB)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvferry.cluster.harness.bench_transfer",
+            "--role",
+            "target",
+            "--transport",
+            transport,
+            "--dest",
+            dest,
+            "--size",
+            str(args.dst_mib * MiB),
+            "--spin-us",
+            str(args.spin_us),
+            "--busy-poll-us",
+            str(args.busy_poll_us),
+            "--src-size",
+            str(args.src_mib * MiB),
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
         if not ready:
             self.proc.kill()
             raise TimeoutError("target did not start within 60 s")
         hello = json.loads(self.proc.stdout.readline())
-        self.eng = TransferEngine(TransferConfig(transports=transport, name="bench-initiator",
-                                                 spin_us=args.spin_us,
-                                                 busy_poll_us=args.busy_poll_us))
+        self.eng = TransferEngine(
+            TransferConfig(
+                transports=transport,
+                name="bench-initiator",
+                spin_us=args.spin_us,
+                busy_poll_us=args.busy_poll_us,
+            )
+        )
         self.replies: list = []
         self.eng.set_message_handler(lambda s, p: self.replies.append(msgpack.unpackb(p)))
         self.peer = self.eng.connect(bytes.fromhex(hello["address"]), name="bench-target")
         self.rseg = self.eng.open_segment(
-            self.peer, SegmentDescriptor.unpack(bytes.fromhex(hello["segment"])))
+            self.peer, SegmentDescriptor.unpack(bytes.fromhex(hello["segment"]))
+        )
         self.src_buf = source_pattern(args.src_mib * MiB)
         self.src = self.eng.register(self.src_buf)
         self.path = "direct" if self.rseg.direct is not None else "ucp_put"
@@ -136,15 +174,26 @@ class Bench:
     def base(self, copied_bytes: int | None = None, **rec) -> dict:
         """Keys shared by this bench's lines; ``copied_bytes`` (a batch's size) adds
         which copy the direct path used for it."""
-        copy = ({"copy": "streaming" if self.eng.copies_streaming(copied_bytes) else "memcpy"}
-                if self.path == "direct" and copied_bytes is not None else {})
-        return {"engine": "kvferry", "transport": self.transport, "dest": self.dest,
-                "path": self.path, **copy, "ucx_transports": self.transports_used, **rec}
+        copy = (
+            {"copy": "streaming" if self.eng.copies_streaming(copied_bytes) else "memcpy"}
+            if self.path == "direct" and copied_bytes is not None
+            else {}
+        )
+        return {
+            "engine": "kvferry",
+            "transport": self.transport,
+            "dest": self.dest,
+            "path": self.path,
+            **copy,
+            "ucx_transports": self.transports_used,
+            **rec,
+        }
 
     def throughput(self, npages: int, page: int) -> None:
         times = []
-        pages = [scattered(npages, page, self.src.length, self.rseg.length, seed=s)
-                 for s in range(4)]
+        pages = [
+            scattered(npages, page, self.src.length, self.rseg.length, seed=s) for s in range(4)
+        ]
         warmup = max(self.args.warmup, len(pages))  # first touch of every page set
         for i in range(warmup + self.args.batches):
             t0 = time.perf_counter()
@@ -154,27 +203,36 @@ class Bench:
                 times.append(dt)
         nbytes = npages * page
         rates = sorted(nbytes / t / 1e9 for t in times)
-        emit(**self.base(nbytes, op="write", pages=npages, page_bytes=page, batch_bytes=nbytes,
-                         gbps=round(statistics.median(rates), 3),
-                         gbps_min=round(rates[0], 3), gbps_max=round(rates[-1], 3),
-                         batches=len(times)))
+        emit(
+            **self.base(
+                nbytes,
+                op="write",
+                pages=npages,
+                page_bytes=page,
+                batch_bytes=nbytes,
+                gbps=round(statistics.median(rates), 3),
+                gbps_min=round(rates[0], 3),
+                gbps_max=round(rates[-1], 3),
+                batches=len(times),
+            )
+        )
 
     def latency(self, fused: bool, check: str, npages: int = 8, page: int = 16 << 10) -> None:
         """Write npages, notify; the target timestamps delivery, then checks the pages
         (``check``: byte-exact or stamps). ``fused``: one ``write(..., notice=)`` call,
         else ``write`` then ``notify``."""
         lat = []
-        sets = [scattered(npages, page, self.src.length, self.rseg.length, seed=s)
-                for s in range(16)]
+        sets = [
+            scattered(npages, page, self.src.length, self.rseg.length, seed=s) for s in range(16)
+        ]
         n_total = self.args.latency_warmup + self.args.latency_iters
         for i in range(n_total):
             pages = sets[i % len(sets)]
             stamp = np.frombuffer(i.to_bytes(8, "little"), np.uint8)
             for lo, _, ln in pages:
-                self.src_buf[lo:lo + 8] = stamp
-                self.src_buf[lo + ln - 8:lo + ln] = stamp
-            payload = msgpack.packb({"op": "lat", "i": i, "pages": pages.tolist(),
-                                     "check": check})
+                self.src_buf[lo : lo + 8] = stamp
+                self.src_buf[lo + ln - 8 : lo + ln] = stamp
+            payload = msgpack.packb({"op": "lat", "i": i, "pages": pages.tolist(), "check": check})
             n = len(self.replies)
             t0 = time.monotonic_ns()
             if fused:
@@ -189,21 +247,31 @@ class Bench:
                 self.eng.progress(0.01)
             reply = self.replies[n]
             if reply["i"] != i or reply["bad"]:
-                raise RuntimeError(f"round {i}: {reply['bad']} of {npages} pages differ at "
-                                   f"the target (reply for round {reply['i']})")
+                raise RuntimeError(
+                    f"round {i}: {reply['bad']} of {npages} pages differ at "
+                    f"the target (reply for round {reply['i']})"
+                )
             if i >= self.args.latency_warmup:
                 lat.append((reply["t"] - t0) / 1e3)
         for lo in np.unique(np.concatenate([p[:, 0] for p in sets])):  # plain pattern again
             for at in (lo, lo + page - 8):
-                self.src_buf[at:at + 8] = (np.arange(at, at + 8) % 251).astype(np.uint8)
+                self.src_buf[at : at + 8] = (np.arange(at, at + 8) % 251).astype(np.uint8)
         lat.sort()
-        emit(**self.base(npages * page, op="write+notify", api=API[fused], pages=npages,
-                         page_bytes=page,
-                         p50_us=round(lat[len(lat) // 2], 1),
-                         p99_us=round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
-                         iters=len(lat), checked=check,
-                         busy_poll_us=self.args.busy_poll_us,
-                         gbps=round(npages * page / (lat[len(lat) // 2] * 1e3), 3)))
+        emit(
+            **self.base(
+                npages * page,
+                op="write+notify",
+                api=API[fused],
+                pages=npages,
+                page_bytes=page,
+                p50_us=round(lat[len(lat) // 2], 1),
+                p99_us=round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
+                iters=len(lat),
+                checked=check,
+                busy_poll_us=self.args.busy_poll_us,
+                gbps=round(npages * page / (lat[len(lat) // 2] * 1e3), 3),
+            )
+        )
 
     def idle_cpu(self, seconds: float = 1.0) -> None:
         c0, t0 = cpu_seconds(self.proc.pid), time.monotonic()
@@ -223,8 +291,7 @@ class Bench:
 API = {True: "write(notice=)", False: "write,notify"}
 
 
-def cpu_per_op(args, transport: str, fused: bool, npages: int = 8,
-               page: int = 16 << 10) -> None:
+def cpu_per_op(args, transport: str, fused: bool, npages: int = 8, page: int = 16 << 10) -> None:
     """Software cost of write + notice + delivery: two engines in this process, the target
     drained right after each notice, so no wake-up or scheduling is counted."""
     a = TransferEngine(TransferConfig(transports=transport, name="cpu-initiator"))
@@ -255,11 +322,18 @@ def cpu_per_op(args, transport: str, fused: bool, npages: int = 8,
                     raise TimeoutError("in-process notice missing")
             got.pop()
         cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-        emit(engine="kvferry", transport=transport, op="write+notify cpu", api=API[fused],
-             pages=npages,
-             page_bytes=page, cpu_us=round(cpu / iters * 1e6, 2),
-             wall_us=round(wall / iters * 1e6, 2), iters=iters,
-             path="direct" if rseg.direct is not None else "ucp_put")
+        emit(
+            engine="kvferry",
+            transport=transport,
+            op="write+notify cpu",
+            api=API[fused],
+            pages=npages,
+            page_bytes=page,
+            cpu_us=round(cpu / iters * 1e6, 2),
+            wall_us=round(wall / iters * 1e6, 2),
+            iters=iters,
+            path="direct" if rseg.direct is not None else "ucp_put",
+        )
     finally:
         a.shutdown()
         b.shutdown()
@@ -277,17 +351,26 @@ def memcpy_ceiling(args, npages: int, page: int) -> None:
         for i in range(args.warmup + args.batches):
             pages = scattered(npages, page, src.size, dst.size, seed=i % 4)
             t0 = time.perf_counter()
-            lib.kvf_memcpy_pages(ffi.cast("char *", dst.ctypes.data),
-                                 ffi.cast("char *", src.ctypes.data),
-                                 ffi.cast("int64_t *", pages.ctypes.data), npages,
-                                 COPY_FLAG_STREAMING if streaming else 0)
+            lib.kvf_memcpy_pages(
+                ffi.cast("char *", dst.ctypes.data),
+                ffi.cast("char *", src.ctypes.data),
+                ffi.cast("int64_t *", pages.ctypes.data),
+                npages,
+                COPY_FLAG_STREAMING if streaming else 0,
+            )
             dt = time.perf_counter() - t0
             if i >= args.warmup:
                 times.append(dt)
         rates = sorted(npages * page / t / 1e9 for t in times)
-        emit(engine="memcpy", transport="local", op="memcpy", pages=npages, page_bytes=page,
-             copy="streaming" if streaming else "memcpy",
-             gbps=round(statistics.median(rates), 3))
+        emit(
+            engine="memcpy",
+            transport="local",
+            op="memcpy",
+            pages=npages,
+            page_bytes=page,
+            copy="streaming" if streaming else "memcpy",
+            gbps=round(statistics.median(rates), 3),
+        )
 
 
 def main(argv=None) -> int:
@@ -296,8 +379,11 @@ def main(argv=None) -> int:
     ap.add_argument("--transport", default="shm", help="target role: shm or tcp")
     ap.add_argument("--transports", default="shm,tcp", help="initiator: which to run")
     ap.add_argument("--dest", default="allocate", choices=["allocate", "register"])
-    ap.add_argument("--dests", default="allocate,register",
-                    help="initiator: destination kinds on shm (tcp uses allocate)")
+    ap.add_argument(
+        "--dests",
+        default="allocate,register",
+        help="initiator: destination kinds on shm (tcp uses allocate)",
+    )
     ap.add_argument("--size", type=int, default=256 * MiB)
     ap.add_argument("--src-mib", type=int, default=256)
     ap.add_argument("--dst-mib", type=int, default=256)
@@ -306,8 +392,12 @@ def main(argv=None) -> int:
     ap.add_argument("--latency-iters", type=int, default=400)
     ap.add_argument("--latency-warmup", type=int, default=50)
     ap.add_argument("--spin-us", type=int, default=100)
-    ap.add_argument("--busy-poll-us", type=int, default=TransferConfig.busy_poll_us,
-                    help="busy-poll window after the last activity (0: sleep at once)")
+    ap.add_argument(
+        "--busy-poll-us",
+        type=int,
+        default=TransferConfig.busy_poll_us,
+        help="busy-poll window after the last activity (0: sleep at once)",
+    )
     ap.add_argument("--cpu-iters", type=int, default=5000)
     ap.add_argument("--src-size", type=int, default=256 * MiB, help="target role")
     ap.add_argument("--lifetime", type=float, default=900.0)
@@ -315,8 +405,12 @@ def main(argv=None) -> int:
     if args.role == "target":
         return run_target(args)
     workloads = [(256, 256 << 10), (4096, 16 << 10)]
-    emit(engine="host", op="load", cpus=os.cpu_count(),
-         loadavg=[round(x, 2) for x in os.getloadavg()])  # context for noisy figures
+    emit(
+        engine="host",
+        op="load",
+        cpus=os.cpu_count(),
+        loadavg=[round(x, 2) for x in os.getloadavg()],
+    )  # context for noisy figures
     for npages, page in workloads:
         memcpy_ceiling(args, npages, page)
     for transport in args.transports.split(","):

@@ -37,9 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..router import ABORT_RELEASE_WINDOW, latency_summary
 from .faultsuite import post, start
 from .localcluster import LocalCluster
-from ..router import ABORT_RELEASE_WINDOW, latency_summary
 from .workload import make_prompt
 
 TAG = "~abort-bench~"
@@ -82,9 +82,11 @@ def run_case(cluster: LocalCluster, case: str, n: int, seed: int) -> tuple[dict,
         _wait_idle(cluster)
     st = cluster.status()
     recent = st["abort_release"]["recent"][samples_before:]
-    return (_summary([ms for _, ms in recent]),
-            _summary([ms for how, ms in recent if how != "freed"]),
-            _summary(st["abort_release"]["recent_from_router"][router_before:]))
+    return (
+        _summary([ms for _, ms in recent]),
+        _summary([ms for how, ms in recent if how != "freed"]),
+        _summary(st["abort_release"]["recent_from_router"][router_before:]),
+    )
 
 
 def _relay_child(role: str, transports: str | None, inbox: mp.Queue, outbox: mp.Queue) -> None:
@@ -92,10 +94,11 @@ def _relay_child(role: str, transports: str | None, inbox: mp.Queue, outbox: mp.
     writer's forward with the time it arrived. Both poll, as ranks with work in flight."""
     from kvferry.transfer import TransferConfig, TransferEngine
 
-    engine = TransferEngine(TransferConfig(transports=transports, name=f"relay-{role}",
-                                           max_message_bytes=4 << 20))
+    engine = TransferEngine(
+        TransferConfig(transports=transports, name=f"relay-{role}", max_message_bytes=4 << 20)
+    )
     outbox.put(engine.address)
-    to = engine.connect(inbox.get())   # writer: the owner; owner: the driver
+    to = engine.connect(inbox.get())  # writer: the owner; owner: the driver
     received: list[bytes] = []
     engine.set_message_handler(lambda sender, payload: received.append(payload))
     while True:
@@ -118,12 +121,21 @@ def run_relay(n: int, transports: str | None) -> dict:
 
     ctx = mp.get_context("spawn")
     queues = {role: (ctx.Queue(), ctx.Queue()) for role in ("writer", "owner")}
-    procs = [ctx.Process(target=_relay_child, args=(role, transports, *queues[role]), daemon=True)
-             for role in queues]
+    procs = [
+        ctx.Process(target=_relay_child, args=(role, transports, *queues[role]), daemon=True)
+        for role in queues
+    ]
     for proc in procs:
         proc.start()
-    engine = TransferEngine(TransferConfig(transports=transports, name="relay-driver",
-                                           max_message_bytes=4 << 20, spin_us=0, busy_poll_us=0))
+    engine = TransferEngine(
+        TransferConfig(
+            transports=transports,
+            name="relay-driver",
+            max_message_bytes=4 << 20,
+            spin_us=0,
+            busy_poll_us=0,
+        )
+    )
     replies: list[bytes] = []
     engine.set_message_handler(lambda sender, payload: replies.append(payload))
     try:
@@ -133,10 +145,10 @@ def run_relay(n: int, transports: str | None) -> dict:
         writer, owner = engine.connect(addresses["writer"]), engine.connect(addresses["owner"])
         times: list[float] = []
         for i in range(n + WARMUP):
-            time.sleep(0.02)            # as the cluster cases pace their requests
+            time.sleep(0.02)  # as the cluster cases pace their requests
             t0 = time.monotonic_ns()
             engine.send(writer, b"A" + i.to_bytes(4, "little"))
-            engine.send(owner, b"X")    # the owner's own ABORT
+            engine.send(owner, b"X")  # the owner's own ABORT
             deadline = time.monotonic() + 10
             while not replies:
                 if time.monotonic() > deadline:
@@ -165,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir")
     args = p.parse_args(argv)
     if not 0 < args.requests + WARMUP <= ABORT_RELEASE_WINDOW:
-        p.error(f"--requests {args.requests}: the router keeps the latest "
-                f"{ABORT_RELEASE_WINDOW} samples, {WARMUP} of them for the warm-up")
+        p.error(
+            f"--requests {args.requests}: the router keeps the latest "
+            f"{ABORT_RELEASE_WINDOW} samples, {WARMUP} of them for the warm-up"
+        )
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvferry-bench-abort-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     extra = ["--fault", f"at:before-write:pause:{TAG}:1.0"]
@@ -174,11 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         extra += ["--transports", args.transports]
     transport = args.transports or "ucx-default"
     relay = run_relay(args.requests, args.transports)
-    print(json.dumps({"bench": "abort_release", "case": "relay", "transport": transport, **relay}),
-          flush=True)
+    print(
+        json.dumps({"bench": "abort_release", "case": "relay", "transport": transport, **relay}),
+        flush=True,
+    )
     quarantined_from_router: dict = {}
     for case in ("quarantined", "random"):
-        cluster = start(3, extra, log_dir)   # a fresh cluster per case: samples are per case
+        cluster = start(3, extra, log_dir)  # a fresh cluster per case: samples are per case
         try:
             every, quarantined, from_router = run_case(cluster, case, args.requests, seed=7)
         finally:
@@ -186,17 +202,32 @@ def main(argv: list[str] | None = None) -> int:
         s = quarantined if case == "quarantined" else every
         if case == "quarantined":
             quarantined_from_router = from_router
-        print(json.dumps({"bench": "abort_release", "case": case,
-                          "transport": transport,
-                          **s,
-                          **{f"from_router_{k}": v for k, v in from_router.items()},
-                          "quarantined_share": round(quarantined.get("count", 0) / max(1, every.get("count", 0)), 3)}),
-              flush=True)
-    ratio = {f"quarantined_from_router_over_relay_{q}":
-             round(quarantined_from_router[f"{q}_ms"] / max(relay[f"{q}_ms"], 1e-3), 2)
-             for q in ("p50", "p99") if f"{q}_ms" in quarantined_from_router and f"{q}_ms" in relay}
-    print(json.dumps({"bench": "abort_release", "case": "ratio", "transport": transport, **ratio}),
-          flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "abort_release",
+                    "case": case,
+                    "transport": transport,
+                    **s,
+                    **{f"from_router_{k}": v for k, v in from_router.items()},
+                    "quarantined_share": round(
+                        quarantined.get("count", 0) / max(1, every.get("count", 0)), 3
+                    ),
+                }
+            ),
+            flush=True,
+        )
+    ratio = {
+        f"quarantined_from_router_over_relay_{q}": round(
+            quarantined_from_router[f"{q}_ms"] / max(relay[f"{q}_ms"], 1e-3), 2
+        )
+        for q in ("p50", "p99")
+        if f"{q}_ms" in quarantined_from_router and f"{q}_ms" in relay
+    }
+    print(
+        json.dumps({"bench": "abort_release", "case": "ratio", "transport": transport, **ratio}),
+        flush=True,
+    )
     return 0
 
 

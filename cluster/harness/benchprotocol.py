@@ -62,6 +62,7 @@ class NullModel(PrefillByLayers):
 
 def _pool_config(pages: int):
     from kvferry.engine.pool import PoolConfig
+
     return PoolConfig(LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE, pages, torch.bfloat16)
 
 
@@ -70,8 +71,9 @@ def _pin(cpu: int) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def _raw_writer(engine, owner, seg, rseg, pool, received: list, total: int, warm: int,
-                pages: int, inflight: int) -> tuple[float, list[float]]:
+def _raw_writer(
+    engine, owner, seg, rseg, pool, received: list, total: int, warm: int, pages: int, inflight: int
+) -> tuple[float, list[float]]:
     from kvferry.engine.allocator import PageAllocator
 
     pb = pool.page_bytes
@@ -121,12 +123,20 @@ def _raw_owner(engine, received: list, total: int) -> None:
         while received:
             sender, payload = received.pop(0)
             peer = peer or engine.connect(sender)
-            engine.send(peer, payload)     # the ack names the request
+            engine.send(peer, payload)  # the ack names the request
             done += 1
 
 
-def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, warm: int,
-           pool_pages: int, inflight: int) -> None:
+def _child(
+    role: str,
+    rank: int,
+    inbox: mp.Queue,
+    outbox: mp.Queue,
+    total: int,
+    warm: int,
+    pool_pages: int,
+    inflight: int,
+) -> None:
     from kvferry.engine.pool import KVPool
     from kvferry.transfer import TransferConfig, TransferEngine
 
@@ -137,17 +147,28 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
     from ..runtime import RankRuntime
 
     _pin(0 if role == "writer" else 1)
-    engine = TransferEngine(TransferConfig(transports="shm", name=f"bench-{role}",
-                                           max_message_bytes=4 << 20))
+    engine = TransferEngine(
+        TransferConfig(transports="shm", name=f"bench-{role}", max_message_bytes=4 << 20)
+    )
     pcfg = _pool_config(pool_pages)
     seg = engine.allocate(pcfg.total_bytes)
     pool = KVPool.from_buffer(pcfg, seg.as_torch())
-    pool.kv.view(torch.uint8).view(-1)[:] = rank   # pre-faulted, known bytes
-    outbox.put(RankCard(rank=rank, role=role, address=engine.address, incarnation=engine.incarnation,
-                        segment=seg.descriptor().pack(), num_pages=pool.num_pages,
-                        page_size=PAGE_SIZE, capacity_tokens=pool.capacity_tokens,
-                        context_length=pool.capacity_tokens, host=socket.gethostname(),
-                        pid=os.getpid()).pack())
+    pool.kv.view(torch.uint8).view(-1)[:] = rank  # pre-faulted, known bytes
+    outbox.put(
+        RankCard(
+            rank=rank,
+            role=role,
+            address=engine.address,
+            incarnation=engine.incarnation,
+            segment=seg.descriptor().pack(),
+            num_pages=pool.num_pages,
+            page_size=PAGE_SIZE,
+            capacity_tokens=pool.capacity_tokens,
+            context_length=pool.capacity_tokens,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        ).pack()
+    )
     cards = {r: RankCard.unpack(b) for r, b in inbox.get().items()}
     received: list = []
 
@@ -162,12 +183,18 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
     if role == "writer":
         worker = PrefillRank(rt, NullModel(), pool, seg, (0, KV_HEADS), router=0, integrity=False)
     else:
-        worker = DecodeRank(rt, NullModel(), pool, router=0, transfer_timeout_s=30,
-                            abort_deadline_s=5, integrity=False)
+        worker = DecodeRank(
+            rt,
+            NullModel(),
+            pool,
+            router=0,
+            transfer_timeout_s=30,
+            abort_deadline_s=5,
+            integrity=False,
+        )
     stop: list = []
-    rt.set_handlers({**worker.handlers, Kind.SHUTDOWN: lambda msg: stop.append(1)},
-                    role=role)
-    freeze_long_lived_objects()   # as a serving rank does (launch.py)
+    rt.set_handlers({**worker.handlers, Kind.SHUTDOWN: lambda msg: stop.append(1)}, role=role)
+    freeze_long_lived_objects()  # as a serving rank does (launch.py)
     while (cmd := inbox.get()) != "stop":
         case, pages = cmd
         cpu0 = time.process_time()
@@ -175,8 +202,11 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
             engine.set_message_handler(on_raw)
             outbox.put("ready")
             if role == "writer":
-                outbox.put(_raw_writer(engine, owner, seg, rseg, pool, received, total, warm,
-                                       pages, inflight))
+                outbox.put(
+                    _raw_writer(
+                        engine, owner, seg, rseg, pool, received, total, warm, pages, inflight
+                    )
+                )
             else:
                 _raw_owner(engine, received, total)
         else:
@@ -188,8 +218,9 @@ def _child(role: str, rank: int, inbox: mp.Queue, outbox: mp.Queue, total: int, 
     engine.shutdown()
 
 
-def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: int,
-                    inflight: int, phase_tag: str) -> tuple[float, list[float]]:
+def _drive_protocol(
+    rt, m, cards, tokens: bytes, total: int, warm: int, pages: int, inflight: int, phase_tag: str
+) -> tuple[float, list[float]]:
     """Keep ``inflight`` requests in the protocol: each one finished (DONE from the owner,
     RELEASED from both ranks) lets the next one in. Request ids carry ``phase_tag`` (ids
     never repeat across phases). Returns the time the requests after the warm-up took,
@@ -209,7 +240,7 @@ def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: i
             return
         marks = seen[msg.rid]
         marks.add((msg.kind, msg.src))
-        if len(marks) < 3:    # DONE from the owner, RELEASED from the writer and the owner
+        if len(marks) < 3:  # DONE from the owner, RELEASED from the writer and the owner
             return
         del seen[msg.rid]
         done += 1
@@ -224,10 +255,25 @@ def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: i
     def post(i: int) -> None:
         rid = f"bench-{phase_tag}-{i}"
         started[rid], seen[rid] = time.perf_counter(), set()
-        rt.send(WRITER, m.PREFILL, rid=rid, tokens=tokens, offset=0, total=len(tokens) // 4,
-                owner=OWNER, owner_inc=cards[OWNER].incarnation)
-        rt.send(OWNER, m.ASSIGN, rid=rid, prompt_len=pages * PAGE_SIZE, max_tokens=1,
-                writers=[WRITER], last_token=0)
+        rt.send(
+            WRITER,
+            m.PREFILL,
+            rid=rid,
+            tokens=tokens,
+            offset=0,
+            total=len(tokens) // 4,
+            owner=OWNER,
+            owner_inc=cards[OWNER].incarnation,
+        )
+        rt.send(
+            OWNER,
+            m.ASSIGN,
+            rid=rid,
+            prompt_len=pages * PAGE_SIZE,
+            max_tokens=1,
+            writers=[WRITER],
+            last_token=0,
+        )
 
     rt.set_handler(on_message)
     while posted < inflight:
@@ -243,42 +289,79 @@ def _drive_protocol(rt, m, cards, tokens: bytes, total: int, warm: int, pages: i
     return time.perf_counter() - t0, latencies
 
 
-def _report(results: dict[str, list[tuple[float, list[float]]]],
-            cpu: dict[str, dict[str, list[float]]], pages: int, args) -> None:
+def _report(
+    results: dict[str, list[tuple[float, list[float]]]],
+    cpu: dict[str, dict[str, list[float]]],
+    pages: int,
+    args,
+) -> None:
     request_bytes = pages * LAYERS * 2 * KV_HEADS * PAGE_SIZE * HEAD_DIM * 2
     rates: dict[str, list[float]] = {}
     for case, runs in results.items():
         rates[case] = [len(lat) * request_bytes / elapsed / 1e9 for elapsed, lat in runs]
-        print(json.dumps({"bench": "protocol_cost", "case": case, "cycles": args.cycles,
-                          "requests": args.requests, "inflight": args.inflight,
-                          "pages_per_request": pages, "bytes_per_request": request_bytes,
-                          "gbps": round(statistics.median(rates[case]), 3),
-                          "gbps_per_cycle": [round(x, 3) for x in rates[case]],
-                          "p50_ms": round(1e3 * statistics.median(
-                              [x for _, lat in runs for x in lat]), 3),
-                          "cpu_ms_per_request": {role: round(1e3 * statistics.median(v), 3)
-                                                 for role, v in cpu[case].items()}}),
-              flush=True)
-    ratios = [pr / rr for pr, rr in zip(rates["protocol"], rates["raw"])]
-    print(json.dumps({"bench": "protocol_cost", "case": "ratio", "pages_per_request": pages,
-                      "bytes_per_request": request_bytes,
-                      "protocol_over_raw": round(statistics.median(ratios), 4),
-                      "per_cycle": [round(x, 4) for x in ratios]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "protocol_cost",
+                    "case": case,
+                    "cycles": args.cycles,
+                    "requests": args.requests,
+                    "inflight": args.inflight,
+                    "pages_per_request": pages,
+                    "bytes_per_request": request_bytes,
+                    "gbps": round(statistics.median(rates[case]), 3),
+                    "gbps_per_cycle": [round(x, 3) for x in rates[case]],
+                    "p50_ms": round(
+                        1e3 * statistics.median([x for _, lat in runs for x in lat]), 3
+                    ),
+                    "cpu_ms_per_request": {
+                        role: round(1e3 * statistics.median(v), 3) for role, v in cpu[case].items()
+                    },
+                }
+            ),
+            flush=True,
+        )
+    ratios = [pr / rr for pr, rr in zip(rates["protocol"], rates["raw"], strict=True)]
+    print(
+        json.dumps(
+            {
+                "bench": "protocol_cost",
+                "case": "ratio",
+                "pages_per_request": pages,
+                "bytes_per_request": request_bytes,
+                "protocol_over_raw": round(statistics.median(ratios), 4),
+                "per_cycle": [round(x, 4) for x in ratios],
+            }
+        ),
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvferry bench-protocol", description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=60,
-                   help="requests measured per case and cycle (after a warm-up)")
-    p.add_argument("--pages", default="32,128,512",
-                   help="pages per request (512 KiB each), one comparison per value")
-    p.add_argument("--inflight", type=int, default=4,
-                   help="requests kept in flight (raw: write + notify pairs)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=60,
+        help="requests measured per case and cycle (after a warm-up)",
+    )
+    p.add_argument(
+        "--pages",
+        default="32,128,512",
+        help="pages per request (512 KiB each), one comparison per value",
+    )
+    p.add_argument(
+        "--inflight",
+        type=int,
+        default=4,
+        help="requests kept in flight (raw: write + notify pairs)",
+    )
     p.add_argument("--cycles", type=int, default=7, help="raw/protocol alternations")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.pages.split(",")]
-    pool_pages = (max(sizes) + 1) * args.inflight   # + the page decode writes into
+    pool_pages = (max(sizes) + 1) * args.inflight  # + the page decode writes into
     from kvferry.transfer import TransferConfig, TransferEngine
+
     from .. import messages as m
     from ..launch import freeze_long_lived_objects
     from ..rendezvous import RankCard
@@ -288,27 +371,49 @@ def main(argv: list[str] | None = None) -> int:
     total = args.requests + warm
     ctx = mp.get_context("spawn")
     queues = {r: (ctx.Queue(), ctx.Queue()) for r in (WRITER, OWNER)}
-    procs = [ctx.Process(target=_child, args=(role, r, queues[r][0], queues[r][1], total, warm,
-                                              pool_pages, args.inflight))
-             for role, r in (("writer", WRITER), ("owner", OWNER))]
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(role, r, queues[r][0], queues[r][1], total, warm, pool_pages, args.inflight),
+        )
+        for role, r in (("writer", WRITER), ("owner", OWNER))
+    ]
     for proc in procs:
         proc.start()
     _pin(1)
     # The driver sleeps on its event fd between messages, as the router does (it never
     # polls): on two cores, polling here would take CPU from the owner beside it.
-    engine = TransferEngine(TransferConfig(transports="shm", name="bench-driver",
-                                           max_message_bytes=4 << 20, spin_us=0,
-                                           busy_poll_us=0))
-    cards = {0: RankCard(rank=0, role="router", address=engine.address, incarnation=engine.incarnation,
-                         segment=None, num_pages=0, page_size=PAGE_SIZE, capacity_tokens=0,
-                         context_length=0, host=socket.gethostname(), pid=os.getpid())}
+    engine = TransferEngine(
+        TransferConfig(
+            transports="shm",
+            name="bench-driver",
+            max_message_bytes=4 << 20,
+            spin_us=0,
+            busy_poll_us=0,
+        )
+    )
+    cards = {
+        0: RankCard(
+            rank=0,
+            role="router",
+            address=engine.address,
+            incarnation=engine.incarnation,
+            segment=None,
+            num_pages=0,
+            page_size=PAGE_SIZE,
+            capacity_tokens=0,
+            context_length=0,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+    }
     for r in (WRITER, OWNER):
         cards[r] = RankCard.unpack(queues[r][1].get(timeout=120))
     packed = {r: c.pack() for r, c in cards.items()}
     for r in (WRITER, OWNER):
         queues[r][0].put(packed)
     rt = RankRuntime(0, engine, cards)
-    freeze_long_lived_objects()   # as the router does (launch.py)
+    freeze_long_lived_objects()  # as the router does (launch.py)
 
     def phase(cmd: tuple[str, int]) -> None:
         for r in (WRITER, OWNER):
@@ -320,10 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     for pages in sizes:
         tokens = np.zeros(pages * PAGE_SIZE, dtype="<i4").tobytes()
         results: dict[str, list[tuple[float, list[float]]]] = {"raw": [], "protocol": []}
-        cpu: dict[str, dict[str, list[float]]] = {case: {"writer": [], "owner": [], "driver": []}
-                                                  for case in results}
+        cpu: dict[str, dict[str, list[float]]] = {
+            case: {"writer": [], "owner": [], "driver": []} for case in results
+        }
 
-        def phase_cpu(case: str, driver_s: float) -> None:
+        def phase_cpu(case: str, driver_s: float, cpu: dict = cpu) -> None:
             for r, role in ((WRITER, "writer"), (OWNER, "owner")):
                 cpu[case][role].append(queues[r][1].get(timeout=120) / total)
             cpu[case]["driver"].append(driver_s / total)
@@ -334,12 +440,14 @@ def main(argv: list[str] | None = None) -> int:
             phase_cpu("raw", 0.0)
             phase(("protocol", pages))
             c0 = time.process_time()
-            results["protocol"].append(_drive_protocol(rt, m, cards, tokens, total, warm,
-                                                       pages, args.inflight,
-                                                       f"{pages}p-{cycle}"))
+            results["protocol"].append(
+                _drive_protocol(
+                    rt, m, cards, tokens, total, warm, pages, args.inflight, f"{pages}p-{cycle}"
+                )
+            )
             driver_s = time.process_time() - c0
             for r in (WRITER, OWNER):
-                rt.send(r, m.SHUTDOWN)     # ends the phase's serving loop
+                rt.send(r, m.SHUTDOWN)  # ends the phase's serving loop
             phase_cpu("protocol", driver_s)
         _report(results, cpu, pages, args)
     for r in (WRITER, OWNER):

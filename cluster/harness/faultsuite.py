@@ -43,28 +43,27 @@ import contextlib
 import http.client
 import json
 import re
-import socket
 import sys
 import tempfile
 import time
 import urllib.error
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from . import localcluster, netns
 from .localcluster import LocalCluster, LogTail, TwoNodeCluster
 from .workload import MARKER_RE, expected_replay, make_prompt
 
 CONTEXT = 2048
-STALL_STEP_S = 0.01   # the stall group decodes slowly: the victim still reads the prompt
-                      # pages when the resumed writer's in-flight write lands
+STALL_STEP_S = 0.01  # the stall group decodes slowly: the victim still reads the prompt
+# pages when the resumed writer's in-flight write lands
 PROMPT = 320
 TRANSFER_TIMEOUT = 1.0
 ABORT_DEADLINE = 2.0
 REQUEST_TIMEOUT = 20.0
-HOLD_S = 3.0          # how long an injected in-flight write stays in flight
+HOLD_S = 3.0  # how long an injected in-flight write stays in flight
 CLIENT_CANCEL_S = 0.4
 # The partition row. The link is down from A's pause until the owner severed A's writer
 # (transfer timeout + abort deadline) and was watched keeping A's pages quarantined; all of
@@ -72,12 +71,12 @@ CLIENT_CANCEL_S = 0.4
 # that the kernel closes every connection with data in flight and the partition turns
 # into a peer failure, which is not what this row tests.
 PARTITION_ABORT_DEADLINE = 1.0
-QUARANTINE_WATCH_S = 1.0   # how long the owner is watched, link down, after severing
-PARTITION_HOLD_S = 5.0     # A's second half stays in flight this long: past the partition,
-                           # landing (unsafe) while the victim, sent once the link is back,
-                           # decodes from A's released pages
-PARTITION_STEP_S = 0.02    # the partition group decodes slowly: the victim still reads its
-                           # prompt pages when A's half lands
+QUARANTINE_WATCH_S = 1.0  # how long the owner is watched, link down, after severing
+PARTITION_HOLD_S = 5.0  # A's second half stays in flight this long: past the partition,
+# landing (unsafe) while the victim, sent once the link is back,
+# decodes from A's released pages
+PARTITION_STEP_S = 0.02  # the partition group decodes slowly: the victim still reads its
+# prompt pages when A's half lands
 
 POINTS = ("before-write", "mid-transfer", "after-write", "after-notice")
 
@@ -86,11 +85,11 @@ POINTS = ("before-write", "mid-transfer", "after-write", "after-notice")
 class Scenario:
     source: str
     point: str
-    faults: tuple[str, ...]          # --fault hooks this scenario needs on the cluster
+    faults: tuple[str, ...]  # --fault hooks this scenario needs on the cluster
     cancel_after: float | None = None
     max_tokens: int = PROMPT
-    expect_a: str = "error"          # error | any (the client may win the race) | rejected
-    group: str = "main"              # which cluster runs it
+    expect_a: str = "error"  # error | any (the client may win the race) | rejected
+    group: str = "main"  # which cluster runs it
 
     @property
     def name(self) -> str:
@@ -114,25 +113,53 @@ def scenarios() -> list[Scenario]:
     for point in POINTS:
         t = tag("client", point)
         if point == "after-notice":
-            out.append(Scenario("client", point, (), CLIENT_CANCEL_S, max_tokens=1700, expect_a="any"))
+            out.append(
+                Scenario("client", point, (), CLIENT_CANCEL_S, max_tokens=1700, expect_a="any")
+            )
         else:
-            out.append(Scenario("client", point, (f"at:{point}:pause:{t}:{HOLD_S}",), CLIENT_CANCEL_S))
+            out.append(
+                Scenario("client", point, (f"at:{point}:pause:{t}:{HOLD_S}",), CLIENT_CANCEL_S)
+            )
     out.append(Scenario("admission", "before-write", (), expect_a="rejected"))
-    for source, action in (("prefill", "fail-prefill"), ("transfer", "fail-transfer"),
-                           ("decode", "pause")):
+    for source, action in (
+        ("prefill", "fail-prefill"),
+        ("transfer", "fail-transfer"),
+        ("decode", "pause"),
+    ):
         for point in POINTS[:3]:
             t = tag(source, point)
             out.append(Scenario(source, point, (f"at:{point}:{action}:{t}:{HOLD_S}",)))
-    out.append(Scenario("integrity", "after-notice", (f"corrupt-page:{tag('integrity', 'after-notice')}",)))
-    out.append(Scenario("stall", "mid-transfer",
-                        (f"at:mid-transfer:stop:{tag('stall', 'mid-transfer')}:{TRANSFER_TIMEOUT + ABORT_DEADLINE + 1}",),
-                        group="stall"))
-    out.append(Scenario("partition", "mid-transfer",
-                        (f"at:mid-transfer:pause:{tag('partition', 'mid-transfer')}:{PARTITION_HOLD_S}",),
-                        group="partition"))
+    out.append(
+        Scenario("integrity", "after-notice", (f"corrupt-page:{tag('integrity', 'after-notice')}",))
+    )
+    out.append(
+        Scenario(
+            "stall",
+            "mid-transfer",
+            (
+                f"at:mid-transfer:stop:{tag('stall', 'mid-transfer')}:"
+                f"{TRANSFER_TIMEOUT + ABORT_DEADLINE + 1}",
+            ),
+            group="stall",
+        )
+    )
+    out.append(
+        Scenario(
+            "partition",
+            "mid-transfer",
+            (f"at:mid-transfer:pause:{tag('partition', 'mid-transfer')}:{PARTITION_HOLD_S}",),
+            group="partition",
+        )
+    )
     # Last: under torchrun a dead rank stops the whole group (fail-stop), so nothing after it.
-    out.append(Scenario("crash", "mid-transfer", (f"at:mid-transfer:kill:{tag('crash', 'mid-transfer')}",),
-                        group="crash"))
+    out.append(
+        Scenario(
+            "crash",
+            "mid-transfer",
+            (f"at:mid-transfer:kill:{tag('crash', 'mid-transfer')}",),
+            group="crash",
+        )
+    )
     return out
 
 
@@ -145,7 +172,7 @@ class Group:
     nproc: int
     args: tuple[str, ...]
     unsafe_flag: str = "--unsafe-free-on-abort"
-    nodes: int = 1     # 2: the last rank on a second node, behind a link that can go down
+    nodes: int = 1  # 2: the last rank on a second node, behind a link that can go down
 
     @property
     def skip_reason(self) -> str | None:
@@ -156,13 +183,28 @@ class Group:
 GROUPS = (
     Group("main", 3, ()),
     # the stall and the partition: released once severed, without proof, in unsafe mode
-    Group("stall", 4, ("--prefill", "2", "--fault", f"decode-delay:{STALL_STEP_S}"),
-          "--unsafe-release-on-sever"),
+    Group(
+        "stall",
+        4,
+        ("--prefill", "2", "--fault", f"decode-delay:{STALL_STEP_S}"),
+        "--unsafe-release-on-sever",
+    ),
     # node 0: router and two prefill ranks (one writes A, the other B: the owner severed
     # A's writer); node 1: the decode rank
-    Group("partition", 4, ("--prefill", "2", "--fault", f"decode-delay:{PARTITION_STEP_S}",
-                           "--abort-deadline", str(PARTITION_ABORT_DEADLINE)),
-          "--unsafe-release-on-sever", nodes=2),
+    Group(
+        "partition",
+        4,
+        (
+            "--prefill",
+            "2",
+            "--fault",
+            f"decode-delay:{PARTITION_STEP_S}",
+            "--abort-deadline",
+            str(PARTITION_ABORT_DEADLINE),
+        ),
+        "--unsafe-release-on-sever",
+        nodes=2,
+    ),
     # Last: under torchrun a dead rank stops the whole group (fail-stop).
     Group("crash", 4, ("--prefill", "2", "--transports", "tcp")),
 )
@@ -171,9 +213,19 @@ GROUPS = (
 def suite_args(args: list[str]) -> list[str]:
     """The suite's context, pool and deadlines; ``args`` come after them, so a group may
     override one."""
-    return ["--context-length", str(CONTEXT), "--pool-tokens", "16384",
-            "--transfer-timeout", str(TRANSFER_TIMEOUT), "--abort-deadline", str(ABORT_DEADLINE),
-            "--request-timeout", str(REQUEST_TIMEOUT), *args]
+    return [
+        "--context-length",
+        str(CONTEXT),
+        "--pool-tokens",
+        "16384",
+        "--transfer-timeout",
+        str(TRANSFER_TIMEOUT),
+        "--abort-deadline",
+        str(ABORT_DEADLINE),
+        "--request-timeout",
+        str(REQUEST_TIMEOUT),
+        *args,
+    ]
 
 
 def start(nproc: int, args: list[str], log_dir: Path) -> LocalCluster:
@@ -222,12 +274,14 @@ def _marker(i: int, salt: int) -> str:
     return "@" + f"{(salt * 7919 + i * 104729) & 0xFFFFF:05x}" + "@"
 
 
-def post(cluster: LocalCluster, prompt: str, max_tokens: int, cancel_after: float | None) -> tuple[int | None, dict, float]:
+def post(
+    cluster: LocalCluster, prompt: str, max_tokens: int, cancel_after: float | None
+) -> tuple[int | None, dict, float]:
     t0 = time.monotonic()
     timeout = cancel_after if cancel_after is not None else REQUEST_TIMEOUT + 10
     try:
         status, body = cluster.complete(prompt, max_tokens, timeout=timeout)
-    except (TimeoutError, socket.timeout, urllib.error.URLError) as exc:
+    except (TimeoutError, urllib.error.URLError) as exc:
         if cancel_after is None:
             return None, {"error": f"client: {exc}"}, time.monotonic() - t0
         return 499, {"error": "client cancelled"}, time.monotonic() - t0
@@ -244,11 +298,15 @@ class Pair:
     prompt_b: str
 
     @classmethod
-    def of(cls, sc: Scenario, index: int) -> "Pair":
+    def of(cls, sc: Scenario, index: int) -> Pair:
         mark_a, mark_b = _marker(2 * index, index + 1), _marker(2 * index + 1, index + 1)
         length = CONTEXT + 5 if sc.source == "admission" else PROMPT
-        return cls(mark_a, mark_b, sc.tag + make_prompt(mark_a, length - len(sc.tag)),
-                   make_prompt(mark_b, PROMPT))
+        return cls(
+            mark_a,
+            mark_b,
+            sc.tag + make_prompt(mark_a, length - len(sc.tag)),
+            make_prompt(mark_b, PROMPT),
+        )
 
 
 def run_scenario(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) -> Outcome:
@@ -258,13 +316,17 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) 
     prompt_a, prompt_b = pair.prompt_a, pair.prompt_b
     before = cluster.metrics()
     try:
-        out.a_status, body_a, took_a = post(cluster, prompt_a,
-                                             sc.max_tokens if sc.source != "admission" else 8,
-                                             sc.cancel_after)
+        out.a_status, body_a, took_a = post(
+            cluster, prompt_a, sc.max_tokens if sc.source != "admission" else 8, sc.cancel_after
+        )
     except (ConnectionError, urllib.error.URLError, http.client.HTTPException) as exc:
         if sc.source != "crash":
             raise
-        out.a_status, body_a, took_a = None, {"error": f"connection lost: {exc}"}, time.monotonic() - t0
+        out.a_status, body_a, took_a = (
+            None,
+            {"error": f"connection lost: {exc}"},
+            time.monotonic() - t0,
+        )
     _check_a(sc, out, prompt_a, body_a, took_a)
     if sc.source == "crash":
         return _after_crash(cluster, out, t0)
@@ -294,17 +356,27 @@ def _check_a(sc: Scenario, out: Outcome, prompt_a: str, body_a: dict, took_a: fl
         out.problems.append("A: answered 200 with a wrong replay")
 
 
-def _check_b_and_after(cluster: LocalCluster, sc: Scenario, out: Outcome, pair: Pair,
-                       body_a: dict, body_b: dict, before: dict, every_rank: bool = False) -> None:
+def _check_b_and_after(
+    cluster: LocalCluster,
+    sc: Scenario,
+    out: Outcome,
+    pair: Pair,
+    body_a: dict,
+    body_b: dict,
+    before: dict,
+    every_rank: bool = False,
+) -> None:
     """B's answer, both answers' markers, the pools after quiesce (``every_rank``: also on
     ranks the router no longer routes to, see :meth:`LocalCluster.held`), the counters."""
     if out.b_status != 200:
         out.problems.append(f"B: expected 200, got {out.b_status}: {str(body_b)[:200]}")
     elif body_b.get("text") != expected_replay(pair.prompt_b, PROMPT):
         out.problems.append("B: answered 200 with a wrong replay")
-    texts = [str(body_a.get("text", "")) + str(body_a.get("message", "")),
-             str(body_b.get("text", "")) + str(body_b.get("message", ""))]
-    for text, mine in zip(texts, (pair.mark_a, pair.mark_b)):
+    texts = [
+        str(body_a.get("text", "")) + str(body_a.get("message", "")),
+        str(body_b.get("text", "")) + str(body_b.get("message", "")),
+    ]
+    for text, mine in zip(texts, (pair.mark_a, pair.mark_b), strict=True):
         out.foreign += [m for m in set(MARKER_RE.findall(text)) if m != mine]
     if out.foreign:
         out.problems.append(f"foreign markers {sorted(set(out.foreign))}")
@@ -331,7 +403,9 @@ def run_partition(cluster: TwoNodeCluster, sc: Scenario, unsafe: bool, index: in
     node0, node1 = LogTail.at_end(cluster.log), LogTail.at_end(cluster.node1_log)
     with ThreadPoolExecutor(1) as pool:
         answer_a = pool.submit(post, cluster, pair.prompt_a, sc.max_tokens, None)
-        rid = _logged(out, lambda: node0.wait_for(r"fault: request (\S+): pause at mid-transfer", 30)[1])
+        rid = _logged(
+            out, lambda: node0.wait_for(r"fault: request (\S+): pause at mid-transfer", 30)[1]
+        )
         if rid is not None:
             try:
                 cluster.partition()
@@ -344,8 +418,12 @@ def run_partition(cluster: TwoNodeCluster, sc: Scenario, unsafe: bool, index: in
     _check_a(sc, out, pair.prompt_a, body_a, took_a)
     if rid is not None and not unsafe:
         # released only now, on the writer's late ack after its half landed: the proof
-        _logged(out, lambda: node1.wait_for(rf"request {re.escape(rid)}: \d+ pages released \(severed\)",
-                                            PARTITION_HOLD_S + 10))
+        _logged(
+            out,
+            lambda: node1.wait_for(
+                rf"request {re.escape(rid)}: \d+ pages released \(severed\)", PARTITION_HOLD_S + 10
+            ),
+        )
     _check_b_and_after(cluster, sc, out, pair, body_a, body_b, before, every_rank=True)
     out.seconds = time.monotonic() - t0
     return out
@@ -354,9 +432,16 @@ def run_partition(cluster: TwoNodeCluster, sc: Scenario, unsafe: bool, index: in
 def _while_partitioned(node1: LogTail, rid: str, unsafe: bool, out: Outcome) -> None:
     """With the link down: wait for the owner to sever A's writer; unsafe, for it to release
     A's pages anyway; safe, watch that it keeps them quarantined."""
-    if _logged(out, lambda: node1.wait_for(
-            rf"severed rank \d+ .*request {re.escape(rid)}",
-            TRANSFER_TIMEOUT + PARTITION_ABORT_DEADLINE + 10)) is None:
+    if (
+        _logged(
+            out,
+            lambda: node1.wait_for(
+                rf"severed rank \d+ .*request {re.escape(rid)}",
+                TRANSFER_TIMEOUT + PARTITION_ABORT_DEADLINE + 10,
+            ),
+        )
+        is None
+    ):
         return
     released = rf"request {re.escape(rid)}: \d+ pages released \((\w+)\)"
     if unsafe:
@@ -385,8 +470,10 @@ def _wait_ranks_heard(cluster: LocalCluster, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while any(why.startswith("no heartbeat") for why in cluster.status()["unhealthy"].values()):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"ranks still silent {timeout_s:.0f} s after the link came back: "
-                               f"{cluster.status()['unhealthy']}")
+            raise TimeoutError(
+                f"ranks still silent {timeout_s:.0f} s after the link came back: "
+                f"{cluster.status()['unhealthy']}"
+            )
         time.sleep(0.1)
 
 
@@ -417,12 +504,16 @@ def _check_counters(sc: Scenario, before: dict, after: dict, out: Outcome) -> li
         if _delta(before, after, 'kvferry_requests_total{outcome="rejected"}') != 1:
             problems.append("rejected counter did not move by 1")
     elif out.a_status != 200:
-        failed = sum(_delta(before, after, f'kvferry_requests_total{{outcome="{o}"}}')
-                     for o in ("aborted", "failed", "unavailable"))
+        failed = sum(
+            _delta(before, after, f'kvferry_requests_total{{outcome="{o}"}}')
+            for o in ("aborted", "failed", "unavailable")
+        )
         if failed < 1:
             problems.append("no failure or abort counted for A")
     if sc.source == "integrity" and not out.unsafe:
-        moved = sum(_delta(before, after, k) for k in after if k.startswith("kvferry_integrity_failures"))
+        moved = sum(
+            _delta(before, after, k) for k in after if k.startswith("kvferry_integrity_failures")
+        )
         if moved < 1:
             problems.append("integrity failure not counted")
     return problems
@@ -448,10 +539,11 @@ def run_suite(unsafe_too: bool, log_dir: Path, only: str | None = None) -> dict:
     all_sc = [s for s in scenarios() if only is None or only in s.name]
     results: list[Outcome] = []
     skips: dict[str, str] = {}
-    for unsafe in ([False, True] if unsafe_too else [False]):
+    for unsafe in [False, True] if unsafe_too else [False]:
         for group in GROUPS:
-            group_sc = [s for s in all_sc if s.group == group.name
-                        and (not unsafe or unsafe_scenario(s))]
+            group_sc = [
+                s for s in all_sc if s.group == group.name and (not unsafe or unsafe_scenario(s))
+            ]
             if not group_sc:
                 continue
             if group.skip_reason is not None:
@@ -462,13 +554,18 @@ def run_suite(unsafe_too: bool, log_dir: Path, only: str | None = None) -> dict:
             results += _run_group(group, group_sc, unsafe, log_dir)
     safe = [r for r in results if not r.unsafe]
     unsafe_runs = [r for r in results if r.unsafe]
-    summary = {"scenarios": len(safe), "passed": sum(r.passed for r in safe),
-               "unsafe_scenarios": len(unsafe_runs),
-               "unsafe_leaks_found": sum(r.leak for r in unsafe_runs)}
+    summary = {
+        "scenarios": len(safe),
+        "passed": sum(r.passed for r in safe),
+        "unsafe_scenarios": len(unsafe_runs),
+        "unsafe_leaks_found": sum(r.leak for r in unsafe_runs),
+    }
     return {"summary": summary, "results": results, "skipped": skips}
 
 
-def _run_group(group: Group, group_sc: list[Scenario], unsafe: bool, log_dir: Path) -> list[Outcome]:
+def _run_group(
+    group: Group, group_sc: list[Scenario], unsafe: bool, log_dir: Path
+) -> list[Outcome]:
     args = [*group.args, *(a for s in group_sc for f in s.faults for a in ("--fault", f))]
     if unsafe:
         args.append(group.unsafe_flag)
@@ -489,9 +586,12 @@ def _print_skip(sc: Scenario, unsafe: bool, reason: str) -> None:
 def _print_row(r: Outcome) -> None:
     mode = "UNSAFE" if r.unsafe else "safe"
     verdict = ("LEAK" if r.leak else "no leak") if r.unsafe else ("pass" if r.passed else "FAIL")
-    print(f"{r.scenario:<26} {mode:<6} A={str(r.a_status):<4} B={str(r.b_status):<4} "
-          f"foreign={len(r.foreign):<2} held={r.held_after:<4} {r.seconds:5.1f}s  {verdict}"
-          + ("" if r.passed or r.unsafe else f"  {'; '.join(r.problems)[:200]}"), flush=True)
+    print(
+        f"{r.scenario:<26} {mode:<6} A={r.a_status!s:<4} B={r.b_status!s:<4} "
+        f"foreign={len(r.foreign):<2} held={r.held_after:<4} {r.seconds:5.1f}s  {verdict}"
+        + ("" if r.passed or r.unsafe else f"  {'; '.join(r.problems)[:200]}"),
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,9 +17,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
 
 from . import netns
 
@@ -49,7 +50,7 @@ class LogTail:
     offset: int = 0
 
     @classmethod
-    def at_end(cls, path: Path) -> "LogTail":
+    def at_end(cls, path: Path) -> LogTail:
         return cls(path, path.stat().st_size)
 
     def text(self) -> str:
@@ -63,8 +64,9 @@ class LogTail:
         deadline = time.monotonic() + timeout_s
         while (found := re.search(pattern, text := self.text())) is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no /{pattern}/ in {self.path.name} within {timeout_s:.0f} s:"
-                                   f"\n{text[-3000:]}")
+                raise TimeoutError(
+                    f"no /{pattern}/ in {self.path.name} within {timeout_s:.0f} s:\n{text[-3000:]}"
+                )
             time.sleep(0.1)
         return found
 
@@ -80,11 +82,14 @@ class LocalCluster:
     url: str
     log: Path
 
-    def call(self, method: str, path: str, body: dict | None = None, timeout: float = 60.0) -> Reply:
+    def call(
+        self, method: str, path: str, body: dict | None = None, timeout: float = 60.0
+    ) -> Reply:
         """One HTTP call; HTTP errors come back as replies, network errors raise."""
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 status, raw = resp.status, resp.read()
@@ -96,8 +101,9 @@ class LocalCluster:
             return Reply(status, {"raw": raw.decode(errors="replace")})
 
     def complete(self, prompt: str, max_tokens: int, timeout: float = 60.0) -> Reply:
-        return self.call("POST", "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens},
-                         timeout=timeout)
+        return self.call(
+            "POST", "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens}, timeout=timeout
+        )
 
     def metrics_text(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
@@ -121,8 +127,11 @@ class LocalCluster:
         stopped routing to (severed, silent for a while) still has to free its pages."""
         st = self.status()
         dead = set() if every_rank else {str(r) for r in st.get("unhealthy", {})}
-        used = sum(r.get("owned", 0) + r.get("quarantined", 0)
-                   for rank, r in st["ranks"].items() if rank not in dead)
+        used = sum(
+            r.get("owned", 0) + r.get("quarantined", 0)
+            for rank, r in st["ranks"].items()
+            if rank not in dead
+        )
         held = sum(n for rank, n in st["held_pages"].items() if rank not in dead)
         return max(used, held)
 
@@ -176,8 +185,9 @@ class TwoNodeCluster(LocalCluster):
 PORT_ATTEMPTS = 3
 
 
-def start(nproc: int, args: list[str], log_dir: Path,
-          startup_s: float = STARTUP_TIMEOUT_S) -> LocalCluster:
+def start(
+    nproc: int, args: list[str], log_dir: Path, startup_s: float = STARTUP_TIMEOUT_S
+) -> LocalCluster:
     """Start ``nproc`` ranks with ``args`` and wait for /health; the log goes to ``log_dir``.
     The HTTP port is picked free but bound only later, by the router: if another process
     took it meanwhile, the cluster is started again on another port."""
@@ -199,22 +209,38 @@ def _with_port_retries(start_once: Callable[[], LocalCluster]) -> LocalCluster:
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
 
 
 def _start_once(nproc: int, args: list[str], log_dir: Path, startup_s: float) -> LocalCluster:
     port = free_port()
     log = Path(log_dir) / f"cluster-{port}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "kvferry.cluster.launch", "--port", str(port), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "kvferry.cluster.launch",
+        "--port",
+        str(port),
+        *args,
+    ]
     cluster = LocalCluster(_spawn(cmd, log), f"http://127.0.0.1:{port}", log)
     _wait_healthy(cluster, [(cluster.proc, log)], port, startup_s)
     return cluster
 
 
-def _wait_healthy(cluster: LocalCluster, nodes: list[tuple[subprocess.Popen, Path]], port: int,
-                  startup_s: float, taken: tuple[str, ...] = ()) -> None:
+def _wait_healthy(
+    cluster: LocalCluster,
+    nodes: list[tuple[subprocess.Popen, Path]],
+    port: int,
+    startup_s: float,
+    taken: tuple[str, ...] = (),
+) -> None:
     """Wait for the router's /health; stop the cluster and raise if a node exits first
     (PortTaken if node 0's log says one of its ports was taken) or the deadline passes."""
     deadline = time.monotonic() + startup_s
@@ -223,8 +249,10 @@ def _wait_healthy(cluster: LocalCluster, nodes: list[tuple[subprocess.Popen, Pat
             if proc.poll() is not None:
                 report = startup_report(log)
                 cluster.stop()
-                if any(s in startup_report(nodes[0][1])
-                       for s in (f"cannot listen on 127.0.0.1:{port}", *taken)):
+                if any(
+                    s in startup_report(nodes[0][1])
+                    for s in (f"cannot listen on 127.0.0.1:{port}", *taken)
+                ):
                     raise PortTaken(report)
                 raise RuntimeError(f"cluster exited during start-up ({log.name}):\n{report}")
         try:
@@ -240,13 +268,14 @@ def _wait_healthy(cluster: LocalCluster, nodes: list[tuple[subprocess.Popen, Pat
 
 
 # ------------------------------------------------------------------ two nodes
-TWO_NODE_NET = "10.79"   # node 0's end of the link is in the root namespace: a /24 under
-                         # this that no route of this machine uses yet is picked per cluster
+TWO_NODE_NET = "10.79"  # node 0's end of the link is in the root namespace: a /24 under
+# this that no route of this machine uses yet is picked per cluster
 
 
 @contextlib.contextmanager
-def two_nodes(nproc0: int, nproc1: int, args: list[str], log_dir: Path,
-              startup_s: float = STARTUP_TIMEOUT_S) -> Iterator[TwoNodeCluster]:
+def two_nodes(
+    nproc0: int, nproc1: int, args: list[str], log_dir: Path, startup_s: float = STARTUP_TIMEOUT_S
+) -> Iterator[TwoNodeCluster]:
     """A two-node cluster, as ``scripts/serve-node.sh`` starts one on two hosts: torchrun's
     static rendezvous through node 0, ``nproc0`` ranks on node 0 (the router first) and
     ``nproc1`` on node 1, tcp only, each node's UCX and gloo on its end of the veth pair.
@@ -254,26 +283,65 @@ def two_nodes(nproc0: int, nproc1: int, args: list[str], log_dir: Path,
     the namespace and the link removed on leaving, also on failure."""
     with netns.two_hosts("kf", netns.unused_subnet(TWO_NODE_NET), root_a=True) as (a, b):
         cluster = _with_port_retries(
-            lambda: _start_two_nodes(a, b, nproc0, nproc1, args, log_dir, startup_s))
+            lambda: _start_two_nodes(a, b, nproc0, nproc1, args, log_dir, startup_s)
+        )
         try:
             yield cluster
         finally:
             cluster.stop()
 
 
-def _start_two_nodes(a: netns.Host, b: netns.Host, nproc0: int, nproc1: int, args: list[str],
-                     log_dir: Path, startup_s: float) -> TwoNodeCluster:
+def _start_two_nodes(
+    a: netns.Host,
+    b: netns.Host,
+    nproc0: int,
+    nproc1: int,
+    args: list[str],
+    log_dir: Path,
+    startup_s: float,
+) -> TwoNodeCluster:
     port, master_port = free_port(), free_port()
     logs = [Path(log_dir) / f"cluster-{port}-node{i}.log" for i in (0, 1)]
-    procs = [_spawn(host.command(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={i}",
-         f"--nproc-per-node={nproc}", "--rdzv-backend=static", f"--master-addr={a.addr}",
-         f"--master-port={master_port}", "-m", "kvferry.cluster.launch",
-         "--transports", "tcp", "--port", str(port), *args],
-        env={"UCX_NET_DEVICES": host.dev, "GLOO_SOCKET_IFNAME": host.dev}), log)
-        for i, (host, nproc, log) in enumerate(zip((a, b), (nproc0, nproc1), logs))]
-    cluster = TwoNodeCluster(procs[0], f"http://127.0.0.1:{port}", logs[0],
-                             node1=procs[1], node1_log=logs[1], node1_host=b)
-    _wait_healthy(cluster, list(zip(procs, logs)), port, startup_s,
-                  taken=("Address already in use",))
+    procs = [
+        _spawn(
+            host.command(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes=2",
+                    f"--node-rank={i}",
+                    f"--nproc-per-node={nproc}",
+                    "--rdzv-backend=static",
+                    f"--master-addr={a.addr}",
+                    f"--master-port={master_port}",
+                    "-m",
+                    "kvferry.cluster.launch",
+                    "--transports",
+                    "tcp",
+                    "--port",
+                    str(port),
+                    *args,
+                ],
+                env={"UCX_NET_DEVICES": host.dev, "GLOO_SOCKET_IFNAME": host.dev},
+            ),
+            log,
+        )
+        for i, (host, nproc, log) in enumerate(zip((a, b), (nproc0, nproc1), logs, strict=True))
+    ]
+    cluster = TwoNodeCluster(
+        procs[0],
+        f"http://127.0.0.1:{port}",
+        logs[0],
+        node1=procs[1],
+        node1_log=logs[1],
+        node1_host=b,
+    )
+    _wait_healthy(
+        cluster,
+        list(zip(procs, logs, strict=True)),
+        port,
+        startup_s,
+        taken=("Address already in use",),
+    )
     return cluster

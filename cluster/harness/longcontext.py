@@ -31,8 +31,18 @@ from .localcluster import start
 from .workload import expected_replay, make_prompt
 
 MAX_TOKENS = 16
-SHAPE = ["--layers", "1", "--kv-heads", "1", "--q-heads", "1", "--head-dim", "24",
-         "--dtype", "fp16"]
+SHAPE = [
+    "--layers",
+    "1",
+    "--kv-heads",
+    "1",
+    "--q-heads",
+    "1",
+    "--head-dim",
+    "24",
+    "--dtype",
+    "fp16",
+]
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,7 @@ class Case:
     name: str
     context_length: int
     page_size: int
-    prompts: tuple[int, ...]          # prompt lengths that must be served
+    prompts: tuple[int, ...]  # prompt lengths that must be served
 
     @property
     def over_pool(self) -> int:
@@ -57,9 +67,17 @@ CASES = (
 
 def check_case(case: Case, log_dir: Path) -> list[dict]:
     """Serve every prompt of ``case`` on a fresh cluster; one result per prompt."""
-    args = [*SHAPE, "--context-length", str(case.context_length),
-            "--pool-tokens", str(case.context_length), "--page-size", str(case.page_size),
-            "--request-timeout", "600"]
+    args = [
+        *SHAPE,
+        "--context-length",
+        str(case.context_length),
+        "--pool-tokens",
+        str(case.context_length),
+        "--page-size",
+        str(case.page_size),
+        "--request-timeout",
+        "600",
+    ]
     (log_dir / case.name).mkdir(parents=True, exist_ok=True)
     cluster = start(3, args, log_dir / case.name, startup_s=180.0)
     results = []
@@ -73,24 +91,42 @@ def check_case(case: Case, log_dir: Path) -> list[dict]:
             wall_ms = 1e3 * (time.monotonic() - t0)
             must_serve = length in case.prompts
             text = reply.body.get("text")
-            ok = (reply.status == 200 and text == expected_replay(prompt, MAX_TOKENS)
-                  if must_serve else reply.status == 400
-                  and reply.body.get("requested_tokens") == length + MAX_TOKENS)
+            ok = (
+                reply.status == 200 and text == expected_replay(prompt, MAX_TOKENS)
+                if must_serve
+                else reply.status == 400
+                and reply.body.get("requested_tokens") == length + MAX_TOKENS
+            )
             timing = reply.body.get("timing", {})
-            results.append({
-                "bench": "long_context", "case": case.name,
-                "context_length": case.context_length, "page_size": case.page_size,
-                "prompt_tokens": length, "status": reply.status,
-                "expected": "served" if must_serve else "refused", "ok": ok,
-                "prefill_ms": _round(timing.get("prefill_ms")),
-                "transfer_ms": _round(timing.get("transfer_ms")),
-                "ttft_ms": _round(timing.get("ttft_ms")), "total_ms": round(wall_ms, 1),
-                "message": None if ok else str(reply.body)[:300]})
+            results.append(
+                {
+                    "bench": "long_context",
+                    "case": case.name,
+                    "context_length": case.context_length,
+                    "page_size": case.page_size,
+                    "prompt_tokens": length,
+                    "status": reply.status,
+                    "expected": "served" if must_serve else "refused",
+                    "ok": ok,
+                    "prefill_ms": _round(timing.get("prefill_ms")),
+                    "transfer_ms": _round(timing.get("transfer_ms")),
+                    "ttft_ms": _round(timing.get("ttft_ms")),
+                    "total_ms": round(wall_ms, 1),
+                    "message": None if ok else str(reply.body)[:300],
+                }
+            )
             print(json.dumps(results[-1]), flush=True)
         held = cluster.quiesce(timeout_s=60, every_rank=True)
         health = cluster.call("GET", "/health", timeout=10).status
-        results.append({"bench": "long_context", "case": case.name, "held_pages_after": held,
-                        "health": health, "ok": held == 0 and health == 200})
+        results.append(
+            {
+                "bench": "long_context",
+                "case": case.name,
+                "held_pages_after": held,
+                "health": health,
+                "ok": held == 0 and health == 200,
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
     finally:
         cluster.stop()
@@ -103,12 +139,22 @@ def _round(value: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="long-context", description="Serve the incident's prompt lengths through local "
-                                         "clusters; JSON lines, exit 1 if any check fails.")
-    parser.add_argument("--only", choices=[c.name for c in CASES], action="append",
-                        help="run only this case (repeatable; default all)")
-    parser.add_argument("--log-dir", type=Path, default=None,
-                        help="where the clusters' logs go (default a temporary folder)")
+        prog="long-context",
+        description="Serve the incident's prompt lengths through local "
+        "clusters; JSON lines, exit 1 if any check fails.",
+    )
+    parser.add_argument(
+        "--only",
+        choices=[c.name for c in CASES],
+        action="append",
+        help="run only this case (repeatable; default all)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="where the clusters' logs go (default a temporary folder)",
+    )
     args = parser.parse_args(argv)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvferry-long-"))
     results = []
@@ -116,8 +162,17 @@ def main(argv: list[str] | None = None) -> int:
         if not args.only or case.name in args.only:
             results += check_case(case, log_dir)
     failed = [r for r in results if not r["ok"]]
-    print(json.dumps({"bench": "long_context", "summary": True, "checks": len(results),
-                      "failed": len(failed), "logs": str(log_dir)}))
+    print(
+        json.dumps(
+            {
+                "bench": "long_context",
+                "summary": True,
+                "checks": len(results),
+                "failed": len(failed),
+                "logs": str(log_dir),
+            }
+        )
+    )
     return 1 if failed else 0
 
 

@@ -13,8 +13,8 @@ import random
 import shutil
 import subprocess
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 
 class NetnsUnavailable(RuntimeError):

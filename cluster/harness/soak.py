@@ -18,8 +18,15 @@ from . import workload
 from .faultsuite import start
 
 TAG = "~soak-hold~"
-FAULTS = ["drop:ABORT_ACK:0.3", "drop:ABORT:0.2", "dup:NOTICE", "dup:ABORT",
-          "delay:ABORT_ACK:0.02", "reorder:ABORT_ACK", f"at:mid-transfer:pause:{TAG}:0.5"]
+FAULTS = [
+    "drop:ABORT_ACK:0.3",
+    "drop:ABORT:0.2",
+    "dup:NOTICE",
+    "dup:ABORT",
+    "delay:ABORT_ACK:0.02",
+    "reorder:ABORT_ACK",
+    f"at:mid-transfer:pause:{TAG}:0.5",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,18 +41,49 @@ def main(argv: list[str] | None = None) -> int:
     cluster_args = [a for f in FAULTS for a in ("--fault", f)]
     cluster = start(args.nproc, cluster_args, log_dir)
     try:
-        wargs = workload.build_parser().parse_args([
-            "--url", cluster.url, "--requests", str(args.requests), "--users", "40",
-            "--concurrency", str(args.concurrency), "--context-length", "2048",
-            "--min-prompt", "24", "--max-prompt", "160", "--oversize-every", "25",
-            "--cancel-every", "5", "--cancel-after", "0.05", "--timeout", "60",
-            "--tag", TAG, "--tag-every", "7", "--quiesce-timeout", "30"])
+        wargs = workload.build_parser().parse_args(
+            [
+                "--url",
+                cluster.url,
+                "--requests",
+                str(args.requests),
+                "--users",
+                "40",
+                "--concurrency",
+                str(args.concurrency),
+                "--context-length",
+                "2048",
+                "--min-prompt",
+                "24",
+                "--max-prompt",
+                "160",
+                "--oversize-every",
+                "25",
+                "--cancel-every",
+                "5",
+                "--cancel-after",
+                "0.05",
+                "--timeout",
+                "60",
+                "--tag",
+                TAG,
+                "--tag-every",
+                "7",
+                "--quiesce-timeout",
+                "30",
+            ]
+        )
         result = asyncio.run(workload.run(wargs))
     finally:
         cluster.stop()
-    clean = (result["foreign_markers"] == 0 and result["wrong_answers"] == 0
-             and result["leaked_pages"] == 0)
-    unanswered = sum(1 for j in result["_jobs"] if j.outcome == "failed" and (j.error or "").startswith("client"))
+    clean = (
+        result["foreign_markers"] == 0
+        and result["wrong_answers"] == 0
+        and result["leaked_pages"] == 0
+    )
+    unanswered = sum(
+        1 for j in result["_jobs"] if j.outcome == "failed" and (j.error or "").startswith("client")
+    )
     result["unanswered"] = unanswered
     workload.print_report(result)
     print(f"cluster log: {log_dir}", file=sys.stderr)

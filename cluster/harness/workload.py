@@ -34,12 +34,12 @@ class Job:
     marker: str
     prompt: str
     max_tokens: int
-    kind: str                    # normal, oversize, cancel
+    kind: str  # normal, oversize, cancel
     status: int | None = None
     text: str | None = None
     error: str | None = None
     ttft_ms: float | None = None
-    outcome: str = "pending"     # ok, rejected, aborted, failed, unavailable, wrong
+    outcome: str = "pending"  # ok, rejected, aborted, failed, unavailable, wrong
     foreign: list[str] = field(default_factory=list)
 
 
@@ -57,9 +57,18 @@ def expected_replay(prompt: str, max_tokens: int) -> str:
     return "".join(prompt[i % len(prompt)] for i in range(max_tokens))
 
 
-def build_jobs(requests: int, users: int, context_length: int, min_len: int, max_len: int,
-               oversize_every: int, cancel_every: int, seed: int, tag: str = "",
-               tag_every: int = 0) -> list[Job]:
+def build_jobs(
+    requests: int,
+    users: int,
+    context_length: int,
+    min_len: int,
+    max_len: int,
+    oversize_every: int,
+    cancel_every: int,
+    seed: int,
+    tag: str = "",
+    tag_every: int = 0,
+) -> list[Job]:
     rng = random.Random(seed)
     markers = {}
     while len(markers) < users:
@@ -73,22 +82,26 @@ def build_jobs(requests: int, users: int, context_length: int, min_len: int, max
         else:
             length = rng.randint(min_len, max_len)
             kind = "cancel" if cancel_every and i % cancel_every == cancel_every - 2 else "normal"
-            max_tokens = length if kind == "normal" else min(4 * length, max(1, context_length - length))
+            max_tokens = (
+                length if kind == "normal" else min(4 * length, max(1, context_length - length))
+            )
         prompt = make_prompt(markers[user], length)
         if tag and tag_every and i % tag_every == tag_every - 3 and kind == "normal":
-            prompt, kind = tag + prompt[len(tag):], "cancel"   # a faulted request, then cancelled
+            prompt, kind = tag + prompt[len(tag) :], "cancel"  # a faulted request, then cancelled
         jobs.append(Job(user, markers[user], prompt, max_tokens, kind))
     return jobs
 
 
-async def run_job(session: aiohttp.ClientSession, url: str, job: Job, cancel_after_s: float,
-                  timeout_s: float) -> None:
+async def run_job(
+    session: aiohttp.ClientSession, url: str, job: Job, cancel_after_s: float, timeout_s: float
+) -> None:
     body = {"prompt": job.prompt, "max_tokens": job.max_tokens, "stream": True}
     t0 = time.monotonic()
 
     async def go() -> None:
-        async with session.post(f"{url}/v1/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(
+            f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             job.status = resp.status
             if resp.content_type != "text/event-stream":
                 payload = await resp.json(content_type=None)
@@ -115,13 +128,13 @@ async def run_job(session: aiohttp.ClientSession, url: str, job: Job, cancel_aft
     if job.kind == "cancel":
         try:
             await asyncio.wait_for(go(), cancel_after_s * (0.2 + 1.6 * random.random()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             job.outcome = "aborted"
             return
     else:
         try:
             await go()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             job.outcome, job.error = "failed", f"client: {type(exc).__name__}: {exc}"
             return
     job.outcome = classify(job)
@@ -182,13 +195,22 @@ async def wait_for_quiesce(session: aiohttp.ClientSession, url: str, timeout_s: 
         used = sum(r.get("owned", 0) + r.get("quarantined", 0) for r in ranks.values())
         if (held == 0 and used == 0) or time.monotonic() > deadline:
             return max(held, used)
-        await asyncio.sleep(0.6)   # ranks report pool figures every 0.5 s
+        await asyncio.sleep(0.6)  # ranks report pool figures every 0.5 s
 
 
 async def run(args: argparse.Namespace) -> dict:
-    jobs = build_jobs(args.requests, args.users, args.context_length, args.min_prompt,
-                      args.max_prompt, args.oversize_every, args.cancel_every, args.seed,
-                      args.tag, args.tag_every)
+    jobs = build_jobs(
+        args.requests,
+        args.users,
+        args.context_length,
+        args.min_prompt,
+        args.max_prompt,
+        args.oversize_every,
+        args.cancel_every,
+        args.seed,
+        args.tag,
+        args.tag_every,
+    )
     connector = aiohttp.TCPConnector(limit=args.concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
         before = await fetch_metrics(session, args.url)
@@ -211,16 +233,22 @@ async def run(args: argparse.Namespace) -> dict:
     find_foreign(jobs)
     ttfts = sorted(j.ttft_ms for j in jobs if j.outcome == "ok" and j.ttft_ms is not None)
     moved = after.get("bytes", 0.0) - before.get("bytes", 0.0)
-    counts = {k: sum(1 for j in jobs if j.outcome == k)
-              for k in ("ok", "rejected", "aborted", "failed", "unavailable", "wrong")}
+    counts = {
+        k: sum(1 for j in jobs if j.outcome == k)
+        for k in ("ok", "rejected", "aborted", "failed", "unavailable", "wrong")
+    }
     return {
-        "requests": len(jobs), "ok": counts["ok"], "rejected": counts["rejected"],
-        "aborted": counts["aborted"], "failed": counts["failed"] + counts["unavailable"],
+        "requests": len(jobs),
+        "ok": counts["ok"],
+        "rejected": counts["rejected"],
+        "aborted": counts["aborted"],
+        "failed": counts["failed"] + counts["unavailable"],
         "wrong_answers": counts["wrong"],
         "foreign_markers": sum(len(j.foreign) for j in jobs),
         "leaked_pages": leaked,
         "gbps": round(moved / wall / 1e9, 4) if wall > 0 else 0.0,
-        "bytes_moved": int(moved), "wall_s": round(wall, 3),
+        "bytes_moved": int(moved),
+        "wall_s": round(wall, 3),
         "ttft_p50_ms": round(_pct(ttfts, 50), 2) if ttfts else None,
         "ttft_p99_ms": round(_pct(ttfts, 99), 2) if ttfts else None,
         "_jobs": jobs,
@@ -235,14 +263,20 @@ def _pct(values: list[float], p: float) -> float:
 
 def print_report(result: dict) -> None:
     jobs: list[Job] = result.pop("_jobs")
-    rows = [("requests", result["requests"]), ("ok (own replay)", result["ok"]),
-            ("rejected (400)", result["rejected"]), ("aborted by client", result["aborted"]),
-            ("failed / unavailable", result["failed"]), ("wrong answers", result["wrong_answers"]),
-            ("foreign markers", result["foreign_markers"]),
-            ("pages held after quiesce", result["leaked_pages"]),
-            ("GB/s moved (over the run)", result["gbps"]),
-            ("bytes moved", result["bytes_moved"]),
-            ("TTFT p50 ms", result["ttft_p50_ms"]), ("TTFT p99 ms", result["ttft_p99_ms"])]
+    rows = [
+        ("requests", result["requests"]),
+        ("ok (own replay)", result["ok"]),
+        ("rejected (400)", result["rejected"]),
+        ("aborted by client", result["aborted"]),
+        ("failed / unavailable", result["failed"]),
+        ("wrong answers", result["wrong_answers"]),
+        ("foreign markers", result["foreign_markers"]),
+        ("pages held after quiesce", result["leaked_pages"]),
+        ("GB/s moved (over the run)", result["gbps"]),
+        ("bytes moved", result["bytes_moved"]),
+        ("TTFT p50 ms", result["ttft_p50_ms"]),
+        ("TTFT p99 ms", result["ttft_p99_ms"]),
+    ]
     width = max(len(k) for k, _ in rows)
     print("-" * (width + 16))
     for k, v in rows:
@@ -250,8 +284,10 @@ def print_report(result: dict) -> None:
     print("-" * (width + 16))
     for job in jobs:
         if job.foreign or job.outcome in ("wrong", "failed"):
-            print(f"  user {job.user} {job.kind} -> {job.outcome} status={job.status} "
-                  f"foreign={job.foreign[:3]} error={(job.error or '')[:160]}")
+            print(
+                f"  user {job.user} {job.kind} -> {job.outcome} status={job.status} "
+                f"foreign={job.foreign[:3]} error={(job.error or '')[:160]}"
+            )
     print(json.dumps(result))
 
 
@@ -261,28 +297,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--users", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--context-length", type=int, default=4096,
-                   help="the cluster's context length; oversize prompts exceed it")
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=4096,
+        help="the cluster's context length; oversize prompts exceed it",
+    )
     p.add_argument("--min-prompt", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=512)
-    p.add_argument("--oversize-every", type=int, default=10, help="every Nth request is too long (0: none)")
-    p.add_argument("--cancel-every", type=int, default=8, help="every Nth request is cancelled (0: none)")
+    p.add_argument(
+        "--oversize-every", type=int, default=10, help="every Nth request is too long (0: none)"
+    )
+    p.add_argument(
+        "--cancel-every", type=int, default=8, help="every Nth request is cancelled (0: none)"
+    )
     p.add_argument("--cancel-after", type=float, default=0.05, help="seconds before a cancel")
     p.add_argument("--timeout", type=float, default=120.0, help="client timeout per request")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tag", default="", help="prefix every --tag-every'th prompt with this "
-                   "fault tag (the cluster's --fault hooks match it); those are cancelled")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="prefix every --tag-every'th prompt with this "
+        "fault tag (the cluster's --fault hooks match it); those are cancelled",
+    )
     p.add_argument("--tag-every", type=int, default=0)
-    p.add_argument("--quiesce-timeout", type=float, default=30.0,
-                   help="seconds for every rank to release its pages after the workload")
+    p.add_argument(
+        "--quiesce-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for every rank to release its pages after the workload",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result = asyncio.run(run(args))
-    clean = (result["foreign_markers"] == 0 and result["wrong_answers"] == 0
-             and result["leaked_pages"] == 0)
+    clean = (
+        result["foreign_markers"] == 0
+        and result["wrong_answers"] == 0
+        and result["leaked_pages"] == 0
+    )
     print_report(result)
     return 0 if clean else 1
 

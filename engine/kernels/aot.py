@@ -101,37 +101,107 @@ def _source(v: Variant, divisibility: bool = True) -> Any:
     if v.kernel == "decode":
         fn = triton_decode._decode_split_kernel
         dt = _DT[v.dtype]
-        aligned = {"q_ptr", "stride_qb", "stride_qh", "k_ptr", "v_ptr", "stride_page", "stride_head",
-                   "stride_slot", "table_ptr", "seq_ptr", "out_ptr", "stride_ob", "stride_oh", "part_ptr",
-                   "ml_ptr", "split_len", "canary_ptr", "rid_ptr", "gen_ptr", "err_ptr", "first_ptr"}
+        aligned = {
+            "q_ptr",
+            "stride_qb",
+            "stride_qh",
+            "k_ptr",
+            "v_ptr",
+            "stride_page",
+            "stride_head",
+            "stride_slot",
+            "table_ptr",
+            "seq_ptr",
+            "out_ptr",
+            "stride_ob",
+            "stride_oh",
+            "part_ptr",
+            "ml_ptr",
+            "split_len",
+            "canary_ptr",
+            "rid_ptr",
+            "gen_ptr",
+            "err_ptr",
+            "first_ptr",
+        }
         part_t = "*fp32"
         sig = {
-            "q_ptr": dt, "stride_qb": "i32", "stride_qh": "i32",
-            "k_ptr": dt, "v_ptr": dt, "stride_page": "i32", "stride_head": "i32", "stride_slot": "i32",
-            "table_ptr": "*i32", "stride_tb": "i32", "seq_ptr": "*i32", "num_pages": "i32", "width": "i32",
+            "q_ptr": dt,
+            "stride_qb": "i32",
+            "stride_qh": "i32",
+            "k_ptr": dt,
+            "v_ptr": dt,
+            "stride_page": "i32",
+            "stride_head": "i32",
+            "stride_slot": "i32",
+            "table_ptr": "*i32",
+            "stride_tb": "i32",
+            "seq_ptr": "*i32",
+            "num_pages": "i32",
+            "width": "i32",
             "page_shift": "i32",
-            "out_ptr": dt, "stride_ob": "i32", "stride_oh": "i32",
-            "part_ptr": part_t, "ml_ptr": part_t, "num_splits": "i32", "split_len": "i32",
-            "canary_ptr": "*i64" if v.check else "*i32", "rid_ptr": "*i64" if v.check else "*i32",
-            "gen_ptr": "*i64" if v.check else "*i32", "stride_gb": "i32",
-            "err_ptr": "*i32", "first_ptr": "*i32", "qk_scale": "fp32",
+            "out_ptr": dt,
+            "stride_ob": "i32",
+            "stride_oh": "i32",
+            "part_ptr": part_t,
+            "ml_ptr": part_t,
+            "num_splits": "i32",
+            "split_len": "i32",
+            "canary_ptr": "*i64" if v.check else "*i32",
+            "rid_ptr": "*i64" if v.check else "*i32",
+            "gen_ptr": "*i64" if v.check else "*i32",
+            "stride_gb": "i32",
+            "err_ptr": "*i32",
+            "first_ptr": "*i32",
+            "qk_scale": "fp32",
         }
         consts = {
-            "GROUP": v.group, "G_PAD": triton_decode.group_pad(v.group), "HEAD_DIM": v.head_dim,
-            "BLOCK": triton_decode.BLOCK_N, "CHECK": v.check, "UPCAST": False,
+            "GROUP": v.group,
+            "G_PAD": triton_decode.group_pad(v.group),
+            "HEAD_DIM": v.head_dim,
+            "BLOCK": triton_decode.BLOCK_N,
+            "CHECK": v.check,
+            "UPCAST": False,
         }
     elif v.kernel == "combine":
         fn = triton_decode._combine_kernel
-        sig = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": _DT[v.dtype], "stride_ob": "i32",
-               "stride_oh": "i32", "seq_ptr": "*i32", "num_splits": "i32", "split_len": "i32", "max_tokens": "i32"}
-        aligned = {"part_ptr", "ml_ptr", "out_ptr", "stride_ob", "stride_oh", "seq_ptr", "split_len"}
+        sig = {
+            "part_ptr": "*fp32",
+            "ml_ptr": "*fp32",
+            "out_ptr": _DT[v.dtype],
+            "stride_ob": "i32",
+            "stride_oh": "i32",
+            "seq_ptr": "*i32",
+            "num_splits": "i32",
+            "split_len": "i32",
+            "max_tokens": "i32",
+        }
+        aligned = {
+            "part_ptr",
+            "ml_ptr",
+            "out_ptr",
+            "stride_ob",
+            "stride_oh",
+            "seq_ptr",
+            "split_len",
+        }
         consts = {"HEAD_DIM": v.head_dim, "SPLITS": triton_decode.COMBINE_BLOCK}
     else:
         fn = triton_checksum._checksum_kernel
-        sig = {"words_ptr": "*i32", "stride_page": "i32", "pages_ptr": "*i64", "part_ptr": "*i64",
-               "words_per_page": "i32", "chunks": "i32"}
+        sig = {
+            "words_ptr": "*i32",
+            "stride_page": "i32",
+            "pages_ptr": "*i64",
+            "part_ptr": "*i64",
+            "words_per_page": "i32",
+            "chunks": "i32",
+        }
         aligned = {"words_ptr", "stride_page", "pages_ptr", "part_ptr", "words_per_page"}
-        consts = {"BLOCK": triton_checksum.BLOCK, "STEPS": triton_checksum.CHUNK_STEPS, "BYTES": False}
+        consts = {
+            "BLOCK": triton_checksum.BLOCK,
+            "STEPS": triton_checksum.CHUNK_STEPS,
+            "BYTES": False,
+        }
     for name in consts:
         sig[name] = "constexpr"
     names = list(fn.arg_names)
@@ -161,22 +231,35 @@ def compile_variant(v: Variant, budget: int | None = None, divisibility: bool = 
 
     report = Report(v.name, triton.__version__)
     t0 = time.perf_counter()
-    compiled = triton.compile(_source(v, divisibility), target=GPUTarget(*TARGET), options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES})
+    compiled = triton.compile(
+        _source(v, divisibility),
+        target=GPUTarget(*TARGET),
+        options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
+    )
     report.seconds = round(time.perf_counter() - t0, 2)
     report.shared = int(getattr(compiled.metadata, "shared", -1))
     tool = cuobjdump()
     if tool is None:
         report.sass_from = "ptx"
         ptx = compiled.asm["ptx"]
-        report.loads_128 = len(re.findall(r"(ld\.global[.a-z0-9]*\.v4\.b32|cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:16|0x10)\s*[,;])", ptx))
+        report.loads_128 = len(
+            re.findall(
+                r"(ld\.global[.a-z0-9]*\.v4\.b32|cp\.async\.c[ag]\.shared\.global[^;]*,\s*(?:16|0x10)\s*[,;])",
+                ptx,
+            )
+        )
         report.mma = len(re.findall(r"\bmma\.sync|wgmma\.", ptx))
     else:
         with tempfile.TemporaryDirectory() as tmp:
             cubin = os.path.join(tmp, "k.cubin")
             with open(cubin, "wb") as f:
                 f.write(compiled.asm["cubin"])
-            res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
-            sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+            res = subprocess.run(
+                [tool, "-res-usage", cubin], capture_output=True, text=True, check=True
+            ).stdout
+            sass = subprocess.run(
+                [tool, "-sass", cubin], capture_output=True, text=True, check=True
+            ).stdout
         m = _RES.search(res)
         if m is None:
             raise RuntimeError(f"no resource usage in cuobjdump output: {res!r}")
@@ -188,7 +271,9 @@ def compile_variant(v: Variant, budget: int | None = None, divisibility: bool = 
         if report.registers > budget:
             report.violations.append(f"{report.registers} registers > budget {budget}")
         if report.stack or report.local or report.spill_ops:
-            report.violations.append(f"spills: stack {report.stack}, local {report.local}, {report.spill_ops} STL/LDL")
+            report.violations.append(
+                f"spills: stack {report.stack}, local {report.local}, {report.spill_ops} STL/LDL"
+            )
     if report.loads_128 < 2 if v.kernel == "decode" else report.loads_128 < 1:
         report.violations.append(f"only {report.loads_128} 16-byte global loads")
     if v.kernel == "decode" and report.mma < 2:
@@ -203,10 +288,16 @@ def _compile_safe(job: tuple[Variant, int | None, bool]) -> Report:
     except Exception as error:  # report every variant, fail at the end
         import triton
 
-        return Report(v.name, triton.__version__, violations=[f"compile failed: {type(error).__name__}: {str(error)[-400:]}"])
+        return Report(
+            v.name,
+            triton.__version__,
+            violations=[f"compile failed: {type(error).__name__}: {str(error)[-400:]}"],
+        )
 
 
-def run(selected: list[Variant], jobs: int, budget: int | None = None, divisibility: bool = True) -> list[Report]:
+def run(
+    selected: list[Variant], jobs: int, budget: int | None = None, divisibility: bool = True
+) -> list[Report]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
     work = [(v, budget, divisibility) for v in selected]
@@ -221,8 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--only", default="", help="substring of the variant names to compile")
     parser.add_argument("--json", action="store_true", help="JSON lines only, no table")
-    parser.add_argument("--register-budget", type=int, help="one budget for every kernel (shows the check can fail)")
-    parser.add_argument("--no-divisibility", action="store_true", help="drop the 16-byte divisibility hints (shows the load check can fail)")
+    parser.add_argument(
+        "--register-budget", type=int, help="one budget for every kernel (shows the check can fail)"
+    )
+    parser.add_argument(
+        "--no-divisibility",
+        action="store_true",
+        help="drop the 16-byte divisibility hints (shows the load check can fail)",
+    )
     args = parser.parse_args(argv)
     selected = [v for v in variants() if args.only in v.name]
     if not selected:

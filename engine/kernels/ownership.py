@@ -100,7 +100,12 @@ class PageOwnership:
 
     @classmethod
     def for_requests(
-        cls, table: CanaryTable | torch.Tensor, request_ids: Sequence[str], grants: Sequence[Sequence[PageGrant]], width: int | None = None, device: torch.device | str | None = None
+        cls,
+        table: CanaryTable | torch.Tensor,
+        request_ids: Sequence[str],
+        grants: Sequence[Sequence[PageGrant]],
+        width: int | None = None,
+        device: torch.device | str | None = None,
     ) -> PageOwnership:
         """Expectations from each request's own allocation (its grants, in page-list order),
         as :func:`~kvferry.engine.integrity.expected_canaries` has them."""
@@ -116,7 +121,11 @@ class PageOwnership:
         return cls.create(canaries, rids, gens)
 
     def check_inputs(self, batch: int, width: int) -> None:
-        if self.request_ids.shape != (batch,) or self.errors.shape != (batch,) or self.first_bad.shape != (batch,):
+        if (
+            self.request_ids.shape != (batch,)
+            or self.errors.shape != (batch,)
+            or self.first_bad.shape != (batch,)
+        ):
             raise ValueError(f"ownership tensors do not match batch {batch}")
         if self.generations.shape[0] != batch or self.generations.shape[1] < width:
             raise ValueError(
@@ -136,7 +145,9 @@ class PageOwnership:
         first = self.first_bad.tolist()
         return [(b, e, f) for b, (e, f) in enumerate(zip(errors, first, strict=True)) if e]
 
-    def raise_if_bad(self, request_ids: Sequence[str], page_table: torch.Tensor | None = None) -> None:
+    def raise_if_bad(
+        self, request_ids: Sequence[str], page_table: torch.Tensor | None = None
+    ) -> None:
         """Raise :class:`IntegrityError` for the first flagged sequence, naming the kinds
         and its first bad page (the physical id when the page table is given)."""
         for b, bits, first in self.failures():
@@ -144,12 +155,18 @@ class PageOwnership:
             if page_table is not None and first < page_table.shape[1]:
                 bad = [int(page_table[b, first])]
             raise IntegrityError(
-                request_ids[b], f"page ownership check at read: {describe_kinds(bits)} (logical page {first})", bad
+                request_ids[b],
+                f"page ownership check at read: {describe_kinds(bits)} (logical page {first})",
+                bad,
             )
 
 
 def check_ownership_reference(
-    page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_pages: int, ownership: PageOwnership
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    num_pages: int,
+    ownership: PageOwnership,
 ) -> None:
     """Torch reference of the kernel's check: accumulates into ``ownership.errors`` and
     ``ownership.first_bad`` exactly as the Triton kernel does.
@@ -175,7 +192,11 @@ def check_ownership_reference(
     errors = torch.zeros(batch, dtype=torch.int64, device=device)
     for bit in KIND_NAMES:
         errors |= torch.where(((kinds & bit) != 0).any(dim=1), bit, 0)
-    first = torch.where(kinds != 0, columns[None, :], NO_BAD_PAGE).amin(dim=1) if width else torch.full((batch,), NO_BAD_PAGE, device=device)
+    first = (
+        torch.where(kinds != 0, columns[None, :], NO_BAD_PAGE).amin(dim=1)
+        if width
+        else torch.full((batch,), NO_BAD_PAGE, device=device)
+    )
     beyond = lens > width * page_size
     errors |= torch.where(beyond, BEYOND_TABLE, 0)
     first = torch.where(beyond, torch.minimum(first, torch.full_like(first, width)), first)

@@ -37,8 +37,15 @@ def _fold(x):
 
 @triton.jit
 def _checksum_kernel(
-    words_ptr, stride_page, pages_ptr, part_ptr, words_per_page, chunks,
-    BLOCK: tl.constexpr, STEPS: tl.constexpr, BYTES: tl.constexpr,
+    words_ptr,
+    stride_page,
+    pages_ptr,
+    part_ptr,
+    words_per_page,
+    chunks,
+    BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
+    BYTES: tl.constexpr,
 ):
     """words ``[pool pages, words_per_page]`` (int32 words or uint8 bytes), pages ``[n]``
     int64, part ``[n, chunks, 2]`` int64 partial (s1, s2), each below P."""
@@ -84,14 +91,24 @@ def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> tor
     stride_bytes = kv.stride(0) * kv.element_size()
     as_words = page_bytes % 4 == 0 and stride_bytes % 4 == 0 and kv.data_ptr() % 4 == 0
     unit = 4 if as_words else 1
-    flat = torch.as_strided(kv, (kv.shape[0], page.numel()), (kv.stride(0), 1))  # [pool pages, elements], a view
+    flat = torch.as_strided(
+        kv, (kv.shape[0], page.numel()), (kv.stride(0), 1)
+    )  # [pool pages, elements], a view
     words = flat.view(torch.int32 if as_words else torch.uint8)  # [pool pages, words], a view
     per_page = page_bytes // unit
     chunks = -(-per_page // (BLOCK * CHUNK_STEPS))
     part = torch.empty(n, chunks, 2, dtype=torch.int64, device=kv.device)
     LAUNCHED["checksum"] = _checksum_kernel[(n, chunks)](
-        words, words.stride(0), pages, part, per_page, chunks,
-        BLOCK=BLOCK, STEPS=CHUNK_STEPS, BYTES=not as_words, num_warps=4,
+        words,
+        words.stride(0),
+        pages,
+        part,
+        per_page,
+        chunks,
+        BLOCK=BLOCK,
+        STEPS=CHUNK_STEPS,
+        BYTES=not as_words,
+        num_warps=4,
     )
     sums = part.sum(dim=1) % MODULUS  # [n, 2]: at most chunks values below P each
     return sums[:, 0] * (1 << 31) + sums[:, 1]

@@ -72,15 +72,40 @@ _TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.fl
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-    q_ptr, stride_qb, stride_qh,
-    k_ptr, v_ptr, stride_page, stride_head, stride_slot,
-    table_ptr, stride_tb, seq_ptr, num_pages, width, page_shift,
-    out_ptr, stride_ob, stride_oh,
-    part_ptr, ml_ptr, num_splits, split_len,
-    canary_ptr, rid_ptr, gen_ptr, stride_gb, err_ptr, first_ptr,
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    k_ptr,
+    v_ptr,
+    stride_page,
+    stride_head,
+    stride_slot,
+    table_ptr,
+    stride_tb,
+    seq_ptr,
+    num_pages,
+    width,
+    page_shift,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    part_ptr,
+    ml_ptr,
+    num_splits,
+    split_len,
+    canary_ptr,
+    rid_ptr,
+    gen_ptr,
+    stride_gb,
+    err_ptr,
+    first_ptr,
     qk_scale,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr, CHECK: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHECK: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """q ``[B, QH, D]``; k/v ``[pages, kv_heads, page_size, D]`` views of one layer
     (``page_size = 1 << page_shift``); table ``[B, width]`` int32; with one split, out
@@ -105,7 +130,11 @@ def _decode_split_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_eff)
 
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_ok[:, None],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     else:
@@ -141,7 +170,9 @@ def _decode_split_kernel(
             kind = tl.where(head_row, kind, 0)
             bad_bits = bad_bits | kind
             bad_first = tl.minimum(bad_first, tl.where(kind != 0, col, _NONE))
-        row = safe.to(tl.int64) * stride_page + head_off + (t & page_mask).to(tl.int64) * stride_slot
+        row = (
+            safe.to(tl.int64) * stride_page + head_off + (t & page_mask).to(tl.int64) * stride_slot
+        )
         offs = row[:, None] + d[None, :]
         k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
@@ -178,7 +209,9 @@ def _decode_split_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
     else:
         if start < seq_eff:
-            slot = (b.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * num_splits + split  # [G_PAD] row of part/ml
+            slot = (
+                b.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads
+            ) * num_splits + split  # [G_PAD] row of part/ml
             tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
             tl.store(ml_ptr + slot * 2, m_i, mask=g_ok)
             tl.store(ml_ptr + slot * 2 + 1, l_i, mask=g_ok)
@@ -186,8 +219,17 @@ def _decode_split_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, seq_ptr, num_splits, split_len, max_tokens,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    part_ptr,
+    ml_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    seq_ptr,
+    num_splits,
+    split_len,
+    max_tokens,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     """Merge the splits of one ``(b, q_head)``: part ``[B, QH, S, D]``, ml ``[B, QH, S, 2]``
     fp32 -> out ``[B, QH, D]``. Only splits that hold positions are read."""
@@ -202,7 +244,9 @@ def _combine_kernel(
     m_all = tl.full([SPLITS], float("-inf"), dtype=tl.float32)
     for s0 in range(0, used, SPLITS):
         ok = (s0 + s) < used
-        m_all = tl.maximum(m_all, tl.load(ml_ptr + (base + s0 + s) * 2, mask=ok, other=float("-inf")))
+        m_all = tl.maximum(
+            m_all, tl.load(ml_ptr + (base + s0 + s) * 2, mask=ok, other=float("-inf"))
+        )
     m_max = tl.max(m_all, axis=0)
     l_sum = tl.zeros([SPLITS], dtype=tl.float32)
     acc = tl.zeros([SPLITS, HEAD_DIM], dtype=tl.float32)
@@ -211,12 +255,16 @@ def _combine_kernel(
         m = tl.load(ml_ptr + (base + s0 + s) * 2, mask=ok, other=float("-inf"))
         l_part = tl.load(ml_ptr + (base + s0 + s) * 2 + 1, mask=ok, other=0.0)
         w = tl.where(ok, tl.exp2(m - m_max), 0.0)
-        part = tl.load(part_ptr + (base + s0 + s)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        part = tl.load(
+            part_ptr + (base + s0 + s)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0
+        )
         l_sum += w * l_part
         acc += w[:, None] * part
     total = tl.sum(l_sum, axis=0)
     o = tl.sum(acc, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty)
+    )
 
 
 def interpreted() -> bool:
@@ -237,7 +285,11 @@ def _sm_count(index: int) -> int:
 def choose_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
     """Splits of the sequence so that about two programs run per SM; each split keeps at
     least ``MIN_SPLIT_TOKENS`` positions."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
+    sms = (
+        _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        if device.type == "cuda"
+        else 132
+    )
     programs = max(1, batch * kv_heads)
     want = -(-2 * sms // programs)
     cap = max(1, max_tokens // MIN_SPLIT_TOKENS)
@@ -261,14 +313,22 @@ def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
     )
 
 
-def _check(q: torch.Tensor, kv: torch.Tensor, layer: int, page_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def _check(
+    q: torch.Tensor, kv: torch.Tensor, layer: int, page_table: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
     if kv.dim() != 6 or kv.shape[2] != 2:
-        raise ValueError(f"kv must be [pages, layers, 2, kv_heads, page_size, head_dim], got {tuple(kv.shape)}")
+        raise ValueError(
+            f"kv must be [pages, layers, 2, kv_heads, page_size, head_dim], got {tuple(kv.shape)}"
+        )
     if q.dim() != 3 or q.shape[2] != kv.shape[5] or q.shape[1] % kv.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} does not fit pool {tuple(kv.shape)}")
     if not 0 <= layer < kv.shape[1]:
         raise ValueError(f"layer {layer} outside [0, {kv.shape[1]})")
-    if page_table.dim() != 2 or page_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+    if (
+        page_table.dim() != 2
+        or page_table.shape[0] != q.shape[0]
+        or seq_lens.shape != (q.shape[0],)
+    ):
         raise ValueError(
             f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
             f"do not match batch {q.shape[0]}"
@@ -276,7 +336,9 @@ def _check(q: torch.Tensor, kv: torch.Tensor, layer: int, page_table: torch.Tens
     if kv.dtype not in _TORCH_TO_TL or q.dtype not in _TORCH_TO_TL:
         raise TypeError(f"unsupported dtypes q {q.dtype}, kv {kv.dtype}")
     if kv.shape[4] not in PAGE_SIZES or kv.shape[5] not in HEAD_DIMS:
-        raise ValueError(f"page size {kv.shape[4]} / head dim {kv.shape[5]} not in {PAGE_SIZES} / {HEAD_DIMS}")
+        raise ValueError(
+            f"page size {kv.shape[4]} / head dim {kv.shape[5]} not in {PAGE_SIZES} / {HEAD_DIMS}"
+        )
     if kv.stride(5) != 1:
         raise ValueError("the pool's head_dim must be contiguous")
     if page_table.dtype != torch.int32:
@@ -327,7 +389,9 @@ def paged_decode_attention(
     if num_splits == 1:
         part = ml = torch.empty(1, dtype=torch.float32, device=kv.device)  # unused
     else:
-        part = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=kv.device)
+        part = torch.empty(
+            batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=kv.device
+        )
         ml = torch.empty(batch, q_heads, num_splits, 2, dtype=torch.float32, device=kv.device)
     if ownership is not None:
         ownership.check_inputs(batch, width)
@@ -336,25 +400,63 @@ def paged_decode_attention(
         gens = ownership.generations
         if gens.stride(1) != 1:
             raise ValueError("generations must have contiguous rows")
-        check = (ownership.canaries, ownership.request_ids, gens, gens.stride(0), ownership.errors, ownership.first_bad)
+        check = (
+            ownership.canaries,
+            ownership.request_ids,
+            gens,
+            gens.stride(0),
+            ownership.errors,
+            ownership.first_bad,
+        )
     else:
         check = (page_table, page_table, page_table, 0, seq_lens, seq_lens)  # unused
     upcast = interpreted() or kv.dtype == torch.float32
     LAUNCHED["decode"] = _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, q.stride(0), q.stride(1),
-        k, v, k.stride(0), k.stride(1), k.stride(2),
-        page_table, page_table.stride(0), seq_lens, num_pages, width, page_size.bit_length() - 1,
-        out, out.stride(0), out.stride(1),
-        part, ml, num_splits, split_len,
+        q,
+        q.stride(0),
+        q.stride(1),
+        k,
+        v,
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        page_table,
+        page_table.stride(0),
+        seq_lens,
+        num_pages,
+        width,
+        page_size.bit_length() - 1,
+        out,
+        out.stride(0),
+        out.stride(1),
+        part,
+        ml,
+        num_splits,
+        split_len,
         *check,
         scale * LOG2E,
-        GROUP=group, G_PAD=group_pad(group), HEAD_DIM=head_dim,
-        BLOCK=BLOCK_N, CHECK=ownership is not None, UPCAST=upcast,
-        num_warps=num_warps, num_stages=num_stages,
+        GROUP=group,
+        G_PAD=group_pad(group),
+        HEAD_DIM=head_dim,
+        BLOCK=BLOCK_N,
+        CHECK=ownership is not None,
+        UPCAST=upcast,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         LAUNCHED["combine"] = _combine_kernel[(batch, q_heads)](
-            part, ml, out, out.stride(0), out.stride(1), seq_lens, num_splits, split_len, max_tokens,
-            HEAD_DIM=head_dim, SPLITS=COMBINE_BLOCK, num_warps=4,
+            part,
+            ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            seq_lens,
+            num_splits,
+            split_len,
+            max_tokens,
+            HEAD_DIM=head_dim,
+            SPLITS=COMBINE_BLOCK,
+            num_warps=4,
         )
     return out

@@ -7,16 +7,44 @@ table entry lists. The same functions drive the unit tests' walk of every (state
 pair and the simulator. ``python -m kvferry.engine.protocol`` prints both tables.
 """
 
-from .owner import (OWNER_TABLE, OwnerBook, OwnerDo, OwnerEvent, OwnerState, owner_table,
-                    render_owner_table)
+from .owner import (
+    OWNER_TABLE,
+    OwnerBook,
+    OwnerDo,
+    OwnerEvent,
+    OwnerState,
+    owner_table,
+    render_owner_table,
+)
 from .table import Move
 from .words import AbortSource, Answer, Kind, Outcome, Release
-from .writer import (WRITER_TABLE, WriterBook, WriterDo, WriterEvent, WriterState,
-                     render_writer_table)
+from .writer import (
+    WRITER_TABLE,
+    WriterBook,
+    WriterDo,
+    WriterEvent,
+    WriterState,
+    render_writer_table,
+)
 
 __all__ = [
-    "OWNER_TABLE", "OwnerBook", "OwnerDo", "OwnerEvent", "OwnerState", "owner_table",
-    "render_owner_table", "Move", "AbortSource", "Answer", "Kind", "Outcome", "Release",
-    "WRITER_TABLE", "WriterBook", "WriterDo", "WriterEvent", "WriterState",
+    "OWNER_TABLE",
+    "WRITER_TABLE",
+    "AbortSource",
+    "Answer",
+    "Kind",
+    "Move",
+    "Outcome",
+    "OwnerBook",
+    "OwnerDo",
+    "OwnerEvent",
+    "OwnerState",
+    "Release",
+    "WriterBook",
+    "WriterDo",
+    "WriterEvent",
+    "WriterState",
+    "owner_table",
+    "render_owner_table",
     "render_writer_table",
 ]

@@ -29,13 +29,13 @@ from .words import Release
 
 
 class OwnerState(enum.Enum):
-    NEW = "new"                    # ASSIGN arrived (or an ABORT for an unknown request)
-    AWAITING = "awaiting"          # pages allocated, plan sent, waiting for every notice
-    VERIFYING = "verifying"        # every notice whole: the I5 checks run (in slices)
-    DECODING = "decoding"          # verified: decode steps read the pages
-    QUARANTINED = "quarantined"    # aborted while a writer may write: pages held, acks asked
-    FENCED = "fenced"              # past the abort deadline: silent writers severed, proof awaited
-    CLOSED = "closed"              # pages freed or released; the id is tombstoned
+    NEW = "new"  # ASSIGN arrived (or an ABORT for an unknown request)
+    AWAITING = "awaiting"  # pages allocated, plan sent, waiting for every notice
+    VERIFYING = "verifying"  # every notice whole: the I5 checks run (in slices)
+    DECODING = "decoding"  # verified: decode steps read the pages
+    QUARANTINED = "quarantined"  # aborted while a writer may write: pages held, acks asked
+    FENCED = "fenced"  # past the abort deadline: silent writers severed, proof awaited
+    CLOSED = "closed"  # pages freed or released; the id is tombstoned
 
 
 class OwnerEvent(enum.Enum):
@@ -92,39 +92,36 @@ _GUARD = (D.ARM_RETRY, D.ARM_DEADLINE)
 
 OWNER_ROWS: dict[tuple[OwnerState, OwnerEvent], Move[OwnerState, OwnerDo]] = {
     (S.NEW, E.GRANTED): Move(S.AWAITING, (D.STAMP_CANARIES, D.SEND_PLAN, D.ARM_TRANSFER_TIMER)),
-    (S.NEW, E.REFUSED): Move(S.CLOSED, (D.TOMBSTONE, D.REPORT_FAILED, D.ABORT_WRITERS,
-                                        D.REPORT_NOTHING_HELD)),
+    (S.NEW, E.REFUSED): Move(
+        S.CLOSED, (D.TOMBSTONE, D.REPORT_FAILED, D.ABORT_WRITERS, D.REPORT_NOTHING_HELD)
+    ),
     (S.NEW, E.ABORT_FLUSHED): Move(S.CLOSED, (D.TOMBSTONE, D.REPORT_NOTHING_HELD)),
-    (S.NEW, E.FAIL_FLUSHED): Move(S.CLOSED, (D.TOMBSTONE, D.REPORT_FAILED,
-                                             D.REPORT_NOTHING_HELD)),
-
+    (S.NEW, E.FAIL_FLUSHED): Move(S.CLOSED, (D.TOMBSTONE, D.REPORT_FAILED, D.REPORT_NOTHING_HELD)),
     (S.AWAITING, E.FLUSH): Move(S.AWAITING),
     (S.AWAITING, E.ALL_NOTICED): Move(S.VERIFYING, (D.CANCEL_TIMER, D.VERIFY)),
     (S.AWAITING, E.ABORT): Move(S.QUARANTINED, (*_QUARANTINE, D.ASK_ACKS, *_GUARD)),
     (S.AWAITING, E.ABORT_TOLD): Move(S.QUARANTINED, (*_QUARANTINE, *_GUARD)),
     (S.AWAITING, E.ABORT_FLUSHED): Move(S.CLOSED, (D.TOMBSTONE, D.CANCEL_TIMER, D.FREE)),
-    (S.AWAITING, E.FAIL): Move(S.QUARANTINED, (D.REPORT_FAILED, *_QUARANTINE, D.ASK_ACKS,
-                                               *_GUARD)),
-    (S.AWAITING, E.FAIL_FLUSHED): Move(S.CLOSED, (D.REPORT_FAILED, D.TOMBSTONE, D.CANCEL_TIMER,
-                                                  D.FREE)),
-
+    (S.AWAITING, E.FAIL): Move(S.QUARANTINED, (D.REPORT_FAILED, *_QUARANTINE, D.ASK_ACKS, *_GUARD)),
+    (S.AWAITING, E.FAIL_FLUSHED): Move(
+        S.CLOSED, (D.REPORT_FAILED, D.TOMBSTONE, D.CANCEL_TIMER, D.FREE)
+    ),
     (S.VERIFYING, E.VERIFIED): Move(S.DECODING),
-    (S.VERIFYING, E.CORRUPT): Move(S.CLOSED, (D.COUNT_INTEGRITY, D.REPORT_FAILED, D.TOMBSTONE,
-                                              D.FREE)),
+    (S.VERIFYING, E.CORRUPT): Move(
+        S.CLOSED, (D.COUNT_INTEGRITY, D.REPORT_FAILED, D.TOMBSTONE, D.FREE)
+    ),
     (S.VERIFYING, E.ABORT_FLUSHED): Move(S.CLOSED, (D.TOMBSTONE, D.FREE)),
     (S.VERIFYING, E.FAIL_FLUSHED): Move(S.CLOSED, (D.REPORT_FAILED, D.TOMBSTONE, D.FREE)),
-
     (S.DECODING, E.FINISHED): Move(S.CLOSED, (D.REPORT_FINISHED, D.TOMBSTONE, D.FREE)),
-    (S.DECODING, E.CORRUPT): Move(S.CLOSED, (D.COUNT_INTEGRITY, D.REPORT_FAILED, D.TOMBSTONE,
-                                             D.FREE)),
+    (S.DECODING, E.CORRUPT): Move(
+        S.CLOSED, (D.COUNT_INTEGRITY, D.REPORT_FAILED, D.TOMBSTONE, D.FREE)
+    ),
     (S.DECODING, E.ABORT_FLUSHED): Move(S.CLOSED, (D.TOMBSTONE, D.FREE)),
     (S.DECODING, E.FAIL_FLUSHED): Move(S.CLOSED, (D.REPORT_FAILED, D.TOMBSTONE, D.FREE)),
-
     (S.QUARANTINED, E.FLUSH): Move(S.QUARANTINED),
     (S.QUARANTINED, E.LAST_FLUSH): Move(S.CLOSED, (D.RELEASE_ACKED,)),
     (S.QUARANTINED, E.RETRY): Move(S.QUARANTINED, (D.ASK_ACKS, D.ARM_RETRY)),
     (S.QUARANTINED, E.DEADLINE): Move(S.FENCED, (D.SEVER_PENDING, D.CHECK_PROOF)),
-
     (S.FENCED, E.FLUSH): Move(S.FENCED),
     (S.FENCED, E.RETRY): Move(S.FENCED, (D.ASK_ACKS, D.ARM_RETRY)),
     (S.FENCED, E.PROOF): Move(S.CLOSED, (D.RELEASE_SEVERED,)),
@@ -135,23 +132,34 @@ OWNER_TABLE = complete(OwnerState, OwnerEvent, OWNER_ROWS)
 """Every (state, event) pair; those not in :data:`OWNER_ROWS` are ignored."""
 
 
-def owner_table(*, unsafe: bool = False, release_on_sever: bool = False
-                ) -> dict[tuple[OwnerState, OwnerEvent], Move[OwnerState, OwnerDo]]:
+def owner_table(
+    *, unsafe: bool = False, release_on_sever: bool = False
+) -> dict[tuple[OwnerState, OwnerEvent], Move[OwnerState, OwnerDo]]:
     """The table a rank runs. The two BROKEN MODES (each logged by the rank, each shown
     to leak by the fault suite and the spin model's mutants) are changed entries:
     ``unsafe`` frees an aborted request's pages at once; ``release_on_sever`` releases
     them at the abort deadline, on severing alone."""
     table = OWNER_TABLE
     if unsafe:
-        table = replace(table, {
-            (S.AWAITING, E.ABORT): Move(S.CLOSED, (D.TOMBSTONE, D.CANCEL_TIMER, D.RELEASE_UNSAFE)),
-            (S.AWAITING, E.ABORT_TOLD): Move(S.CLOSED, (D.TOMBSTONE, D.CANCEL_TIMER,
-                                                        D.RELEASE_UNSAFE)),
-            (S.AWAITING, E.FAIL): Move(S.CLOSED, (D.REPORT_FAILED, D.TOMBSTONE, D.CANCEL_TIMER,
-                                                  D.RELEASE_UNSAFE))})
+        table = replace(
+            table,
+            {
+                (S.AWAITING, E.ABORT): Move(
+                    S.CLOSED, (D.TOMBSTONE, D.CANCEL_TIMER, D.RELEASE_UNSAFE)
+                ),
+                (S.AWAITING, E.ABORT_TOLD): Move(
+                    S.CLOSED, (D.TOMBSTONE, D.CANCEL_TIMER, D.RELEASE_UNSAFE)
+                ),
+                (S.AWAITING, E.FAIL): Move(
+                    S.CLOSED, (D.REPORT_FAILED, D.TOMBSTONE, D.CANCEL_TIMER, D.RELEASE_UNSAFE)
+                ),
+            },
+        )
     if release_on_sever:
-        table = replace(table, {
-            (S.QUARANTINED, E.DEADLINE): Move(S.CLOSED, (D.SEVER_PENDING, D.RELEASE_UNSAFE))})
+        table = replace(
+            table,
+            {(S.QUARANTINED, E.DEADLINE): Move(S.CLOSED, (D.SEVER_PENDING, D.RELEASE_UNSAFE))},
+        )
     return table
 
 
@@ -163,10 +171,10 @@ class OwnerBook:
     rid: str
     writers: tuple[int, ...] = ()
     state: OwnerState = OwnerState.NEW
-    noticed: set[int] = field(default_factory=set)   # sent a notice chunk: flushed
-    whole: set[int] = field(default_factory=set)     # its notice is whole
-    acked: set[int] = field(default_factory=set)     # acked an abort: flushed
-    fenced: frozenset[int] = frozenset()             # severed at the abort deadline
+    noticed: set[int] = field(default_factory=set)  # sent a notice chunk: flushed
+    whole: set[int] = field(default_factory=set)  # its notice is whole
+    acked: set[int] = field(default_factory=set)  # acked an abort: flushed
+    fenced: frozenset[int] = frozenset()  # severed at the abort deadline
 
     def writers_done(self) -> bool:
         """Every writer noticed or acked: no write of this request can land any more."""
@@ -240,9 +248,11 @@ def on_proof_check(book: OwnerBook, gone: set[int]) -> OwnerEvent:
     return OwnerEvent.NO_PROOF
 
 
-def step(book: OwnerBook, event: OwnerEvent,
-         table: dict[tuple[OwnerState, OwnerEvent], Move[OwnerState, OwnerDo]] = OWNER_TABLE
-         ) -> Move[OwnerState, OwnerDo]:
+def step(
+    book: OwnerBook,
+    event: OwnerEvent,
+    table: dict[tuple[OwnerState, OwnerEvent], Move[OwnerState, OwnerDo]] = OWNER_TABLE,
+) -> Move[OwnerState, OwnerDo]:
     """Move ``book`` by ``table``; returns the entry (its effects are the rank's to do)."""
     move = table[book.state, event]
     book.state = move.to

@@ -9,8 +9,9 @@ that :func:`render` prints. The step is a dictionary lookup: no I/O, no clock.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Generic, Iterable, Mapping, TypeVar
+from typing import Generic, TypeVar
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
@@ -23,14 +24,15 @@ class Move(Generic[S, D]):
 
     to: S
     effects: tuple[D, ...] = ()
-    ignored: bool = False        # filled in by :func:`complete`, not written by hand
+    ignored: bool = False  # filled in by :func:`complete`, not written by hand
 
 
 Table = Mapping[tuple[S, E], Move[S, D]]
 
 
-def complete(states: type[S], events: type[E],
-             rows: Mapping[tuple[S, E], Move[S, D]]) -> dict[tuple[S, E], Move[S, D]]:
+def complete(
+    states: type[S], events: type[E], rows: Mapping[tuple[S, E], Move[S, D]]
+) -> dict[tuple[S, E], Move[S, D]]:
     """``rows`` plus an "ignored" entry for every pair they leave out."""
     table: dict[tuple[S, E], Move[S, D]] = {}
     for state in states:
@@ -39,8 +41,9 @@ def complete(states: type[S], events: type[E],
     return table
 
 
-def replace(table: Mapping[tuple[S, E], Move[S, D]],
-            changes: Mapping[tuple[S, E], Move[S, D]]) -> dict[tuple[S, E], Move[S, D]]:
+def replace(
+    table: Mapping[tuple[S, E], Move[S, D]], changes: Mapping[tuple[S, E], Move[S, D]]
+) -> dict[tuple[S, E], Move[S, D]]:
     """A copy of ``table`` with some entries changed (the broken modes are such copies)."""
     out = dict(table)
     for key, move in changes.items():
@@ -52,8 +55,7 @@ def replace(table: Mapping[tuple[S, E], Move[S, D]],
 
 def terminal(table: Mapping[tuple[S, E], Move[S, D]], states: Iterable[S]) -> set[S]:
     """The states no event leaves."""
-    return {s for s in states
-            if all(m.to is s for (st, _), m in table.items() if st is s)}
+    return {s for s in states if all(m.to is s for (st, _), m in table.items() if st is s)}
 
 
 def render(table: Mapping[tuple[S, E], Move[S, D]], title: str) -> str:

@@ -14,26 +14,26 @@ class Kind(enum.StrEnum):
     """The control messages between ranks (the codec ``kvf.cluster``; fields in
     :mod:`kvferry.cluster.messages`)."""
 
-    PREFILL = "PREFILL"        # router -> writer: the prompt (in chunks), the owner
-    ASSIGN = "ASSIGN"          # router -> owner: prompt length, max tokens, the writer set
-    PLAN = "PLAN"              # owner -> writer: the destination pages (in chunks)
-    NOTICE = "NOTICE"          # writer -> owner, after its flush: what it wrote
-    TOKENS = "TOKENS"          # owner -> router: generated tokens
-    DONE = "DONE"              # owner -> router: the request's outcome
-    ABORT = "ABORT"            # any -> the request's ranks: stop
-    ABORT_ACK = "ABORT_ACK"    # writer -> owner, after its flush: nothing more will land
-    RELEASED = "RELEASED"      # writer/owner -> router: the request's pages are free here
-    STATS = "STATS"            # any -> router: pool and transfer figures
-    SEVERED = "SEVERED"        # owner -> router: a writer cut off, route nothing to it
-    SHUTDOWN = "SHUTDOWN"      # router -> every rank: stop serving
+    PREFILL = "PREFILL"  # router -> writer: the prompt (in chunks), the owner
+    ASSIGN = "ASSIGN"  # router -> owner: prompt length, max tokens, the writer set
+    PLAN = "PLAN"  # owner -> writer: the destination pages (in chunks)
+    NOTICE = "NOTICE"  # writer -> owner, after its flush: what it wrote
+    TOKENS = "TOKENS"  # owner -> router: generated tokens
+    DONE = "DONE"  # owner -> router: the request's outcome
+    ABORT = "ABORT"  # any -> the request's ranks: stop
+    ABORT_ACK = "ABORT_ACK"  # writer -> owner, after its flush: nothing more will land
+    RELEASED = "RELEASED"  # writer/owner -> router: the request's pages are free here
+    STATS = "STATS"  # any -> router: pool and transfer figures
+    SEVERED = "SEVERED"  # owner -> router: a writer cut off, route nothing to it
+    SHUTDOWN = "SHUTDOWN"  # router -> every rank: stop serving
 
 
 class Outcome(enum.StrEnum):
     """How a request ended, as its owner reports it (``DONE.outcome``)."""
 
-    FINISHED = "finished"      # every token generated and sent
-    FAILED = "failed"          # an error: no pages, transfer, integrity, internal
-    ABORTED = "aborted"        # told to stop
+    FINISHED = "finished"  # every token generated and sent
+    FAILED = "failed"  # an error: no pages, transfer, integrity, internal
+    ABORTED = "aborted"  # told to stop
 
 
 class Answer(enum.StrEnum):
@@ -41,25 +41,25 @@ class Answer(enum.StrEnum):
     owner's FINISHED becomes OK only once every token it announced stands in order."""
 
     OK = "ok"
-    REJECTED = "rejected"          # can never fit (400)
-    UNAVAILABLE = "unavailable"    # no room or no healthy rank now (503)
-    ABORTED = "aborted"            # the client left, the deadline passed, shutdown
+    REJECTED = "rejected"  # can never fit (400)
+    UNAVAILABLE = "unavailable"  # no room or no healthy rank now (503)
+    ABORTED = "aborted"  # the client left, the deadline passed, shutdown
     FAILED = "failed"
 
 
 class AbortSource(enum.StrEnum):
     """Who started an abort (``ABORT.source``)."""
 
-    CLIENT = "client"          # the client went away
-    DEADLINE = "deadline"      # the router's request deadline
-    SHUTDOWN = "shutdown"      # the router is stopping
-    PEER = "peer"              # a rank the request uses was lost
-    PREFILL = "prefill"        # the writer could not compute the prompt's KV
-    TRANSFER = "transfer"      # a write or notice failed, or the owner's transfer timeout
-    DECODE = "decode"          # the owner could not take the request (no pages)
-    INTEGRITY = "integrity"    # an I5 check failed
-    WRITER = "writer"          # a writer acked an abort the owner had not heard of yet
-    INTERNAL = "internal"      # an exception in a rank's own code
+    CLIENT = "client"  # the client went away
+    DEADLINE = "deadline"  # the router's request deadline
+    SHUTDOWN = "shutdown"  # the router is stopping
+    PEER = "peer"  # a rank the request uses was lost
+    PREFILL = "prefill"  # the writer could not compute the prompt's KV
+    TRANSFER = "transfer"  # a write or notice failed, or the owner's transfer timeout
+    DECODE = "decode"  # the owner could not take the request (no pages)
+    INTEGRITY = "integrity"  # an I5 check failed
+    WRITER = "writer"  # a writer acked an abort the owner had not heard of yet
+    INTERNAL = "internal"  # an exception in a rank's own code
 
     @property
     def answer(self) -> Answer:
@@ -73,8 +73,8 @@ _CLIENT_SIDE = frozenset({AbortSource.CLIENT, AbortSource.DEADLINE, AbortSource.
 class Release(enum.StrEnum):
     """Why a rank freed a request's pages (``RELEASED.how``)."""
 
-    FREED = "freed"            # the request ended with every write known landed
-    ACKED = "acked"            # quarantined pages, released on every writer's ack or notice
-    SEVERED = "severed"        # quarantined pages, released on proof after severing
-    ABORTED = "aborted"        # a writer's source pages, after its ack was flushed
-    UNSAFE = "unsafe"          # BROKEN MODE: released without proof
+    FREED = "freed"  # the request ended with every write known landed
+    ACKED = "acked"  # quarantined pages, released on every writer's ack or notice
+    SEVERED = "severed"  # quarantined pages, released on proof after severing
+    ABORTED = "aborted"  # a writer's source pages, after its ack was flushed
+    UNSAFE = "unsafe"  # BROKEN MODE: released without proof

@@ -29,17 +29,17 @@ from .table import Move, complete, render
 
 
 class WriterState(enum.Enum):
-    NEW = "new"                        # PREFILL or PLAN chunks arriving, neither whole
-    PLANNED = "planned"                # the plan is whole, the prompt is not
-    COMPUTING = "computing"            # the prompt is whole: its KV is being computed
-    COMPUTING_PLANNED = "computing+planned"   # computing, and the plan is whole
-    KV_READY = "kv-ready"              # KV computed (and checksummed), no plan yet
-    WRITING = "writing"                # batches posted, in flight or queued
-    NOTIFYING = "notifying"            # every batch landed: notice posted (flush, then send)
-    DONE = "done"                      # notice flushed; source pages freed
-    DRAINING = "draining"              # aborted: nothing more posted, batches in flight
-    ACKING = "acking"                  # nothing in flight: ack posted (flush, then send)
-    ABORTED = "aborted"                # ack flushed; source pages freed
+    NEW = "new"  # PREFILL or PLAN chunks arriving, neither whole
+    PLANNED = "planned"  # the plan is whole, the prompt is not
+    COMPUTING = "computing"  # the prompt is whole: its KV is being computed
+    COMPUTING_PLANNED = "computing+planned"  # computing, and the plan is whole
+    KV_READY = "kv-ready"  # KV computed (and checksummed), no plan yet
+    WRITING = "writing"  # batches posted, in flight or queued
+    NOTIFYING = "notifying"  # every batch landed: notice posted (flush, then send)
+    DONE = "done"  # notice flushed; source pages freed
+    DRAINING = "draining"  # aborted: nothing more posted, batches in flight
+    ACKING = "acking"  # nothing in flight: ack posted (flush, then send)
+    ABORTED = "aborted"  # ack flushed; source pages freed
 
 
 class WriterEvent(enum.Enum):
@@ -52,8 +52,10 @@ class WriterEvent(enum.Enum):
     NOTICE_FLUSHED = "the notice's flush completed"
     ABORT = "an ABORT while batches are in flight"
     ABORT_IDLE = "an ABORT with nothing in flight"
-    FAIL = "the writer fails (no pages, a write refused or failed, an internal error); "\
-           "batches in flight"
+    FAIL = (
+        "the writer fails (no pages, a write refused or failed, an internal error); "
+        "batches in flight"
+    )
     FAIL_IDLE = "the writer fails with nothing in flight"
     DRAINED = "aborted: the last batch in flight settled"
     ACK_FLUSHED = "the ack's flush completed"
@@ -70,15 +72,17 @@ class WriterDo(enum.Enum):
     TOMBSTONE = "remember the id as ended: a late PREFILL or PLAN is ignored (I2)"
     TELL_ABORT = "ABORT to the router and the owner, with the writer's reason"
     SEND_ACK = "ABORT_ACK with notify (flush, then send); then ACK_FLUSHED"
-    ACK_NOW = "ABORT_ACK with notify, nothing kept until its flush (none of our pages hold "\
-              "this request's KV: never allocated, or freed after an earlier flush)"
+    ACK_NOW = (
+        "ABORT_ACK with notify, nothing kept until its flush (none of our pages hold "
+        "this request's KV: never allocated, or freed after an earlier flush)"
+    )
     FREE_SOURCE = "free the source pages; RELEASED(freed after a notice, aborted after an ack)"
     REPORT_NOTHING_HELD = "RELEASED(0 pages) to the router: its reservation here ends"
 
 
 S, E, D = WriterState, WriterEvent, WriterDo
 
-_UNSTARTED = (S.NEW, S.PLANNED)                     # no source pages allocated yet
+_UNSTARTED = (S.NEW, S.PLANNED)  # no source pages allocated yet
 _COMPUTING = (S.COMPUTING, S.COMPUTING_PLANNED, S.KV_READY)
 _STOP = (D.STOP_POSTING, D.TOMBSTONE)
 
@@ -90,13 +94,18 @@ WRITER_ROWS: dict[tuple[WriterState, WriterEvent], Move[WriterState, WriterDo]] 
     (S.COMPUTING, E.KV_READY): Move(S.KV_READY),
     (S.COMPUTING_PLANNED, E.KV_READY): Move(S.WRITING, (D.POST_WRITES,)),
     (S.KV_READY, E.PLAN): Move(S.WRITING, (D.POST_WRITES,)),
-    **{(s, E.ABORT_IDLE): Move(S.ABORTED, (D.TOMBSTONE, D.REPORT_NOTHING_HELD, D.ACK_NOW))
-       for s in _UNSTARTED},
-    **{(s, E.FAIL_IDLE): Move(S.ABORTED, (D.TOMBSTONE, D.TELL_ABORT, D.REPORT_NOTHING_HELD,
-                                          D.ACK_NOW)) for s in _UNSTARTED},
+    **{
+        (s, E.ABORT_IDLE): Move(S.ABORTED, (D.TOMBSTONE, D.REPORT_NOTHING_HELD, D.ACK_NOW))
+        for s in _UNSTARTED
+    },
+    **{
+        (s, E.FAIL_IDLE): Move(
+            S.ABORTED, (D.TOMBSTONE, D.TELL_ABORT, D.REPORT_NOTHING_HELD, D.ACK_NOW)
+        )
+        for s in _UNSTARTED
+    },
     **{(s, E.ABORT_IDLE): Move(S.ACKING, (*_STOP, D.SEND_ACK)) for s in _COMPUTING},
     **{(s, E.FAIL_IDLE): Move(S.ACKING, (*_STOP, D.TELL_ABORT, D.SEND_ACK)) for s in _COMPUTING},
-
     (S.WRITING, E.NEXT_BATCH): Move(S.WRITING, (D.POST_NEXT,)),
     (S.WRITING, E.BATCH_LANDED): Move(S.WRITING),
     (S.WRITING, E.ALL_LANDED): Move(S.NOTIFYING, (D.SEND_NOTICE,)),
@@ -104,12 +113,10 @@ WRITER_ROWS: dict[tuple[WriterState, WriterEvent], Move[WriterState, WriterDo]] 
     (S.WRITING, E.ABORT_IDLE): Move(S.ACKING, (*_STOP, D.SEND_ACK)),
     (S.WRITING, E.FAIL): Move(S.DRAINING, (*_STOP, D.TELL_ABORT)),
     (S.WRITING, E.FAIL_IDLE): Move(S.ACKING, (*_STOP, D.TELL_ABORT, D.SEND_ACK)),
-
     (S.NOTIFYING, E.NOTICE_FLUSHED): Move(S.DONE, (D.FREE_SOURCE,)),
     (S.NOTIFYING, E.ABORT_IDLE): Move(S.ACKING, (*_STOP, D.SEND_ACK)),
     (S.NOTIFYING, E.FAIL_IDLE): Move(S.ACKING, (*_STOP, D.TELL_ABORT, D.SEND_ACK)),
     (S.DONE, E.ABORT_IDLE): Move(S.DONE, (D.ACK_NOW,)),
-
     (S.DRAINING, E.BATCH_LANDED): Move(S.DRAINING),
     (S.DRAINING, E.DRAINED): Move(S.ACKING, (D.SEND_ACK,)),
     (S.ACKING, E.ACK_FLUSHED): Move(S.ABORTED, (D.FREE_SOURCE,)),
@@ -130,8 +137,8 @@ class WriterBook:
 
     rid: str
     state: WriterState = WriterState.NEW
-    owner: int = -1             # the decode rank that owns the destination pages
-    in_flight: int = 0          # batches posted and not yet settled
+    owner: int = -1  # the decode rank that owns the destination pages
+    in_flight: int = 0  # batches posted and not yet settled
 
 
 # ---------------------------------------------------------------------- inputs -> events
@@ -161,9 +168,11 @@ def on_failure(book: WriterBook) -> WriterEvent:
     return WriterEvent.FAIL if book.in_flight else WriterEvent.FAIL_IDLE
 
 
-def step(book: WriterBook, event: WriterEvent,
-         table: dict[tuple[WriterState, WriterEvent], Move[WriterState, WriterDo]] = WRITER_TABLE
-         ) -> Move[WriterState, WriterDo]:
+def step(
+    book: WriterBook,
+    event: WriterEvent,
+    table: dict[tuple[WriterState, WriterEvent], Move[WriterState, WriterDo]] = WRITER_TABLE,
+) -> Move[WriterState, WriterDo]:
     """Move ``book`` by ``table``; returns the entry (its effects are the rank's to do)."""
     move = table[book.state, event]
     book.state = move.to

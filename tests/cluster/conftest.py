@@ -1,4 +1,5 @@
 """Fixtures for the cluster tests: real local clusters (kvferry.cluster.harness.localcluster)."""
+
 from __future__ import annotations
 
 import pytest

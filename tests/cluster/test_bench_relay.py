@@ -1,4 +1,5 @@
 """bench-abort's floor: the bare two-hop exchange between three processes' engines."""
+
 from __future__ import annotations
 
 from kvferry.cluster.harness.benchabort import run_relay

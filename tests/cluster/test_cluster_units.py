@@ -1,19 +1,20 @@
 """Unit and property tests of the cluster's pieces that need no processes."""
-from __future__ import annotations
 
-from kvferry.engine.protocol.words import Kind
+from __future__ import annotations
 
 import msgpack
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvferry.cluster import messages as m
 from kvferry.cluster.faults import FaultPlan, FaultSpecError
+from kvferry.cluster.harness.workload import MARKER_RE, expected_replay, make_prompt
 from kvferry.cluster.rendezvous import RankCard, RendezvousError
 from kvferry.cluster.router import Ledger
 from kvferry.cluster.runtime import RankRuntime
 from kvferry.cluster.topology import Role, Topology, TopologyError
-from kvferry.cluster.harness.workload import MARKER_RE, expected_replay, make_prompt
+from kvferry.engine.protocol.words import Kind
 from kvferry.transfer import BatchStatus, PeerFailedError, WireError
 
 
@@ -26,9 +27,14 @@ def test_topology_roles_and_groups():
     assert Topology.for_world(3, None).decode_ranks == [2]
 
 
-@pytest.mark.parametrize("kwargs", [dict(world_size=4, prefill=3, decode=1, tp=2),
-                                    dict(world_size=5, prefill=2, decode=1),
-                                    dict(world_size=2, prefill=1, decode=0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(world_size=4, prefill=3, decode=1, tp=2),
+        dict(world_size=5, prefill=2, decode=1),
+        dict(world_size=2, prefill=1, decode=0),
+    ],
+)
 def test_topology_refuses_bad_shapes(kwargs):
     with pytest.raises(TopologyError):
         Topology(**kwargs)
@@ -40,12 +46,22 @@ HEADER = dict(src=3, inc=(1 << 64) - 1, seq=7)
 
 def test_every_message_kind_round_trips():
     samples = {
-        "PREFILL": dict(rid="r", tokens=b"\x01\x00\x00\x00", offset=0, total=1, owner=2,
-                        owner_inc=5),
+        "PREFILL": dict(
+            rid="r", tokens=b"\x01\x00\x00\x00", offset=0, total=1, owner=2, owner_inc=5
+        ),
         "ASSIGN": dict(rid="r", prompt_len=1, max_tokens=2, writers=[1, 2], last_token=65),
         "PLAN": dict(rid="r", offset=0, total=2, pages=[1, 2], generations=[3, 4]),
-        "NOTICE": dict(rid="r", tokens=3, offset=0, total=1, pages=[1], generations=[2],
-                       checksums=[9], bytes=4, prefill_ms=2.5),
+        "NOTICE": dict(
+            rid="r",
+            tokens=3,
+            offset=0,
+            total=1,
+            pages=[1],
+            generations=[2],
+            checksums=[9],
+            bytes=4,
+            prefill_ms=2.5,
+        ),
         "TOKENS": dict(rid="r", offset=0, tokens=[65, 66]),
         "DONE": dict(rid="r", outcome="finished", error=None, count=2, transfer_ms=1.5),
         "ABORT": dict(rid="r", owner=2, writers=[1], source="client", reason="gone"),
@@ -70,11 +86,20 @@ def test_decoding_random_bytes_raises_only_wire_errors(data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.text(max_size=8), st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=8),
-                                                     st.binary(max_size=8), st.none(),
-                                                     st.lists(st.integers(-2**63, 2**63), max_size=4)),
-                       max_size=8),
-       st.sampled_from(sorted(m.KINDS)))
+@given(
+    st.dictionaries(
+        st.text(max_size=8),
+        st.one_of(
+            st.integers(-(2**63), 2**64 - 1),
+            st.text(max_size=8),
+            st.binary(max_size=8),
+            st.none(),
+            st.lists(st.integers(-(2**63), 2**63), max_size=4),
+        ),
+        max_size=8,
+    ),
+    st.sampled_from(sorted(m.KINDS)),
+)
 def test_decoding_mistyped_fields_is_refused_or_valid(fields, kind):
     data = msgpack.packb(["kvf.cluster", 1, kind, fields], use_bin_type=True)
     try:
@@ -101,24 +126,36 @@ def test_ledger_counts_pages_of_ended_requests_until_released():
     led = Ledger({1: 10, 2: 10})
     led.reserve(2, "a", 6)
     assert led.free(2) == 4 and led.reusable(2) == 10
-    led.end("a", [2])                       # aborted: pages may be quarantined
+    led.end("a", [2])  # aborted: pages may be quarantined
     assert led.free(2) == 4 and led.reusable(2) == 4
     assert led.release(2, "a") and led.free(2) == 10 and led.reusable(2) == 10
-    assert not led.release(2, "a")          # a duplicate RELEASED changes nothing
+    assert not led.release(2, "a")  # a duplicate RELEASED changes nothing
 
 
 # ---------------------------------------------------------------- faults
 def test_fault_plan_parses_and_refuses():
-    plan = FaultPlan.parse(["drop:ABORT_ACK", "dup:NOTICE", "delay:PLAN:0.5", "corrupt-page:@x@",
-                            "at:mid-transfer:pause:@y@:2"])
+    plan = FaultPlan.parse(
+        [
+            "drop:ABORT_ACK",
+            "dup:NOTICE",
+            "delay:PLAN:0.5",
+            "corrupt-page:@x@",
+            "at:mid-transfer:pause:@y@:2",
+        ]
+    )
     assert plan.on_send("ABORT_ACK", 1, b"p") == []
     assert plan.on_send("NOTICE", 1, b"p") == [(b"p", 0.0), (b"p", 0.0)]
     assert plan.on_send("PLAN", 1, b"p") == [(b"p", 0.5)]
     assert plan.corrupt_marker == "@x@" and plan.at("mid-transfer", "..@y@..") == ("pause", 2.0)
     assert plan.at("after-write", "..@y@..") is None
     assert FaultPlan().on_send("ABORT", 1, b"p") == [(b"p", 0.0)]
-    for bad in (["explode:X"], ["delay:PLAN"], ["at:mid-transfer:pause:@y@:soon"], ["at:nowhere:pause:@y@"],
-                ["at:mid-transfer:explode:@y@"]):
+    for bad in (
+        ["explode:X"],
+        ["delay:PLAN"],
+        ["at:mid-transfer:pause:@y@:soon"],
+        ["at:nowhere:pause:@y@"],
+        ["at:mid-transfer:explode:@y@"],
+    ):
         with pytest.raises(FaultSpecError):
             FaultPlan.parse(bad)
 
@@ -131,9 +168,19 @@ def test_reorder_swaps_consecutive_messages():
 
 # ---------------------------------------------------------------- rendezvous
 def test_rank_card_round_trip_and_refusals():
-    card = RankCard(rank=1, role="prefill", address=b"a", incarnation=3, segment=None,
-                    num_pages=4, page_size=16, capacity_tokens=64, context_length=64,
-                    host="h", pid=1)
+    card = RankCard(
+        rank=1,
+        role="prefill",
+        address=b"a",
+        incarnation=3,
+        segment=None,
+        num_pages=4,
+        page_size=16,
+        capacity_tokens=64,
+        context_length=64,
+        host="h",
+        pid=1,
+    )
     assert RankCard.unpack(card.pack()) == card
     with pytest.raises(RendezvousError):
         RankCard.unpack(b"\xc1")
@@ -148,7 +195,7 @@ def test_every_page_of_a_prompt_holds_a_whole_marker(length, start):
     marker = "@1a2b3@"
     prompt = make_prompt(marker, length)
     assert len(prompt) == length and MARKER_RE.fullmatch(marker)
-    window = prompt[min(start, length - 16):][:16]
+    window = prompt[min(start, length - 16) :][:16]
     assert marker in window
 
 
@@ -177,7 +224,7 @@ class _Engine:
 
     def __init__(self) -> None:
         self.sent: list[_Sent] = []
-        self.arriving: list[bytes] = []     # delivered by the next progress
+        self.arriving: list[bytes] = []  # delivered by the next progress
         self.handler = None
 
     def set_message_handler(self, fn) -> None:
@@ -201,9 +248,22 @@ class _Engine:
 
 
 def _runtime(engine: _Engine) -> RankRuntime:
-    cards = {r: RankCard(rank=r, role="decode", address=b"a%d" % r, incarnation=7, segment=None,
-                         num_pages=0, page_size=16, capacity_tokens=0, context_length=0,
-                         host="h", pid=1) for r in (0, 1)}
+    cards = {
+        r: RankCard(
+            rank=r,
+            role="decode",
+            address=b"a%d" % r,
+            incarnation=7,
+            segment=None,
+            num_pages=0,
+            page_size=16,
+            capacity_tokens=0,
+            context_length=0,
+            host="h",
+            pid=1,
+        )
+        for r in (0, 1)
+    }
     return RankRuntime(0, engine, cards)
 
 
@@ -226,7 +286,7 @@ def test_a_send_that_fails_after_posting_is_reported(watched, monkeypatch):
     engine.sent[1].fail("connection reset by peer")
     rt.pump(0)
     if not watched:
-        assert reported == [] and rt.counters.send_failures == 0   # the test sees the miss
+        assert reported == [] and rt.counters.send_failures == 0  # the test sees the miss
         return
     assert len(reported) == 1 and reported[0][0] == 1 and "connection reset" in reported[0][1]
     assert rt.counters.send_failures == 1
@@ -243,16 +303,39 @@ def test_deferred_work_runs_after_the_messages_that_arrived_meanwhile():
 
     def on_message(msg) -> None:
         order.append(msg.kind)
-        if msg.kind == "PREFILL":      # a long step; an ABORT arrives during it
+        if msg.kind == "PREFILL":  # a long step; an ABORT arrives during it
             rt.defer(lambda: order.append("sequel"))
-            engine.arriving.append(m.encode(m.ABORT.make(
-                src=1, inc=7, seq=2, rid="r", owner=2, writers=[1], source="client",
-                reason="gone")))
+            engine.arriving.append(
+                m.encode(
+                    m.ABORT.make(
+                        src=1,
+                        inc=7,
+                        seq=2,
+                        rid="r",
+                        owner=2,
+                        writers=[1],
+                        source="client",
+                        reason="gone",
+                    )
+                )
+            )
 
     rt.set_handlers({k: on_message for k in Kind}, role="test")
-    engine.arriving.append(m.encode(m.PREFILL.make(src=1, inc=7, seq=1, rid="r",
-                                                   tokens=b"\0" * 64, offset=0, total=16,
-                                                   owner=2, owner_inc=7)))
+    engine.arriving.append(
+        m.encode(
+            m.PREFILL.make(
+                src=1,
+                inc=7,
+                seq=1,
+                rid="r",
+                tokens=b"\0" * 64,
+                offset=0,
+                total=16,
+                owner=2,
+                owner_inc=7,
+            )
+        )
+    )
     rt.pump(0)
     assert order == ["PREFILL"]
     rt.pump(0)

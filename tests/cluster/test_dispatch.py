@@ -1,5 +1,6 @@
 """Every role handles every message kind that can be sent to it (messages.SENDS), through
 the one dispatch scheme (a handler table per role, RankRuntime.set_handlers)."""
+
 from __future__ import annotations
 
 import pytest
@@ -49,10 +50,17 @@ class _Installed:
 def test_the_ranks_install_exactly_their_tables():
     from kvferry.engine.models import ReplayConfig, ReplayModel
     from kvferry.engine.pool import KVPool
+
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     owner_rt, writer_rt = _Installed(), _Installed()
-    DecodeRank(owner_rt, model, KVPool(model.pool_config(16, 8)), 0, transfer_timeout_s=1,
-               abort_deadline_s=1)
+    DecodeRank(
+        owner_rt,
+        model,
+        KVPool(model.pool_config(16, 8)),
+        0,
+        transfer_timeout_s=1,
+        abort_deadline_s=1,
+    )
     PrefillRank(writer_rt, model, KVPool(model.pool_config(16, 8)), None, (0, 2), 0)
     assert set(owner_rt.handlers) == OWNER_RECEIVES and owner_rt.role == "decode"
     assert set(writer_rt.handlers) == WRITER_RECEIVES and writer_rt.role == "prefill"

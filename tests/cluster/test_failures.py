@@ -10,6 +10,7 @@
 - A hypothesis fuzz of bodies, charsets, content types and nesting: never a 5xx for bad
   input, the server healthy after, no page held.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,24 @@ from kvferry.cluster.harness.workload import expected_replay, make_prompt
 pytestmark = pytest.mark.slow
 
 LONG = 70_000
-ARGS = ["--page-size", "1", "--context-length", "80000", "--pool-tokens", "80000",
-        "--layers", "1", "--kv-heads", "1", "--q-heads", "1", "--head-dim", "24",
-        "--dtype", "fp16"]
+ARGS = [
+    "--page-size",
+    "1",
+    "--context-length",
+    "80000",
+    "--pool-tokens",
+    "80000",
+    "--layers",
+    "1",
+    "--kv-heads",
+    "1",
+    "--q-heads",
+    "1",
+    "--head-dim",
+    "24",
+    "--dtype",
+    "fp16",
+]
 # (point, marker in the prompt, prompt length): owners know no prompt text, so theirs are
 # matched on "prompt_len=N"
 POINTS = [
@@ -54,8 +70,12 @@ def _faults(points) -> list[str]:
 
 @pytest.fixture(scope="module")
 def faulty_cluster(tmp_path_factory):
-    c = start(3, [*ARGS, "--request-timeout", "60", *_faults(POINTS)],
-              tmp_path_factory.mktemp("faulty"), startup_s=120.0)
+    c = start(
+        3,
+        [*ARGS, "--request-timeout", "60", *_faults(POINTS)],
+        tmp_path_factory.mktemp("faulty"),
+        startup_s=120.0,
+    )
     yield c
     c.stop()
 
@@ -65,7 +85,7 @@ def test_an_exception_at_any_step_of_a_long_request_ends_it_and_frees_its_pages(
     for point, marker, length in POINTS:
         prompt = make_prompt(marker, length)
         reply = c.complete(prompt, 8, timeout=120)
-        if point == "after-notice":    # the writer had finished its part: the answer stands
+        if point == "after-notice":  # the writer had finished its part: the answer stands
             assert reply.status in (200, 500), (point, reply)
             if reply.status == 200:
                 assert reply.body["text"] == expected_replay(prompt, 8)
@@ -84,8 +104,12 @@ def test_an_exception_at_any_step_of_a_long_request_ends_it_and_frees_its_pages(
 def test_swallowed_exceptions_leave_requests_unanswered_until_their_deadline(tmp_path):
     """The broken mode: the same faults, with exceptions logged and dropped."""
     points = [p for p in POINTS if p[0] in ("owner-notice", "router-dispatch")]
-    c = start(3, [*ARGS, "--request-timeout", "6", "--fault", "swallow-errors",
-                  *_faults(points)], tmp_path, startup_s=120.0)
+    c = start(
+        3,
+        [*ARGS, "--request-timeout", "6", "--fault", "swallow-errors", *_faults(points)],
+        tmp_path,
+        startup_s=120.0,
+    )
     try:
         statuses = {p: c.complete(make_prompt(m, n), 8, timeout=120) for p, m, n in points}
         # no prompt error with the request id: the owner's failure waits for the deadline
@@ -98,25 +122,41 @@ def test_swallowed_exceptions_leave_requests_unanswered_until_their_deadline(tmp
 
 
 # ---------------------------------------------------------------- front door fuzz
-CHARSETS = [None, "utf-8", "UTF8", "us-ascii", "latin-1", "utf-16", "utf-7", "bogus", "",
-            "x" * 300]
-TYPES = [None, "application/json", "text/plain", "application/x-www-form-urlencoded",
-         ";;==", "application/json; charset=\"unterminated", "*/*"]
+CHARSETS = [None, "utf-8", "UTF8", "us-ascii", "latin-1", "utf-16", "utf-7", "bogus", "", "x" * 300]
+TYPES = [
+    None,
+    "application/json",
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    ";;==",
+    'application/json; charset="unterminated',
+    "*/*",
+]
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=20)
-anything = st.characters(codec=None, exclude_categories=())   # lone surrogates included
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+anything = st.characters(codec=None, exclude_categories=())  # lone surrogates included
 requests_ = st.one_of(
     st.binary(max_size=512).map(lambda b: ("raw", b)),
     json_values.map(lambda v: ("json", v)),
-    st.fixed_dictionaries({
-        "prompt": st.one_of(st.text(anything, max_size=40), json_values),
-        "max_tokens": st.one_of(st.integers(-5, 64), st.integers(10 ** 5, 10 ** 30), st.floats(),
-                                st.text(max_size=5),
-                                st.booleans(), st.none()),
-        "stream": st.one_of(st.booleans(), st.integers(0, 2), st.text(max_size=3)),
-    }).map(lambda v: ("json", v)),
+    st.fixed_dictionaries(
+        {
+            "prompt": st.one_of(st.text(anything, max_size=40), json_values),
+            "max_tokens": st.one_of(
+                st.integers(-5, 64),
+                st.integers(10**5, 10**30),
+                st.floats(),
+                st.text(max_size=5),
+                st.booleans(),
+                st.none(),
+            ),
+            "stream": st.one_of(st.booleans(), st.integers(0, 2), st.text(max_size=3)),
+        }
+    ).map(lambda v: ("json", v)),
     st.integers(1, 200_000).map(lambda n: ("raw", b"[" * n + b"]" * n)),
     st.integers(1, 200_000).map(lambda n: ("raw", b'{"prompt": ' + b"[" * n + b"]" * n + b"}")),
 )
@@ -136,16 +176,23 @@ def _post(c: LocalCluster, body: bytes, content_type: str | None) -> int:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(request=requests_, ctype=st.sampled_from(TYPES), charset=st.sampled_from(CHARSETS),
-       encoding=st.sampled_from(["utf-8", "utf-16", "latin-1"]))
-def test_front_door_never_answers_5xx_to_bad_input(faulty_cluster, request, ctype, charset,
-                                                   encoding):
+@given(
+    request=requests_,
+    ctype=st.sampled_from(TYPES),
+    charset=st.sampled_from(CHARSETS),
+    encoding=st.sampled_from(["utf-8", "utf-16", "latin-1"]),
+)
+def test_front_door_never_answers_5xx_to_bad_input(
+    faulty_cluster, request, ctype, charset, encoding
+):
     how, value = request
     if how == "raw":
         body = value
     else:
         text = json.dumps(value, ensure_ascii=False)
-        body = text.encode(encoding, errors="surrogatepass" if encoding.startswith("utf") else "replace")
+        body = text.encode(
+            encoding, errors="surrogatepass" if encoding.startswith("utf") else "replace"
+        )
     header = ctype if ctype is None or charset is None else f"{ctype}; charset={charset}"
     status = _post(faulty_cluster, body, header)
     assert status < 500, (status, body[:200], header)

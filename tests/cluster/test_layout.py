@@ -9,6 +9,7 @@
 Each check also runs on a small synthetic tree holding one violating import of each kind,
 which it must report (the broken mode).
 """
+
 from __future__ import annotations
 
 import ast
@@ -18,8 +19,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Folder -> import name, as pyproject.toml's package-dir maps them.
-PACKAGES = {"transfer": "kvferry.transfer", "engine": "kvferry.engine",
-            "cluster": "kvferry.cluster"}
+PACKAGES = {
+    "transfer": "kvferry.transfer",
+    "engine": "kvferry.engine",
+    "cluster": "kvferry.cluster",
+}
 
 
 def module_name(root: Path, path: Path) -> tuple[str, bool]:
@@ -43,7 +47,7 @@ def imported_modules(source: str, module: str, is_pkg: bool) -> list[tuple[int, 
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 target = ".".join([*base, node.module] if node.module else base)
             else:
                 target = node.module or ""
@@ -52,15 +56,19 @@ def imported_modules(source: str, module: str, is_pkg: bool) -> list[tuple[int, 
         elif isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            if (name in ("import_module", "__import__") and node.args
-                    and isinstance(node.args[0], ast.Constant)
-                    and isinstance(node.args[0].value, str)):
+            if (
+                name in ("import_module", "__import__")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 out.append((node.lineno, node.args[0].value))
     return out
 
 
-def violations(root: Path, folder: str, forbidden: tuple[str, ...],
-               skip: tuple[str, ...] = ()) -> list[str]:
+def violations(
+    root: Path, folder: str, forbidden: tuple[str, ...], skip: tuple[str, ...] = ()
+) -> list[str]:
     """``path:line imports name`` for each import under ``root/folder`` of a module in
     ``forbidden`` (or below one), leaving out files under the folders in ``skip``."""
     found = []
@@ -113,53 +121,75 @@ def tree(tmp_path):
     for folder in ("transfer", "engine", "cluster", "cluster/harness"):
         write(tmp_path, f"{folder}/__init__.py", "")
     write(tmp_path, "transfer/engine.py", "import os\nfrom .wire import pack\n")
-    write(tmp_path, "engine/pool.py", "from kvferry.transfer import TransferEngine\n"
-                                      "from ..transfer import wire\n")
-    write(tmp_path, "cluster/router.py", "from kvferry.engine.pool import KVPool\n"
-                                         "from .messages import Hello\n"
-                                         "cmd = ['-m', 'kvferry.cluster.harness.workload']\n")
-    write(tmp_path, "cluster/harness/soak.py", "from . import workload\n"
-                                               "from ..router import latency_summary\n"
-                                               "from kvferry.cluster.harness import netns\n")
+    write(
+        tmp_path,
+        "engine/pool.py",
+        "from kvferry.transfer import TransferEngine\nfrom ..transfer import wire\n",
+    )
+    write(
+        tmp_path,
+        "cluster/router.py",
+        "from kvferry.engine.pool import KVPool\n"
+        "from .messages import Hello\n"
+        "cmd = ['-m', 'kvferry.cluster.harness.workload']\n",
+    )
+    write(
+        tmp_path,
+        "cluster/harness/soak.py",
+        "from . import workload\n"
+        "from ..router import latency_summary\n"
+        "from kvferry.cluster.harness import netns\n",
+    )
     assert service_imports_harness(tmp_path) == []
     assert transfer_imports_above(tmp_path) == []
     assert engine_imports_cluster(tmp_path) == []
     return tmp_path
 
 
-@pytest.mark.parametrize("rel,source", [
-    ("cluster/cli.py", "from kvferry.cluster.harness.workload import main\n"),
-    ("cluster/cli.py", "import kvferry.cluster.harness\n"),
-    ("cluster/cli.py", "from kvferry.cluster import harness\n"),
-    ("cluster/cli.py", "def f():\n    from .harness.workload import main\n"),
-    ("cluster/cli.py", "from . import harness\n"),
-    ("cluster/sub/__init__.py", "from ..harness import localcluster\n"),
-    ("cluster/cli.py", "import importlib\nimportlib.import_module('kvferry.cluster.harness.soak')\n"),
-])
+@pytest.mark.parametrize(
+    "rel,source",
+    [
+        ("cluster/cli.py", "from kvferry.cluster.harness.workload import main\n"),
+        ("cluster/cli.py", "import kvferry.cluster.harness\n"),
+        ("cluster/cli.py", "from kvferry.cluster import harness\n"),
+        ("cluster/cli.py", "def f():\n    from .harness.workload import main\n"),
+        ("cluster/cli.py", "from . import harness\n"),
+        ("cluster/sub/__init__.py", "from ..harness import localcluster\n"),
+        (
+            "cluster/cli.py",
+            "import importlib\nimportlib.import_module('kvferry.cluster.harness.soak')\n",
+        ),
+    ],
+)
 def test_broken_mode_service_importing_harness_is_reported(tree, rel, source):
     write(tree, rel, source)
     found = service_imports_harness(tree)
     assert found and all(f.startswith(rel) for f in found), found
 
 
-@pytest.mark.parametrize("source", [
-    "from kvferry.engine.pool import KVPool\n",
-    "import kvferry.cluster.router\n",
-    "from ..engine import pool\n",
-    "from .. import cluster\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from kvferry.engine.pool import KVPool\n",
+        "import kvferry.cluster.router\n",
+        "from ..engine import pool\n",
+        "from .. import cluster\n",
+    ],
+)
 def test_broken_mode_transfer_importing_above_is_reported(tree, source):
     write(tree, "transfer/batch.py", source)
     found = transfer_imports_above(tree)
     assert found and all(f.startswith("transfer/batch.py:1 ") for f in found), found
 
 
-@pytest.mark.parametrize("source", [
-    "from kvferry.cluster.messages import Hello\n",
-    "from ...cluster import router\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from kvferry.cluster.messages import Hello\n",
+        "from ...cluster import router\n",
+    ],
+)
 def test_broken_mode_engine_importing_cluster_is_reported(tree, source):
     write(tree, "engine/kernels/paged.py", source)
     found = engine_imports_cluster(tree)
     assert found and all(f.startswith("engine/kernels/paged.py:1 ") for f in found), found
-

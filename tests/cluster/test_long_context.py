@@ -1,6 +1,7 @@
 """The long-context check in CI (see kvferry.cluster.harness.longcontext): the incident's prompt
 lengths, served or refused with 400, every pool all-free after. Each case prints its
 timings as JSON lines (pytest -s shows them)."""
+
 from __future__ import annotations
 
 import json

@@ -1,15 +1,14 @@
 """How a writer sizes its batches and how a decoding owner shares its time with the
 transfers into it (the loaded-owner case: over tcp the owner's own progress moves the
 bytes), each with its broken mode."""
+
 from __future__ import annotations
 
-from kvferry.engine.protocol.words import Kind
-
 import pytest
+from test_cluster_units import _Engine, _runtime
 
 from kvferry.cluster.batching import MIN_BATCH_BYTES, BatchSizer
-
-from test_cluster_units import _Engine, _runtime
+from kvferry.engine.protocol.words import Kind
 
 GIB = 1 << 30
 
@@ -25,18 +24,18 @@ def test_batches_take_what_the_measured_rate_moves_in_the_target_time(measured):
     if not measured:
         sizer.batch_bytes = lambda owner: sizer.max_bytes
     first = sizer.batch_bytes(2)
-    sizer.settled(2, 16 << 20, (16 << 20) / 100e6)          # 100 MB/s, as tcp under load
+    sizer.settled(2, 16 << 20, (16 << 20) / 100e6)  # 100 MB/s, as tcp under load
     slow = sizer.batch_bytes(2)
     if not measured:
-        assert slow / 100e6 > 5.0          # the test catches the batch past the deadline
+        assert slow / 100e6 > 5.0  # the test catches the batch past the deadline
         return
     assert first == MIN_BATCH_BYTES
     assert slow / 100e6 <= 0.5 + 1e-9 and slow >= MIN_BATCH_BYTES
     for _ in range(8):
-        sizer.settled(3, 256 << 20, (256 << 20) / 20e9)     # a fast copy
-    assert sizer.batch_bytes(3) == GIB                     # capped at the bound
-    assert sizer.batch_bytes(2) == slow                    # per owner
-    sizer.settled(2, 1 << 10, 1.0)                         # too small to say anything
+        sizer.settled(3, 256 << 20, (256 << 20) / 20e9)  # a fast copy
+    assert sizer.batch_bytes(3) == GIB  # capped at the bound
+    assert sizer.batch_bytes(2) == slow  # per owner
+    sizer.settled(2, 1 << 10, 1.0)  # too small to say anything
     assert sizer.batch_bytes(2) == slow
 
 
@@ -54,16 +53,17 @@ def test_a_decoding_owner_keeps_progressing_while_the_wire_is_busy(drains, monke
     rt.set_handlers({k: lambda msg: got.append(msg.rid) for k in Kind}, role="test")
     arrivals = [m.encode(m.ABORT_ACK.make(src=1, inc=7, seq=i + 1, rid=f"r{i}")) for i in range(20)]
 
-    def progress(timeout_s=0, stay_awake=False):   # one message per poll, as a busy socket
+    def progress(timeout_s=0, stay_awake=False):  # one message per poll, as a busy socket
         if arrivals:
             engine.handler(b"rank1", arrivals.pop(0))
             return 1
         return 0
+
     engine.progress = progress
     if not drains:
         monkeypatch.setattr(RankRuntime, "progress_for", lambda self, budget_s: self.pump(0.0))
     rt.progress_for(1.0)
     if not drains:
-        assert len(got) == 1               # the test catches the starved transfers
+        assert len(got) == 1  # the test catches the starved transfers
         return
     assert got == [f"r{i}" for i in range(20)]

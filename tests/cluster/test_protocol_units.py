@@ -1,5 +1,6 @@
 """The protocol roles against a recording runtime, no processes: what a rank does with
 messages that arrive late, early, twice or out of order."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,6 @@ import pytest
 
 from kvferry.cluster import messages as m
 from kvferry.cluster.decode import DecodeRank, OwnerState
-from kvferry.engine.protocol.owner import OwnerBook
-from kvferry.engine.protocol.words import Kind
 from kvferry.cluster.faults import FaultPlan
 from kvferry.cluster.metrics import ClusterMetrics
 from kvferry.cluster.prefill import PrefillRank
@@ -21,6 +20,8 @@ from kvferry.cluster.router import Router
 from kvferry.cluster.topology import Topology
 from kvferry.engine.models import ReplayConfig, ReplayModel
 from kvferry.engine.pool import KVPool
+from kvferry.engine.protocol.owner import OwnerBook
+from kvferry.engine.protocol.words import Kind
 
 
 class _Done:
@@ -28,6 +29,7 @@ class _Done:
 
     def status(self):
         from kvferry.transfer import BatchStatus
+
         return BatchStatus.COMPLETED
 
     error = None
@@ -43,7 +45,7 @@ class RecordingRuntime:
         self.handler = None
         self.on_send_failure = None
         self.deferred: list = []
-        self.defer_at_once = False   # broken mode: deferred work runs inside the handler
+        self.defer_at_once = False  # broken mode: deferred work runs inside the handler
 
     def set_handlers(self, handlers, role) -> None:
         self.handlers = handlers
@@ -98,7 +100,7 @@ def _writer(tombstones_kept: bool = True) -> tuple[PrefillRank, RecordingRuntime
     pool = KVPool(model.pool_config(16, 64))
     rt = RecordingRuntime(rank=1)
     writer = PrefillRank(rt, model, pool, segment=None, head_range=(0, 2), router=0)
-    if not tombstones_kept:      # the broken mode: a writer that forgets aborted requests
+    if not tombstones_kept:  # the broken mode: a writer that forgets aborted requests
         writer.tombstones = _Forgetful()
     return writer, rt
 
@@ -114,16 +116,24 @@ def test_an_abort_that_overtakes_its_request_keeps_it_from_transfer(tombstones_k
     at once and never writes; a writer without tombstones would write the pages."""
     writer, rt = _writer(tombstones_kept)
     rt.deliver(m.ABORT, src=0, rid="r1", owner=2, writers=[1], source="client", reason="gone")
-    assert rt.kinds() == ["RELEASED", "ABORT_ACK"]   # none of the router's reservation held
+    assert rt.kinds() == ["RELEASED", "ABORT_ACK"]  # none of the router's reservation held
     rt.deliver(m.PLAN, src=2, rid="r1", offset=0, total=2, pages=[5, 6], generations=[1, 1])
-    rt.deliver(m.PREFILL, src=0, rid="r1", tokens=np.arange(20, dtype="<i4").tobytes(),
-               offset=0, total=20, owner=2, owner_inc=1)
+    rt.deliver(
+        m.PREFILL,
+        src=0,
+        rid="r1",
+        tokens=np.arange(20, dtype="<i4").tobytes(),
+        offset=0,
+        total=20,
+        owner=2,
+        owner_inc=1,
+    )
     rt.pump()
     if tombstones_kept:
         assert rt.writes == [] and "NOTICE" not in rt.kinds()
         assert writer.allocator.counts()["owned"] == 0
     else:
-        assert rt.writes and "NOTICE" in rt.kinds()   # the test catches the broken writer
+        assert rt.writes and "NOTICE" in rt.kinds()  # the test catches the broken writer
 
 
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "broken-at-once"])
@@ -135,15 +145,23 @@ def test_an_abort_that_arrives_during_the_prefill_keeps_it_from_transfer(deferre
     writer, rt = _writer()
     rt.defer_at_once = not deferred
     rt.deliver(m.PLAN, src=2, rid="r3", offset=0, total=2, pages=[5, 6], generations=[1, 1])
-    rt.deliver(m.PREFILL, src=0, rid="r3", tokens=np.arange(20, dtype="<i4").tobytes(),
-               offset=0, total=20, owner=2, owner_inc=1)
+    rt.deliver(
+        m.PREFILL,
+        src=0,
+        rid="r3",
+        tokens=np.arange(20, dtype="<i4").tobytes(),
+        offset=0,
+        total=20,
+        owner=2,
+        owner_inc=1,
+    )
     rt.deliver(m.ABORT, src=0, rid="r3", owner=2, writers=[1], source="client", reason="gone")
     rt.pump()
     if deferred:
         assert rt.writes == [] and rt.kinds() == ["ABORT_ACK", "RELEASED"]
         assert writer.allocator.counts()["owned"] == 0
     else:
-        assert rt.writes and "NOTICE" in rt.kinds()   # the test catches the broken order
+        assert rt.writes and "NOTICE" in rt.kinds()  # the test catches the broken order
 
 
 class _CountingLayers(ReplayModel):
@@ -168,11 +186,26 @@ def test_an_abort_during_a_long_prefill_stops_it_between_layers(slice_s):
     the ABORT, and the test sees it."""
     model = _CountingLayers(ReplayConfig(layers=4, kv_heads=2, head_dim=32, max_positions=4096))
     rt = RecordingRuntime(rank=1)
-    writer = PrefillRank(rt, model, KVPool(model.pool_config(16, 64)), segment=None,
-                         head_range=(0, 2), router=0, prefill_slice_s=slice_s)
+    writer = PrefillRank(
+        rt,
+        model,
+        KVPool(model.pool_config(16, 64)),
+        segment=None,
+        head_range=(0, 2),
+        router=0,
+        prefill_slice_s=slice_s,
+    )
     rt.deliver(m.PLAN, src=2, rid="r8", offset=0, total=2, pages=[5, 6], generations=[1, 1])
-    rt.deliver(m.PREFILL, src=0, rid="r8", tokens=np.arange(20, dtype="<i4").tobytes(),
-               offset=0, total=20, owner=2, owner_inc=1)
+    rt.deliver(
+        m.PREFILL,
+        src=0,
+        rid="r8",
+        tokens=np.arange(20, dtype="<i4").tobytes(),
+        offset=0,
+        total=20,
+        owner=2,
+        owner_inc=1,
+    )
     rt.deliver(m.ABORT, src=0, rid="r8", owner=2, writers=[1], source="client", reason="gone")
     rt.pump()
     rt.pump()
@@ -181,17 +214,32 @@ def test_an_abort_during_a_long_prefill_stops_it_between_layers(slice_s):
         assert rt.writes == [] and rt.kinds() == ["ABORT_ACK", "RELEASED"]
         assert writer.allocator.counts()["owned"] == 0
     else:
-        assert model.computed == 4   # the test catches the prefill that never yields
+        assert model.computed == 4  # the test catches the prefill that never yields
 
 
 def test_a_prefill_that_yields_between_layers_still_runs_them_all_and_writes():
     model = _CountingLayers(ReplayConfig(layers=4, kv_heads=2, head_dim=32, max_positions=4096))
     rt = RecordingRuntime(rank=1)
-    PrefillRank(rt, model, KVPool(model.pool_config(16, 64)), segment=None, head_range=(0, 2),
-                router=0, prefill_slice_s=0.0)
+    PrefillRank(
+        rt,
+        model,
+        KVPool(model.pool_config(16, 64)),
+        segment=None,
+        head_range=(0, 2),
+        router=0,
+        prefill_slice_s=0.0,
+    )
     rt.deliver(m.PLAN, src=2, rid="r9", offset=0, total=2, pages=[5, 6], generations=[1, 1])
-    rt.deliver(m.PREFILL, src=0, rid="r9", tokens=np.arange(20, dtype="<i4").tobytes(),
-               offset=0, total=20, owner=2, owner_inc=1)
+    rt.deliver(
+        m.PREFILL,
+        src=0,
+        rid="r9",
+        tokens=np.arange(20, dtype="<i4").tobytes(),
+        offset=0,
+        total=20,
+        owner=2,
+        owner_inc=1,
+    )
     for _ in range(5):
         rt.pump()
     assert model.computed == 4
@@ -199,7 +247,7 @@ def test_a_prefill_that_yields_between_layers_still_runs_them_all_and_writes():
 
 
 def test_a_writer_acks_again_when_the_owner_asks_again():
-    writer, rt = _writer()
+    _, rt = _writer()
     for _ in range(2):
         rt.deliver(m.ABORT, src=2, rid="r2", owner=2, writers=[1], source="transfer", reason="t")
     assert rt.kinds() == ["RELEASED", "ABORT_ACK", "ABORT_ACK"]
@@ -232,14 +280,22 @@ class TimedRuntime(RecordingRuntime):
 def _owner(integrity: bool = True) -> tuple[DecodeRank, TimedRuntime]:
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     rt = TimedRuntime(rank=2)
-    owner = DecodeRank(rt, model, KVPool(model.pool_config(16, 64)), router=0,
-                       transfer_timeout_s=5.0, abort_deadline_s=1.0, integrity=integrity)
+    owner = DecodeRank(
+        rt,
+        model,
+        KVPool(model.pool_config(16, 64)),
+        router=0,
+        transfer_timeout_s=5.0,
+        abort_deadline_s=1.0,
+        integrity=integrity,
+    )
     return owner, rt
 
 
 @pytest.mark.parametrize("every_writer", [True, False], ids=["every-writer", "broken-first-ack"])
-def test_acks_that_overtake_the_abort_release_only_once_every_writer_acked(every_writer,
-                                                                         monkeypatch):
+def test_acks_that_overtake_the_abort_release_only_once_every_writer_acked(
+    every_writer, monkeypatch
+):
     """The router tells the writers before the owner, so a writer's ack can reach the
     owner before the ABORT does. The owner treats the first ack as the abort: it
     quarantines the pages, leaves asking the other writer to its first retry (the router
@@ -249,13 +305,12 @@ def test_acks_that_overtake_the_abort_release_only_once_every_writer_acked(every
     if not every_writer:
         monkeypatch.setattr(OwnerBook, "writers_done", lambda self: bool(self.acked))
     owner, rt = _owner()
-    rt.deliver(m.ASSIGN, src=0, rid="r5", prompt_len=40, max_tokens=8, writers=[1, 3],
-               last_token=7)
+    rt.deliver(m.ASSIGN, src=0, rid="r5", prompt_len=40, max_tokens=8, writers=[1, 3], last_token=7)
     assert owner.allocator.counts()["owned"] == 3
     rt.sent.clear()
     rt.deliver(m.ABORT_ACK, src=1, rid="r5")
     if not every_writer:
-        assert "RELEASED" in rt.kinds()   # the test catches the early release
+        assert "RELEASED" in rt.kinds()  # the test catches the early release
         return
     assert owner.reqs["r5"].state is OwnerState.QUARANTINED
     assert owner.allocator.counts()["quarantined"] == 3
@@ -270,7 +325,7 @@ def test_acks_that_overtake_the_abort_release_only_once_every_writer_acked(every
     assert owner.allocator.counts()["quarantined"] == 0
     assert owner.allocator.counts()["free"] == 64
     rt.deliver(m.ABORT, src=0, rid="r5", owner=2, writers=[1, 3], source="client", reason="gone")
-    assert [k for _, k, _ in rt.sent].count("RELEASED") == 1   # the late ABORT finds a tombstone
+    assert [k for _, k, _ in rt.sent].count("RELEASED") == 1  # the late ABORT finds a tombstone
 
 
 def test_an_ack_that_overtakes_the_abort_during_decode_stops_the_request():
@@ -278,13 +333,22 @@ def test_an_ack_that_overtakes_the_abort_during_decode_stops_the_request():
     arrives first. The owner stops decoding and frees the pages at once ("freed": the
     notices, not the ack, proved the writes done)."""
     owner, rt = _owner(integrity=False)
-    rt.deliver(m.ASSIGN, src=0, rid="r7", prompt_len=40, max_tokens=8, writers=[1],
-               last_token=7)
+    rt.deliver(m.ASSIGN, src=0, rid="r7", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
     plan = next(f for _, k, f in rt.sent if k == "PLAN")
     slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
-    rt.deliver(m.NOTICE, src=1, rid="r7", tokens=40, offset=0, total=3, pages=plan["pages"][:3],
-               generations=plan["generations"][:3], checksums=[], bytes=3 * slice_bytes)
-    rt.pump()   # the checks run from the loop, in slices
+    rt.deliver(
+        m.NOTICE,
+        src=1,
+        rid="r7",
+        tokens=40,
+        offset=0,
+        total=3,
+        pages=plan["pages"][:3],
+        generations=plan["generations"][:3],
+        checksums=[],
+        bytes=3 * slice_bytes,
+    )
+    rt.pump()  # the checks run from the loop, in slices
     assert owner.busy() and owner.step()
     rt.sent.clear()
     rt.deliver(m.ABORT_ACK, src=1, rid="r7")
@@ -294,8 +358,7 @@ def test_an_ack_that_overtakes_the_abort_during_decode_stops_the_request():
 
 
 @pytest.mark.parametrize("retries", [True, False], ids=["retries", "broken-no-retry"])
-def test_the_owner_asks_writers_again_only_after_the_routers_abort_had_time(retries,
-                                                                            monkeypatch):
+def test_the_owner_asks_writers_again_only_after_the_routers_abort_had_time(retries, monkeypatch):
     """The router's ABORT went to the writers too, so the owner does not repeat it at
     once; if the router's copy to a writer was lost, the owner's first retry asks it,
     well inside the abort deadline. Broken mode (an owner that leaves asking to the
@@ -304,14 +367,13 @@ def test_the_owner_asks_writers_again_only_after_the_routers_abort_had_time(retr
     if not retries:
         monkeypatch.setattr(DecodeRank, "_arm_retry", lambda self, req: None)
     owner, rt = _owner()
-    rt.deliver(m.ASSIGN, src=0, rid="r6", prompt_len=40, max_tokens=8, writers=[1],
-               last_token=7)
+    rt.deliver(m.ASSIGN, src=0, rid="r6", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
     rt.sent.clear()
     rt.deliver(m.ABORT, src=0, rid="r6", owner=2, writers=[1], source="client", reason="gone")
     assert rt.kinds() == [] and owner.reqs["r6"].state is OwnerState.QUARANTINED
     early = [t for t in rt.timers if t.delay < owner.abort_deadline_s and not t.cancelled]
     if not retries:
-        assert early == []          # the test catches the missing retry
+        assert early == []  # the test catches the missing retry
         assert owner.allocator.counts()["quarantined"] == 3
         return
     assert len(early) == 1
@@ -323,22 +385,39 @@ def test_the_owner_asks_writers_again_only_after_the_routers_abort_had_time(retr
 
 # ---------------------------------------------------------------- I6 at the router
 def _card(rank: int, role: str) -> RankCard:
-    return RankCard(rank=rank, role=role, address=b"", incarnation=1, segment=None,
-                    num_pages=64, page_size=16, capacity_tokens=1024, context_length=1024,
-                    host="h", pid=rank)
+    return RankCard(
+        rank=rank,
+        role=role,
+        address=b"",
+        incarnation=1,
+        segment=None,
+        num_pages=64,
+        page_size=16,
+        capacity_tokens=1024,
+        context_length=1024,
+        host="h",
+        pid=rank,
+    )
 
 
 def _routed():
     cards = {0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "decode")}
     rt = RecordingRuntime(rank=0, cards=cards)
-    router = Router(rt, Topology(3, 1, 1), cards, context_length=1024, request_timeout_s=30,
-                    admission_wait_s=1, metrics=ClusterMetrics())
+    router = Router(
+        rt,
+        Topology(3, 1, 1),
+        cards,
+        context_length=1024,
+        request_timeout_s=30,
+        admission_wait_s=1,
+        metrics=ClusterMetrics(),
+    )
     return router, rt
 
 
 def _chunks(text: str, size: int) -> list[tuple[int, list[int]]]:
     codes = list(text.encode())
-    return [(i, codes[i:i + size]) for i in range(0, len(codes), size)]
+    return [(i, codes[i : i + size]) for i in range(0, len(codes), size)]
 
 
 @pytest.mark.parametrize("order", ["in order", "reversed"])
@@ -351,13 +430,21 @@ def test_router_answers_the_tokens_in_their_place_whatever_the_arrival_order(ord
             chunks.reverse()
         for offset, toks in chunks[:-1]:
             rt.deliver(m.TOKENS, src=2, rid=routed.rid, offset=offset, tokens=toks)
-        rt.deliver(m.DONE, src=2, rid=routed.rid, outcome="finished", error=None, count=34,
-                   transfer_ms=None)
-        assert routed.outcome is None           # a chunk is still missing: no answer yet
+        rt.deliver(
+            m.DONE,
+            src=2,
+            rid=routed.rid,
+            outcome="finished",
+            error=None,
+            count=34,
+            transfer_ms=None,
+        )
+        assert routed.outcome is None  # a chunk is still missing: no answer yet
         offset, toks = chunks[-1]
         rt.deliver(m.TOKENS, src=2, rid=routed.rid, offset=offset, tokens=toks)
         assert routed.outcome == "ok"
         assert routed.text == "the answer must come back in order"
+
     asyncio.run(run())
 
 
@@ -368,11 +455,19 @@ def test_router_fails_a_request_whose_tokens_never_all_arrive():
         first = _chunks("abcdefghijklmnopqrstuvwxyz0123456789", 16)
         rt.deliver(m.TOKENS, src=2, rid=routed.rid, offset=0, tokens=first[0][1])
         rt.deliver(m.TOKENS, src=2, rid=routed.rid, offset=32, tokens=first[2][1])
-        rt.deliver(m.DONE, src=2, rid=routed.rid, outcome="finished", error=None, count=36,
-                   transfer_ms=None)
+        rt.deliver(
+            m.DONE,
+            src=2,
+            rid=routed.rid,
+            outcome="finished",
+            error=None,
+            count=36,
+            transfer_ms=None,
+        )
         event = await asyncio.wait_for(_until_done(routed), timeout=5)
         assert event[1] == "failed" and "36" in event[2]
-        assert routed.outcome == "failed"       # never ok with a gap in the answer
+        assert routed.outcome == "failed"  # never ok with a gap in the answer
+
     asyncio.run(run())
 
 
@@ -387,52 +482,73 @@ async def _until_done(routed):
 def test_router_times_an_abort_to_the_owners_release(owner_host):
     """On one host the owner's release time is read on the shared monotonic clock; an
     owner on another host is timed until its RELEASED arrives (an upper bound)."""
+
     async def run():
         router, rt = _routed()
         router.cards[2] = dataclasses.replace(router.cards[2], host=owner_host)
         routed = await router.submit("abort me", 8)
         router.abort(routed.rid, "client", "gone")
-        released_ns = routed.aborted_ns + 1_500_000     # the owner released 1.5 ms later
+        released_ns = routed.aborted_ns + 1_500_000  # the owner released 1.5 ms later
         rt.deliver(m.RELEASED, src=1, rid=routed.rid, pages=1, how="aborted")
-        rt.deliver(m.RELEASED, src=2, rid=routed.rid, pages=1, how="acked", abort_ms=0.4,
-                   released_ns=released_ns)
+        rt.deliver(
+            m.RELEASED,
+            src=2,
+            rid=routed.rid,
+            pages=1,
+            how="acked",
+            abort_ms=0.4,
+            released_ns=released_ns,
+        )
         arrived_by_ms = (time.monotonic_ns() - routed.aborted_ns) / 1e6
         times = router.abort_release_summary()["recent_from_router"]
-        assert len(times) == 1                          # the owner's release, not the writer's
+        assert len(times) == 1  # the owner's release, not the writer's
         if owner_host == "h":
             assert times == [1.5]
-        else:                                           # until its RELEASED arrived here
+        else:  # until its RELEASED arrived here
             assert 0.0 <= times[0] <= arrived_by_ms + 1e-3
+
     asyncio.run(run())
 
 
 @pytest.mark.parametrize("checked", [True, False], ids=["checked-at-read", "broken-arrival-only"])
-def test_a_page_that_loses_its_owner_mid_decode_fails_the_request_at_the_next_step(checked,
-                                                                                 monkeypatch):
+def test_a_page_that_loses_its_owner_mid_decode_fails_the_request_at_the_next_step(
+    checked, monkeypatch
+):
     """I5 at every decode step: the request was verified on arrival and decodes; then one
     of its pages' canary names another request (an allocator or page-table bug). The next
     step fails the request with the integrity error and gives it no token. Broken mode
     (checks on arrival only) decodes on over the foreign page, and the test sees it."""
     from kvferry.engine.integrity import Canary, page_checksums, request_id_hash
+
     if not checked:
-        monkeypatch.setattr(DecodeRank, "_still_owned",
-                            lambda self, batch, table: list(range(len(batch))))
+        monkeypatch.setattr(
+            DecodeRank, "_still_owned", lambda self, batch, table: list(range(len(batch)))
+        )
     owner, rt = _owner(integrity=True)
-    rt.deliver(m.ASSIGN, src=0, rid="r11", prompt_len=40, max_tokens=8, writers=[1],
-               last_token=7)
+    rt.deliver(m.ASSIGN, src=0, rid="r11", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
     plan = next(f for _, k, f in rt.sent if k == "PLAN")
     pages, gens = plan["pages"][:3], plan["generations"][:3]
     slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
     sums = page_checksums(owner.pool.kv, pages).tolist()
-    rt.deliver(m.NOTICE, src=1, rid="r11", tokens=40, offset=0, total=3, pages=pages,
-               generations=gens, checksums=sums, bytes=3 * slice_bytes)
+    rt.deliver(
+        m.NOTICE,
+        src=1,
+        rid="r11",
+        tokens=40,
+        offset=0,
+        total=3,
+        pages=pages,
+        generations=gens,
+        checksums=sums,
+        bytes=3 * slice_bytes,
+    )
     rt.pump()
-    assert owner.busy() and owner.step()                   # verified, decoding
+    assert owner.busy() and owner.step()  # verified, decoding
     owner.canaries.stamp([pages[1]], [Canary(request_id_hash("another"), gens[1], 1)])
     rt.sent.clear()
     owner.step()
     if not checked:
-        assert "TOKENS" in rt.kinds() or owner.busy()      # the test catches the read
+        assert "TOKENS" in rt.kinds() or owner.busy()  # the test catches the read
         return
     assert "TOKENS" not in rt.kinds() and not owner.busy()
     done = next(f for _, k, f in rt.sent if k == "DONE")

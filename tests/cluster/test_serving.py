@@ -7,6 +7,7 @@
   the others are unaffected (I5, I6); with integrity checks off, the same corruption goes
   through unnoticed, which shows that the check is what catches it.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,13 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvferry.cluster.config import ServeConfig
-from kvferry.cluster.models import build_model, pool_config
+from kvferry.cluster.harness.localcluster import start
 from kvferry.cluster.harness.workload import expected_replay, make_prompt
+from kvferry.cluster.launch import STATS_INTERVAL_S
+from kvferry.cluster.models import build_model, pool_config
 from kvferry.engine.monolithic import MonolithicEngine
 from kvferry.engine.pool import KVPool
-
-from kvferry.cluster.launch import STATS_INTERVAL_S
-from kvferry.cluster.harness.localcluster import start
 
 pytestmark = pytest.mark.slow
 
@@ -77,9 +77,18 @@ def reported_metric(cluster, name: str, at_least: float, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def p1_cluster(tmp_path_factory):
-    c = start(3, [*COMMON, "--fault", f"corrupt-page:{CORRUPT_MARKER}",
-                  "--fault", f"short-write:{SHORT_MARKER}"],
-              tmp_path_factory.mktemp("p1"), startup_s=90.0)
+    c = start(
+        3,
+        [
+            *COMMON,
+            "--fault",
+            f"corrupt-page:{CORRUPT_MARKER}",
+            "--fault",
+            f"short-write:{SHORT_MARKER}",
+        ],
+        tmp_path_factory.mktemp("p1"),
+        startup_s=90.0,
+    )
     yield c
     c.stop()
 
@@ -87,7 +96,9 @@ def p1_cluster(tmp_path_factory):
 def test_disaggregated_equals_monolithic_p1(p1_cluster):
     prompts = workload(12)
     replies = run_concurrently(p1_cluster, prompts)
-    assert [r.status for r in replies] == [200] * len(prompts), [r.body for r in replies if r.status != 200]
+    assert [r.status for r in replies] == [200] * len(prompts), [
+        r.body for r in replies if r.status != 200
+    ]
     texts = [r.body["text"] for r in replies]
     assert texts == oracle(prompts)
     assert texts == [expected_replay(p, n) for p, n in prompts]
@@ -108,24 +119,30 @@ def test_oversize_prompt_rejected_before_any_page(p1_cluster):
     assert p1_cluster.quiesce() == 0
     st = p1_cluster.status()
     assert all(r["owned"] == 0 and r["quarantined"] == 0 for r in st["ranks"].values())
-    assert all(r["allocations"] == rb for r, rb in zip(
-        st["ranks"].values(), _allocations(before, st)))
+    assert all(
+        r["allocations"] == rb
+        for r, rb in zip(st["ranks"].values(), _allocations(before, st), strict=True)
+    )
     after = p1_cluster.metrics_text()
-    assert metric(after, "kvferry_requests_total", outcome="rejected") == \
-        metric(before, "kvferry_requests_total", outcome="rejected") + 1
+    assert (
+        metric(after, "kvferry_requests_total", outcome="rejected")
+        == metric(before, "kvferry_requests_total", outcome="rejected") + 1
+    )
 
 
 def _allocations(before_metrics: str, status: dict) -> list[int]:
     """Allocation counts per rank from the metrics scraped before the request."""
-    return [int(metric(before_metrics, "kvferry_page_allocations", rank=rank))
-            for rank in status["ranks"]]
+    return [
+        int(metric(before_metrics, "kvferry_page_allocations", rank=rank))
+        for rank in status["ranks"]
+    ]
 
 
 def test_corrupted_page_fails_only_its_request(p1_cluster):
     good = workload(4)
     bad = (make_prompt(CORRUPT_MARKER, 300), 300)
     replies = run_concurrently(p1_cluster, good + [bad])
-    for (p, n), r in zip(good, replies[:-1]):
+    for (p, n), r in zip(good, replies[:-1], strict=True):
         assert r.status == 200 and r.body["text"] == expected_replay(p, n)
     failed = replies[-1]
     assert failed.status == 500, failed.body
@@ -148,7 +165,7 @@ def _incident(cluster) -> tuple[str, object]:
 
 def test_short_write_fails_before_decode(p1_cluster):
     """I5: the notice names 1 page for a 400-token prompt; decode refuses it."""
-    stub, reply = _incident(p1_cluster)
+    _, reply = _incident(p1_cluster)
     assert reply.status == 500, reply.body
     assert "integrity" in reply.body["message"] and "needs 25" in reply.body["message"]
     assert "text" not in reply.body
@@ -158,8 +175,10 @@ def test_short_write_fails_before_decode(p1_cluster):
 def test_short_write_leaks_the_earlier_request_without_the_checks(cluster_factory):
     """The broken mode (unsafe: decode skips its checks) answers 200 with the earlier
     request's text: the incident, which the check above is what prevents."""
-    c = cluster_factory(3, *COMMON, "--unsafe-free-on-abort", "--fault", f"short-write:{SHORT_MARKER}")
-    stub, reply = _incident(c)
+    c = cluster_factory(
+        3, *COMMON, "--unsafe-free-on-abort", "--fault", f"short-write:{SHORT_MARKER}"
+    )
+    _, reply = _incident(c)
     assert reply.status == 200
     assert "@0ld3r@" in reply.body["text"]
 
@@ -177,6 +196,8 @@ def test_tensor_parallel_prefill_group_of_two(cluster_factory):
     c = cluster_factory(4, *COMMON, "--prefill", "2", "--tp", "2")
     prompts = workload(8)
     replies = run_concurrently(c, prompts)
-    assert [r.status for r in replies] == [200] * len(prompts), [r.body for r in replies if r.status != 200]
+    assert [r.status for r in replies] == [200] * len(prompts), [
+        r.body for r in replies if r.status != 200
+    ]
     assert [r.body["text"] for r in replies] == oracle(prompts)
     assert c.quiesce() == 0

@@ -1,6 +1,7 @@
 """I3 through a real cluster: ranks whose measured pool is below the context length refuse
 to start, naming both numbers, unless the operator lowers the context length; then the
 cluster serves the measured capacity and reports it."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,12 +19,13 @@ def test_ranks_refuse_a_pool_below_the_context_length(tmp_path):
 
 
 def test_an_explicitly_lowered_context_length_starts_and_is_reported(cluster_factory):
-    c = cluster_factory(3, "--context-length", "8192", "--pool-tokens", "4096",
-                        "--lower-context-length")
+    c = cluster_factory(
+        3, "--context-length", "8192", "--pool-tokens", "4096", "--lower-context-length"
+    )
     cap = c.call("GET", "/capacity").body
     assert cap["context_length"] == 4096
     assert all(r["capacity_tokens"] == 4096 and r["ok"] for r in cap["ranks"])
-    reply = c.complete("x" * 4000, 200)          # over the lowered length: refused (I1)
+    reply = c.complete("x" * 4000, 200)  # over the lowered length: refused (I1)
     assert reply.status == 400 and reply.body["context_length"] == 4096
     assert "lowered by the operator" in c.log.read_text()
 

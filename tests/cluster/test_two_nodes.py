@@ -4,6 +4,7 @@ over tcp, started with torchrun's static rendezvous as scripts/serve-node.sh doe
 served across the link replays its prompt. Needs root and iproute2; the namespace and the
 link are always removed. A partition of this link mid-transfer is a row of the fault suite
 (``partition@mid-transfer``, tests/faults/test_fault_suite.py)."""
+
 from __future__ import annotations
 
 import subprocess

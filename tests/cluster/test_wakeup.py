@@ -2,6 +2,7 @@
 tick: a message ends the sleep at once, new work from an HTTP handler too, and the runtime
 bounds every sleep by what it has pending. The broken mode (the loop not watching the fd)
 sleeps through the message, which shows the wake-up test can fail."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,10 @@ SEND_AFTER_S = 0.05
 
 @pytest.fixture
 def engines():
-    with TransferEngine(TransferConfig(transports="shm", name="sender")) as a, \
-            TransferEngine(TransferConfig(transports="shm", name="router")) as b:
+    with (
+        TransferEngine(TransferConfig(transports="shm", name="sender")) as a,
+        TransferEngine(TransferConfig(transports="shm", name="router")) as b,
+    ):
         got: list = []
         b.set_message_handler(lambda sender, payload: got.append(payload))
         peer = a.connect(b.address)
@@ -51,7 +54,7 @@ async def sleep_until_message(a, b, peer, watched: bool) -> float:
     loop = asyncio.get_running_loop()
     waker = EngineWaker(b, loop)
     if not watched:
-        loop.remove_reader(b.fileno())   # the loop no longer watches the engine's fd
+        loop.remove_reader(b.fileno())  # the loop no longer watches the engine's fd
     try:
         settle(b)
         loop.call_later(SEND_AFTER_S, lambda: a.send(peer, b"PREFILL"))
@@ -69,8 +72,9 @@ def test_a_message_ends_the_sleep(engines, watched):
     deliver(a, b, got)
     assert got == [b"PREFILL"]
     if watched:
-        assert slept < SLEEP_S / 2, f"slept {slept:.3f} s through a message sent after " \
-                                    f"{SEND_AFTER_S} s"
+        assert slept < SLEEP_S / 2, (
+            f"slept {slept:.3f} s through a message sent after {SEND_AFTER_S} s"
+        )
     else:
         assert slept >= SLEEP_S * 0.9, f"an unwatched fd still woke the loop after {slept:.3f} s"
 
@@ -87,8 +91,9 @@ def test_wake_ends_the_sleep_and_pending_work_skips_it(engines):
             t0 = time.monotonic()
             await waker.sleep(SLEEP_S)
             woken = time.monotonic() - t0
-            a.send(peer, b"queued")      # an event not yet progressed: no sleep at all
-            time.sleep(0.01)
+            a.send(peer, b"queued")  # an event not yet progressed: no sleep at all
+            # block the loop on purpose: the message reaches the socket, unprogressed
+            time.sleep(0.01)  # noqa: ASYNC251
             t0 = time.monotonic()
             while not got:
                 await waker.sleep(SLEEP_S)

@@ -28,7 +28,11 @@ def test_rejection_carries_the_numbers():
         admit("big", 1_000_000, 100_000, context_length=1_048_576, pool_capacity_tokens=681_280)
     e = err.value
     assert (e.request_id, e.prompt_tokens, e.max_tokens, e.context_length, e.capacity_tokens) == (
-        "big", 1_000_000, 100_000, 1_048_576, 681_280,
+        "big",
+        1_000_000,
+        100_000,
+        1_048_576,
+        681_280,
     )
     assert e.http_status == 400
     for number in ("1000000", "100000", "1048576", "681280"):
@@ -65,7 +69,9 @@ def test_quarantined_pages_count_as_used():
     alloc.quarantine("old")
     assert pool_capacity_tokens(alloc, 16) == 96
     with pytest.raises(AdmissionRejected):
-        admit("new", 90, 10, context_length=1000, pool_capacity_tokens=pool_capacity_tokens(alloc, 16))
+        admit(
+            "new", 90, 10, context_length=1000, pool_capacity_tokens=pool_capacity_tokens(alloc, 16)
+        )
 
 
 def _engine(pages=8, context=128):
@@ -87,7 +93,9 @@ def test_engine_rejects_before_allocating(monkeypatch):
     engine = _engine()
     calls = []
     real_allocate = engine.allocator.allocate
-    monkeypatch.setattr(engine.allocator, "allocate", lambda rid, n: calls.append(rid) or real_allocate(rid, n))
+    monkeypatch.setattr(
+        engine.allocator, "allocate", lambda rid, n: calls.append(rid) or real_allocate(rid, n)
+    )
     engine.submit("too-long", "x" * 100, 100)  # 200 > context 128
     assert_rejected_holds_nothing(engine, "too-long")
     assert "too-long" not in calls
@@ -102,7 +110,10 @@ def test_engine_counts_quarantined_pages_as_used():
     assert engine.allocator.counts()["quarantined"] == 1
     engine.submit("fits-context-not-pool", "x" * 40, 10)  # 50 <= 64 context, > 48 usable
     assert_rejected_holds_nothing(engine, "fits-context-not-pool")
-    assert engine.request("fits-context-not-pool").error and "48" in engine.request("fits-context-not-pool").error
+    assert (
+        engine.request("fits-context-not-pool").error
+        and "48" in engine.request("fits-context-not-pool").error
+    )
 
 
 def test_admission_check_fails_when_admission_is_skipped(monkeypatch):

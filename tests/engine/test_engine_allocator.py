@@ -115,7 +115,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(rid=REQUESTS)
     def free_all(self, rid):
         freed = self.alloc.free(rid)
-        assert sorted(freed) == sorted(p for p, (s, o) in self.model.items() if o == rid and s is PageState.OWNED)
+        assert sorted(freed) == sorted(
+            p for p, (s, o) in self.model.items() if o == rid and s is PageState.OWNED
+        )
         for p in freed:
             del self.model[p]
 
@@ -134,14 +136,18 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(rid=REQUESTS)
     def quarantine(self, rid):
         pages = self.alloc.quarantine(rid)
-        assert sorted(pages) == sorted(p for p, (s, o) in self.model.items() if o == rid and s is PageState.OWNED)
+        assert sorted(pages) == sorted(
+            p for p, (s, o) in self.model.items() if o == rid and s is PageState.OWNED
+        )
         for p in pages:
             self.model[p] = (PageState.QUARANTINED, rid)
 
     @rule(rid=REQUESTS)
     def release(self, rid):
         pages = self.alloc.release(rid)
-        assert sorted(pages) == sorted(p for p, (s, o) in self.model.items() if o == rid and s is PageState.QUARANTINED)
+        assert sorted(pages) == sorted(
+            p for p, (s, o) in self.model.items() if o == rid and s is PageState.QUARANTINED
+        )
         for p in pages:
             del self.model[p]
 
@@ -156,5 +162,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.alloc.state(page) is state and self.alloc.owner(page) == owner
 
 
-AllocatorMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None
+)
 TestAllocatorMachine = AllocatorMachine.TestCase

@@ -66,8 +66,12 @@ def test_gqa_head_mapping():
     kv = torch.zeros(1, 1, 2, 2, 4, 2)
     kv[0, 0, 1, 0] = 1.0
     kv[0, 0, 1, 1] = 2.0
-    out = paged_decode_attention(torch.randn(1, 4, 2), kv, 0, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([4]))
-    assert torch.allclose(out[0, :2], torch.ones(2, 2)) and torch.allclose(out[0, 2:], torch.full((2, 2), 2.0))
+    out = paged_decode_attention(
+        torch.randn(1, 4, 2), kv, 0, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([4])
+    )
+    assert torch.allclose(out[0, :2], torch.ones(2, 2)) and torch.allclose(
+        out[0, 2:], torch.full((2, 2), 2.0)
+    )
 
 
 def test_positions_past_seq_len_are_masked():
@@ -75,7 +79,9 @@ def test_positions_past_seq_len_are_masked():
     kv[0, 0, 1, 0, :3] = 1.0
     kv[0, 0, :, 0, 3:] = float("nan")  # stale data past the sequence end
     kv[1] = float("nan")  # a page the table only pads with
-    out = paged_decode_attention(torch.randn(1, 1, 2), kv, 0, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([3]))
+    out = paged_decode_attention(
+        torch.randn(1, 1, 2), kv, 0, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([3])
+    )
     assert torch.allclose(out, torch.ones(1, 1, 2))
 
 
@@ -105,7 +111,9 @@ def test_write_kv_tokens_places_one_position_per_sequence():
 def test_page_table_outside_pool_is_an_error():
     kv = torch.zeros(2, 1, 2, 1, 4, 2)
     with pytest.raises(IndexError):
-        paged_decode_attention(torch.randn(1, 1, 2), kv, 0, torch.tensor([[7]], dtype=torch.int32), torch.tensor([2]))
+        paged_decode_attention(
+            torch.randn(1, 1, 2), kv, 0, torch.tensor([[7]], dtype=torch.int32), torch.tensor([2])
+        )
 
 
 @pytest.mark.cuda

@@ -75,6 +75,17 @@ def test_cli_passes_when_the_pool_fits(capsys):
 
 
 def test_cli_json(capsys):
-    main(["check-capacity", "--context-length", "100", "--pool-tokens", "64", "--page-size", "16", "--json"])
+    main(
+        [
+            "check-capacity",
+            "--context-length",
+            "100",
+            "--pool-tokens",
+            "64",
+            "--page-size",
+            "16",
+            "--json",
+        ]
+    )
     line = capsys.readouterr().out.strip().splitlines()[0]
     assert '"measured_tokens": 64' in line and '"ok": false' in line

@@ -90,7 +90,11 @@ def test_transferred_length():
     check_transferred_length("r", 100, 100)
     with pytest.raises(TransferLengthError) as err:
         check_transferred_length("r", 100, 1)
-    assert (err.value.request_id, err.value.expected_tokens, err.value.received_tokens) == ("r", 100, 1)
+    assert (err.value.request_id, err.value.expected_tokens, err.value.received_tokens) == (
+        "r",
+        100,
+        1,
+    )
 
 
 @pytest.mark.cuda

@@ -49,8 +49,14 @@ def test_illegal_transition_names_request_and_both_states():
     request = Request("req-42", [1], max_tokens=1)
     with pytest.raises(IllegalTransition) as err:
         request.transition(S.DECODING)
-    assert (err.value.request_id, err.value.current, err.value.wanted) == ("req-42", S.QUEUED, S.DECODING)
-    assert "req-42" in str(err.value) and "queued" in str(err.value) and "decoding" in str(err.value)
+    assert (err.value.request_id, err.value.current, err.value.wanted) == (
+        "req-42",
+        S.QUEUED,
+        S.DECODING,
+    )
+    assert (
+        "req-42" in str(err.value) and "queued" in str(err.value) and "decoding" in str(err.value)
+    )
     assert request.state is S.QUEUED and request.history == []
 
 
@@ -142,5 +148,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 assert request not in live_requests(self.requests)
 
 
-LifecycleMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+LifecycleMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None
+)
 TestLifecycleMachine = LifecycleMachine.TestCase

@@ -9,7 +9,9 @@ import torch
 
 from kvferry.engine import KVPool, LlamaConfig, LlamaModel, MonolithicEngine
 
-CONFIG = LlamaConfig(hidden=64, layers=2, q_heads=4, kv_heads=2, head_dim=16, intermediate=128, seed=7)
+CONFIG = LlamaConfig(
+    hidden=64, layers=2, q_heads=4, kv_heads=2, head_dim=16, intermediate=128, seed=7
+)
 
 
 def _tokens(n, seed=0):
@@ -27,7 +29,9 @@ def test_paged_decode_matches_dense(kv_dtype, atol):
     torch.testing.assert_close(last, dense[24], atol=atol, rtol=0)
     table = torch.tensor([row], dtype=torch.int32)
     for position in range(24, 40):  # first step rewrites the last prompt position
-        logits = model.decode_logits(pool.kv, table, torch.tensor([position]), torch.tensor([tokens[position]]))
+        logits = model.decode_logits(
+            pool.kv, table, torch.tensor([position]), torch.tensor([tokens[position]])
+        )
         torch.testing.assert_close(logits[0], dense[position], atol=atol, rtol=0)
 
 

@@ -22,8 +22,13 @@ PROMPT_B = (MARK_B * 13)[:128]
 
 def _engine(*, unsafe=False, integrity=IntegrityPolicy(), pages=32):
     model = ReplayModel()
-    return MonolithicEngine(model, KVPool(model.pool_config(16, pages)), context_length=pages * 16,
-                            unsafe=unsafe, integrity=integrity)
+    return MonolithicEngine(
+        model,
+        KVPool(model.pool_config(16, pages)),
+        context_length=pages * 16,
+        unsafe=unsafe,
+        integrity=integrity,
+    )
 
 
 def run_leak_scenario(engine, *, hold_quarantine=False):
@@ -89,7 +94,9 @@ def test_held_quarantine_keeps_pages_away_from_the_next_request():
 def test_batch_of_requests_each_replays_its_own_prompt():
     engine = _engine(pages=64)
     prompts = {f"r{i}": f"[{i}] request number {i} says hello " * (i + 1) for i in range(6)}
-    results = engine.generate([(rid, p, len(p)) for rid, p in prompts.items()] + [("huge", "x" * 900, 200)])
+    results = engine.generate(
+        [(rid, p, len(p)) for rid, p in prompts.items()] + [("huge", "x" * 900, 200)]
+    )
     by_id = {r.request_id: r for r in results}
     for rid, prompt in prompts.items():
         assert by_id[rid].ok and by_id[rid].text == prompt

@@ -6,7 +6,9 @@ from kvferry.engine.pool import coalesce_runs
 
 
 def test_pool_shape_and_capacity_come_from_the_tensor():
-    config = PoolConfig(layers=2, kv_heads=4, head_dim=8, page_size=16, num_pages=10, dtype=torch.bfloat16)
+    config = PoolConfig(
+        layers=2, kv_heads=4, head_dim=8, page_size=16, num_pages=10, dtype=torch.bfloat16
+    )
     pool = KVPool(config)
     assert tuple(pool.kv.shape) == (10, 2, 2, 4, 16, 8)
     assert pool.kv.is_contiguous() and pool.kv.dtype == torch.bfloat16
@@ -38,7 +40,9 @@ def test_config_rejects_bad_values(bad):
 
 
 def test_from_buffer_views_without_copy():
-    config = PoolConfig(layers=2, kv_heads=2, head_dim=4, page_size=4, num_pages=3, dtype=torch.float16)
+    config = PoolConfig(
+        layers=2, kv_heads=2, head_dim=4, page_size=4, num_pages=3, dtype=torch.float16
+    )
     buffer = torch.zeros(config.total_bytes + 64, dtype=torch.uint8)
     pool = KVPool.from_buffer(config, buffer)
     pool.kv[1, 0, 1, 1, 2, 3] = 1.5
@@ -49,7 +53,9 @@ def test_from_buffer_views_without_copy():
 
 
 def test_head_slice_runs_cover_exactly_the_heads():
-    config = PoolConfig(layers=3, kv_heads=4, head_dim=4, page_size=2, num_pages=5, dtype=torch.bfloat16)
+    config = PoolConfig(
+        layers=3, kv_heads=4, head_dim=4, page_size=2, num_pages=5, dtype=torch.bfloat16
+    )
     pool = KVPool(config, zero=True)
     page, lo, hi = 3, 1, 3
     pool.kv[page, :, :, lo:hi] = 1.0
@@ -67,12 +73,14 @@ def test_head_slice_runs_cover_exactly_the_heads():
 
 
 def test_coalesced_runs_are_one_per_page_for_every_head_and_unchanged_for_some():
-    config = PoolConfig(layers=3, kv_heads=4, head_dim=4, page_size=2, num_pages=5, dtype=torch.bfloat16)
+    config = PoolConfig(
+        layers=3, kv_heads=4, head_dim=4, page_size=2, num_pages=5, dtype=torch.bfloat16
+    )
     pool = KVPool(config, zero=True)
     page_bytes = pool.kv[0].numel() * pool.kv.element_size()
     assert coalesce_runs(pool.head_slice_runs(2, 0, 4)) == [(2 * page_bytes, page_bytes)]
     some = pool.head_slice_runs(2, 1, 3)
-    assert coalesce_runs(some) == some          # separate runs stay separate
+    assert coalesce_runs(some) == some  # separate runs stay separate
     assert coalesce_runs([(0, 4), (4, 4), (16, 4), (20, 2)]) == [(0, 8), (16, 6)]
 
 

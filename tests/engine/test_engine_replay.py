@@ -9,7 +9,18 @@ from kvferry.engine.tokenizer import CONFLICT
 
 def _text(n, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    words = ["kv", "page", "ferry", "decode", "prefill", "quarantine", "caf\u00e9", "\u00fcber", "42", "\n"]
+    words = [
+        "kv",
+        "page",
+        "ferry",
+        "decode",
+        "prefill",
+        "quarantine",
+        "caf\u00e9",
+        "\u00fcber",
+        "42",
+        "\n",
+    ]
     out = []
     while len(tokenizer.encode(" ".join(out))) < n:
         out.append(words[int(torch.randint(len(words), (1,), generator=gen))])
@@ -56,16 +67,22 @@ def test_positions_stay_separable_at_64k():
     model = ReplayModel()
     prompt = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(3))
     page_size = 256
-    pool = KVPool(model.pool_config(page_size=page_size, num_pages=n // page_size, dtype=torch.bfloat16))
+    pool = KVPool(
+        model.pool_config(page_size=page_size, num_pages=n // page_size, dtype=torch.bfloat16)
+    )
     row = torch.randperm(n // page_size, generator=torch.Generator().manual_seed(4))
     start = time.monotonic()
     model.prefill(pool.kv, prompt, row)
-    targets = torch.tensor([0, 1, 2, 255, 256, 32_767, 32_768, 65_534, 65_535, 12_345, 54_321, 40_000])
+    targets = torch.tensor(
+        [0, 1, 2, 255, 256, 32_767, 32_768, 65_534, 65_535, 12_345, 54_321, 40_000]
+    )
     table = row[None, :].expand(len(targets), -1).to(torch.int32)
     lens = torch.full((len(targets),), n, dtype=torch.int32)
     got = model.read_positions(pool.kv, table, lens, targets)
     assert torch.equal(got, prompt[targets])
-    assert time.monotonic() - start < 120  # a guard against a pathological slowdown, not a benchmark
+    assert (
+        time.monotonic() - start < 120
+    )  # a guard against a pathological slowdown, not a benchmark
 
 
 def test_tensor_parallel_prefill_writes_only_its_heads():
@@ -92,5 +109,10 @@ def test_foreign_kv_is_read_as_foreign_text():
     mine = tokenizer.encode("mine")
     model.prefill(pool.kv, mine, [0, 1])  # wrote 4 of the 16 positions it will attend over
     table = torch.tensor([[0, 1]], dtype=torch.int32)
-    got = [model.read_positions(pool.kv, table, torch.tensor([16], dtype=torch.int32), torch.tensor([t])).item() for t in range(16)]
+    got = [
+        model.read_positions(
+            pool.kv, table, torch.tensor([16], dtype=torch.int32), torch.tensor([t])
+        ).item()
+        for t in range(16)
+    ]
     assert tokenizer.decode(got) == "mineET-ABCDEFGHI"

@@ -17,7 +17,9 @@ def test_help():
     assert proc.returncode == 0 and "JSON lines" in proc.stdout
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the script would run for real")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a CUDA device is present: the script would run for real"
+)
 def test_without_a_gpu_it_says_so_and_fails():
     proc = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr

@@ -24,7 +24,9 @@ from kvferry.engine.kernels import (
     use_triton,
 )
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the Triton kernels run there)")
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (the Triton kernels run there)"
+)
 
 
 def small_case(device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -44,7 +46,9 @@ def test_models_call_the_dispatcher():
 def test_cpu_goes_to_the_reference_without_importing_triton():
     kv, table, seq_lens, q = small_case()
     assert not use_triton(kv)
-    assert torch.equal(paged_decode_attention(q, kv, 1, table, seq_lens), reference(q, kv, 1, table, seq_lens))
+    assert torch.equal(
+        paged_decode_attention(q, kv, 1, table, seq_lens), reference(q, kv, 1, table, seq_lens)
+    )
     code = (
         "import sys, torch; from kvferry.engine.kernels import paged_decode_attention as f; "
         "kv = torch.zeros(2, 1, 2, 1, 16, 64); "
@@ -94,7 +98,9 @@ def test_cuda_kernel_matches_reference(dtype):
     kv, table, seq_lens, q = small_case("cuda", dtype)
     assert use_triton(kv)
     out = paged_decode_attention(q, kv, 1, table, seq_lens)
-    torch.testing.assert_close(out.float(), reference(q, kv, 1, table, seq_lens).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        out.float(), reference(q, kv, 1, table, seq_lens).float(), atol=2e-2, rtol=2e-2
+    )
     assert torch.equal(page_checksums(kv, [3, 1, 8]), integrity.page_checksums(kv, [3, 1, 8]))
 
 
@@ -104,7 +110,9 @@ def test_cuda_ownership_matches_reference():
     kv, table, seq_lens, q = small_case("cuda", torch.bfloat16)
     canaries = torch.zeros(kv.shape[0], 3, dtype=torch.int64, device="cuda")
     own = PageOwnership.create(canaries, torch.tensor([1, 2]), torch.zeros(2, 3, dtype=torch.int64))
-    ref = PageOwnership.create(canaries.cpu(), torch.tensor([1, 2]), torch.zeros(2, 3, dtype=torch.int64))
+    ref = PageOwnership.create(
+        canaries.cpu(), torch.tensor([1, 2]), torch.zeros(2, 3, dtype=torch.int64)
+    )
     paged_decode_attention(q, kv, 0, table, seq_lens, ownership=own)
     dispatch.check_ownership_reference(table.cpu(), seq_lens.cpu(), 16, kv.shape[0], ref)
     assert own.failures() == ref.failures() != []
@@ -119,4 +127,6 @@ def test_unsupported_shapes_fall_back_to_the_reference(monkeypatch):
     table = torch.tensor([[1, 3, 5]], dtype=torch.int32)
     seq_lens = torch.tensor([10], dtype=torch.int32)
     q = torch.randn(1, 4, 16, generator=gen)
-    assert torch.equal(paged_decode_attention(q, kv, 0, table, seq_lens), reference(q, kv, 0, table, seq_lens))
+    assert torch.equal(
+        paged_decode_attention(q, kv, 0, table, seq_lens), reference(q, kv, 0, table, seq_lens)
+    )

@@ -67,12 +67,24 @@ from kvferry.engine.kernels import (  # noqa: E402
 )
 
 if not td.interpreted():
-    pytest.fail("kernel modules were imported before TRITON_INTERPRET=1 could take effect", pytrace=False)
+    pytest.fail(
+        "kernel modules were imported before TRITON_INTERPRET=1 could take effect", pytrace=False
+    )
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-def make_case(seed: int, dtype: torch.dtype, head_dim: int, page_size: int, seq_lens: list[int], kv_heads: int = 2, group: int = 4, layers: int = 2, spare_pages: int = 3):
+def make_case(
+    seed: int,
+    dtype: torch.dtype,
+    head_dim: int,
+    page_size: int,
+    seq_lens: list[int],
+    kv_heads: int = 2,
+    group: int = 4,
+    layers: int = 2,
+    spare_pages: int = 3,
+):
     """Random pool ``[pages, layers, 2, kv_heads, page_size, head_dim]`` (stale slots NaN),
     a shuffled table ``[batch, width]`` int32 (padding -1), queries ``[batch, q_heads, d]``."""
     gen = torch.Generator().manual_seed(seed)
@@ -96,40 +108,65 @@ def make_case(seed: int, dtype: torch.dtype, head_dim: int, page_size: int, seq_
 def test_decode_matches_reference(dtype, head_dim, page_size):
     """fp32 queries through three splits (tight bound), pool-dtype queries unsplit."""
     seed = zlib.crc32(f"{dtype} {head_dim} {page_size}".encode())  # stable across runs
-    lens = [int(torch.randint(1, 256, (1,), generator=torch.Generator().manual_seed(seed)).item()), 0, 256, 37]
+    lens = [
+        int(torch.randint(1, 256, (1,), generator=torch.Generator().manual_seed(seed)).item()),
+        0,
+        256,
+        37,
+    ]
     kv, table, seq_lens, q = make_case(seed, dtype, head_dim, page_size, lens)
     layer = 1
     want = reference(q, kv, layer, table, seq_lens)  # fp32 queries: fp32 output
-    got = td.paged_decode_attention(q, kv, layer, table, seq_lens, num_splits=3, out=torch.full_like(q, float("nan")))
+    got = td.paged_decode_attention(
+        q, kv, layer, table, seq_lens, num_splits=3, out=torch.full_like(q, float("nan"))
+    )
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     q16 = q.to(dtype)
-    got16 = td.paged_decode_attention(q16, kv, layer, table, seq_lens, num_splits=1, out=torch.full_like(q16, float("nan")))
+    got16 = td.paged_decode_attention(
+        q16, kv, layer, table, seq_lens, num_splits=1, out=torch.full_like(q16, float("nan"))
+    )
     assert got16.dtype == dtype
-    torch.testing.assert_close(got16.float(), reference(q16, kv, layer, table, seq_lens).float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(
+        got16.float(),
+        reference(q16, kv, layer, table, seq_lens).float(),
+        atol=TOL[dtype],
+        rtol=TOL[dtype],
+    )
     assert bool((got16[1] == 0).all()) and bool((got[1] == 0).all()), "an empty sequence gets zeros"
 
 
 def test_all_sequences_empty():
     kv, table, seq_lens, q = make_case(1, torch.bfloat16, 64, 16, [0, 0])
     for splits in (1, 2):
-        got = td.paged_decode_attention(q, kv, 0, table, seq_lens, num_splits=splits, out=torch.full_like(q, float("nan")))
+        got = td.paged_decode_attention(
+            q, kv, 0, table, seq_lens, num_splits=splits, out=torch.full_like(q, float("nan"))
+        )
         assert bool((got == 0).all())
 
 
 def test_gqa_groups_and_default_splits():
     """Groups 1 and 8 (the query tile pads to 16 rows); the split heuristic's own choice."""
     for group in (1, 8):
-        kv, table, seq_lens, q = make_case(group, torch.float16, 64, 16, [300, 5], kv_heads=2, group=group, layers=1)
+        kv, table, seq_lens, q = make_case(
+            group, torch.float16, 64, 16, [300, 5], kv_heads=2, group=group, layers=1
+        )
         got = td.paged_decode_attention(q, kv, 0, table, seq_lens)
         torch.testing.assert_close(got, reference(q, kv, 0, table, seq_lens), atol=2e-5, rtol=2e-5)
 
 
 def test_split_boundaries_inside_a_sequence():
     """Many splits of one block each: every split boundary falls inside the sequence."""
-    kv, table, seq_lens, q = make_case(7, torch.bfloat16, 64, 16, [64 * 5 + 3], kv_heads=1, layers=1)
+    kv, table, seq_lens, q = make_case(
+        7, torch.bfloat16, 64, 16, [64 * 5 + 3], kv_heads=1, layers=1
+    )
     want = reference(q, kv, 0, table, seq_lens)
     for splits in (2, 5, 6, 20):
-        torch.testing.assert_close(td.paged_decode_attention(q, kv, 0, table, seq_lens, num_splits=splits), want, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(
+            td.paged_decode_attention(q, kv, 0, table, seq_lens, num_splits=splits),
+            want,
+            atol=2e-5,
+            rtol=2e-5,
+        )
 
 
 def test_strided_pool_view_is_read_in_place():
@@ -139,7 +176,12 @@ def test_strided_pool_view_is_read_in_place():
     big[::2] = kv
     view = big[::2]
     assert not view.is_contiguous()
-    torch.testing.assert_close(td.paged_decode_attention(q, view, 0, table, seq_lens, num_splits=2), reference(q, kv, 0, table, seq_lens), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        td.paged_decode_attention(q, view, 0, table, seq_lens, num_splits=2),
+        reference(q, kv, 0, table, seq_lens),
+        atol=2e-5,
+        rtol=2e-5,
+    )
 
 
 def test_pool_offsets_past_2_31():
@@ -149,7 +191,9 @@ def test_pool_offsets_past_2_31():
     per_page = page_size * head_dim * 2  # layers 1, kv_heads 1
     num_pages = (1 << 31) // per_page + 64  # the last 64 pages start past 2^31 elements
     kv = torch.empty(num_pages, 1, 2, 1, page_size, head_dim, dtype=torch.bfloat16)
-    pages = torch.tensor([num_pages - 1, 3, num_pages - 40, num_pages - 2, 17, num_pages - 64], dtype=torch.int32)
+    pages = torch.tensor(
+        [num_pages - 1, 3, num_pages - 40, num_pages - 2, 17, num_pages - 64], dtype=torch.int32
+    )
     gen = torch.Generator().manual_seed(5)
     for p in pages.tolist():
         kv[p] = torch.randn(1, 2, 1, page_size, head_dim, generator=gen).to(torch.bfloat16)
@@ -159,7 +203,12 @@ def test_pool_offsets_past_2_31():
     q = torch.randn(2, 4, head_dim, generator=gen)
     want = reference(q, kv, 0, table, seq_lens)
     for splits in (1, 2):
-        torch.testing.assert_close(td.paged_decode_attention(q, kv, 0, table, seq_lens, num_splits=splits), want, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(
+            td.paged_decode_attention(q, kv, 0, table, seq_lens, num_splits=splits),
+            want,
+            atol=2e-5,
+            rtol=2e-5,
+        )
     canaries = torch.zeros(num_pages, 3, dtype=torch.int64)
     for b in range(2):
         for j in range(3):
@@ -174,7 +223,9 @@ def test_pool_offsets_past_2_31():
 def owned_case(seed: int = 11, page_size: int = 16, lens=(70, 33, 0, 100)):
     """A batch whose pages are all correctly stamped: kv, table, seq_lens, q, canary table
     and per-sequence (request id, grants)."""
-    kv, table, seq_lens, q = make_case(seed, torch.bfloat16, 64, page_size, list(lens), kv_heads=1, layers=1, spare_pages=6)
+    kv, table, seq_lens, q = make_case(
+        seed, torch.bfloat16, 64, page_size, list(lens), kv_heads=1, layers=1, spare_pages=6
+    )
     canaries = CanaryTable(kv.shape[0])
     rids = [f"req-{seed}-{b}" for b in range(len(lens))]
     grants = []
@@ -237,7 +288,14 @@ def corrupt(kind: str, table, canaries: CanaryTable, num_pages: int):
 
 @pytest.mark.parametrize(
     "kind, splits",
-    [("foreign", 3), ("stale", 1), ("swapped", 3), ("out_of_pool_high", 1), ("out_of_pool_negative", 3), ("never_stamped", 1)],
+    [
+        ("foreign", 3),
+        ("stale", 1),
+        ("swapped", 3),
+        ("out_of_pool_high", 1),
+        ("out_of_pool_negative", 3),
+        ("never_stamped", 1),
+    ],
 )
 def test_each_mismatch_kind_is_flagged(kind, splits):
     kv, table, seq_lens, q, canaries, rids, grants = owned_case()
@@ -247,7 +305,9 @@ def test_each_mismatch_kind_is_flagged(kind, splits):
     assert own.failures() == [(seq, bits, first)]
     assert bool(torch.isfinite(out).all()), "a corrupt table still reads inside the pool"
     others = [b for b in range(len(rids)) if b != seq]
-    torch.testing.assert_close(out[others], clean[others], atol=2e-5, rtol=2e-5)  # other sequences untouched
+    torch.testing.assert_close(
+        out[others], clean[others], atol=2e-5, rtol=2e-5
+    )  # other sequences untouched
     with pytest.raises(Exception, match=rids[seq]):
         own.raise_if_bad(rids, table)
 
@@ -286,7 +346,9 @@ def test_flags_accumulate_across_layers():
 
 
 # --- checksums --------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
 def test_checksum_equals_reference(dtype):
     gen = torch.Generator().manual_seed(2)
     kv = torch.randn(12, 2, 2, 2, 16, 64, generator=gen).to(dtype)
@@ -299,7 +361,9 @@ def test_checksum_equals_reference(dtype):
 def test_checksum_multi_chunk_pages_and_strided_pool():
     """Pages of several programs' chunks, in a pool that is a view (pages at a stride)."""
     gen = torch.Generator().manual_seed(3)
-    big = torch.randint(-(2**31), 2**31 - 1, (8, 40_000), generator=gen, dtype=torch.int64).to(torch.int32)
+    big = torch.randint(-(2**31), 2**31 - 1, (8, 40_000), generator=gen, dtype=torch.int64).to(
+        torch.int32
+    )
     view = big[::2]  # [4, 40000], page stride 80000 words
     assert torch.equal(tc.page_checksums(view, [3, 1, 0]), page_checksums(view, [3, 1, 0]))
 
@@ -324,10 +388,20 @@ def test_checksum_changes_with_one_word():
     lens=st.lists(st.integers(0, 150), min_size=1, max_size=3),
     page_size=st.sampled_from([16, 32]),
     splits=st.integers(1, 3),
-    edits=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 9), st.sampled_from(["rid", "gen", "idx", "table"]), st.integers(-6, 60)), max_size=4),
+    edits=st.lists(
+        st.tuples(
+            st.integers(0, 2),
+            st.integers(0, 9),
+            st.sampled_from(["rid", "gen", "idx", "table"]),
+            st.integers(-6, 60),
+        ),
+        max_size=4,
+    ),
 )
 def test_random_corruptions_flag_as_the_reference_does(lens, page_size, splits, edits):
-    kv, table, seq_lens, q, canaries, rids, grants = owned_case(seed=len(edits), page_size=page_size, lens=tuple(lens))
+    kv, table, seq_lens, q, canaries, rids, grants = owned_case(
+        seed=len(edits), page_size=page_size, lens=tuple(lens)
+    )
     for b, j, what, value in edits:
         b, j = b % table.shape[0], j % table.shape[1]
         page = min(max(int(table[b, j]), 0), kv.shape[0] - 1)

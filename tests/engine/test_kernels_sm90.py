@@ -24,7 +24,10 @@ def run_aot(*args: str, timeout: float = 400) -> tuple[int, list[dict], str]:
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
     proc = subprocess.run(
         [sys.executable, "-m", "kvferry.engine.kernels.aot", "--json", *args],
-        capture_output=True, text=True, env=env, timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
     )
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return proc.returncode, reports, proc.stderr
@@ -35,7 +38,10 @@ def all_variants():
     return run_aot()
 
 
-need_cuobjdump = pytest.mark.skipif(aot.cuobjdump() is None, reason="no cuobjdump in the Triton wheel or on PATH: registers unknown (PTX only)")
+need_cuobjdump = pytest.mark.skipif(
+    aot.cuobjdump() is None,
+    reason="no cuobjdump in the Triton wheel or on PATH: registers unknown (PTX only)",
+)
 
 
 def test_every_variant_compiles_within_budget(all_variants):

@@ -1,6 +1,7 @@
 """Streaming decodes UTF-8 incrementally: for any tokens (bytes of any text, invalid bytes,
 specials) split anywhere, the streamed pieces join to exactly the whole decode. Broken mode:
 decoding each chunk on its own (what the front door did) splits characters into U+FFFD."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,8 @@ from kvferry.engine.tokenizer import (
 
 tokens_ = st.one_of(
     st.text().map(encode),
-    st.lists(st.one_of(st.integers(0, 255), st.sampled_from([BOS, EOS, CONFLICT])), max_size=60))
+    st.lists(st.one_of(st.integers(0, 255), st.sampled_from([BOS, EOS, CONFLICT])), max_size=60),
+)
 
 
 def _whole(tokens: list[int]) -> str:

@@ -2,6 +2,7 @@
 green in normal mode; every mid-transfer scenario leaks in unsafe mode, which shows the
 suite can fail. The partition row needs root and iproute2 (a network namespace); where they
 are missing it is skipped by the suite and left out of the expected sets here."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,10 +37,18 @@ def test_scenario_matrix_covers_every_source_and_point():
     for source in ("client", "prefill", "transfer", "decode"):
         for point in ("before-write", "mid-transfer", "after-write"):
             assert f"{source}@{point}" in names
-    assert {"client@after-notice", "admission@before-write", "integrity@after-notice",
-            "crash@mid-transfer", "stall@mid-transfer", "partition@mid-transfer"} <= names
+    assert {
+        "client@after-notice",
+        "admission@before-write",
+        "integrity@after-notice",
+        "crash@mid-transfer",
+        "stall@mid-transfer",
+        "partition@mid-transfer",
+    } <= names
     assert {s.name for s in scenarios() if unsafe_scenario(s)} >= {
-        "stall@mid-transfer", "partition@mid-transfer"}
+        "stall@mid-transfer",
+        "partition@mid-transfer",
+    }
     tags = [s.tag for s in scenarios()]
     assert all(a == b or a not in b for a in tags for b in tags), "no tag contains another"
 
@@ -55,7 +64,10 @@ def test_the_partition_stays_shorter_than_the_tcp_user_timeout():
     """Past TCP_USER_TIMEOUT the kernel closes the connections with data in flight: the
     row would test a peer failure, not a partition that heals."""
     user_timeout = float(TCP_FAILURE_OPTIONS["TCP_USER_TIMEOUT"].rstrip("s"))
-    link_down = (faultsuite.TRANSFER_TIMEOUT + faultsuite.PARTITION_ABORT_DEADLINE
-                 + faultsuite.QUARANTINE_WATCH_S)
+    link_down = (
+        faultsuite.TRANSFER_TIMEOUT
+        + faultsuite.PARTITION_ABORT_DEADLINE
+        + faultsuite.QUARANTINE_WATCH_S
+    )
     assert link_down <= user_timeout - 1.0
     assert faultsuite.PARTITION_HOLD_S >= link_down + 1.0, "A's half lands after the link is back"

@@ -1,6 +1,7 @@
 """A short soak (the full one is scripts/soak.sh, 2,000 requests): random client aborts,
 dropped/duplicated/delayed/reordered protocol messages and writes held in flight; every
 pool returns to all-free, no foreign marker, every request answered."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ def test_short_soak_leaves_no_page_and_no_foreign_marker(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
     import json
+
     result = json.loads(out.strip().splitlines()[-1])
     assert result["requests"] == 300
     assert result["foreign_markers"] == 0 and result["wrong_answers"] == 0

@@ -9,6 +9,7 @@ Run as a script it prints one JSON line per check:
     {"model": ..., "property": ..., "errors": N, "states": N, "seconds": S,
      "trail": bool, "config": ...}
 """
+
 from __future__ import annotations
 
 import json
@@ -34,13 +35,13 @@ CRASH_BASE = ("-DMAXFAULT=0", "-DMAXCRASH=1", "-DWFAIL=0", "-DOTHER_ACTS=0")
 
 @dataclass(frozen=True)
 class Check:
-    model: str                  # "protocol" or the mutant's name
-    prop: str                   # "safety" or "liveness"
-    config: str                 # which configuration, for the report
+    model: str  # "protocol" or the mutant's name
+    prop: str  # "safety" or "liveness"
+    config: str  # which configuration, for the report
     spin_defines: tuple[str, ...]
-    expect_errors: bool         # a mutant must yield a counterexample
+    expect_errors: bool  # a mutant must yield a counterexample
     gcc_defines: tuple[str, ...] = field(default=())
-    optimize: str = "-O1"       # small searches: -O0 (compiling pan costs more than it saves)
+    optimize: str = "-O1"  # small searches: -O0 (compiling pan costs more than it saves)
 
 
 @dataclass
@@ -53,34 +54,74 @@ class Verdict:
     output: str
 
     def as_json(self) -> str:
-        return json.dumps({
-            "model": self.check.model, "property": self.check.prop,
-            "errors": self.errors, "states": self.states,
-            "seconds": round(self.seconds, 2), "trail": self.trail,
-            "config": self.check.config,
-        })
+        return json.dumps(
+            {
+                "model": self.check.model,
+                "property": self.check.prop,
+                "errors": self.errors,
+                "states": self.states,
+                "seconds": round(self.seconds, 2),
+                "trail": self.trail,
+                "config": self.check.config,
+            }
+        )
 
 
 CHECKS: tuple[Check, ...] = (
     Check("protocol", "safety", "crashes_and_environment", CRASHES_AND_ENVIRONMENT, False),
     Check("protocol", "safety", "lossy_channels", LOSSY_CHANNELS, False),
     Check("protocol", "liveness", "reduced", LIVENESS + ("-DCHECK_LIVENESS",), False),
-    Check("protocol", "liveness", "reduced_crash",
-          LIVENESS_CRASH + ("-DCHECK_LIVENESS",), False),
+    Check("protocol", "liveness", "reduced_crash", LIVENESS_CRASH + ("-DCHECK_LIVENESS",), False),
     # A crashed remote writer keeps the page quarantined forever: no proof can come.
-    Check("remote_crash_quarantines", "liveness", "reduced_crash",
-          LIVENESS_CRASH + ("-DCHECK_LIVENESS", "-DREMOTE_WRITERS"), True, optimize="-O0"),
-    Check("release_on_sever", "safety", "mutant_base",
-          MUTANT_BASE + ("-DMUTANT_RELEASE_ON_SEVER",), True, optimize="-O0"),
-    Check("single_ack", "safety", "mutant_base",
-          MUTANT_BASE + ("-DMUTANT_SINGLE_ACK",), True, optimize="-O0"),
-    Check("free_source_at_abort", "safety", "mutant_base",
-          MUTANT_BASE + ("-DMUTANT_FREE_SOURCE_AT_ABORT",), True, optimize="-O0"),
-    Check("drop_severed_ack", "liveness", "reduced",
-          LIVENESS + ("-DCHECK_LIVENESS", "-DMUTANT_DROP_SEVERED_ACK"), True, optimize="-O0"),
+    Check(
+        "remote_crash_quarantines",
+        "liveness",
+        "reduced_crash",
+        LIVENESS_CRASH + ("-DCHECK_LIVENESS", "-DREMOTE_WRITERS"),
+        True,
+        optimize="-O0",
+    ),
+    Check(
+        "release_on_sever",
+        "safety",
+        "mutant_base",
+        MUTANT_BASE + ("-DMUTANT_RELEASE_ON_SEVER",),
+        True,
+        optimize="-O0",
+    ),
+    Check(
+        "single_ack",
+        "safety",
+        "mutant_base",
+        MUTANT_BASE + ("-DMUTANT_SINGLE_ACK",),
+        True,
+        optimize="-O0",
+    ),
+    Check(
+        "free_source_at_abort",
+        "safety",
+        "mutant_base",
+        MUTANT_BASE + ("-DMUTANT_FREE_SOURCE_AT_ABORT",),
+        True,
+        optimize="-O0",
+    ),
+    Check(
+        "drop_severed_ack",
+        "liveness",
+        "reduced",
+        LIVENESS + ("-DCHECK_LIVENESS", "-DMUTANT_DROP_SEVERED_ACK"),
+        True,
+        optimize="-O0",
+    ),
     # The transport assumption behind "process gone" as proof, broken on purpose.
-    Check("lands_after_exit", "safety", "crash_base",
-          CRASH_BASE + ("-DLANDS_AFTER_EXIT",), True, optimize="-O0"),
+    Check(
+        "lands_after_exit",
+        "safety",
+        "crash_base",
+        CRASH_BASE + ("-DLANDS_AFTER_EXIT",),
+        True,
+        optimize="-O0",
+    ),
 )
 
 

@@ -5,6 +5,7 @@ must yield a counterexample, which shows the checks can fail; and the two limits
 the README states (a crashed remote writer, a write landing after its process is
 gone) must show up as counterexamples too.
 """
+
 from __future__ import annotations
 
 import sys
@@ -13,16 +14,20 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import spin_runner  # noqa: E402
+import spin_runner
 
-pytestmark = pytest.mark.skipif(spin_runner.tools_missing() is not None,
-                                reason=spin_runner.tools_missing() or "")
+pytestmark = pytest.mark.skipif(
+    spin_runner.tools_missing() is not None, reason=spin_runner.tools_missing() or ""
+)
 
 
 def _checks(model: str | None = None, prop: str | None = None) -> list:
-    return [c for c in spin_runner.CHECKS
-            if (model is None or (c.model == "protocol") == (model == "protocol"))
-            and (prop is None or c.prop == prop)]
+    return [
+        c
+        for c in spin_runner.CHECKS
+        if (model is None or (c.model == "protocol") == (model == "protocol"))
+        and (prop is None or c.prop == prop)
+    ]
 
 
 @pytest.mark.parametrize("check", _checks("protocol", "safety"), ids=lambda c: c.config)
@@ -30,7 +35,7 @@ def test_protocol_is_safe(check):
     verdict = spin_runner.run_check(check)
     assert verdict.errors == 0, verdict.output[-3000:]
     assert not verdict.trail
-    assert verdict.states > 1000          # a real search, not a trivial one
+    assert verdict.states > 1000  # a real search, not a trivial one
 
 
 @pytest.mark.parametrize("check", _checks("protocol", "liveness"), ids=lambda c: c.config)
@@ -51,8 +56,9 @@ def test_remote_crash_keeps_the_page_quarantined():
     assert "acceptance cycle" in verdict.output
 
 
-_MUTANTS = [c for c in spin_runner.CHECKS
-            if c.expect_errors and c.model != "remote_crash_quarantines"]
+_MUTANTS = [
+    c for c in spin_runner.CHECKS if c.expect_errors and c.model != "remote_crash_quarantines"
+]
 
 
 COUNTEREXAMPLE = {"safety": "assertion violated", "liveness": "acceptance cycle"}

@@ -1,5 +1,6 @@
 """Fixtures for the transfer tests: a real target process (tests/transfer/transfer_peer.py)
 and an engine in the test process connected to it. Every wait is bounded."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvferry.transfer import (RemoteSegment, SegmentDescriptor, TransferConfig,
-                              TransferEngine, Peer)
+from kvferry.transfer import Peer, RemoteSegment, SegmentDescriptor, TransferConfig, TransferEngine
 
 PEER_SCRIPT = Path(__file__).with_name("transfer_peer.py")
 STARTUP_TIMEOUT_S = 30.0
@@ -46,17 +46,37 @@ def read_json_line(proc: subprocess.Popen, timeout_s: float) -> dict:
         if ready:
             chunk = os.read(proc.stdout.fileno(), 65536)
             if not chunk:
-                raise RuntimeError(f"process {proc.pid} exited (rc={proc.poll()}) before "
-                                   f"printing; stderr: {proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(
+                    f"process {proc.pid} exited (rc={proc.poll()}) before "
+                    f"printing; stderr: {proc.stderr.read().decode()[-2000:]}"
+                )
             buf += chunk
     return json.loads(buf.decode().splitlines()[0])
 
 
-def start_target(transports: str, size: int = 16 << 20, mode: str = "allocate",
-                 name: str = "target", prefix: list[str] | None = None) -> Target:
-    cmd = [*(prefix or []), sys.executable, str(PEER_SCRIPT), "target", "--transports",
-           transports, "--size", str(size), "--mode", mode, "--name", name,
-           "--lifetime", "120"]
+def start_target(
+    transports: str,
+    size: int = 16 << 20,
+    mode: str = "allocate",
+    name: str = "target",
+    prefix: list[str] | None = None,
+) -> Target:
+    cmd = [
+        *(prefix or []),
+        sys.executable,
+        str(PEER_SCRIPT),
+        "target",
+        "--transports",
+        transports,
+        "--size",
+        str(size),
+        "--mode",
+        mode,
+        "--name",
+        name,
+        "--lifetime",
+        "120",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         return Target(proc, read_json_line(proc, STARTUP_TIMEOUT_S))
@@ -94,14 +114,14 @@ class Link:
         deadline = time.monotonic() + timeout_s
         while len(self.replies) <= n:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no reply to {what or 'request ' + str(n)} within "
-                                   f"{timeout_s} s")
+                raise TimeoutError(
+                    f"no reply to {what or 'request ' + str(n)} within {timeout_s} s"
+                )
             self.eng.progress(0.02)
         return self.replies[n]
 
 
-def make_link(transports: str, mode: str = "allocate", size: int = 16 << 20,
-              **cfg) -> Link:
+def make_link(transports: str, mode: str = "allocate", size: int = 16 << 20, **cfg) -> Link:
     target = start_target(transports, size=size, mode=mode)
     eng = TransferEngine(TransferConfig(transports=transports, name="initiator", **cfg))
     replies: list = []

@@ -2,6 +2,7 @@
 per message), then sleeps on its event fd, so an idle engine burns no CPU. The same
 measurement run with a window longer than the wait (the deliberately burning setting)
 must show the CPU being burnt, which shows that the measurement can fail."""
+
 from __future__ import annotations
 
 import time
@@ -34,9 +35,10 @@ def cpu_of_wait(b: TransferEngine) -> float:
 
 @pytest.mark.parametrize("busy_poll_us,burns", [(1000, False), (10_000_000, True)])
 def test_worker_sleeps_after_its_busy_window(busy_poll_us, burns):
-    with TransferEngine(TransferConfig(transports="shm", name="a")) as a, \
-            TransferEngine(TransferConfig(transports="shm", name="b",
-                                          busy_poll_us=busy_poll_us)) as b:
+    with (
+        TransferEngine(TransferConfig(transports="shm", name="a")) as a,
+        TransferEngine(TransferConfig(transports="shm", name="b", busy_poll_us=busy_poll_us)) as b,
+    ):
         exchange_one_message(a, b)
         cpu = cpu_of_wait(b)  # right after traffic: at most the window is spent polling
         if burns:
@@ -48,7 +50,9 @@ def test_worker_sleeps_after_its_busy_window(busy_poll_us, burns):
 
 def test_zero_window_still_delivers():
     """busy_poll_us=0 (sleep at once) only costs wake-ups, never messages."""
-    with TransferEngine(TransferConfig(transports="shm", name="a", busy_poll_us=0)) as a, \
-            TransferEngine(TransferConfig(transports="shm", name="b", busy_poll_us=0)) as b:
+    with (
+        TransferEngine(TransferConfig(transports="shm", name="a", busy_poll_us=0)) as a,
+        TransferEngine(TransferConfig(transports="shm", name="b", busy_poll_us=0)) as b,
+    ):
         exchange_one_message(a, b)
         assert b.counters.messages_received == 1

@@ -2,6 +2,7 @@
 reference codec in kvferry.transfer.envelope on every input (hypothesis), the native
 encoder produces the reference bytes, and a message whose envelope is malformed is counted
 and never delivered (checked against an injected corrupting sender)."""
+
 from __future__ import annotations
 
 import struct
@@ -13,15 +14,18 @@ from hypothesis import strategies as st
 
 from kvferry.transfer import TransferConfig, TransferEngine, WireError
 from kvferry.transfer._native import ENVELOPE_FLAG_FLUSHED, MSG_FLAG_NOTICE, ffi, lib
-from kvferry.transfer.envelope import (HEADER_BYTES, Envelope, EnvelopeError, check,
-                                       decode, encode)
+from kvferry.transfer.envelope import HEADER_BYTES, Envelope, EnvelopeError, check, decode, encode
 
 MAX_SENDER, MAX_PAYLOAD = 512, 4096
 
-envelopes = st.builds(Envelope, incarnation=st.integers(0, 2**64 - 1),
-                      seq=st.integers(0, 2**64 - 1), flushed=st.booleans(),
-                      sender=st.binary(min_size=1, max_size=MAX_SENDER),
-                      payload=st.binary(max_size=MAX_PAYLOAD))
+envelopes = st.builds(
+    Envelope,
+    incarnation=st.integers(0, 2**64 - 1),
+    seq=st.integers(0, 2**64 - 1),
+    flushed=st.booleans(),
+    sender=st.binary(min_size=1, max_size=MAX_SENDER),
+    payload=st.binary(max_size=MAX_PAYLOAD),
+)
 
 
 def native_parse(data: bytes) -> tuple[int, object]:
@@ -31,19 +35,31 @@ def native_parse(data: bytes) -> tuple[int, object]:
     assert err == out.error
     if err:
         return err, None
-    return err, Envelope(out.incarnation, out.seq, bool(out.flags & ENVELOPE_FLAG_FLUSHED),
-                         ffi.unpack(out.sender, out.sender_length),
-                         ffi.unpack(out.payload, out.payload_length))
+    return err, Envelope(
+        out.incarnation,
+        out.seq,
+        bool(out.flags & ENVELOPE_FLAG_FLUSHED),
+        ffi.unpack(out.sender, out.sender_length),
+        ffi.unpack(out.payload, out.payload_length),
+    )
 
 
 def native_encode(env: Envelope) -> bytes:
     cap = HEADER_BYTES + len(env.sender) + len(env.payload)
     out = ffi.new("char[]", cap)
     sender, payload = ffi.from_buffer(env.sender), ffi.from_buffer(env.payload)
-    msg = ffi.new("kvf_msg_param_t *", {
-        "flags": MSG_FLAG_NOTICE if env.flushed else 0, "incarnation": env.incarnation,
-        "seq": env.seq, "sender": sender, "sender_length": len(env.sender),
-        "payload": payload, "payload_length": len(env.payload)})
+    msg = ffi.new(
+        "kvf_msg_param_t *",
+        {
+            "flags": MSG_FLAG_NOTICE if env.flushed else 0,
+            "incarnation": env.incarnation,
+            "seq": env.seq,
+            "sender": sender,
+            "sender_length": len(env.sender),
+            "payload": payload,
+            "payload_length": len(env.payload),
+        },
+    )
     n = lib.kvf_envelope_encode(msg, out, cap)
     return ffi.unpack(out, n)
 
@@ -88,16 +104,21 @@ def test_mutated_envelopes_same_verdict(env, data):
         assert parsed == decode(mutated, MAX_SENDER, MAX_PAYLOAD)
 
 
-@pytest.mark.parametrize("why,data", [
-    (EnvelopeError.SHORT, b"KVFE"),
-    (EnvelopeError.MAGIC, b"KVFX" + bytes(28) + b"s"),
-    (EnvelopeError.VERSION, b"KVFE\x01" + bytes(27) + b"s"),
-    (EnvelopeError.FLAGS, b"KVFE\x02\x02" + bytes(26) + b"s"),
-    (EnvelopeError.SENDER_SIZE, struct.pack("<4sBBHQQII", b"KVFE", 2, 0, 0, 1, 1, 0, 0)),
-    (EnvelopeError.PAYLOAD_SIZE, struct.pack("<4sBBHQQII", b"KVFE", 2, 0, 0, 1, 1, 1,
-                                             MAX_PAYLOAD + 1) + b"s"),
-    (EnvelopeError.LENGTH, struct.pack("<4sBBHQQII", b"KVFE", 2, 0, 0, 1, 1, 1, 2) + b"sp"),
-])
+@pytest.mark.parametrize(
+    "why,data",
+    [
+        (EnvelopeError.SHORT, b"KVFE"),
+        (EnvelopeError.MAGIC, b"KVFX" + bytes(28) + b"s"),
+        (EnvelopeError.VERSION, b"KVFE\x01" + bytes(27) + b"s"),
+        (EnvelopeError.FLAGS, b"KVFE\x02\x02" + bytes(26) + b"s"),
+        (EnvelopeError.SENDER_SIZE, struct.pack("<4sBBHQQII", b"KVFE", 2, 0, 0, 1, 1, 0, 0)),
+        (
+            EnvelopeError.PAYLOAD_SIZE,
+            struct.pack("<4sBBHQQII", b"KVFE", 2, 0, 0, 1, 1, 1, MAX_PAYLOAD + 1) + b"s",
+        ),
+        (EnvelopeError.LENGTH, struct.pack("<4sBBHQQII", b"KVFE", 2, 0, 0, 1, 1, 1, 2) + b"sp"),
+    ],
+)
 def test_each_refusal_is_named(why, data):
     assert native_parse(data)[0] == why
     with pytest.raises(WireError, match="refused"):
@@ -108,8 +129,10 @@ def test_each_refusal_is_named(why, data):
 def test_malformed_envelope_never_delivered(corrupt):
     """Sends real notices between two engines; with the injected corruption (a flipped
     magic byte) the receiver must count every one as malformed and deliver none."""
-    with TransferEngine(TransferConfig(transports="shm", name="a")) as a, \
-            TransferEngine(TransferConfig(transports="shm", name="b")) as b:
+    with (
+        TransferEngine(TransferConfig(transports="shm", name="a")) as a,
+        TransferEngine(TransferConfig(transports="shm", name="b")) as b,
+    ):
         got: list = []
         b.set_message_handler(lambda sender, payload: got.append((sender, payload)))
         peer = a.connect(b.address)
@@ -124,8 +147,9 @@ def test_malformed_envelope_never_delivered(corrupt):
                 batches.append(a.notify(peer, payload))
         want = 0 if corrupt else 5
         deadline = time.monotonic() + 10.0  # both engines live in this thread: drive both
-        while (len(got) + b.counters.malformed_messages < 5 or not all(
-                bt.done() for bt in batches)) and time.monotonic() < deadline:
+        while (
+            len(got) + b.counters.malformed_messages < 5 or not all(bt.done() for bt in batches)
+        ) and time.monotonic() < deadline:
             a.progress(0)
             b.progress(0.001)
         assert len(got) == want

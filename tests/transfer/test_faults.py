@@ -2,6 +2,7 @@
 within a stated bound (never a hang); out-of-range pages are refused before anything is
 posted; descriptors of another incarnation are refused; malformed control input is
 refused while the worker keeps running."""
+
 from __future__ import annotations
 
 import os
@@ -11,12 +12,19 @@ import time
 import msgpack
 import numpy as np
 import pytest
-
 from conftest import close_link, make_link
 from transfer_peer import scattered_pages
-from kvferry.transfer import (DeadlineExceeded, PeerFailedError, SegmentBoundsError,
-                              StaleIncarnationError, TransferConfig, TransferEngine,
-                              TransferError, WireError)
+
+from kvferry.transfer import (
+    DeadlineExceeded,
+    PeerFailedError,
+    SegmentBoundsError,
+    StaleIncarnationError,
+    TransferConfig,
+    TransferEngine,
+    TransferError,
+    WireError,
+)
 from kvferry.transfer.envelope import Envelope, encode
 
 # Stated bound for noticing a killed peer: shm via the process watch (5 ms period), tcp
@@ -97,8 +105,9 @@ def test_out_of_range_refused_before_posting(pages, why, with_notice):
         assert info.value.remote_len == 16 << 20 and info.value.local_len == 1 << 20
         # the valid first page of a mixed list was not posted either, nor the notice (its
         # reply would come first, with ok True)
-        reply = lk.request({"op": "check", "round": 0, "seed": 0, "src_len": 4096,
-                            "pages": [[0, 0, 4096]]})
+        reply = lk.request(
+            {"op": "check", "round": 0, "seed": 0, "src_len": 4096, "pages": [[0, 0, 4096]]}
+        )
         assert reply["ok"] is False  # target still holds zeros, not the pattern
         assert len(lk.replies) == 1
     finally:
@@ -107,8 +116,10 @@ def test_out_of_range_refused_before_posting(pages, why, with_notice):
 
 @pytest.mark.parametrize("bad", [np.zeros((2, 2), np.int64), np.zeros((2, 3), np.float64)])
 def test_malformed_page_arrays_refused(bad):
-    with TransferEngine(TransferConfig(transports="shm")) as a, \
-            TransferEngine(TransferConfig(transports="shm")) as b:
+    with (
+        TransferEngine(TransferConfig(transports="shm")) as a,
+        TransferEngine(TransferConfig(transports="shm")) as b,
+    ):
         seg, dst = a.allocate(1 << 16), b.allocate(1 << 16)
         peer = a.connect(b.address)
         rseg = a.open_segment(peer, dst.descriptor())
@@ -117,9 +128,11 @@ def test_malformed_page_arrays_refused(bad):
 
 
 def test_stale_incarnation_refused():
-    with TransferEngine(TransferConfig(transports="shm", name="a")) as a, \
-            TransferEngine(TransferConfig(transports="shm", name="old")) as old, \
-            TransferEngine(TransferConfig(transports="shm", name="new")) as new:
+    with (
+        TransferEngine(TransferConfig(transports="shm", name="a")) as a,
+        TransferEngine(TransferConfig(transports="shm", name="old")) as old,
+        TransferEngine(TransferConfig(transports="shm", name="new")) as new,
+    ):
         stale_desc = old.allocate(1 << 16).descriptor()
         peer_new = a.connect(new.address)
         with pytest.raises(StaleIncarnationError, match=f"{old.incarnation:#018x}"):
@@ -132,16 +145,25 @@ def test_stale_incarnation_refused():
 
 
 def test_malformed_control_input_refused_worker_keeps_running(link):
-    garbage = [b"", b"\x00", b"\xc1", b"\x94\xa1x\x01\xa1y\x80", msgpack.packb([1, 2, 3]),
-               encode(Envelope(incarnation=1, seq=1, flushed=False, sender=b"not an address",
-                               payload=b"p")),
-               encode(Envelope(incarnation=1, seq=1, flushed=True, sender=link.eng.address,
-                               payload=b"p")),  # incarnation differs from the address's
-               encode(Envelope(incarnation=1, seq=1, flushed=False, sender=b"s",
-                               payload=b"p"))[:-1],  # truncated
-               b"KVFE\x03" + bytes(27) + b"s",  # another envelope version
-               msgpack.packb(["kvf.transfer", 1, "ENVELOPE", {}]),
-               os.urandom(4096)]
+    garbage = [
+        b"",
+        b"\x00",
+        b"\xc1",
+        b"\x94\xa1x\x01\xa1y\x80",
+        msgpack.packb([1, 2, 3]),
+        encode(
+            Envelope(incarnation=1, seq=1, flushed=False, sender=b"not an address", payload=b"p")
+        ),
+        encode(
+            Envelope(incarnation=1, seq=1, flushed=True, sender=link.eng.address, payload=b"p")
+        ),  # incarnation differs from the address's
+        encode(Envelope(incarnation=1, seq=1, flushed=False, sender=b"s", payload=b"p"))[
+            :-1
+        ],  # truncated
+        b"KVFE\x03" + bytes(27) + b"s",  # another envelope version
+        msgpack.packb(["kvf.transfer", 1, "ENVELOPE", {}]),
+        os.urandom(4096),
+    ]
     for data in garbage:
         link.eng._send_raw(link.peer, data).wait(5.0)
     oversized = b"\x00" * (link.eng.config.max_message_bytes + (256 << 10))
@@ -154,21 +176,25 @@ def test_malformed_control_input_refused_worker_keeps_running(link):
 
 
 def test_payload_limit_enforced_on_send():
-    with TransferEngine(TransferConfig(transports="shm", max_message_bytes=1024)) as a, \
-            TransferEngine(TransferConfig(transports="shm")) as b:
+    with (
+        TransferEngine(TransferConfig(transports="shm", max_message_bytes=1024)) as a,
+        TransferEngine(TransferConfig(transports="shm")) as b,
+    ):
         peer = a.connect(b.address)
         with pytest.raises(WireError, match="exceeds"):
             a.send(peer, b"x" * 1025)
         seg, dst = a.allocate(1 << 16), b.allocate(1 << 16)
         rseg = a.open_segment(peer, dst.descriptor())
-        with pytest.raises(WireError, match="exceeds"):   # nothing written either
+        with pytest.raises(WireError, match="exceeds"):  # nothing written either
             a.write(peer, seg, rseg, [[0, 0, 4096]], notice=b"x" * 1025)
         assert a.counters.pages_posted == 0 and a.counters.notifies == 0
 
 
 def test_closed_peer_refuses_work():
-    with TransferEngine(TransferConfig(transports="shm")) as a, \
-            TransferEngine(TransferConfig(transports="shm")) as b:
+    with (
+        TransferEngine(TransferConfig(transports="shm")) as a,
+        TransferEngine(TransferConfig(transports="shm")) as b,
+    ):
         seg, dst = a.allocate(1 << 16), b.allocate(1 << 16)
         peer = a.connect(b.address, name="bee")
         rseg = a.open_segment(peer, dst.descriptor())

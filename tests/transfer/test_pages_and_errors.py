@@ -1,5 +1,6 @@
 """Page-list bounds checks (property-tested against a plain oracle) and the mapping of
 every ucs_status_t to a named exception."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,16 +13,21 @@ from kvferry.transfer._native import ffi, lib
 from kvferry.transfer.errors import UCS_STATUS_NAMES, status_name, ucx_error
 from kvferry.transfer.pages import as_page_array, check_pages
 
-I64 = st.integers(-2**63, 2**63 - 1)
+I64 = st.integers(-(2**63), 2**63 - 1)
 
 
 def oracle_ok(pages, local_len, remote_len) -> bool:
-    return all(ln > 0 and lo >= 0 and ro >= 0 and lo + ln <= local_len
-               and ro + ln <= remote_len for lo, ro, ln in pages)
+    return all(
+        ln > 0 and lo >= 0 and ro >= 0 and lo + ln <= local_len and ro + ln <= remote_len
+        for lo, ro, ln in pages
+    )
 
 
-@given(st.lists(st.tuples(I64, I64, I64), min_size=1, max_size=8),
-       st.integers(1, 2**62), st.integers(1, 2**62))
+@given(
+    st.lists(st.tuples(I64, I64, I64), min_size=1, max_size=8),
+    st.integers(1, 2**62),
+    st.integers(1, 2**62),
+)
 def test_check_pages_matches_oracle(pages, local_len, remote_len):
     arr = as_page_array(pages)
     if oracle_ok(pages, local_len, remote_len):
@@ -31,14 +37,18 @@ def test_check_pages_matches_oracle(pages, local_len, remote_len):
             check_pages(arr, local_len, remote_len)
 
 
-@given(st.lists(st.tuples(I64, I64, I64), min_size=1, max_size=8),
-       st.integers(1, 2**62), st.integers(1, 2**62))
+@given(
+    st.lists(st.tuples(I64, I64, I64), min_size=1, max_size=8),
+    st.integers(1, 2**62),
+    st.integers(1, 2**62),
+)
 def test_native_check_matches_oracle(pages, local_len, remote_len):
     """The check that the write/read hot path runs in C (inside kvf_rma_pages)."""
     arr = as_page_array(pages)
     total = ffi.new("int64_t *")
-    bad = lib.kvf_check_pages(ffi.from_buffer("int64_t[]", arr), len(pages), local_len,
-                              remote_len, total)
+    bad = lib.kvf_check_pages(
+        ffi.from_buffer("int64_t[]", arr), len(pages), local_len, remote_len, total
+    )
     bad_at = [i for i, p in enumerate(pages) if not oracle_ok([p], local_len, remote_len)]
     if bad_at:
         assert bad == bad_at[0]
@@ -46,8 +56,13 @@ def test_native_check_matches_oracle(pages, local_len, remote_len):
         assert bad == -1 and total[0] == sum(p[2] for p in pages)
 
 
-@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 1000), st.integers(1, 100)),
-                min_size=1, max_size=8))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 1000), st.integers(0, 1000), st.integers(1, 100)),
+        min_size=1,
+        max_size=8,
+    )
+)
 def test_first_offending_page_is_reported(pages):
     bad_at = [i for i, p in enumerate(pages) if not oracle_ok([p], 1000, 900)]
     if not bad_at:
@@ -71,7 +86,8 @@ def test_every_status_has_a_named_exception(code):
     assert status_name(code) == UCS_STATUS_NAMES[code]
 
 
-@pytest.mark.parametrize("code,cls", [(-45, "UcsLinkFailureError"),
-                                      (-80, "UcsEndpointFailureError")])
+@pytest.mark.parametrize(
+    "code,cls", [(-45, "UcsLinkFailureError"), (-80, "UcsEndpointFailureError")]
+)
 def test_status_ranges(code, cls):
     assert type(ucx_error(code, "op")).__name__ == cls

@@ -1,6 +1,7 @@
 """transports="rdma": refused at start-up naming what is missing (verbs in this UCX, an
 RDMA device, or one that UCX_NET_DEVICES allows), the transports' failure horizons against
 the abort deadline, and how an endpoint's transports are read on every UCX."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,7 @@ import sys
 
 import pytest
 
-from kvferry.transfer import RdmaUnavailableError, TransferConfig, TransferEngine
-from kvferry.transfer import horizon, ucxinfo
+from kvferry.transfer import RdmaUnavailableError, TransferConfig, TransferEngine, horizon, ucxinfo
 from kvferry.transfer.engine import RC_FAILURE_OPTIONS, RC_UCX_DEFAULTS, plan_options
 
 LABEL = "UCX 9.9.9 at /x/libucp.so.0"
@@ -19,7 +19,8 @@ NO_VERBS = ucxinfo.Inventory(components={"self": ["self"], "tcp": ["tcp"], "posi
 VERBS_NO_DEVICE = ucxinfo.Inventory(components={"self": ["self"], "ib": [], "rdmacm": []})
 WITH_DEVICE = ucxinfo.Inventory(
     components={"ib": ["mlx5_0"], "tcp": ["tcp"]},
-    resources={"ib/mlx5_0": ["rc_verbs/mlx5_0:1", "ud_verbs/mlx5_0:1", "rc_mlx5/mlx5_0:1"]})
+    resources={"ib/mlx5_0": ["rc_verbs/mlx5_0:1", "ud_verbs/mlx5_0:1", "rc_mlx5/mlx5_0:1"]},
+)
 
 
 def test_refusal_names_missing_verbs():
@@ -44,13 +45,18 @@ def test_usable_rdma_is_not_refused():
     assert ucxinfo.rdma_refusal(WITH_DEVICE, LABEL, {}) is None
     assert ucxinfo.rdma_refusal(WITH_DEVICE, LABEL, {"UCX_NET_DEVICES": "mlx5_0:1"}) is None
     assert WITH_DEVICE.rdma_devices() == ["mlx5_0"]
-    assert WITH_DEVICE.rdma_transports() == ["rc_verbs/mlx5_0:1", "ud_verbs/mlx5_0:1",
-                                             "rc_mlx5/mlx5_0:1"]
+    assert WITH_DEVICE.rdma_transports() == [
+        "rc_verbs/mlx5_0:1",
+        "ud_verbs/mlx5_0:1",
+        "rc_mlx5/mlx5_0:1",
+    ]
 
 
 def test_inventory_parses_the_native_listing():
-    inv = ucxinfo.Inventory.parse("self\tself\nib\tmlx5_0 mlx5_1\nib\tmlx5_0\t rc_verbs/mlx5_0:1"
-                                  " ud_verbs/mlx5_0:1\nib\tmlx5_1\t\n")
+    inv = ucxinfo.Inventory.parse(
+        "self\tself\nib\tmlx5_0 mlx5_1\nib\tmlx5_0\t rc_verbs/mlx5_0:1"
+        " ud_verbs/mlx5_0:1\nib\tmlx5_1\t\n"
+    )
     assert inv.components == {"self": ["self"], "ib": ["mlx5_0", "mlx5_1"]}
     assert inv.resources["ib/mlx5_0"] == ["rc_verbs/mlx5_0:1", "ud_verbs/mlx5_0:1"]
     assert inv.resources["ib/mlx5_1"] == []
@@ -72,8 +78,12 @@ def test_engine_refuses_rdma_here_naming_what_is_missing():
 
 
 def test_cli_exits_2_with_the_refusal():
-    out = subprocess.run([sys.executable, "-m", "kvferry.transfer", "--transports", "rdma"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvferry.transfer", "--transports", "rdma"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if ucxinfo.inventory().rdma_transports():
         assert out.returncode == 0, out.stderr
         return
@@ -84,6 +94,7 @@ def test_cli_exits_2_with_the_refusal():
 
 def test_serve_accepts_transports_rdma():
     from kvferry.cluster.config import add_serve_arguments
+
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     assert parser.parse_args(["--transports", "rdma"]).transports == "rdma"
@@ -115,14 +126,14 @@ def test_operator_environment_wins_over_engine_defaults():
 
 def test_rc_horizon_of_the_engine_lies_inside_the_default_deadline():
     h = horizon.rc_horizon(RC_FAILURE_OPTIONS["RC_TIMEOUT"], RC_FAILURE_OPTIONS["RC_RETRY_COUNT"])
-    assert 4.0 < h.seconds < 5.0          # 0.537 s x 8
+    assert 4.0 < h.seconds < 5.0  # 0.537 s x 8
     level, message = h.log_record(5.0)
     assert level == logging.INFO and "lies past" in message and "RC_RETRY_COUNT 7" in message
 
 
 def test_rc_horizon_of_ucx_defaults_exceeds_it_and_warns():
     h = horizon.rc_horizon(RC_UCX_DEFAULTS["RC_TIMEOUT"], RC_UCX_DEFAULTS["RC_RETRY_COUNT"])
-    assert h.seconds == pytest.approx(4.096e-6 * 2 ** 18 * 8)   # 8.6 s
+    assert h.seconds == pytest.approx(4.096e-6 * 2**18 * 8)  # 8.6 s
     level, message = h.log_record(5.0)
     assert level == logging.WARNING and "does NOT lie past" in message and "8.6" in message
 
@@ -153,16 +164,20 @@ def test_engine_reports_its_horizon_and_what_its_ucx_lacks():
 
 
 def test_lanes_from_print_info():
-    text = ("#                 lane[0]:  2:tcp/lo.0 md[1]      -> md[1]/tcp/sysdev[255] rma_bw#0 am\n"
-            "#                 lane[1]:  1:tcp/eth0.0 md[1]    -> md[1]/tcp/sysdev[255] wireup\n"
-            "#                 lane[2]:  5:rc_mlx5/mlx5_0:1.0 md[4] -> md[4]/ib rma_bw#1\n"
-            "#                 lane[3]:  2:tcp/lo.0 md[1]      -> md[1]/tcp am_bw#0\n")
+    text = (
+        "#                 lane[0]:  2:tcp/lo.0 md[1]      -> md[1]/tcp/sysdev[255] rma_bw#0 am\n"
+        "#                 lane[1]:  1:tcp/eth0.0 md[1]    -> md[1]/tcp/sysdev[255] wireup\n"
+        "#                 lane[2]:  5:rc_mlx5/mlx5_0:1.0 md[4] -> md[4]/ib rma_bw#1\n"
+        "#                 lane[3]:  2:tcp/lo.0 md[1]      -> md[1]/tcp am_bw#0\n"
+    )
     assert ucxinfo.lanes_from_print_info(text) == "tcp/lo,tcp/eth0,rc_mlx5/mlx5_0:1"
 
 
 def test_peer_transports_are_read_on_this_ucx():
-    with TransferEngine(TransferConfig(transports="tcp", name="a")) as a, \
-            TransferEngine(TransferConfig(transports="tcp", name="b")) as b:
+    with (
+        TransferEngine(TransferConfig(transports="tcp", name="a")) as a,
+        TransferEngine(TransferConfig(transports="tcp", name="b")) as b,
+    ):
         peer = a.connect(b.address, name="b")
         info = a.describe()["peers"]["b"]
         assert "tcp/" in info["transports"], info

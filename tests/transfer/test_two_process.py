@@ -1,14 +1,15 @@
 """Two real processes over shared memory and tcp: scattered pages written and read
 byte-exact, write+notify rounds checked by the target on arrival, and the same checks
 against an injected fault (a skipped page) to show they can fail."""
+
 from __future__ import annotations
 
 import msgpack
 import numpy as np
 import pytest
-
 from conftest import close_link, make_link
 from transfer_peer import pattern, scattered_pages
+
 from kvferry.transfer import BatchStatus, TransferEngine
 
 
@@ -18,8 +19,10 @@ def _round(link, src, k: int, npages: int, page: int, seed: int = 11) -> dict:
     batch = link.eng.write(link.peer, src, link.rseg, pages)
     batch.wait(10.0)
     assert batch.status() is BatchStatus.COMPLETED
-    return link.request({"op": "check", "round": k, "seed": seed, "src_len": src.length,
-                         "pages": pages.tolist()}, notify=True)
+    return link.request(
+        {"op": "check", "round": k, "seed": seed, "src_len": src.length, "pages": pages.tolist()},
+        notify=True,
+    )
 
 
 def _noticed_round(lk, src, k: int, npages: int, page: int, seed: int = 13) -> dict:
@@ -27,8 +30,9 @@ def _noticed_round(lk, src, k: int, npages: int, page: int, seed: int = 13) -> d
     src.as_numpy()[:] = pattern(seed, k, src.length)
     pages = scattered_pages(npages, page, src.length, lk.rseg.length, seed=3000 + k)
     n = len(lk.replies)
-    notice = msgpack.packb({"op": "check", "round": k, "seed": seed, "src_len": src.length,
-                            "pages": pages.tolist()})
+    notice = msgpack.packb(
+        {"op": "check", "round": k, "seed": seed, "src_len": src.length, "pages": pages.tolist()}
+    )
     lk.eng.write(lk.peer, src, lk.rseg, pages, notice=notice).wait(10.0)
     return lk.wait_reply(n)
 
@@ -56,7 +60,7 @@ def test_scattered_read_byte_exact(link):
     remote = pattern(5, 0, link.rseg.length)
     got = dst.as_numpy()
     for lo, ro, ln in pages:
-        assert np.array_equal(got[lo:lo + ln], remote[ro:ro + ln])
+        assert np.array_equal(got[lo : lo + ln], remote[ro : ro + ln])
     assert link.eng.counters.bytes_read == 128 * 8192
 
 
@@ -98,8 +102,16 @@ def _notices_behind_unwaited_writes(mode: str, rounds: int = 6):
             src.as_numpy()[:] = pattern(11, k, src.length)
             pages = scattered_pages(64, 16 << 10, src.length, lk.rseg.length, seed=2000 + k)
             lk.eng.write(lk.peer, src, lk.rseg, pages)
-            reply = lk.request({"op": "check", "round": k, "seed": 11, "src_len": src.length,
-                                "pages": pages.tolist()}, notify=True)
+            reply = lk.request(
+                {
+                    "op": "check",
+                    "round": k,
+                    "seed": 11,
+                    "src_len": src.length,
+                    "pages": pages.tolist(),
+                },
+                notify=True,
+            )
             assert reply["ok"], f"round {k}: pages {reply['bad_pages']} differ"
         return lk.rseg, lk.eng.counters
     finally:
@@ -139,13 +151,16 @@ def test_write_with_notice_checked_on_arrival(link):
     c = link.eng.counters
     assert c.notifies == 12 and c.failures == 0
     if link.rseg.direct is not None:
-        assert c.notifies_flushed == 0      # direct copies are visible when posted
+        assert c.notifies_flushed == 0  # direct copies are visible when posted
     else:
-        assert c.notifies_flushed == 12     # puts through UCX: every notice flushes
+        assert c.notifies_flushed == 12  # puts through UCX: every notice flushes
 
 
-@pytest.mark.parametrize("streaming_min_bytes", [0, 1 << 20, 1 << 62],
-                         ids=["always-stream", "stream-large", "never-stream"])
+@pytest.mark.parametrize(
+    "streaming_min_bytes",
+    [0, 1 << 20, 1 << 62],
+    ids=["always-stream", "stream-large", "never-stream"],
+)
 def test_direct_copies_byte_exact_either_side_of_the_streaming_threshold(streaming_min_bytes):
     lk = make_link("shm", streaming_min_bytes=streaming_min_bytes)
     try:

@@ -1,6 +1,7 @@
 """Which UCX the binding builds against (transfer/native/ucx_locate.py): the choice and its
 reason are explicit, and a UCX that cannot be used is refused before anything compiles,
 with both versions and the other choices in the message."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -42,7 +43,7 @@ def test_prefix_too_old_is_refused_with_both_versions(locator, tmp_path):
 
 def test_prefix_without_libucp_is_refused(locator, tmp_path):
     root = fake_ucx(tmp_path / "ucx", 1, 15, with_lib=False)
-    with pytest.raises(locator.UcxChoiceError, match="no libucp.so"):
+    with pytest.raises(locator.UcxChoiceError, match=r"no libucp\.so"):
         locator.locate({"KVFERRY_UCX": str(root)})
 
 
@@ -63,7 +64,7 @@ def test_ucx_home_is_honoured_when_nothing_else_is_said(locator, tmp_path):
 
 def test_default_is_the_wheel(locator):
     pytest.importorskip("libucx")
-    build = locator.locate({"PATH": "/nonexistent"})   # no pkg-config: nothing else seen
+    build = locator.locate({"PATH": "/nonexistent"})  # no pkg-config: nothing else seen
     assert "wheel" in build.source and "default" in build.reason
     assert build.version >= locator.MIN_VERSION
 
@@ -89,36 +90,44 @@ def test_unknown_choice_is_refused(locator):
 
 def test_the_build_in_use_reports_its_choice():
     from kvferry.transfer import ucxinfo
+
     report = ucxinfo.report()
     assert "chosen by" in report["build"] and "KVFERRY_UCX=" in report["build"]
     built = tuple(int(x) for x in report["built"].split("."))
     assert built >= (1, 13)
     assert report["running"].startswith(report["built"] + ".") or built <= tuple(
-        int(x) for x in report["running"].split(".")[:2])
+        int(x) for x in report["running"].split(".")[:2]
+    )
 
 
 def test_system_choice_takes_the_pkg_config_ucx(locator):
     import os
     import shutil
     import subprocess
-    if shutil.which("pkg-config") is None or subprocess.run(
-            ["pkg-config", "--exists", "ucx"]).returncode != 0:
+
+    if (
+        shutil.which("pkg-config") is None
+        or subprocess.run(["pkg-config", "--exists", "ucx"]).returncode != 0
+    ):
         pytest.skip("no system UCX (pkg-config ucx)")
     env = dict(os.environ, KVFERRY_UCX="system")
-    version = subprocess.run(["pkg-config", "--modversion", "ucx"], capture_output=True,
-                             text=True).stdout.strip()
+    version = subprocess.run(
+        ["pkg-config", "--modversion", "ucx"], capture_output=True, text=True
+    ).stdout.strip()
     build = locator.locate(env)
     assert version.startswith(build.version_text) and "pkg-config" in build.source
     default = locator.locate({k: v for k, v in env.items() if k not in ("KVFERRY_UCX", "UCX_HOME")})
     assert "wheel" in default.source
-    assert any("KVFERRY_UCX=system" in n and version.startswith(build.version_text)
-               for n in default.notes), default.notes
+    assert any(
+        "KVFERRY_UCX=system" in n and version.startswith(build.version_text) for n in default.notes
+    ), default.notes
 
 
 def test_the_loaded_ucx_is_the_one_built_against():
     """A wheel build must not pick up a system libucp.so.0 (its rpath is gone after pip's
     isolated build), nor a system build the wheel's."""
     from kvferry.transfer import ucxinfo
+
     report = ucxinfo.report()
     from_wheel = "libucx wheel" in report["build"]
     assert ("/libucx/" in report["ucx"]) == from_wheel, report["ucx"]

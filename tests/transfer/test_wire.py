@@ -1,5 +1,6 @@
 """The versioned msgpack codec: round trips, and decode refusing malformed, unknown,
 wrong-version, mistyped or oversized input with WireError only (hypothesis fuzz)."""
+
 from __future__ import annotations
 
 import msgpack
@@ -12,19 +13,29 @@ from kvferry.transfer.protocol import CODEC as TRANSFER_CODEC
 from kvferry.transfer.wire import Codec, Field, FieldType, Message, _check_value, _fast_check
 
 codec = Codec("kvf.test", version=3, max_bytes=4096)
-NOTICE = codec.kind("NOTICE", request_id=Field(FieldType.STR, max_len=64),
-                    seq=Field(FieldType.UINT64), pages=Field(FieldType.INT_LIST, max_len=32),
-                    ok=Field(FieldType.BOOL), score=Field(FieldType.FLOAT, optional=True),
-                    blob=Field(FieldType.BYTES, max_len=256),
-                    delta=Field(FieldType.INT), tags=Field(FieldType.STR_LIST, max_len=4))
+NOTICE = codec.kind(
+    "NOTICE",
+    request_id=Field(FieldType.STR, max_len=64),
+    seq=Field(FieldType.UINT64),
+    pages=Field(FieldType.INT_LIST, max_len=32),
+    ok=Field(FieldType.BOOL),
+    score=Field(FieldType.FLOAT, optional=True),
+    blob=Field(FieldType.BYTES, max_len=256),
+    delta=Field(FieldType.INT),
+    tags=Field(FieldType.STR_LIST, max_len=4),
+)
 
 notices = st.builds(
     lambda **kw: NOTICE.make(**kw),
-    request_id=st.text(max_size=64), seq=st.integers(0, 2**64 - 1),
-    pages=st.lists(st.integers(-2**63, 2**63 - 1), max_size=32), ok=st.booleans(),
+    request_id=st.text(max_size=64),
+    seq=st.integers(0, 2**64 - 1),
+    pages=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=32),
+    ok=st.booleans(),
     score=st.none() | st.floats(allow_nan=False, allow_infinity=False),
-    blob=st.binary(max_size=256), delta=st.integers(-2**63, 2**63 - 1),
-    tags=st.lists(st.text(max_size=20), max_size=4))
+    blob=st.binary(max_size=256),
+    delta=st.integers(-(2**63), 2**63 - 1),
+    tags=st.lists(st.text(max_size=20), max_size=4),
+)
 
 
 def _only_wire_errors(data: bytes, c: Codec = codec) -> None:
@@ -60,10 +71,17 @@ def test_mutated_messages_never_crash(msg, data):
 
 
 json_like = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=10)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=10)
     | st.binary(max_size=10),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner,
-                                                                max_size=4), max_leaves=12)
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=300)
@@ -74,27 +92,31 @@ def test_arbitrary_msgpack_values_never_crash(obj):
 
 
 def _valid() -> dict:
-    return dict(request_id="r", seq=1, pages=[1, 2], ok=True, score=None, blob=b"",
-                delta=-1, tags=[])
+    return dict(
+        request_id="r", seq=1, pages=[1, 2], ok=True, score=None, blob=b"", delta=-1, tags=[]
+    )
 
 
-@pytest.mark.parametrize("envelope,why", [
-    (["kvf.other", 3, "NOTICE", _valid()], "protocol"),
-    (["kvf.test", 2, "NOTICE", _valid()], "version"),
-    (["kvf.test", 3, "ABORT", _valid()], "unknown kind"),
-    (["kvf.test", 3, "NOTICE", {**_valid(), "extra": 1}], "unknown field"),
-    (["kvf.test", 3, "NOTICE", {k: v for k, v in _valid().items() if k != "seq"}], "missing"),
-    (["kvf.test", 3, "NOTICE", {**_valid(), "seq": -1}], "uint64"),
-    (["kvf.test", 3, "NOTICE", {**_valid(), "seq": True}], "uint64"),
-    (["kvf.test", 3, "NOTICE", {**_valid(), "ok": 1}], "bool"),
-    (["kvf.test", 3, "NOTICE", {**_valid(), "request_id": b"r"}], "str"),
-    (["kvf.test", 3, "NOTICE", {**_valid(), "request_id": "x" * 65}], "limit"),
-    (["kvf.test", 3, "NOTICE", {**_valid(), "pages": list(range(33))}], "limit"),
-    (["kvf.test", 3, "NOTICE", {**_valid(), "pages": [1, "2"]}], "int64"),
-    (["kvf.test", 3, "NOTICE", {**_valid(), "blob": b"x" * 257}], "limit"),
-    (["kvf.test", 3, "NOTICE"], "4-item"),
-    ({"kind": "NOTICE"}, "4-item"),
-])
+@pytest.mark.parametrize(
+    "envelope,why",
+    [
+        (["kvf.other", 3, "NOTICE", _valid()], "protocol"),
+        (["kvf.test", 2, "NOTICE", _valid()], "version"),
+        (["kvf.test", 3, "ABORT", _valid()], "unknown kind"),
+        (["kvf.test", 3, "NOTICE", {**_valid(), "extra": 1}], "unknown field"),
+        (["kvf.test", 3, "NOTICE", {k: v for k, v in _valid().items() if k != "seq"}], "missing"),
+        (["kvf.test", 3, "NOTICE", {**_valid(), "seq": -1}], "uint64"),
+        (["kvf.test", 3, "NOTICE", {**_valid(), "seq": True}], "uint64"),
+        (["kvf.test", 3, "NOTICE", {**_valid(), "ok": 1}], "bool"),
+        (["kvf.test", 3, "NOTICE", {**_valid(), "request_id": b"r"}], "str"),
+        (["kvf.test", 3, "NOTICE", {**_valid(), "request_id": "x" * 65}], "limit"),
+        (["kvf.test", 3, "NOTICE", {**_valid(), "pages": list(range(33))}], "limit"),
+        (["kvf.test", 3, "NOTICE", {**_valid(), "pages": [1, "2"]}], "int64"),
+        (["kvf.test", 3, "NOTICE", {**_valid(), "blob": b"x" * 257}], "limit"),
+        (["kvf.test", 3, "NOTICE"], "4-item"),
+        ({"kind": "NOTICE"}, "4-item"),
+    ],
+)
 def test_refusals_name_the_problem(envelope, why):
     with pytest.raises(WireError, match=why):
         codec.decode(msgpack.packb(envelope, use_bin_type=True))
@@ -114,14 +136,19 @@ def test_encode_validates():
         codec.kind("NOTICE")
 
 
-@given(st.integers(0, 2**64 - 1), st.integers(1, 2**40), st.binary(max_size=200),
-       st.integers(0, 2**64 - 1), st.booleans())
+@given(
+    st.integers(0, 2**64 - 1),
+    st.integers(1, 2**40),
+    st.binary(max_size=200),
+    st.integers(0, 2**64 - 1),
+    st.booleans(),
+)
 def test_segment_descriptor_round_trip(base, length, rkey, inc, allocated):
     d = SegmentDescriptor(base, length, rkey, inc, allocated)
     assert SegmentDescriptor.unpack(d.pack()) == d
 
 
-@given(st.lists(st.integers(-2**64, 2**64) | st.booleans(), max_size=40))
+@given(st.lists(st.integers(-(2**64), 2**64) | st.booleans(), max_size=40))
 def test_int_list_fast_check_agrees_with_full_check(values):
     """The fast path for int lists accepts exactly what the full check accepts (bool
     items, values past int64 and lists over max_len refused by both)."""

@@ -15,6 +15,7 @@ Commands (payload of send/notify, msgpack map):
   {"op": "ping"}              reply {"ok": true}.
   {"op": "exit"}
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ import time
 import msgpack
 import numpy as np
 
-from kvferry.transfer import TransferConfig, TransferEngine, SegmentDescriptor
+from kvferry.transfer import SegmentDescriptor, TransferConfig, TransferEngine
 
 
 def pattern(seed: int, round_: int, nbytes: int) -> np.ndarray:
@@ -49,7 +50,7 @@ def scattered_pages(n: int, page: int, src_len: int, dst_len: int, seed: int) ->
 def check_pages(dst: np.ndarray, src: np.ndarray, pages) -> list[int]:
     bad = []
     for i, (lo, ro, ln) in enumerate(pages):
-        if not np.array_equal(dst[ro:ro + ln], src[lo:lo + ln]):
+        if not np.array_equal(dst[ro : ro + ln], src[lo : lo + ln]):
             bad.append(i)
     return bad
 
@@ -84,8 +85,17 @@ def run_target(args: argparse.Namespace) -> int:
             state["exit"] = True
 
     eng.set_message_handler(handle)
-    print(json.dumps({"address": eng.address.hex(), "segment": seg.descriptor().pack().hex(),
-                      "pid": os.getpid(), "describe": eng.describe()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "address": eng.address.hex(),
+                "segment": seg.descriptor().pack().hex(),
+                "pid": os.getpid(),
+                "describe": eng.describe(),
+            }
+        ),
+        flush=True,
+    )
     parent = os.getppid()
     deadline = time.monotonic() + args.lifetime
     while not state["exit"] and time.monotonic() < deadline and os.getppid() == parent:
@@ -107,8 +117,12 @@ def run_initiator(args: argparse.Namespace) -> int:
         src.as_numpy()[:] = pattern(7, k, src_len)
         pages = scattered_pages(args.pages, args.page_bytes, src_len, rseg.length, seed=k)
         eng.write(peer, src, rseg, pages).wait(10.0)
-        eng.notify(peer, msgpack.packb({"op": "check", "round": k, "seed": 7,
-                                        "src_len": src_len, "pages": pages.tolist()})).wait(10.0)
+        eng.notify(
+            peer,
+            msgpack.packb(
+                {"op": "check", "round": k, "seed": 7, "src_len": src_len, "pages": pages.tolist()}
+            ),
+        ).wait(10.0)
         deadline = time.monotonic() + 10.0
         while len(replies) <= k and time.monotonic() < deadline:
             eng.progress(0.05)
@@ -116,8 +130,12 @@ def run_initiator(args: argparse.Namespace) -> int:
             failures.append(k)
             break
     eng.send(peer, msgpack.packb({"op": "exit"})).wait(5.0)
-    print(json.dumps({"rounds": args.rounds, "failures": failures,
-                      "transports": eng.describe()["peers"]}), flush=True)
+    print(
+        json.dumps(
+            {"rounds": args.rounds, "failures": failures, "transports": eng.describe()["peers"]}
+        ),
+        flush=True,
+    )
     eng.shutdown()
     return 0 if not failures else 1
 

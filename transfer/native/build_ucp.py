@@ -19,6 +19,7 @@ cffi's ``cdef`` gets the header's declarations between its ``KVF_CDEF_BEGIN`` an
 ``KVF_CDEF_END`` markers, with ``ucs_status_t`` declared as an integer type whose size
 cffi takes from UCX's header (it is a packed enum).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -74,9 +75,13 @@ ffibuilder.cdef("const char *kvf_ucx_source(void);\nextern const char kvf_ucx_or
 ffibuilder.set_source(
     "kvferry.transfer._ucp",
     '#include "kvf_ucp.h"\n'
-    "const char *kvf_ucx_source(void) { return " + json.dumps(UCX.summary()) + "; }\n"
+    "const char *kvf_ucx_source(void) { return "
+    + json.dumps(UCX.summary())
+    + "; }\n"
     # Read from the file by _native.py before loading: a wheel build loads the wheel first.
-    + "const char kvf_ucx_origin[] = " + json.dumps(ORIGIN_MARK + UCX.origin) + ";\n",
+    + "const char kvf_ucx_origin[] = "
+    + json.dumps(ORIGIN_MARK + UCX.origin)
+    + ";\n",
     # relative: setuptools refuses absolute source paths (the build runs from the root)
     sources=[os.path.relpath(HERE / "kvf_ucp.c")],
     include_dirs=[str(HERE), *UCX.include_dirs],

@@ -15,15 +15,16 @@ its library folder says; an explicit choice that fails the check is refused with
 naming both versions and the other choices, and ``auto`` falls back to the wheel saying
 why. Pure Python without cffi, so the tests can import it.
 """
+
 from __future__ import annotations
 
 import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 MIN_VERSION = (1, 13)
 CHOICES = "KVFERRY_UCX=wheel|system|auto|/prefix"
@@ -41,13 +42,13 @@ class UcxBuild:
     include_dirs: list[str]
     library_dirs: list[str]
     version: tuple[int, int]
-    source: str                      # e.g. "pkg-config ucx (/usr/include)"
-    reason: str                      # e.g. "KVFERRY_UCX=system"
+    source: str  # e.g. "pkg-config ucx (/usr/include)"
+    reason: str  # e.g. "KVFERRY_UCX=system"
     notes: list[str] = field(default_factory=list)
 
     @property
     def origin(self) -> str:
-        """"wheel" or "system": whether the runtime loads the wheel's libraries first."""
+        """ "wheel" or "system": whether the runtime loads the wheel's libraries first."""
         return "wheel" if self.source.startswith("the libucx wheel") else "system"
 
     @property
@@ -56,8 +57,10 @@ class UcxBuild:
 
     def summary(self) -> str:
         """One line for the build log and for describe(): what, which version, why."""
-        return (f"UCX {self.version_text} from {self.source}, chosen by {self.reason}; "
-                f"choose another with {CHOICES}")
+        return (
+            f"UCX {self.version_text} from {self.source}, chosen by {self.reason}; "
+            f"choose another with {CHOICES}"
+        )
 
 
 def _text(v: tuple[int, int]) -> str:
@@ -75,21 +78,23 @@ def header_version(include_dirs: list[str]) -> tuple[tuple[int, int], Path]:
             if not (major and minor):
                 raise UcxChoiceError(f"{header} defines no UCP_API_MAJOR/UCP_API_MINOR")
             return (int(major.group(1)), int(minor.group(1))), header
-    raise UcxChoiceError("no ucp/api/ucp_version.h under " + (", ".join(include_dirs) or
-                                                             "(no include folder)"))
+    raise UcxChoiceError(
+        "no ucp/api/ucp_version.h under " + (", ".join(include_dirs) or "(no include folder)")
+    )
 
 
-def _check_usable(include_dirs: list[str], library_dirs: list[str],
-                  what: str) -> tuple[int, int]:
+def _check_usable(include_dirs: list[str], library_dirs: list[str], what: str) -> tuple[int, int]:
     """The UCX API version, or UcxChoiceError naming both versions / what is missing."""
     version, header = header_version(include_dirs)
     if version < MIN_VERSION:
         raise UcxChoiceError(
             f"{what} is UCX {_text(version)} ({header}), older than {_text(MIN_VERSION)}, "
-            f"the oldest kvferry builds against")
+            f"the oldest kvferry builds against"
+        )
     if library_dirs and not any((Path(d) / "libucp.so").exists() for d in library_dirs):
-        raise UcxChoiceError(f"{what}: no libucp.so in {', '.join(library_dirs)} "
-                             f"(headers found at {header})")
+        raise UcxChoiceError(
+            f"{what}: no libucp.so in {', '.join(library_dirs)} (headers found at {header})"
+        )
     return version
 
 
@@ -118,17 +123,21 @@ def from_pkg_config(reason: str, env: dict[str, str]) -> UcxBuild:
         where = env.get("PKG_CONFIG_PATH", "")
         found = shutil.which("pkg-config", path=env.get("PATH", os.defpath))
         raise UcxChoiceError(
-            "pkg-config finds no ucx" + (f" (PKG_CONFIG_PATH={where})" if where else "")
+            "pkg-config finds no ucx"
+            + (f" (PKG_CONFIG_PATH={where})" if where else "")
             + ("" if found else ": pkg-config is not installed")
-            + "; on Debian/Ubuntu install libucx-dev")
+            + "; on Debian/Ubuntu install libucx-dev"
+        )
     incs = [f[2:] for f in cflags.split() if f.startswith("-I")]
-    libs = [f[2:] for f in (_pkg_config(env, "--libs-only-L") or "").split()
-            if f.startswith("-L")]
+    libs = [f[2:] for f in (_pkg_config(env, "--libs-only-L") or "").split() if f.startswith("-L")]
     includedir = _pkg_config(env, "--variable=includedir")
     libdir = _pkg_config(env, "--variable=libdir")
     search = incs + ([includedir] if includedir else []) + list(SYSTEM_INCLUDE_DIRS)
-    version = _check_usable(search, libs or ([libdir] if libdir else []),
-                            f"the pkg-config UCX {_pkg_config(env, '--modversion') or '?'}")
+    version = _check_usable(
+        search,
+        libs or ([libdir] if libdir else []),
+        f"the pkg-config UCX {_pkg_config(env, '--modversion') or '?'}",
+    )
     where = libdir or (libs[0] if libs else "the default library path")
     return UcxBuild(incs, libs, version, f"pkg-config ucx ({where})", reason)
 
@@ -137,16 +146,26 @@ def from_wheel(reason: str) -> UcxBuild:
     try:
         import libucx  # the libucx-cu12 wheel
     except ImportError as exc:
-        raise UcxChoiceError(f"{reason}: the libucx wheel is not installed ({exc}); "
-                             "pip install libucx-cu12, or build against a system UCX "
-                             "(KVFERRY_UCX=system or a prefix)") from None
+        raise UcxChoiceError(
+            f"{reason}: the libucx wheel is not installed ({exc}); "
+            "pip install libucx-cu12, or build against a system UCX "
+            "(KVFERRY_UCX=system or a prefix)"
+        ) from None
     root = Path(libucx.__file__).resolve().parent
     incs, libs = [str(root / "include")], [str(root / "lib")]
     version = _check_usable(incs, libs, "the libucx wheel")
     label = f"the libucx wheel {getattr(libucx, '__version__', '?')} ({root})"
-    return UcxBuild(incs, libs, version, label, reason,
-                    ["the wheel has no verbs: --transports rdma needs a system UCX "
-                     "(KVFERRY_UCX=system or KVFERRY_UCX=/prefix)"])
+    return UcxBuild(
+        incs,
+        libs,
+        version,
+        label,
+        reason,
+        [
+            "the wheel has no verbs: --transports rdma needs a system UCX "
+            "(KVFERRY_UCX=system or KVFERRY_UCX=/prefix)"
+        ],
+    )
 
 
 def _system_note(env: dict[str, str]) -> str | None:
@@ -155,13 +174,17 @@ def _system_note(env: dict[str, str]) -> str | None:
         found = from_pkg_config("(not chosen)", env)
     except UcxChoiceError as exc:
         return None if "finds no ucx" in str(exc) else f"a system UCX is not usable: {exc}"
-    return (f"a system UCX {found.version_text} is installed ({found.source}) but not "
-            "used; KVFERRY_UCX=system builds against it (needed for --transports rdma)")
+    return (
+        f"a system UCX {found.version_text} is installed ({found.source}) but not "
+        "used; KVFERRY_UCX=system builds against it (needed for --transports rdma)"
+    )
 
 
 def _refuse(choice: str, exc: UcxChoiceError) -> UcxChoiceError:
-    return UcxChoiceError(f"{choice}: {exc}. Choose another UCX with {CHOICES} "
-                          f"(KVFERRY_UCX=wheel always works, without RDMA)")
+    return UcxChoiceError(
+        f"{choice}: {exc}. Choose another UCX with {CHOICES} "
+        f"(KVFERRY_UCX=wheel always works, without RDMA)"
+    )
 
 
 def locate(env: dict[str, str] | None = None) -> UcxBuild:
@@ -179,15 +202,17 @@ def locate(env: dict[str, str] | None = None) -> UcxBuild:
     if choice == "wheel":
         return from_wheel("KVFERRY_UCX=wheel")
     if choice == "system":
-        return _explicit(lambda: from_pkg_config("KVFERRY_UCX=system", env),
-                         "KVFERRY_UCX=system")
+        return _explicit(lambda: from_pkg_config("KVFERRY_UCX=system", env), "KVFERRY_UCX=system")
     if choice == "auto":
         return _auto(home, env)
     if choice.startswith(("/", ".", "~")):
-        return _explicit(lambda: from_prefix(choice, f"KVFERRY_UCX={choice}"),
-                         f"KVFERRY_UCX={choice}")
-    raise UcxChoiceError(f"KVFERRY_UCX={choice!r} is not one of wheel, system, auto or a "
-                         "path (starting with / . or ~)")
+        return _explicit(
+            lambda: from_prefix(choice, f"KVFERRY_UCX={choice}"), f"KVFERRY_UCX={choice}"
+        )
+    raise UcxChoiceError(
+        f"KVFERRY_UCX={choice!r} is not one of wheel, system, auto or a "
+        "path (starting with / . or ~)"
+    )
 
 
 def _explicit(make: Callable[[], UcxBuild], choice: str) -> UcxBuild:
@@ -207,8 +232,7 @@ def _auto(home: str, env: dict[str, str]) -> UcxBuild:
     attempts: list[tuple[str, Callable[[], UcxBuild]]] = []
     if home:
         attempts.append(("UCX_HOME", lambda: from_prefix(home, "KVFERRY_UCX=auto, UCX_HOME")))
-    attempts.append(("pkg-config",
-                     lambda: from_pkg_config("KVFERRY_UCX=auto, pkg-config", env)))
+    attempts.append(("pkg-config", lambda: from_pkg_config("KVFERRY_UCX=auto, pkg-config", env)))
     skipped: list[str] = []
     for label, make in attempts:
         try:

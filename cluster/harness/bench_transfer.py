@@ -30,7 +30,7 @@ import time
 import msgpack
 import numpy as np
 
-from kvferry.transfer import SegmentDescriptor, TransferConfig, TransferEngine
+from kvferry.transfer import Peer, SegmentDescriptor, TransferConfig, TransferEngine
 from kvferry.transfer._native import COPY_FLAG_STREAMING, ffi, lib
 
 MiB = 1 << 20
@@ -74,7 +74,7 @@ def run_target(args) -> int:
     view[:] = 0
     pattern = source_pattern(args.src_size)
     state = {"exit": False}
-    peers = {}
+    peers: dict[bytes, Peer] = {}
 
     def handle(sender: bytes, payload: bytes) -> None:
         t = time.monotonic_ns()  # delivery: the latency ends here
@@ -147,6 +147,7 @@ class Bench:
             str(args.src_mib * MiB),
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
         if not ready:
             self.proc.kill()

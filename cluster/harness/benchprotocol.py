@@ -178,8 +178,11 @@ def _child(
     owner = rseg = None
     if role == "writer":
         owner = engine.connect(cards[OWNER].address)
-        rseg = engine.open_segment(owner, cards[OWNER].segment)
+        descriptor = cards[OWNER].segment
+        assert descriptor is not None, "the owner publishes its pool segment"
+        rseg = engine.open_segment(owner, descriptor)
     rt = RankRuntime(rank, engine, cards)
+    worker: PrefillRank | DecodeRank
     if role == "writer":
         worker = PrefillRank(rt, NullModel(), pool, seg, (0, KV_HEADS), router=0, integrity=False)
     else:

@@ -51,10 +51,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from . import localcluster, netns
 from .localcluster import LocalCluster, LogTail, TwoNodeCluster
 from .workload import MARKER_RE, expected_replay, make_prompt
+
+T = TypeVar("T")
 
 CONTEXT = 2048
 STALL_STEP_S = 0.01  # the stall group decodes slowly: the victim still reads the prompt
@@ -241,11 +244,11 @@ def open_cluster(group: Group, args: list[str], log_dir: Path) -> Iterator[Local
         with localcluster.two_nodes(group.nproc - 1, 1, suite_args(args), log_dir) as cluster:
             yield cluster
         return
-    cluster = start(group.nproc, args, log_dir)
+    single = start(group.nproc, args, log_dir)
     try:
-        yield cluster
+        yield single
     finally:
-        cluster.stop()
+        single.stop()
 
 
 # ------------------------------------------------------------------ one scenario
@@ -455,7 +458,7 @@ def _while_partitioned(node1: LogTail, rid: str, unsafe: bool, out: Outcome) -> 
         time.sleep(0.1)
 
 
-def _logged(out: Outcome, wait: Callable[[], object]) -> object | None:
+def _logged(out: Outcome, wait: Callable[[], T]) -> T | None:
     """``wait()``, or None with its TimeoutError recorded as one of the row's problems."""
     try:
         return wait()

@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from . import netns
 
@@ -160,6 +160,9 @@ def _stop_group(proc: subprocess.Popen) -> None:
             proc.wait(timeout=5)
 
 
+C = TypeVar("C", bound="LocalCluster")
+
+
 @dataclass
 class TwoNodeCluster(LocalCluster):
     """Node 0 (``proc``, ``log``: the router and the first ranks) in the root namespace,
@@ -198,7 +201,7 @@ class PortTaken(RuntimeError):
     """The router could not listen on the port picked for it."""
 
 
-def _with_port_retries(start_once: Callable[[], LocalCluster]) -> LocalCluster:
+def _with_port_retries(start_once: Callable[[], C]) -> C:
     for _ in range(PORT_ATTEMPTS - 1):
         try:
             return start_once()

@@ -70,7 +70,7 @@ def build_jobs(
     tag_every: int = 0,
 ) -> list[Job]:
     rng = random.Random(seed)
-    markers = {}
+    markers: dict[int, str] = {}
     while len(markers) < users:
         markers[len(markers)] = "@" + secrets.token_hex(3)[:5] + "@"
     jobs = []

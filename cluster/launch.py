@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     card = RankCard(
         rank=rank,
-        role=role.value,
+        role=role,
         address=engine.address,
         incarnation=engine.incarnation,
         segment=segment.descriptor().pack() if segment is not None else None,
@@ -266,7 +266,7 @@ def serve_worker(
         )
     runtime.set_handlers(
         {**worker.handlers, Kind.SHUTDOWN: lambda msg: stop.set("SHUTDOWN from the router")},
-        role=role.value,
+        role=role,
     )
     _stats_sender(runtime, worker, router, runtime.cards[runtime.rank].context_length)()
     log.info("%s rank %d ready", role.value, runtime.rank)

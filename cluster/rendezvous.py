@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
+from .topology import Role
+
 log = logging.getLogger("kvferry.cluster")
 
 CARD_VERSION = 1
@@ -29,7 +31,7 @@ class RendezvousError(RuntimeError):
 @dataclass(frozen=True)
 class RankCard:
     rank: int
-    role: str
+    role: Role
     address: bytes  # TransferEngine.address
     incarnation: int
     segment: bytes | None  # packed SegmentDescriptor of the KV pool (None: router)
@@ -41,8 +43,13 @@ class RankCard:
     pid: int
     transports: str = ""  # the UCX transports it asked for (and RDMA devices), /status
 
+    def __post_init__(self) -> None:
+        # a role given by its word ("decode") becomes the enum; anything else is refused
+        object.__setattr__(self, "role", Role(self.role))
+
     def pack(self) -> bytes:
-        return msgpack.packb({"v": CARD_VERSION, **asdict(self)}, use_bin_type=True)
+        fields = {**asdict(self), "role": self.role.value}
+        return msgpack.packb({"v": CARD_VERSION, **fields}, use_bin_type=True)
 
     @classmethod
     def unpack(cls, data: bytes) -> RankCard:
@@ -59,6 +66,14 @@ class RankCard:
         fields = cls.__dataclass_fields__.keys()
         if set(obj) != set(fields):
             raise RendezvousError(f"rank card fields {sorted(obj)} != {sorted(fields)}")
+        try:
+            obj["role"] = Role(obj["role"])
+        except ValueError:
+            known = ", ".join(r.value for r in Role)
+            raise RendezvousError(
+                f"rank card of rank {obj.get('rank')}: role {str(obj['role'])[:20]!r} is not "
+                f"one of {known}"
+            ) from None
         return cls(**obj)
 
 

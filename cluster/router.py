@@ -37,7 +37,7 @@ from .chunks import TOKENS_PER_CHUNK, spans
 from .metrics import ClusterMetrics
 from .rendezvous import RankCard
 from .runtime import RankRuntime
-from .topology import Topology
+from .topology import Role, Topology
 
 log = logging.getLogger("kvferry.cluster")
 
@@ -155,13 +155,16 @@ class Router:
         self.topology = topology
         self.cards = cards
         self.context_length = min(
-            [context_length] + [c.context_length for c in cards.values() if c.role != "router"]
+            [context_length]
+            + [c.context_length for c in cards.values() if c.role is not Role.ROUTER]
         )
         self.request_timeout_s = request_timeout_s
         self.admission_wait_s = admission_wait_s
         self.metrics = metrics
         self.page_size = cards[topology.decode_ranks[0]].page_size
-        self.ledger = Ledger({r: c.num_pages for r, c in cards.items() if c.role != "router"})
+        self.ledger = Ledger(
+            {r: c.num_pages for r, c in cards.items() if c.role is not Role.ROUTER}
+        )
         self.requests: dict[str, RoutedRequest] = {}
         self.rank_stats: dict[int, dict] = {}
         self.last_seen: dict[int, float] = {r: time.monotonic() for r in self.ledger.totals}
@@ -588,7 +591,7 @@ class Router:
         """Every rank's measured pool capacity against the context length (I3)."""
         rows = []
         for rank, card in sorted(self.cards.items()):
-            if card.role == "router":
+            if card.role is Role.ROUTER:
                 continue
             rows.append(
                 {

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 
 
-class Role(enum.Enum):
+class Role(enum.StrEnum):
     ROUTER = "router"
     PREFILL = "prefill"
     DECODE = "decode"

@@ -145,6 +145,7 @@ def _child(
     from ..prefill import PrefillRank
     from ..rendezvous import RankCard
     from ..runtime import RankRuntime
+    from ..topology import Role
 
     _pin(0 if role == "writer" else 1)
     engine = TransferEngine(
@@ -157,7 +158,7 @@ def _child(
     outbox.put(
         RankCard(
             rank=rank,
-            role=role,
+            role=Role.PREFILL if role == "writer" else Role.DECODE,
             address=engine.address,
             incarnation=engine.incarnation,
             segment=seg.descriptor().pack(),
@@ -369,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..launch import freeze_long_lived_objects
     from ..rendezvous import RankCard
     from ..runtime import RankRuntime
+    from ..topology import Role
 
     warm = 2 * args.inflight
     total = args.requests + warm
@@ -398,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     cards = {
         0: RankCard(
             rank=0,
-            role="router",
+            role=Role.ROUTER,
             address=engine.address,
             incarnation=engine.incarnation,
             segment=None,

@@ -554,3 +554,53 @@ def test_a_page_that_loses_its_owner_mid_decode_fails_the_request_at_the_next_st
     done = next(f for _, k, f in rt.sent if k == "DONE")
     assert done["outcome"] == "failed" and "foreign request" in done["error"]
     assert owner.integrity_failures == 1 and owner.allocator.counts()["free"] == 64
+
+
+# ---------------------------------------------------------------- the router's reservations
+@pytest.mark.parametrize("reports", [True, False], ids=["reports", "broken-silent"])
+def test_an_abort_before_its_assign_tells_the_router_nothing_is_held(reports):
+    """The router reserved pages on the owner when it routed the request; an ABORT that
+    reaches the owner before the ASSIGN (or instead of it) must end that reservation with
+    RELEASED(0), once. Broken mode (an owner table that only tombstones) leaves the
+    router counting the pages for ever, and the test sees it."""
+    from kvferry.engine.protocol.owner import OwnerDo, OwnerEvent
+    from kvferry.engine.protocol.table import Move, replace
+
+    owner, rt = _owner()
+    if not reports:
+        owner.table = replace(
+            owner.table,
+            {
+                (OwnerState.NEW, OwnerEvent.ABORT_FLUSHED): Move(
+                    OwnerState.CLOSED, (OwnerDo.TOMBSTONE,)
+                )
+            },
+        )
+    for _ in range(2):
+        rt.deliver(m.ABORT, src=0, rid="r20", owner=2, writers=[1], source="client", reason="gone")
+    released = [f for _, k, f in rt.sent if k == "RELEASED"]
+    if not reports:
+        assert released == []  # the test catches the reservation never ended
+        return
+    assert [(f["pages"], f["how"]) for f in released] == [(0, "freed")]
+    rt.deliver(m.ASSIGN, src=0, rid="r20", prompt_len=40, max_tokens=8, writers=[1], last_token=3)
+    assert owner.allocator.counts()["owned"] == 0  # the late ASSIGN finds the tombstone
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "broken-flat"])
+def test_the_transfer_timeout_grows_with_the_prompt(scaled, monkeypatch):
+    """A million-token prompt's prefill, checksums and copy take time in proportion to it:
+    the owner waits 16 x the base timeout for it (per 65,536 tokens), and the base for a
+    short one. Broken mode (one flat timeout) times the long prompt out, and the test sees
+    it."""
+    from kvferry.cluster import decode
+
+    if not scaled:
+        monkeypatch.setattr(decode, "TIMEOUT_TOKENS", 1 << 40)
+    owner, _ = _owner()
+    assert owner.transfer_timeout_for(40) == owner.transfer_timeout_s
+    long_wait = owner.transfer_timeout_for(1 << 20)
+    if not scaled:
+        assert long_wait == owner.transfer_timeout_s  # the test catches the flat timeout
+        return
+    assert long_wait == 16 * owner.transfer_timeout_s

@@ -17,6 +17,7 @@ Quick tour::
 from .batch import Batch, BatchStatus
 from .engine import TransferConfig, TransferCounters, TransferEngine
 from .errors import (
+    CudaMemoryUnavailableError,
     DeadlineExceeded,
     PeerFailedError,
     RdmaUnavailableError,
@@ -27,6 +28,7 @@ from .errors import (
     WireError,
     ucx_error,
 )
+from .memtypes import MemoryType
 from .peer import Peer, PeerState
 from .protocol import AddressInfo, IncomingMessage, decode_address
 from .segment import RemoteSegment, Segment, SegmentDescriptor
@@ -35,8 +37,10 @@ __all__ = [
     "AddressInfo",
     "Batch",
     "BatchStatus",
+    "CudaMemoryUnavailableError",
     "DeadlineExceeded",
     "IncomingMessage",
+    "MemoryType",
     "Peer",
     "PeerFailedError",
     "PeerState",

@@ -44,6 +44,16 @@ Transports (``TransferConfig.transports``):
 - ``None``: UCX's defaults (every transport it finds); any other string is used as
   ``UCX_TLS`` as is.
 
+Memory types (``TransferConfig.memory_types``, :mod:`kvferry.transfer.memtypes`): host
+memory always; with ``"cuda"`` the engine makes a CUDA context current before
+``ucp_init``, adds ``cuda_copy,cuda_ipc`` to the ``"shm"`` and ``"tcp"`` presets, and
+refuses at start (:class:`CudaMemoryUnavailableError`, naming what is missing) unless
+the UCX context reports CUDA among its memory types. :meth:`TransferEngine.register`
+then takes CUDA tensors (or ``__cuda_array_interface__`` arrays, or a device pointer with
+``memory_type="cuda"``) and maps them as CUDA memory, never bouncing them through host
+memory. A write from a CUDA segment first waits for the stream that produced its bytes
+(UCX's cuda transports copy on their own streams), see :meth:`TransferEngine.write`.
+
 Transport-level options (``TCP_*``, ``RC_*``, ...) reach UCX through its ``UCX_*``
 environment for the duration of the worker's creation: UCX 1.13 ignores them in
 ``ucp_config_modify``. An operator's own ``UCX_*`` variable wins over the engine's
@@ -75,13 +85,14 @@ import numpy as np
 
 from . import _native as native
 from . import horizon as horizons
-from . import ucxinfo
+from . import memtypes, ucxinfo
 from ._native import ffi, lib
 from .batch import Batch, BatchStatus
 from .envelope import REASONS as ENVELOPE_REFUSALS
 from .envelope import EnvelopeError
 from .errors import (
     PEER_FAILURE_STATUSES,
+    CudaMemoryUnavailableError,
     DeadlineExceeded,
     PeerFailedError,
     StaleIncarnationError,
@@ -90,6 +101,7 @@ from .errors import (
     status_name,
     ucx_error,
 )
+from .memtypes import MemoryType
 from .pages import as_page_array, check_pages
 from .peer import Peer, PeerState
 from .protocol import (
@@ -106,6 +118,10 @@ from .segment import RemoteSegment, Segment, SegmentDescriptor
 log = logging.getLogger("kvferry.transfer")
 
 TRANSPORT_PRESETS = {"shm": "sm,self", "tcp": "tcp,self", "rdma": "rc,ud,dc,self"}
+# Added to a preset when the config asks for CUDA memory: cuda_ipc moves device memory
+# between processes on one host (GPU to GPU, one-sided), cuda_copy between host and
+# device and as the staging copy of pipelined protocols.
+CUDA_TLS = "cuda_copy,cuda_ipc"
 TCP_FAILURE_OPTIONS = {
     "TCP_KEEPIDLE": "1s",
     "TCP_KEEPINTVL": "1s",
@@ -164,12 +180,23 @@ class TransferConfig:
     tcp_failure_detection: bool = True  # tcp keep-alive so a silent partition fails
     rc_failure_detection: bool = True  # RC timeout x retries inside the abort deadline
     ucx_options: dict[str, str] = field(default_factory=dict)  # extra ucp_config_modify keys
+    # Memory the engine registers: ("host",), or ("host", "cuda") for CUDA segments (CUDA
+    # is initialised before ucp_init and the start refused unless UCX can move it).
+    memory_types: tuple[str, ...] = ("host",)
+    cuda_device: int | None = None  # None: torch's current device (else 0)
     # Injected fault for tests that must show they can fail: skip page i of every write.
     fault_skip_page: int | None = None
 
+    def wants_cuda(self) -> bool:
+        return MemoryType.CUDA in {memtypes.parse(m) for m in self.memory_types}
+
     def tls(self) -> str | None:
-        """The UCX_TLS list these transports stand for (None: UCX's default)."""
-        return TRANSPORT_PRESETS.get(self.transports or "", self.transports)
+        """The UCX_TLS list these transports stand for (None: UCX's default); a preset
+        gains the CUDA transports when CUDA memory is asked for."""
+        preset = TRANSPORT_PRESETS.get(self.transports or "")
+        if preset is None:
+            return self.transports
+        return f"{preset},{CUDA_TLS}" if self.wants_cuda() else preset
 
     def uses_tcp(self) -> bool:
         tls = self.tls()
@@ -216,6 +243,7 @@ class TransferCounters:
     peers_failed: int = 0
     bounds_refused: int = 0
     stale_refused: int = 0
+    stream_syncs: int = 0  # writes from CUDA segments that waited for their producer
 
 
 def _tl_home(key: str) -> tuple[str, str, str] | None:
@@ -317,6 +345,10 @@ class TransferEngine:
         self.incarnation = secrets.randbits(64) | 1
         self.counters = TransferCounters()
         self._rdma = ucxinfo.check_rdma() if self.config.transports == "rdma" else None
+        # CUDA before ucp_init: UCX's cuda transports take the context current at start.
+        self._cuda_init = (
+            memtypes.init_cuda(self.config.cuda_device) if self.config.wants_cuda() else None
+        )
         self._options = self.config.resolved_ucx_options()
         self._plan = plan_options(
             self._options, self.config.engine_defaults(), self.config.ucx_options, dict(os.environ)
@@ -356,6 +388,13 @@ class TransferEngine:
             )
         self._horizon = horizon
         self._worker: Any = out[0]  # kvf_worker_h
+        self._memory = self._memory_report()
+        if self.config.wants_cuda():
+            try:
+                memtypes.require(MemoryType.CUDA, self._memory)
+            except CudaMemoryUnavailableError:
+                lib.kvf_worker_destroy(self._worker)
+                raise
         addr, alen = ffi.new("void **"), ffi.new("size_t *")
         _check(lib.kvf_worker_address(self._worker, addr, alen), "worker address")
         ucx_address = bytes(ffi.buffer(addr[0], alen[0]))
@@ -436,7 +475,36 @@ class TransferEngine:
         }
         if self._rdma is not None:
             out["rdma"] = dict(self._rdma)
+        registered: dict[str, dict[str, int]] = {}
+        for seg in self._segments:
+            row = registered.setdefault(seg.memory_type, {"segments": 0, "bytes": 0})
+            row["segments"] += 1
+            row["bytes"] += seg.length
+        out["memory_types"] = {
+            "requested": [memtypes.parse(m).value for m in self.config.memory_types],
+            "ucx": memtypes.ucs_type_names(self._memory.ucs_mask),
+            "registered": registered,
+            "cuda_transports": self._memory.cuda_components(),
+            "cuda_init": self._cuda_init,
+        }
         return out
+
+    def _memory_report(self) -> memtypes.UcxMemoryReport:
+        """What this engine's UCX context can map (ucp_context_query's memory_types)."""
+        kvf_mask, ucs_mask = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        _check(lib.kvf_memory_types(self._worker, kvf_mask, ucs_mask), "querying memory types")
+        return memtypes.UcxMemoryReport(
+            kvf_mask=int(kvf_mask[0]),
+            ucs_mask=int(ucs_mask[0]),
+            ucx_version=ffi.string(lib.kvf_version_string()).decode(),
+            ucx_library=ffi.string(lib.kvf_library_path()).decode(),
+            tls=self._options.get("TLS"),
+            components=tuple(ucxinfo.inventory().components),
+        )
+
+    def supports_memory_type(self, memory_type: str) -> bool:
+        """Whether this engine's UCX context can register and move ``memory_type``."""
+        return self._memory.supports(memtypes.parse(memory_type))
 
     def failure_horizon(self) -> horizons.FailureHorizon:
         """How long a silent connected peer can count as alive on these transports
@@ -500,14 +568,50 @@ class TransferEngine:
         return True
 
     # --------------------------------------------------------------------- memory
-    def register(self, buf: Any) -> Segment:
-        """Register a contiguous host buffer (numpy, CPU torch tensor, bytearray...)
-        zero-copy. The segment keeps a reference to ``buf``."""
+    def register(
+        self, buf: Any, *, memory_type: str | None = None, nbytes: int | None = None
+    ) -> Segment:
+        """Register contiguous memory zero-copy; the segment keeps a reference to ``buf``.
+
+        ``buf``: a host buffer (numpy, CPU torch tensor, bytearray...), a CUDA torch
+        tensor or an object with ``__cuda_array_interface__`` (CuPy), or an int address
+        with ``nbytes`` and ``memory_type``. ``memory_type`` (``"host"``/``"cuda"``) is
+        inferred from ``buf`` when not given. CUDA memory is mapped as CUDA memory
+        (``UCS_MEMORY_TYPE_CUDA``) after the UCX context is checked to support it:
+        :class:`CudaMemoryUnavailableError` names what is missing otherwise, and the
+        engine must have been created with ``memory_types`` including ``"cuda"``. Map a
+        pool that is one plain ``cudaMalloc`` allocation (cuda_ipc exports the whole
+        allocation; VMM or memory-pool memory needs other handles)."""
         self._require_open()
-        address, nbytes = _buffer_pointer(buf)
-        if nbytes <= 0:
+        device: int | None = None
+        if isinstance(buf, int) and not isinstance(buf, bool):
+            if nbytes is None or memory_type is None:
+                raise ValueError("register: an address needs nbytes= and memory_type=")
+            kind = memtypes.parse(memory_type)
+            address, size = buf, nbytes
+        else:
+            cuda = memtypes.cuda_pointer(buf)
+            if cuda is not None:
+                kind = MemoryType.CUDA
+                address, size, device = cuda
+            else:
+                kind = MemoryType.HOST
+                address, size = _buffer_pointer(buf)
+            if memory_type is not None and memtypes.parse(memory_type) is not kind:
+                raise ValueError(f"register: buffer is {kind.value} memory, not {memory_type}")
+        if size <= 0:
             raise ValueError("register: empty buffer")
-        return self._map(address, nbytes, allocate=False, owner=buf)
+        if kind is MemoryType.CUDA:
+            memtypes.require(kind, self._memory)
+            if not self.config.wants_cuda():
+                raise TransferError(
+                    "register: CUDA memory needs an engine created with "
+                    "TransferConfig(memory_types=('host', 'cuda')) (CUDA initialised "
+                    "before ucp_init, the cuda transports in UCX_TLS)"
+                )
+            if device is None:
+                device = self.config.cuda_device
+        return self._map(address, size, allocate=False, owner=buf, memory_type=kind, device=device)
 
     def allocate(self, nbytes: int, prefault: bool = True) -> Segment:
         """UCX-allocated memory (``UCP_MEM_MAP_ALLOCATE``: shared memory that peers on this
@@ -520,14 +624,29 @@ class TransferEngine:
             seg.as_numpy()[::4096] = 0
         return seg
 
-    def _map(self, address: int, nbytes: int, allocate: bool, owner: Any) -> Segment:
+    def _map(
+        self,
+        address: int,
+        nbytes: int,
+        allocate: bool,
+        owner: Any,
+        memory_type: MemoryType = MemoryType.HOST,
+        device: int | None = None,
+    ) -> Segment:
         memh, base, mlen = ffi.new("kvf_mem_h *"), ffi.new("void **"), ffi.new("size_t *")
-        flags = native.MEM_MAP_FLAG_ALLOCATE if allocate else 0
+        params = ffi.new("kvf_mem_map_params_t *")
+        params.field_mask = (
+            native.MEM_MAP_PARAM_FIELD_ADDRESS
+            | native.MEM_MAP_PARAM_FIELD_FLAGS
+            | native.MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+        )
+        params.address = ffi.cast("void *", address)
+        params.length = nbytes
+        params.flags = native.MEM_MAP_FLAG_ALLOCATE if allocate else 0
+        params.memory_type = memtypes.NATIVE_TYPE[memory_type]
         _check(
-            lib.kvf_mem_map(
-                self._worker, ffi.cast("void *", address), nbytes, flags, memh, base, mlen
-            ),
-            f"mapping {nbytes} bytes",
+            lib.kvf_mem_map(self._worker, params, memh, base, mlen),
+            f"mapping {nbytes} bytes of {memory_type.value} memory",
         )
         rbuf, rsize = ffi.new("void **"), ffi.new("size_t *")
         st = lib.kvf_rkey_pack(self._worker, memh[0], rbuf, rsize)
@@ -545,6 +664,8 @@ class TransferEngine:
             allocated=allocate,
             memh=memh[0],
             owner=owner,
+            memory_type=memory_type.value,
+            device=device,
         )
         self._segments.append(seg)
         return seg
@@ -708,7 +829,7 @@ class TransferEngine:
         _check(lib.kvf_rkey_unpack(peer.ep, desc.rkey, rkey), "unpacking an rkey", peer.name)
         rseg = RemoteSegment(peer=peer, descriptor=desc, rkey=rkey[0])
         peer.rkeys.append(rkey[0])
-        if self.config.direct_copy:
+        if self.config.direct_copy and desc.memory_type == MemoryType.HOST.value:
             local = ffi.new("void **")
             if lib.kvf_rkey_ptr(rkey[0], desc.base, local) == 0:
                 rseg.direct = int(ffi.cast("uintptr_t", local[0]))
@@ -738,7 +859,14 @@ class TransferEngine:
 
     # ------------------------------------------------------------------- batches
     def write(
-        self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any, notice: bytes | None = None
+        self,
+        peer: Peer,
+        seg: Segment,
+        rseg: RemoteSegment,
+        pages: Any,
+        notice: bytes | None = None,
+        *,
+        stream: Any = None,
     ) -> Batch:
         """Put pages (local offset, remote offset, length) from ``seg`` into ``rseg``.
         The batch completes once every page is visible at the target (flushed).
@@ -746,7 +874,17 @@ class TransferEngine:
         With ``notice``, the same call then posts it as :meth:`notify` would (delivered
         only after these pages and every earlier write on this peer are visible), and
         the batch completes once the notice is sent too. Nothing is noticed if posting
-        the pages fails. One native call: the low-latency path for small writes."""
+        the pages fails. One native call: the low-latency path for small writes.
+
+        From a CUDA segment, the bytes' producer is waited for before anything is
+        posted, since UCX's cuda transports copy on their own streams and would not wait
+        on the application's: ``stream`` is anything with ``synchronize()`` (the torch
+        or CuPy stream, or cheaper an event recorded right after the kernels that wrote
+        these pages); None waits on torch's current stream of the segment's device. A
+        host segment waits on nothing."""
+        if seg.is_cuda:
+            memtypes.synchronize(seg.device, stream)
+            self.counters.stream_syncs += 1
         return self._rma(peer, seg, rseg, pages, write=True, notice=notice)
 
     def read(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any) -> Batch:
@@ -774,7 +912,7 @@ class TransferEngine:
         if write and self.config.fault_skip_page is not None and n > 1:
             mask |= native.RMA_PARAM_FIELD_SKIP_PAGE
             param.skip_page = self.config.fault_skip_page % n
-        if rseg.direct is not None:
+        if rseg.direct is not None and not seg.is_cuda:
             mask |= native.RMA_PARAM_FIELD_DIRECT_BASE
             param.direct_base = rseg.direct
         param.streaming_min_bytes = self._streaming_min_bytes

@@ -63,6 +63,20 @@ class RdmaUnavailableError(TransferError):
         super().__init__(message)
 
 
+class CudaMemoryUnavailableError(TransferError):
+    """CUDA memory cannot be registered or moved by this engine's UCX (never bounced
+    through host memory instead). ``missing`` names what is absent: ``"ucx-build"`` (the
+    UCX library was built without CUDA support), ``"cuda-transports"`` (its CUDA
+    transports are not loaded, or UCX_TLS leaves them out) or ``"device"`` (no usable CUDA
+    device); ``ucx_version`` and ``ucx_library`` say which UCX answered."""
+
+    def __init__(self, message: str, missing: str, ucx_version: str, ucx_library: str):
+        self.missing = missing
+        self.ucx_version = ucx_version
+        self.ucx_library = ucx_library
+        super().__init__(message)
+
+
 class SegmentBoundsError(TransferError, ValueError):
     """A page (local offset, remote offset, length) falls outside a segment."""
 

@@ -3,7 +3,8 @@
 - ``ADDRESS``: what :attr:`TransferEngine.address` holds: the UCX worker address plus the
   engine's incarnation, name and process identity (host, boot id, pid namespace, pid) so
   that a peer on the same host can watch the process for death.
-- ``SEGMENT``: a segment descriptor (base, length, packed rkey, owner incarnation).
+- ``SEGMENT``: a segment descriptor (base, length, packed rkey, owner incarnation, and
+  the memory type: absent from older peers' descriptors, which are host memory).
 
 Active messages travel in a fixed binary envelope (sender address and incarnation, a
 sequence number, the flushed flag, the payload), built and parsed natively: see
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .memtypes import MemoryType
 from .wire import Codec, Field, FieldType
 
 MAX_UCX_ADDRESS = 64 << 10
@@ -41,6 +43,7 @@ SEGMENT = CODEC.kind(
     rkey=Field(FieldType.BYTES, max_len=MAX_RKEY),
     incarnation=Field(FieldType.UINT64),
     allocated=Field(FieldType.BOOL),
+    memory_type=Field(FieldType.STR, optional=True, choices=MemoryType),
 )
 
 

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import WireError
+from .errors import TransferError, WireError
+from .memtypes import MemoryType
 from .protocol import CODEC, SEGMENT
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class SegmentDescriptor:
     rkey: bytes
     incarnation: int
     allocated: bool = False
+    memory_type: str = "host"  # "host" or "cuda" (MemoryType's values)
 
     def pack(self) -> bytes:
         return CODEC.encode(
@@ -39,6 +41,7 @@ class SegmentDescriptor:
                 rkey=self.rkey,
                 incarnation=self.incarnation,
                 allocated=self.allocated,
+                memory_type=self.memory_type,
             )
         )
 
@@ -47,13 +50,16 @@ class SegmentDescriptor:
         msg = CODEC.decode(data)
         if msg.kind != "SEGMENT":
             raise WireError(f"expected a SEGMENT descriptor, got {msg.kind}")
-        return cls(**msg.fields)
+        fields = dict(msg.fields)
+        kind = fields.pop("memory_type", None)
+        return cls(**fields, memory_type=MemoryType(kind or "host").value)
 
 
 @dataclass(eq=False)
 class Segment:
     """Local memory known to UCX. ``base``/``length`` are the mapped range; ``owner`` keeps
-    the user's buffer alive while it is registered."""
+    the user's buffer alive while it is registered. ``memory_type`` is ``"host"`` or
+    ``"cuda"`` (then ``device`` is the CUDA device ordinal, where known)."""
 
     base: int
     length: int
@@ -63,22 +69,37 @@ class Segment:
     memh: Any = field(repr=False)
     owner: Any = field(default=None, repr=False)
     registered: bool = True
+    memory_type: str = "host"
+    device: int | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.memory_type == MemoryType.CUDA.value
 
     def descriptor(self) -> SegmentDescriptor:
         return SegmentDescriptor(
-            self.base, self.length, self.rkey, self.incarnation, self.allocated
+            self.base, self.length, self.rkey, self.incarnation, self.allocated, self.memory_type
         )
 
     def as_numpy(self) -> np.ndarray:
-        """A uint8 view of the whole segment (zero-copy)."""
+        """A uint8 view of the whole segment (zero-copy; host memory only)."""
         from ._native import ffi
+
+        if self.is_cuda:
+            raise TransferError("as_numpy: a CUDA segment has no host view (use as_torch)")
 
         return np.frombuffer(ffi.buffer(ffi.cast("char *", self.base), self.length), dtype=np.uint8)
 
     def as_torch(self) -> Any:
-        """A uint8 CPU tensor viewing the whole segment (zero-copy); typed Any, since
-        torch is optional for this package."""
+        """A uint8 tensor viewing the whole segment (zero-copy): on the CPU, or for a CUDA
+        segment registered from a torch tensor, a flat view of that tensor on its device;
+        typed Any, since torch is optional for this package."""
         import torch
+
+        if self.is_cuda:
+            if not isinstance(self.owner, torch.Tensor):
+                raise TransferError("as_torch: this CUDA segment was not registered from a tensor")
+            return self.owner.reshape(-1).view(torch.uint8)[: self.length]
 
         return torch.from_numpy(self.as_numpy())
 

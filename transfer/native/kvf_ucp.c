@@ -621,21 +621,58 @@ ucs_status_t kvf_ep_close(kvf_worker_h w, kvf_ep_h ep, unsigned flags, int timeo
     return st;
 }
 
-ucs_status_t kvf_mem_map(kvf_worker_h w, void *address, size_t length, unsigned flags,
-                         kvf_mem_h *memh_p, void **base_p, size_t *length_p)
+ucs_status_t kvf_memory_types(kvf_worker_h w, uint64_t *mask_p, uint64_t *ucs_mask_p)
+{
+    ucp_context_attr_t attr;
+    uint64_t mask = 0;
+    ucs_status_t st;
+    memset(&attr, 0, sizeof(attr));
+    attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    st = ucp_context_query(w->context, &attr);
+    if (st != UCS_OK) return st;
+    if (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_HOST)) {
+        mask |= 1ull << KVF_MEMORY_TYPE_HOST;
+    }
+    if (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) {
+        mask |= 1ull << KVF_MEMORY_TYPE_CUDA;
+    }
+    *mask_p = mask;
+    *ucs_mask_p = attr.memory_types;
+    return UCS_OK;
+}
+
+ucs_status_t kvf_mem_map(kvf_worker_h w, const kvf_mem_map_params_t *p, kvf_mem_h *memh_p,
+                         void **base_p, size_t *length_p)
 {
     ucp_mem_map_params_t params;
     ucp_mem_attr_t attr;
     ucp_mem_h memh;
     ucs_status_t st;
+    uint64_t mask = p->field_mask, types, ucs_types;
+    unsigned flags = (mask & KVF_MEM_MAP_PARAM_FIELD_FLAGS) ? p->flags : 0;
     int allocate = (flags & KVF_MEM_MAP_FLAG_ALLOCATE) != 0;
+    int32_t type = (mask & KVF_MEM_MAP_PARAM_FIELD_MEMORY_TYPE) ? p->memory_type
+                                                                 : KVF_MEMORY_TYPE_HOST;
+    if (type != KVF_MEMORY_TYPE_HOST && type != KVF_MEMORY_TYPE_CUDA) {
+        return UCS_ERR_INVALID_PARAM;
+    }
+    if (allocate && type != KVF_MEMORY_TYPE_HOST) return UCS_ERR_INVALID_PARAM;
+    if (type != KVF_MEMORY_TYPE_HOST) {
+        /* ucp_mem_map skips the memory domains that cannot register this type and
+         * reports success with none: refuse here instead of handing out a key that
+         * makes every put a host-memory access of a device pointer. */
+        st = kvf_memory_types(w, &types, &ucs_types);
+        if (st != UCS_OK) return st;
+        if (!(types & (1ull << type))) return UCS_ERR_UNSUPPORTED;
+    }
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                         UCP_MEM_MAP_PARAM_FIELD_FLAGS | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
-    params.address = allocate ? NULL : address;
-    params.length = length;
+    params.address = allocate || !(mask & KVF_MEM_MAP_PARAM_FIELD_ADDRESS) ? NULL : p->address;
+    params.length = p->length;
     params.flags = allocate ? UCP_MEM_MAP_ALLOCATE : 0;
-    params.memory_type = UCS_MEMORY_TYPE_HOST;
+    params.memory_type = type == KVF_MEMORY_TYPE_CUDA ? UCS_MEMORY_TYPE_CUDA
+                                                      : UCS_MEMORY_TYPE_HOST;
     st = ucp_mem_map(w->context, &params, &memh);
     if (st != UCS_OK) return st;
     memset(&attr, 0, sizeof(attr));

@@ -59,10 +59,25 @@ typedef enum {
     KVF_EP_CLOSE_FLAG_FORCE = 0x01 /* sever: in-flight requests end UCS_ERR_CANCELED */
 } kvf_ep_close_flags_t;
 
-/* Flags of kvf_mem_map(). */
+/* kvf_mem_map_params_t.flags. */
 typedef enum {
-    KVF_MEM_MAP_FLAG_ALLOCATE = 0x01 /* UCX allocates (posix/sysv shared memory) */
+    KVF_MEM_MAP_FLAG_ALLOCATE = 0x01 /* UCX allocates (posix/sysv shared memory; host only) */
 } kvf_mem_map_flags_t;
+
+/* kvf_mem_map_params_t.field_mask: which optional fields are set. */
+typedef enum {
+    KVF_MEM_MAP_PARAM_FIELD_ADDRESS     = 0x01, /* default: NULL (with ALLOCATE) */
+    KVF_MEM_MAP_PARAM_FIELD_FLAGS       = 0x02, /* default: 0 */
+    KVF_MEM_MAP_PARAM_FIELD_MEMORY_TYPE = 0x04  /* default: KVF_MEMORY_TYPE_HOST */
+} kvf_mem_map_param_field_t;
+
+/* Memory types kvferry maps (kvf_mem_map_params_t.memory_type), as UCX's
+ * UCS_MEMORY_TYPE_HOST and UCS_MEMORY_TYPE_CUDA. kvf_memory_types() reports a mask of
+ * KVF_MEMORY_TYPE_FLAG(type) bits, i.e. 1 << type. */
+typedef enum {
+    KVF_MEMORY_TYPE_HOST = 0, /* ordinary host memory */
+    KVF_MEMORY_TYPE_CUDA = 1  /* CUDA device memory (cudaMalloc), mapped for cuda_ipc/cuda_copy */
+} kvf_memory_type_t;
 
 /* kvf_rma_param_t.field_mask: which optional fields are set. */
 typedef enum {
@@ -112,6 +127,16 @@ typedef struct kvf_batch {
     int64_t direct;
     int64_t bytes;
 } kvf_batch_t;
+
+/* kvf_mem_map()'s parameters. length is required; address unless
+ * KVF_MEM_MAP_FLAG_ALLOCATE is among the flags. */
+typedef struct kvf_mem_map_params {
+    uint64_t field_mask;    /* kvf_mem_map_param_field_t */
+    void *address;
+    size_t length;
+    unsigned flags;         /* kvf_mem_map_flags_t */
+    int32_t memory_type;    /* kvf_memory_type_t */
+} kvf_mem_map_params_t;
 
 /* kvf_worker_create()'s parameters. max_am_bytes is required: the largest active message
  * accepted on receipt (larger ones, and rendezvous ones, are dropped and counted). */
@@ -270,12 +295,19 @@ ucs_status_t kvf_ep_close(kvf_worker_h worker, kvf_ep_h ep, unsigned flags, int 
 
 /* -------------------------------------------------------------------------- memory */
 
-/* Maps `length` bytes at `address` (KVF_MEM_MAP_FLAG_ALLOCATE: UCX allocates them,
- * address ignored) for remote access: *memh_p, and the mapped range *base_p and
- * *length_p. UCS_OK or UCX's status. Unmap with kvf_mem_unmap(). */
-ucs_status_t kvf_mem_map(kvf_worker_h worker, void *address, size_t length,
-                         unsigned flags, kvf_mem_h *memh_p, void **base_p,
-                         size_t *length_p);
+/* The memory types the worker's UCX context can map and move (ucp_context_query's
+ * memory_types) as a mask of 1 << kvf_memory_type_t bits into *mask_p, and UCX's own
+ * UCS_BIT(ucs_memory_type_t) mask into *ucs_mask_p. UCS_OK or the query's status. */
+ucs_status_t kvf_memory_types(kvf_worker_h worker, uint64_t *mask_p, uint64_t *ucs_mask_p);
+/* Maps params->length bytes at params->address (KVF_MEM_MAP_FLAG_ALLOCATE: UCX allocates
+ * them, address ignored) for remote access, as memory of params->memory_type:
+ * *memh_p, and the mapped range *base_p and *length_p. UCS_OK or UCX's status;
+ * UCS_ERR_UNSUPPORTED for a memory type the context lacks (kvf_memory_types: UCX's own
+ * ucp_mem_map reports success for CUDA memory even when no memory domain can register
+ * it, so this is checked first), UCS_ERR_INVALID_PARAM for ALLOCATE with a type other
+ * than host or an unknown type. Unmap with kvf_mem_unmap(). */
+ucs_status_t kvf_mem_map(kvf_worker_h worker, const kvf_mem_map_params_t *params,
+                         kvf_mem_h *memh_p, void **base_p, size_t *length_p);
 ucs_status_t kvf_mem_unmap(kvf_worker_h worker, kvf_mem_h memh);
 /* The packed remote key of memh (*buffer_p, *size_p bytes; release the buffer with
  * kvf_rkey_buffer_release). UCS_OK or ucp_rkey_pack's status. */

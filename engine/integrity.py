@@ -121,14 +121,37 @@ class CanaryTable:
 
     def __init__(self, num_pages: int) -> None:
         self.table = torch.full((num_pages, 3), self.EMPTY, dtype=torch.int64)
+        self._mirrors: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device | str) -> torch.Tensor:
+        """The table on ``device``, for a check that runs there (the decode kernel's): the
+        table itself on the CPU; elsewhere a copy made once and kept equal by
+        :meth:`stamp` and :meth:`load`, which write each stamped row to it too (writes to
+        :attr:`table` by other means do not reach it)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.table
+        mirror = self._mirrors.get(device)
+        if mirror is None:
+            mirror = self._mirrors[device] = self.table.to(device)
+        return mirror
+
+    def _write(self, pages: Sequence[int], rows: torch.Tensor) -> None:
+        index = torch.as_tensor(list(pages), dtype=torch.int64)
+        self.table[index] = rows
+        for device, mirror in self._mirrors.items():
+            mirror[index.to(device)] = rows.to(device)
 
     def stamp(self, pages: Sequence[int], canaries: Sequence[Canary]) -> None:
         if len(pages) != len(canaries):
             raise ValueError(f"{len(pages)} pages but {len(canaries)} canaries")
         if pages:
-            self.table[torch.as_tensor(list(pages), dtype=torch.int64)] = torch.tensor(
-                [[c.request_id_hash, c.generation, c.page_index] for c in canaries],
-                dtype=torch.int64,
+            self._write(
+                pages,
+                torch.tensor(
+                    [[c.request_id_hash, c.generation, c.page_index] for c in canaries],
+                    dtype=torch.int64,
+                ),
             )
 
     def get(self, page: int) -> Canary | None:
@@ -139,7 +162,7 @@ class CanaryTable:
         return self.table[torch.as_tensor(list(pages), dtype=torch.int64)].clone()
 
     def load(self, pages: Sequence[int], rows: torch.Tensor) -> None:
-        self.table[torch.as_tensor(list(pages), dtype=torch.int64)] = rows.to(torch.int64)
+        self._write(pages, rows.to(torch.int64))
 
     def mismatched(self, pages: Sequence[int], expected: Sequence[Canary]) -> list[int]:
         """Pages whose stamped canary differs from the expected one."""

@@ -25,6 +25,7 @@ import torch
 
 from .attention import write_kv_pages, write_kv_tokens
 from .kernels import paged_decode_attention  # Triton on CUDA tensors, the torch reference elsewhere
+from .kernels.ownership import PageOwnership
 from .pool import PoolConfig, check_pool_shape
 from .stepwise import PrefillByLayers
 from .tokenizer import EOS, VOCAB_SIZE
@@ -232,9 +233,10 @@ class LlamaModel(PrefillByLayers):
         page_table: torch.Tensor,
         positions: torch.Tensor,
         tokens: torch.Tensor,
+        ownership: PageOwnership | None = None,
     ) -> torch.Tensor:
         """Write each input token's K/V at its position, attend over ``0 .. position``;
-        logits ``[batch, vocab]`` fp32."""
+        logits ``[batch, vocab]`` fp32. With ``ownership`` every page read is checked."""
         self._check_pool(kv)
         positions = positions.to(device=self.device, dtype=torch.int64)
         tokens = tokens.to(device=self.device, dtype=torch.int64)
@@ -248,7 +250,9 @@ class LlamaModel(PrefillByLayers):
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, h, positions)
             write_kv_tokens(kv, layer, k.to(kv.device), v.to(kv.device), pages, slots)
-            attn = paged_decode_attention(q.to(kv.device), kv, layer, table, seq_lens)
+            attn = paged_decode_attention(
+                q.to(kv.device), kv, layer, table, seq_lens, ownership=ownership
+            )
             h = h + attn.to(self.device).reshape(h.shape[0], -1) @ block.wo
             h = h + self._mlp(block, h)
         return self._logits(h)
@@ -260,6 +264,8 @@ class LlamaModel(PrefillByLayers):
         positions: torch.Tensor,
         tokens: torch.Tensor,
         prompt_lens: torch.Tensor | None = None,
+        ownership: PageOwnership | None = None,
     ) -> torch.Tensor:
-        """Greedy next token per sequence, ``[batch]`` int64."""
-        return self.decode_logits(kv, page_table, positions, tokens).argmax(dim=-1)
+        """Greedy next token per sequence, ``[batch]`` int64. ``ownership``: as
+        :meth:`decode_logits` (flags read by the caller after the step)."""
+        return self.decode_logits(kv, page_table, positions, tokens, ownership).argmax(dim=-1)

@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .kernels.ownership import PageOwnership
 from .llama import LlamaConfig, LlamaModel
 from .pool import PoolConfig
 from .replay import ReplayConfig, ReplayModel
@@ -60,7 +61,12 @@ class PagedModel(Protocol):
         positions: torch.Tensor,
         tokens: torch.Tensor,
         prompt_lens: torch.Tensor,
-    ) -> torch.Tensor: ...
+        ownership: PageOwnership | None = None,
+    ) -> torch.Tensor:
+        """One greedy token per sequence. With ``ownership`` the attention checks every
+        page it reads (in the kernel on CUDA) and only sets its flags: the caller reads
+        them after the step and drops the tokens of flagged sequences."""
+        ...
 
 
 __all__ = ["LlamaConfig", "LlamaModel", "PagedModel", "ReplayConfig", "ReplayModel"]

@@ -6,12 +6,23 @@ heads ``[head_lo, head_hi)`` occupies one contiguous run of bytes per (layer, K/
 page, so a prefill rank that computes only its heads writes whole runs.
 
 Upholds I3: :attr:`KVPool.capacity_tokens` is measured from the tensor that was really
-allocated (its shape and the bytes its storage holds), never from the configuration.
+allocated (its shape and the bytes its storage holds), never from the configuration, on
+CUDA as on the CPU.
+
+On ``cuda`` the pool is one plain allocation: a single ``torch.empty`` of the whole pool,
+with the caching allocator's expandable segments switched off around it (they map
+memory with the CUDA VMM API, which cuda_ipc cannot export with a legacy IPC handle; UCX
+registers the whole allocation a pointer lies in). A pool this size is a segment of its
+own in torch's caching allocator (a ``cudaMalloc`` of its rounded size), never shared with
+other tensors. :attr:`KVPool.allocation` says what was obtained.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -138,23 +149,98 @@ def coalesce_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def expandable_segments_requested(settings: str) -> bool:
+    """Whether allocator settings (``PYTORCH_ALLOC_CONF`` syntax) turn expandable
+    segments on."""
+    for item in settings.replace(" ", "").lower().split(","):
+        key, _, value = item.partition(":")
+        if key == "expandable_segments":
+            return value == "true"
+    return False
+
+
+def _allocator_settings() -> str:
+    """The caching allocator's settings as the process set them."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        try:
+            return str(getter())
+        except RuntimeError:
+            pass
+    return ",".join(
+        os.environ.get(k, "") for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+    )
+
+
+def _set_allocator_settings(settings: str) -> None:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is not None:
+        setter(settings)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.cuda.memory._set_allocator_settings(settings)
+
+
+def plain_cuda_allocation(
+    shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device, zero: bool
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One ``torch.empty`` (or ``zeros``) of ``shape`` on a CUDA device as a plain
+    ``cudaMalloc`` segment: expandable segments switched off for this allocation (and
+    back on after it, if they were on). Returns the tensor and what the allocator says
+    of it (backend, the segment's size and whether it is expandable)."""
+    expandable = expandable_segments_requested(_allocator_settings())
+    if expandable:
+        _set_allocator_settings("expandable_segments:False")
+    try:
+        make = torch.zeros if zero else torch.empty
+        kv = make(shape, dtype=dtype, device=device)
+    finally:
+        if expandable:
+            _set_allocator_settings("expandable_segments:True")
+    info: dict[str, Any] = {
+        "kind": "cuda",
+        "backend": torch.cuda.memory.get_allocator_backend(),
+        "expandable_segments_were_on": expandable,
+    }
+    base = kv.data_ptr()
+    snapshot: list[dict[str, Any]] = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
+    for seg in snapshot:
+        start, size = int(seg.get("address", -1)), int(seg.get("total_size", 0))
+        if start <= base < start + size:
+            info.update(
+                segment_address=start,
+                segment_bytes=size,
+                segment_expandable=bool(seg.get("is_expandable", False)),
+            )
+            break
+    return kv, info
+
+
 class KVPool:
     """The rank's KV pages.
 
     ``kv`` is ``[pages, layers, 2, kv_heads, page_size, head_dim]``, contiguous. It is
     either allocated here (``torch.empty``: pages are never zeroed, like a real pool, so
-    stale KV stays until overwritten) or viewed over a caller's buffer (for instance
-    memory the transfer engine registered), see :meth:`from_buffer`.
+    stale KV stays until overwritten; on CUDA one plain allocation, see the module
+    docstring) or viewed over a caller's buffer (for instance memory the transfer engine
+    registered), see :meth:`from_buffer`.
     """
 
     def __init__(
         self, config: PoolConfig, storage: torch.Tensor | None = None, *, zero: bool = False
     ) -> None:
         self.config = config
-        if storage is None:
+        self.allocation: dict[str, Any] = {"kind": "host"}
+        if storage is None and torch.device(config.device).type == "cuda":
+            self.kv, self.allocation = plain_cuda_allocation(
+                config.shape, config.dtype, config.device, zero
+            )
+        elif storage is None:
             make = torch.zeros if zero else torch.empty
             self.kv = make(config.shape, dtype=config.dtype, device=config.device)
         else:
+            self.allocation = {"kind": "caller's buffer", "device": str(storage.device)}
             self.kv = self._view_storage(config, storage)
             if zero:
                 self.kv.zero_()

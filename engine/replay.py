@@ -37,6 +37,7 @@ import torch
 
 from .attention import write_kv_pages, write_kv_tokens
 from .kernels import paged_decode_attention  # Triton on CUDA tensors, the torch reference elsewhere
+from .kernels.ownership import PageOwnership
 from .pool import PoolConfig, check_pool_shape
 from .stepwise import PrefillByLayers
 from .tokenizer import CONFLICT, TOKEN_BITS, VOCAB_SIZE
@@ -146,8 +147,11 @@ class ReplayModel(PrefillByLayers):
         page_table: torch.Tensor,
         seq_lens: torch.Tensor,
         targets: torch.Tensor,
+        ownership: PageOwnership | None = None,
     ) -> torch.Tensor:
-        """Token stored at ``targets[b]`` of each sequence, read by attention alone: ``[batch]``."""
+        """Token stored at ``targets[b]`` of each sequence, read by attention alone: ``[batch]``.
+        With ``ownership`` every page read is checked (the kernel's flags, see
+        :func:`paged_decode_attention`)."""
         self._check_pool(kv)
         q = (
             self.key_codes(targets.to(kv.device))[:, None, :]
@@ -157,7 +161,7 @@ class ReplayModel(PrefillByLayers):
         votes = []
         for layer in range(self.layers):
             out = paged_decode_attention(
-                q, kv, layer, page_table, seq_lens, scale=self.scale
+                q, kv, layer, page_table, seq_lens, scale=self.scale, ownership=ownership
             )  # [B, qh, d]
             votes.append(out[..., :TOKEN_BITS])
         bits = torch.stack(votes)  # [layers, B, qh, TOKEN_BITS]
@@ -176,9 +180,12 @@ class ReplayModel(PrefillByLayers):
         positions: torch.Tensor,
         tokens: torch.Tensor,
         prompt_lens: torch.Tensor,
+        ownership: PageOwnership | None = None,
     ) -> torch.Tensor:
         """Write each input token's K/V at its position, then emit the token stored at
-        ``position - (prompt_len - 1)``. Returns ``[batch]`` int64 on kv's device."""
+        ``position - (prompt_len - 1)``. Returns ``[batch]`` int64 on kv's device. With
+        ``ownership`` the attention checks every page it reads against it (in the kernel
+        on CUDA): the caller reads the flags after the step and drops flagged tokens."""
         self._check_pool(kv)
         device = kv.device
         positions = positions.to(device=device, dtype=torch.int64)
@@ -192,4 +199,6 @@ class ReplayModel(PrefillByLayers):
         for layer in range(self.layers):
             write_kv_tokens(kv, layer, k, v, pages, slots)
         targets = positions - (prompt_lens.to(device=device, dtype=torch.int64) - 1)
-        return self.read_positions(kv, table, (positions + 1).to(torch.int32), targets)
+        return self.read_positions(
+            kv, table, (positions + 1).to(torch.int32), targets, ownership=ownership
+        )

@@ -90,3 +90,23 @@ def test_page_view_and_bounds():
     assert pool.page_byte_range(1) == (pool.page_bytes, pool.page_bytes)
     with pytest.raises(IndexError):
         pool.page_view(2)
+
+
+def test_expandable_segment_settings_are_read():
+    from kvferry.engine.pool import expandable_segments_requested as on
+
+    assert on("expandable_segments:True") and on("max_split_size_mb:64, expandable_segments:true")
+    assert not on("") and not on("expandable_segments:False") and not on("backend:native")
+
+
+def test_a_cpu_pool_reports_host_allocation_and_measured_capacity():
+    pool = KVPool(PoolConfig(1, 2, 8, 16, 5))
+    assert pool.allocation == {"kind": "host"} and pool.capacity_tokens == 80
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA pool needs a CUDA device")
+def test_a_cuda_pool_is_one_plain_allocation_with_measured_capacity():  # pragma: no cover
+    pool = KVPool(PoolConfig(2, 8, 128, 16, 64, torch.bfloat16, device="cuda"))
+    assert pool.kv.is_cuda and pool.capacity_tokens == 64 * 16
+    assert pool.allocation["kind"] == "cuda" and not pool.allocation.get("segment_expandable")
+    assert pool.allocation["segment_bytes"] >= pool.nbytes

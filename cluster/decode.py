@@ -505,42 +505,97 @@ class DecodeRank(RankBooks):
             table[i, len(pages) :] = pages[0]
         return torch.from_numpy(table)
 
-    def _still_owned(self, batch: list[OwnedRequest], table: torch.Tensor) -> list[int]:
+    def _still_owned(
+        self,
+        batch: list[OwnedRequest],
+        table: torch.Tensor,
+        *,
+        written_only: bool = False,
+        checked: PageOwnership | None = None,
+    ) -> list[int]:
         """The indices in ``batch`` of the requests whose every page about to be read
         (prompt and answer so far, and the position this step writes) still carries their
-        canary; each other one fails with the I5 error, before this step gives it a token."""
-        gens = torch.zeros(table.shape, dtype=torch.int64)
-        for i, r in enumerate(batch):
-            gens[i, : len(r.grants)] = r.generation_row
-        owned = PageOwnership.create(
-            self.canaries.table, torch.tensor([r.rid_hash for r in batch]), gens
-        )
-        seq_lens = torch.tensor([r.prompt_len + len(r.generated) for r in batch])
-        check_ownership_reference(table, seq_lens, self.pool.page_size, self.pool.num_pages, owned)
-        failures = owned.failures()
+        canary; each other one fails with the I5 error, before this step gives it a token.
+
+        By default the torch reference checks every such page now, before the step (the
+        CPU path). On CUDA the decode kernel checks the pages as it reads them: before the
+        step only the page each request's step writes is checked here (``written_only``:
+        one canary row per request, so no step writes a token into a page that is not
+        its request's), and after it ``checked`` holds the flags the kernel raised, read
+        here (one sync) and acted on the same way."""
+        from kvferry.engine.kernels import ownership as kinds
+
+        if checked is None:
+            gens = torch.zeros(table.shape, dtype=torch.int64)
+            for i, r in enumerate(batch):
+                gens[i, : len(r.grants)] = r.generation_row
+            rids = torch.tensor([r.rid_hash for r in batch], dtype=torch.int64)
+            checked = PageOwnership.create(self.canaries.table, rids, gens)
+            seq_lens = torch.tensor([r.prompt_len + len(r.generated) for r in batch])
+            num_pages = self.pool.num_pages
+            if not written_only:
+                check_ownership_reference(table, seq_lens, self.pool.page_size, num_pages, checked)
+            else:
+                width = table.shape[1]
+                index = (seq_lens - 1) // self.pool.page_size  # the logical page written
+                col = index.clamp(max=width - 1)
+                rows = torch.arange(len(batch))
+                page = table[rows, col].to(torch.int64)
+                outside = (page < 0) | (page >= num_pages)
+                canary = checked.canaries[page.clamp(0, num_pages - 1)]
+                bits = (
+                    torch.where(canary[:, 0] != rids, kinds.FOREIGN_REQUEST, 0)
+                    | torch.where(canary[:, 1] != gens[rows, col], kinds.STALE_GENERATION, 0)
+                    | torch.where(canary[:, 2] != index, kinds.WRONG_INDEX, 0)
+                )
+                bits = torch.where(outside, kinds.OUT_OF_POOL, bits)
+                bits = torch.where(index >= width, kinds.BEYOND_TABLE, bits)
+                checked.errors |= bits.to(torch.int32)
+                first_page = index.clamp(max=width)  # as the reference: the width when beyond
+                checked.first_bad.copy_(torch.where(bits != 0, first_page, checked.first_bad))
+        failures = checked.failures()
         bad = {b for b, _, _ in failures}
-        for b, bits, first in failures:
+        for b, bits_set, first in failures:
             r = batch[b]
-            page = r.pages[first] if first < len(r.pages) else "-"
+            page_id = r.pages[first] if first < len(r.pages) else "-"
             exc = IntegrityError(
                 r.rid,
                 f"page ownership check at decode step "
-                f"{len(r.generated)}: {describe_kinds(bits)} (logical "
-                f"page {first}, page {page})",
+                f"{len(r.generated)}: {describe_kinds(bits_set)} (logical "
+                f"page {first}, page {page_id})",
             )
             r.error = f"integrity: {exc}"
             self._feed(r, OwnerEvent.CORRUPT)  # every writer noticed: nothing more can land
         return [i for i in range(len(batch)) if i not in bad]
 
     def _step(self, batch: list[OwnedRequest]) -> None:
+        """One decode step. With integrity checks on, every page a request reads is
+        checked against its canary: on the CPU by the torch reference before the step; when
+        the pool's attention runs the kernels (CUDA) inside the step, in the same kernel
+        pass that reads the pages (``ownership=`` through the model to the dispatcher),
+        the flags read after the step and each flagged request failed without its token."""
+        from kvferry.engine.kernels import dispatch
+
         device = self.pool.kv.device
         table = self._page_table(batch)
+        fused = self.integrity and dispatch.use_triton(self.pool.kv)
         if self.integrity:
-            keep = self._still_owned(batch, table)
+            keep = (
+                self._still_owned(batch, table, written_only=True)
+                if fused
+                else self._still_owned(batch, table)
+            )
             if len(keep) < len(batch):
                 if not keep:
                     return
                 batch, table = [batch[i] for i in keep], table[keep]
+        step_args: dict[str, Any] = {}
+        if fused:
+            gens = torch.zeros(table.shape, dtype=torch.int64)
+            for i, r in enumerate(batch):
+                gens[i, : len(r.grants)] = r.generation_row
+            rids = torch.tensor([r.rid_hash for r in batch], dtype=torch.int64)
+            step_args["ownership"] = PageOwnership.create(self.canaries.on(device), rids, gens)
         positions = torch.tensor([r.prompt_len - 1 + len(r.generated) for r in batch])
         inputs = torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch])
         prompt_lens = torch.tensor([r.prompt_len for r in batch])
@@ -548,8 +603,12 @@ class DecodeRank(RankBooks):
             self.rt.faults.before_decode_step([f"prompt_len={r.prompt_len}" for r in batch])
         with torch.no_grad():
             out = self.model.decode_step(
-                self.pool.kv, table.to(device), positions, inputs, prompt_lens
+                self.pool.kv, table.to(device), positions, inputs, prompt_lens, **step_args
             ).tolist()
+        if fused:  # the kernel's flags: a flagged request fails and gets no token
+            keep = self._still_owned(batch, table, checked=step_args["ownership"])
+            if len(keep) < len(batch):
+                batch, out = [batch[i] for i in keep], [out[i] for i in keep]
         for r, tok in zip(batch, out, strict=True):
             r.generated.append(int(tok))
             r.unsent.append(int(tok))

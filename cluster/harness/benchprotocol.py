@@ -279,7 +279,7 @@ def _drive_protocol(
             last_token=0,
         )
 
-    rt.set_handler(on_message)
+    rt.set_handlers({k: on_message for k in Kind}, role="router")
     while posted < inflight:
         post(posted)
         posted += 1

@@ -7,6 +7,7 @@ dispatcher, whose reference path applies the same check the kernel does)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from test_protocol_units import _owner
 
 import kvferry.cluster.decode as decode_mod
@@ -113,6 +114,10 @@ def test_clean_runs_give_the_same_tokens_on_both_paths(monkeypatch):
         if on_cuda:
             monkeypatch.setattr(dispatch, "use_triton", lambda tensor: True)
         owner, rt = _owner(integrity=True)
+        # the same bytes in both pools (a pool is torch.empty: never zeroed)
+        owner.pool.kv.copy_(
+            torch.randn(owner.pool.kv.shape, generator=torch.Generator().manual_seed(3))
+        )
         _decoding(owner, rt)
         while owner.busy() and owner.step():
             pass

@@ -1,0 +1,332 @@
+"""vLLM's real Scheduler with the kvferry connector loaded by module path, its worker side
+driven the way the model runner drives it, on CPU KV tensors in vLLM's own layouts.
+
+One :class:`Side` is one vLLM engine: a Scheduler (its SCHEDULER connector) and ``tp``
+WORKER connectors, each with its own KV buffers made by vLLM's ``create_kv_cache_views``.
+:meth:`Side.step` is one engine step: schedule, the "model runner" (bytes from a seed per
+request into the blocks it computes), each worker's connector calls in the model runner's
+order, vLLM's ``KVOutputAggregator``, ``update_from_output``. The prefill runs in another
+process (:func:`prefill_main`), so pages move by real kvferry transfers between processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvferry.cluster.vllm.layout import KVRegions
+
+BLOCK = 16
+LAYERS = 2
+KV_HEADS = 2  # per TP worker
+HEAD = 32
+EOS = 999
+MODULE = "kvferry.cluster.vllm.connector"
+_hash_ready = False
+
+
+def model_dir(root: Path) -> str:
+    d = root / "tiny-llama"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": LAYERS,
+                "vocab_size": 1000,
+                "max_position_embeddings": 4096,
+                "torch_dtype": "float16",
+                "eos_token_id": EOS,
+            }
+        )
+    )
+    return str(d)
+
+
+def vllm_config(
+    model: str,
+    role: str,
+    engine_id: str,
+    extra: dict[str, Any],
+    tp: int,
+    module: str = MODULE,
+    connector: str = "KvferryConnector",
+) -> VllmConfig:
+    mc = ModelConfig(model=model, dtype="float16", seed=0, skip_tokenizer_init=True)
+    sc = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        max_model_len=2048,
+        is_encoder_decoder=False,
+    )
+    cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.5, enable_prefix_caching=False)
+    cc.kv_cache_layout = "LBNHC"
+    ktc = KVTransferConfig(
+        kv_connector=connector,
+        kv_connector_module_path=module,
+        kv_role=role,
+        engine_id=engine_id,
+        kv_connector_extra_config=extra,
+        kv_load_failure_policy="fail",
+    )
+    cfg = VllmConfig(
+        model_config=mc,
+        scheduler_config=sc,
+        cache_config=cc,
+        kv_transfer_config=ktc,
+        device_config=DeviceConfig("cpu"),
+    )
+    cfg.parallel_config.tensor_parallel_size = tp
+    return cfg
+
+
+def kv_cache_config(num_blocks: int) -> KVCacheConfig:
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float16
+    )
+    names = [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
+
+
+def kv_caches(kcc: KVCacheConfig, layout: str) -> dict[str, torch.Tensor]:
+    """The layers' views, as vLLM's model runner makes them: one raw buffer, one 4-D view
+    per layer, strides from the layout (layer-outermost, or cross-layer BL*)."""
+    group = kcc.kv_cache_groups[0]
+    spec, names, n = group.kv_cache_spec, group.layer_names, kcc.num_blocks
+    lay = KVCacheLayout[layout]
+    page = spec.page_size_bytes
+    if lay.is_layer_compact:
+        stride_l, stride_b = page * n, page
+    else:
+        stride_l, stride_b = page, page * len(names)
+    t = KVCacheTensor(
+        size=page * n * len(names), layers=list(names), layer_stride=stride_l, block_stride=stride_b
+    )
+    raw = torch.zeros(t.size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, n, lay, t)
+    return dict(zip(names, views, strict=True))
+
+
+def request(rid: str, prompt_len: int, params: dict[str, Any] | None, max_tokens: int) -> Request:
+    global _hash_ready
+    if not _hash_ready:
+        init_none_hash(sha256)
+        _hash_ready = True
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp.update_from_generation_config({}, EOS)
+    seed = sum(map(ord, rid))
+    req = Request(
+        request_id=rid,
+        prompt_token_ids=[(seed * 7 + i) % 900 + 1 for i in range(prompt_len)],
+        sampling_params=sp,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+    req.kv_transfer_params = params
+    return req
+
+
+def pattern(marker: str, nblocks: int, nbytes: int, rank: int) -> torch.Tensor:
+    """What the prefill's "model" writes for a request: its own bytes, per TP rank."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{marker}/{rank}".encode()))
+    return torch.randint(0, 256, (nblocks, nbytes), generator=g, dtype=torch.uint8)
+
+
+class Side:
+    """One vLLM engine: the real Scheduler and ``tp`` worker connectors."""
+
+    def __init__(
+        self,
+        model: str,
+        role: str,
+        engine_id: str,
+        extra: dict[str, Any],
+        *,
+        tp: int = 2,
+        num_blocks: int = 64,
+        layout: str = "LBNHC",
+        module: str = MODULE,
+        connector: str = "KvferryConnector",
+    ) -> None:
+        self.cfg = vllm_config(model, role, engine_id, extra, tp, module, connector)
+        self.cfg.cache_config.kv_cache_layout = layout
+        self.kcc = kv_cache_config(num_blocks)
+        self.cfg.cache_config.num_gpu_blocks = num_blocks
+        self.sched = Scheduler(
+            vllm_config=self.cfg,
+            kv_cache_config=self.kcc,
+            structured_output_manager=StructuredOutputManager(self.cfg),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        self.workers = []
+        self.regions: list[KVRegions] = []
+        for rank in range(tp):
+            self.cfg.parallel_config.rank = rank
+            w = KVConnectorFactory.create_connector(self.cfg, KVConnectorRole.WORKER, self.kcc)
+            caches = kv_caches(self.kcc, layout)
+            w.register_kv_caches(caches)
+            self.workers.append(w)
+            self.regions.append(KVRegions.from_kv_caches(caches, num_blocks, layout))
+        self.cfg.parallel_config.rank = 0
+        self.sched.connector.set_xfer_handshake_metadata(
+            {w._worker.tp_rank: w.get_handshake_metadata() for w in self.workers}
+        )
+        self.agg = KVOutputAggregator(tp)
+        self.outputs: dict[str, Any] = {}  # rid -> its last EngineCoreOutput
+        self.scheduled: dict[str, int] = {}  # rid -> tokens scheduled so far
+        self.first_read: dict[str, list[torch.Tensor]] = {}  # bytes when first scheduled
+        self.on_first_schedule = None
+
+    def free_blocks(self) -> int:
+        return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def blocks_of(self, rid: str) -> list[int]:
+        return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+
+    def step(self, fill: bool = False) -> None:
+        so = self.sched.schedule()
+        for rid, n in so.num_scheduled_tokens.items():
+            first = rid not in self.scheduled
+            self.scheduled[rid] = self.scheduled.get(rid, 0) + n
+            if first and fill:  # the prefill's "model": this request's own bytes
+                blocks = self.blocks_of(rid)
+                for rank, reg in enumerate(self.regions):
+                    reg.write_block_bytes(blocks, pattern(rid, len(blocks), reg.block_bytes, rank))
+            if first and not fill:  # the decode's first read of the loaded blocks
+                req = self.sched.requests[rid]
+                nb = -(-len(req.prompt_token_ids) // BLOCK)
+                blocks = self.blocks_of(rid)[:nb]
+                self.first_read[rid] = [reg.block_bytes_of(blocks) for reg in self.regions]
+        outs = []
+        for w in self.workers:
+            w.bind_connector_metadata(so.kv_connector_metadata)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            r = w.get_transfer_results(so.finished_req_ids)
+            kvo = KVConnectorOutput(
+                finished_sending=r.finished_sending or None,
+                finished_recving=r.finished_recving or None,
+                failed_recving=r.failed_recving,
+                invalid_block_ids=w.get_block_ids_with_load_errors(),
+                kv_connector_stats=w.get_kv_connector_stats(),
+            )
+            w.clear_connector_metadata()
+            ids = list(so.num_scheduled_tokens)
+            outs.append(
+                ModelRunnerOutput(
+                    req_ids=ids,
+                    req_id_to_index={r: i for i, r in enumerate(ids)},
+                    sampled_token_ids=[[7] for _ in ids],
+                    kv_connector_output=kvo,
+                )
+            )
+        out = self.agg.aggregate(outs)
+        eco = self.sched.update_from_output(so, out)
+        for batch in eco.values():
+            for o in batch.outputs:
+                self.outputs[o.request_id] = o
+
+    def status(self, rid: str) -> RequestStatus | None:
+        req = self.sched.requests.get(rid)
+        return None if req is None else req.status
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+        self.sched.connector.shutdown()
+
+
+# ---------------------------------------------------------------------- the prefill process
+def prefill_main(
+    conn: Any, model: str, extra: dict[str, Any], tp: int, num_blocks: int, layout: str
+) -> None:
+    """A prefill engine in its own process, commanded over ``conn``."""
+    side = Side(model, "kv_producer", "prefill", extra, tp=tp, num_blocks=num_blocks, layout=layout)
+    running, kill_at = True, None
+    conn.send(("ready", os.getpid()))
+    while True:
+        if conn.poll(0 if running else 0.01):
+            cmd, *args = conn.recv()
+            if cmd == "prefill":
+                rid, n = args
+                side.sched.add_request(request(rid, n, {"do_remote_decode": True}, 1))
+                while rid not in side.outputs or side.outputs[rid].finish_reason is None:
+                    side.step(fill=True)
+                side.step(fill=True)  # hands the request to the workers (checksums)
+                conn.send(side.outputs[rid].kv_transfer_params)
+            elif cmd == "run":
+                running = args[0]
+                conn.send(True)
+            elif cmd == "corrupt":  # flip bytes of a request's source blocks, after checksums
+                rid = args[0]
+                for w, reg in zip(side.workers, side.regions, strict=True):
+                    src = w._worker.jobs[rid].src
+                    data = reg.block_bytes_of(src)
+                    data[:, 5] ^= 0xFF
+                    reg.write_block_bytes(src, data)
+                conn.send(True)
+            elif cmd == "kill_after_batches":
+                kill_at = args
+                conn.send(True)
+            elif cmd == "status":
+                holding = sorted(side.sched.connector._sched.holding)
+                conn.send({"free": side.free_blocks(), "holding": holding})
+            elif cmd == "exit":
+                side.shutdown()
+                conn.send(True)
+                return
+        if running:
+            side.step(fill=True)
+            if kill_at is not None:
+                rid, k = kill_at
+                jobs = [w._worker.jobs.get(rid) for w in side.workers]
+                if any(j is not None and j.batches_posted >= k for j in jobs):
+                    os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.0005)

@@ -1,0 +1,363 @@
+"""The kvferry connector inside vLLM's real Scheduler, both sides, pages moved by kvferry
+between two processes. Each case runs safe, then in a broken mode (the decode reports a
+load early) that the same checks must catch. The table of results is printed at the end
+(``-s``) and written to ``$KVFERRY_VLLM_TABLE`` when set."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (.ci/vllm.sh builds its venv)")
+
+import harness as h
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import RequestStatus
+
+DECODE_BLOCKS = 6  # one request of 64 tokens (4 blocks + its decode block) and the null block
+PROMPT = 64
+PREFILL_EXTRA = {"transports": "shm", "hold_timeout_s": 60.0}
+DECODE_EXTRA = {
+    "transports": "shm",
+    "transfer_timeout_s": 20.0,
+    "abort_deadline_s": 3.0,
+    "ack_retry_s": 0.2,
+}
+TABLE: list[dict[str, Any]] = []
+
+
+class Prefill:
+    """The prefill engine in another process."""
+
+    def __init__(self, model: str, extra: dict[str, Any] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=h.prefill_main,
+            args=(child, model, {**PREFILL_EXTRA, **(extra or {})}, 2, 64, "LBNHC"),
+            daemon=True,
+        )
+        self.proc.start()
+        tag, self.pid = self.ask_raw(120)
+        assert tag == "ready"
+
+    def ask_raw(self, timeout: float = 60) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError("prefill process did not answer")
+        return self.conn.recv()
+
+    def ask(self, *cmd: Any, timeout: float = 60) -> Any:
+        self.conn.send(cmd)
+        return self.ask_raw(timeout)
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def close(self) -> None:
+        if self.alive():
+            try:
+                self.ask("exit", timeout=10)
+            except Exception:
+                pass
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return h.model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def prefill(model):
+    p = Prefill(model)
+    yield p
+    p.close()
+
+
+def decode_side(model: str, unsafe: bool, blocks: int = DECODE_BLOCKS) -> h.Side:
+    return h.Side(
+        model, "kv_consumer", "decode", {**DECODE_EXTRA, "unsafe": unsafe}, tp=2, num_blocks=blocks
+    )
+
+
+def own_bytes(side: h.Side, rid: str, marker: str) -> bool:
+    """The bytes the decode read when it first scheduled ``rid`` are ``marker``'s prefill's."""
+    got = side.first_read[rid]
+    nb = got[0].shape[0]
+    return all(
+        bool((g == _expected(marker, nb, g.shape[1], rank)).all()) for rank, g in enumerate(got)
+    )
+
+
+def _expected(marker: str, nb: int, nbytes: int, rank: int):
+    # the prefill filled exactly the blocks of the prompt plus its one sampled token
+    return h.pattern(marker, -(-(PROMPT + 1) // h.BLOCK), nbytes, rank)[:nb]
+
+
+def steps(side: h.Side, until, limit_s: float = 30.0, pause: float = 0.002) -> float:
+    t0 = time.monotonic()
+    while not until():
+        if time.monotonic() - t0 > limit_s:
+            raise TimeoutError("condition not reached")
+        side.step()
+        time.sleep(pause)
+    return time.monotonic() - t0
+
+
+def add(side: h.Side, rid: str, params: dict[str, Any], max_tokens: int = 2) -> None:
+    side.sched.add_request(h.request(rid, PROMPT, dict(params), max_tokens))
+
+
+def finished(side: h.Side, rid: str) -> bool:
+    o = side.outputs.get(rid)
+    return o is not None and o.finish_reason is not None
+
+
+def record(case: str, unsafe: bool, **row: Any) -> dict[str, Any]:
+    row = {
+        "connector": "kvferry" + (" (broken: early finished_recving)" if unsafe else ""),
+        "case": case,
+        **row,
+    }
+    TABLE.append(row)
+    return row
+
+
+# ---------------------------------------------------------------------- the cases
+def case_normal(model, prefill, unsafe: bool) -> dict[str, Any]:
+    params = prefill.ask("prefill", f"n-{unsafe}", PROMPT)
+    assert params["do_remote_prefill"] and params["remote_request_id"] == f"n-{unsafe}"
+    prefill.ask("run", False)  # the prefill holds still: nothing can land yet
+    d = decode_side(model, unsafe)
+    try:
+        add(d, "d-1", params)
+        for _ in range(40):
+            d.step()
+            time.sleep(0.005)
+        early = "d-1" in d.first_read
+        prefill.ask("run", True)
+        steps(d, lambda: finished(d, "d-1"))
+        good = own_bytes(d, "d-1", f"n-{unsafe}")
+        steps(d, lambda: f"n-{unsafe}" not in prefill.ask("status")["holding"])
+        return record(
+            "normal",
+            unsafe,
+            scheduled_before_notice=early,
+            foreign_bytes_read=int(not good),
+            blocks_leaked=DECODE_BLOCKS - 1 - d.free_blocks(),
+            finish=str(d.outputs["d-1"].finish_reason),
+        )
+    finally:
+        prefill.ask("run", True)
+        d.shutdown()
+
+
+def case_abort(model, prefill, unsafe: bool) -> dict[str, Any]:
+    pa = prefill.ask("prefill", f"a-{unsafe}", PROMPT)
+    pb = prefill.ask("prefill", f"b-{unsafe}", PROMPT)
+    prefill.ask("run", False)
+    d = decode_side(model, unsafe)
+    try:
+        add(d, "d-a", pa)
+        steps(d, lambda: d.status("d-a") == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        a_blocks = d.blocks_of("d-a")
+        free_held = d.free_blocks()
+        for _ in range(5):
+            d.step()
+        d.sched.finish_requests("d-a", RequestStatus.FINISHED_ABORTED)
+        add(d, "d-b", pb)  # waits for A's blocks: the pool holds one request
+        released_early = False
+        for _ in range(60):
+            d.step()
+            time.sleep(0.005)
+            released_early |= (
+                d.free_blocks() > free_held or d.status("d-b") != RequestStatus.WAITING
+            )
+        prefill.ask("run", True)
+        t_run = time.monotonic()
+        steps(d, lambda: d.status("d-b") != RequestStatus.WAITING)
+        release_s = time.monotonic() - t_run  # after the writer could act at all
+        b_blocks = d.blocks_of("d-b")
+        steps(d, lambda: finished(d, "d-b"))
+        good = own_bytes(d, "d-b", f"b-{unsafe}")
+        steps(d, lambda: not {f"a-{unsafe}", f"b-{unsafe}"} & set(prefill.ask("status")["holding"]))
+        return record(
+            "abort while waiting",
+            unsafe,
+            released_before_ack=released_early,
+            b_got_a_blocks=bool(set(a_blocks) & set(b_blocks)),
+            foreign_bytes_read=int(not good),
+            blocks_leaked=DECODE_BLOCKS - 1 - d.free_blocks(),
+            time_to_release_s=round(release_s, 3),
+        )
+    finally:
+        prefill.ask("run", True)
+        d.shutdown()
+
+
+def case_crash(model, unsafe: bool, caplog) -> dict[str, Any]:
+    p = Prefill(model, {"max_batch_bytes": 4096})
+    d = decode_side(model, unsafe)
+    try:
+        params = p.ask("prefill", "c-1", PROMPT)
+        p.ask("kill_after_batches", "c-1", 1)
+        add(d, "d-c", params)
+        released_alive = False
+        t0 = time.monotonic()
+        t_dead = None
+
+        def done() -> bool:
+            nonlocal released_alive, t_dead
+            if t_dead is None and not p.alive():
+                t_dead = time.monotonic()
+            all_free = d.free_blocks() == DECODE_BLOCKS - 1
+            if (all_free and "d-c" in d.scheduled) or finished(d, "d-c"):
+                released_alive |= p.alive()
+                return finished(d, "d-c") and d.free_blocks() == DECODE_BLOCKS - 1
+            return False
+
+        steps(d, done)
+        out = d.outputs["d-c"]
+        clear = any("exited before its notice" in r.getMessage() for r in caplog.records)
+        read = "d-c" in d.first_read
+        return record(
+            "prefill killed mid-transfer",
+            unsafe,
+            released_while_writer_alive=released_alive,
+            failed=out.finish_reason == FinishReason.ERROR,
+            clear_error=clear,
+            foreign_bytes_read=int(read and not own_bytes(d, "d-c", "c-1")),
+            blocks_leaked=DECODE_BLOCKS - 1 - d.free_blocks(),
+            time_to_release_s=round(time.monotonic() - (t_dead or t0), 3),
+        )
+    finally:
+        d.shutdown()
+        p.close()
+
+
+def case_reject(model, prefill, unsafe: bool, module: str = h.MODULE) -> dict[str, Any]:
+    free0 = prefill.ask("status")["free"]
+    params = prefill.ask("prefill", f"r-{unsafe}-{module[-6:]}", PROMPT)
+    d = h.Side(
+        model,
+        "kv_consumer",
+        "decode",
+        {**DECODE_EXTRA, "unsafe": unsafe},
+        tp=2,
+        num_blocks=DECODE_BLOCKS,
+        module=module,
+    )
+    try:
+        add(d, "d-r", params)
+        d.sched.finish_requests("d-r", RequestStatus.FINISHED_ABORTED)  # before allocation
+        t0 = time.monotonic()
+        freed = None
+        while time.monotonic() - t0 < 5.0:
+            d.step()
+            time.sleep(0.01)
+            if prefill.ask("status")["free"] == free0:
+                freed = time.monotonic() - t0
+                break
+        return record(
+            "rejected before allocation",
+            unsafe,
+            prefill_freed_s=None if freed is None else round(freed, 3),
+            blocks_leaked=free0 - prefill.ask("status")["free"],
+            time_to_release_s=None if freed is None else round(freed, 3),
+        )
+    finally:
+        d.shutdown()
+
+
+def case_corrupt(model, prefill, unsafe: bool) -> dict[str, Any]:
+    params = prefill.ask("prefill", f"x-{unsafe}", PROMPT)
+    prefill.ask("corrupt", f"x-{unsafe}")
+    d = decode_side(model, unsafe)
+    try:
+        add(d, "d-x", params)
+        steps(d, lambda: finished(d, "d-x"))
+        out = d.outputs["d-x"]
+        decoded = "d-x" in d.scheduled
+        steps(d, lambda: f"x-{unsafe}" not in prefill.ask("status")["holding"])
+        return record(
+            "corrupted bytes",
+            unsafe,
+            decoded=decoded,
+            failed=out.finish_reason == FinishReason.ERROR,
+            blocks_leaked=DECODE_BLOCKS - 1 - d.free_blocks(),
+        )
+    finally:
+        d.shutdown()
+
+
+# ---------------------------------------------------------------------- the tests
+def test_normal(model, prefill):
+    row = case_normal(model, prefill, unsafe=False)
+    assert not row["scheduled_before_notice"] and row["foreign_bytes_read"] == 0, row
+    assert row["blocks_leaked"] == 0, row
+
+
+def test_normal_broken_mode_caught(model, prefill):
+    row = case_normal(model, prefill, unsafe=True)
+    assert row["scheduled_before_notice"] and row["foreign_bytes_read"] == 1, row
+
+
+def test_abort_waits_for_every_ack(model, prefill):
+    row = case_abort(model, prefill, unsafe=False)
+    assert not row["released_before_ack"] and row["foreign_bytes_read"] == 0, row
+    assert row["blocks_leaked"] == 0, row
+
+
+def test_abort_broken_mode_caught(model, prefill):
+    row = case_abort(model, prefill, unsafe=True)
+    assert row["released_before_ack"] and row["foreign_bytes_read"] == 1, row
+
+
+def test_prefill_killed_mid_transfer(model, caplog):
+    caplog.set_level(logging.INFO, logger="kvferry.vllm")
+    row = case_crash(model, unsafe=False, caplog=caplog)
+    assert not row["released_while_writer_alive"], row
+    assert row["failed"] and row["clear_error"] and row["blocks_leaked"] == 0, row
+
+
+def test_prefill_killed_broken_mode_caught(model, caplog):
+    row = case_crash(model, unsafe=True, caplog=caplog)
+    assert not row["failed"] or row["foreign_bytes_read"] or row["released_while_writer_alive"], row
+
+
+def test_rejection_frees_prefill_at_once(model, prefill):
+    row = case_reject(model, prefill, unsafe=False)
+    assert row["prefill_freed_s"] is not None and row["prefill_freed_s"] < 2.0, row
+
+
+def test_rejection_broken_mode_caught(model, prefill):
+    """The broken connector (tests/vllm/broken.py) forgets to tell the prefill."""
+    row = case_reject(model, prefill, unsafe=False, module="broken")
+    TABLE[-1]["connector"] = "kvferry (broken: prefill not told)"
+    assert row["prefill_freed_s"] is None and row["blocks_leaked"] > 0, row
+
+
+def test_corrupted_bytes_fail_the_load(model, prefill):
+    row = case_corrupt(model, prefill, unsafe=False)
+    assert row["failed"] and not row["decoded"] and row["blocks_leaked"] == 0, row
+
+
+def test_corruption_broken_mode_caught(model, prefill):
+    row = case_corrupt(model, prefill, unsafe=True)
+    assert row["decoded"] and not row["failed"], row
+
+
+def test_zz_table():
+    lines = [json.dumps(r) for r in TABLE]
+    print("\n" + "\n".join(lines))
+    if os.environ.get("KVFERRY_VLLM_TABLE"):
+        with open(os.environ["KVFERRY_VLLM_TABLE"], "w") as f:
+            f.write("\n".join(lines) + "\n")

@@ -1,0 +1,560 @@
+"""The simulated ranks: the real decode and prefill ranks over a simulated runtime.
+
+:class:`SimDecodeRank` and :class:`SimPrefillRank` are the service's own
+:class:`~kvferry.cluster.decode.DecodeRank` and :class:`~kvferry.cluster.prefill.PrefillRank`:
+every message handler, every table step and every effect (``_do``) is the rank's own
+code, which turns inputs into events with the core's ``on_*`` functions and moves each
+request with the core's ``step``. What they run on, :class:`SimRuntime`, stands in for
+:class:`~kvferry.cluster.runtime.RankRuntime`: sends and writes go through the simulated
+network, timers through the simulated clock. It keeps the runtime's own rules for what
+arrives (duplicates dropped, a severed rank's messages dropped except ABORT_ACK), for
+severing (no more sends but ABORT) and for proof (``write_path_closed``: a writer on this
+host whose process is gone, ``DRAIN_S`` after it was seen gone).
+
+The methods overridden here are the ones that touch what is not simulated (the model,
+the KV pool's bytes, the wall clock):
+
+- owner: ``__init__`` (no pool, model or canary table), ``_feed`` and ``_close`` (the
+  same steps, on the simulated clock), ``_verify_and_start`` (the I5 checks read page
+  bytes: here they take ``verify_s`` and pass, then decoding takes ``max_tokens`` steps
+  of ``decode_step_s``, with TOKENS after the first step and at the end),
+  ``_warn_if_stuck`` (the simulated clock);
+- writer: ``__init__``, ``_on_prefill`` (the prompt arrives as a length, not tokens),
+  ``_start_prefill`` (the prefill takes prompt / ``prefill_tokens_per_s``),
+  ``_post_writes`` and ``_post_next`` (the same checks, batch sizing by the real
+  :class:`~kvferry.cluster.batching.BatchSizer` and one batch at a time, posted as
+  simulated writes of the writer's share of each page).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvferry.cluster import messages as m
+from kvferry.cluster.batching import BatchSizer
+from kvferry.cluster.decode import OWNER_RECEIVES, DecodeRank, OwnedRequest
+from kvferry.cluster.faults import GO, Decision, PointDecision
+from kvferry.cluster.prefill import _COMPUTING, WRITER_RECEIVES, PrefillRank, WriteJob
+from kvferry.cluster.runtime import DRAIN_S, ControlCounters
+from kvferry.engine.allocator import OutOfPages, PageAllocator
+from kvferry.engine.protocol import owner as owner_core
+from kvferry.engine.protocol import writer as writer_core
+from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
+from kvferry.engine.protocol.words import AbortSource, Kind, Release
+from kvferry.engine.protocol.writer import WriterEvent
+from kvferry.transfer import BatchStatus, TransferError
+
+from .truth import WatchedAllocator
+
+if TYPE_CHECKING:
+    from .world import World
+
+_ABORTS = frozenset(
+    {
+        OwnerEvent.ABORT,
+        OwnerEvent.ABORT_TOLD,
+        OwnerEvent.ABORT_FLUSHED,
+        OwnerEvent.FAIL,
+        OwnerEvent.FAIL_FLUSHED,
+    }
+)
+_HELD = (OwnerState.QUARANTINED, OwnerState.FENCED, OwnerState.CLOSED)
+
+
+# ---------------------------------------------------------------------- messages
+class SimMessage:
+    """A decoded control message: the header and the kind's fields as attributes (a field
+    left out is None, as the codec decodes an absent optional field)."""
+
+    __slots__ = ("__dict__",)
+    kind: str
+    src: int
+    inc: int
+    seq: int
+
+    def __init__(self, kind: str, src: int, inc: int, seq: int, fields: dict[str, Any]) -> None:
+        d = self.__dict__
+        d.update(_DEFAULTS[kind])
+        d.update(fields)
+        d["kind"], d["src"], d["inc"], d["seq"] = kind, src, inc, seq
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return self.__dict__
+
+
+_DEFAULTS: dict[str, dict[str, None]] = {
+    k.name: dict.fromkeys(k.fields) for k in m.CODEC.kinds.values() if isinstance(k.name, str)
+}
+
+
+class SimBatch:
+    """What a send, a notify or a write returns: it settles once, then calls whoever
+    watches it (as a transfer batch does)."""
+
+    __slots__ = ("_status", "callbacks", "error")
+
+    def __init__(self) -> None:
+        self._status = BatchStatus.PENDING
+        self.error: str | None = None
+        self.callbacks: list[Callable[[SimBatch], None]] = []
+
+    def status(self) -> BatchStatus:
+        return self._status
+
+    def peek(self) -> BatchStatus:
+        return self._status
+
+    @property
+    def done(self) -> bool:
+        return self._status is not BatchStatus.PENDING
+
+    def settle(self, ok: bool, error: str | None = None) -> None:
+        self._status = BatchStatus.COMPLETED if ok else BatchStatus.FAILED
+        self.error = error
+        callbacks, self.callbacks = self.callbacks, []
+        for cb in callbacks:
+            cb(self)
+
+
+def settled_batch() -> SimBatch:
+    b = SimBatch()
+    b._status = BatchStatus.COMPLETED
+    return b
+
+
+@dataclass(frozen=True)
+class SimCard:
+    """What a rank knows of another (the rendezvous card's fields the ranks read)."""
+
+    rank: int
+    role: str
+    host: int
+    incarnation: int
+
+
+class SimFaults:
+    """The fault hooks the ranks ask (kvferry.cluster.faults.FaultHooks): nothing is
+    injected, except a pause before the first write of the requests in ``pause_before_write``
+    (bench-abort's ``at:before-write:pause``, for the validation)."""
+
+    swallow_errors = False
+
+    def __init__(self) -> None:
+        self.pause_before_write: dict[str, float] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return False
+
+    def raise_at(self, point: str, label: str) -> None:
+        return None
+
+    def at_point(self, point: str, rid: str, tokens: Any) -> PointDecision:
+        if point == "before-write" and rid in self.pause_before_write:
+            return PointDecision(Decision.PAUSE, self.pause_before_write.pop(rid))
+        return GO
+
+    def forget(self, rid: str) -> None:
+        return None
+
+
+class _NoCanaries:
+    """The canary table is page data (checked by the I5 checks the simulator skips)."""
+
+    def stamp(self, pages: Any, canaries: Any) -> None:
+        return None
+
+
+@dataclass
+class SimPool:
+    """The pool figures the ranks read (no bytes)."""
+
+    num_pages: int
+    page_size: int
+    page_bytes: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+
+# ---------------------------------------------------------------------- the runtime
+class SimRuntime:
+    """RankRuntime's interface over the simulated clock and network."""
+
+    def __init__(self, world: World, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.clock = world.clock
+        self.cards = world.cards
+        self.faults = world.faults
+        self.counters = ControlCounters()
+        self.incarnation = world.cards[rank].incarnation
+        self._seq = itertools.count(1)
+        self._severed: dict[int, int] = {}
+        self._gone_since: dict[int, float] = {}
+        self._twins: set[tuple[int, int]] = set()
+        self._handlers: dict[str, Callable[..., Any]] = {}
+        self.on_send_failure: Callable[[int, Exception], None] = lambda rank, exc: None
+        self.on_request_error: Callable[[str, str], None] = lambda rid, reason: None
+
+    # -------------------------------------------------------------- running
+    def gate(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn`` as this rank: never once its process is gone; after a stall."""
+        world = self.world
+        if self.rank in world.crashed:
+            return
+        until = world.stalled_until.get(self.rank)
+        if until is not None and until > self.clock.now:
+            self.clock.at(until, self.gate, fn, *args)
+            return
+        fn(*args)
+
+    def call_later(self, delay_s: float, fn: Callable[[], None], rid: str | None = None) -> Any:
+        return self.clock.after(delay_s, self.gate, fn)
+
+    def defer(self, fn: Callable[[], None], rid: str | None = None) -> None:
+        self.clock.at(self.clock.now, self.gate, fn)
+
+    def watch(self, batch: SimBatch, callback: Callable[[Any], None], rid: str | None = None):
+        if batch.done:
+            self.clock.at(self.clock.now, self.gate, callback, batch)
+        else:
+            batch.callbacks.append(lambda b: self.gate(callback, b))
+
+    def run_for(self, rid: str | None, what: str, fn: Callable[[], None]) -> None:
+        fn()
+
+    def set_handlers(self, handlers: Mapping[Kind, Callable[..., Any]], role: str) -> None:
+        self._handlers = {str(k): fn for k, fn in handlers.items()}
+
+    # -------------------------------------------------------------- severing, proof
+    def is_severed(self, rank: int) -> bool:
+        return self._severed.get(rank) == self.cards[rank].incarnation
+
+    def sever(self, rank: int, reason: str) -> None:
+        if self.is_severed(rank):
+            return
+        self._severed[rank] = self.cards[rank].incarnation
+        self.counters.severed += 1
+        self.world.on_sever(self.rank, rank)
+
+    def write_path_closed(self, rank: int) -> bool:
+        """As RankRuntime.write_path_closed: only for a rank on this host whose process is
+        gone, once ``DRAIN_S`` passed since this rank first saw it gone."""
+        if self.cards[rank].host != self.cards[self.rank].host:
+            return False
+        if rank not in self.world.crashed:
+            return False
+        seen = self._gone_since.setdefault(rank, self.clock.now)
+        return self.clock.now - seen >= DRAIN_S
+
+    # -------------------------------------------------------------- sending
+    def send(self, rank: int, kind: Any, **fields: Any) -> SimBatch | None:
+        return self._deliver(rank, kind.name, fields)
+
+    def notify(self, rank: int, kind: Any, **fields: Any) -> SimBatch | None:
+        """Flush, then send: the ranks notify only with nothing of theirs in flight to
+        ``rank``, so the flush completes at once and the message goes as a send."""
+        return self._deliver(rank, kind.name, fields)
+
+    def _deliver(self, rank: int, kind: str, fields: dict[str, Any]) -> SimBatch | None:
+        if self.is_severed(rank) and kind != Kind.ABORT:
+            self._send_failed(rank, TransferError(f"rank {rank} is severed"))
+            return None
+        msg = SimMessage(kind, self.rank, self.incarnation, next(self._seq), fields)
+        self.counters.sent += 1
+        self.world.count_message(kind)
+        dst = self.world.runtimes[rank]
+        self.world.net.message(
+            self.rank,
+            rank,
+            functools.partial(dst.receive, msg),
+            functools.partial(self._send_failed, rank, TransferError(f"{kind} to {rank} lost")),
+        )
+        return settled_batch()
+
+    def _send_failed(self, rank: int, exc: Exception) -> None:
+        self.counters.send_failures += 1
+        if self.rank not in self.world.crashed:
+            self.on_send_failure(rank, exc)
+
+    def write(self, rank: int, rid: str, pages: list[int], generation: int, nbytes: int):
+        """Post a one-sided write of ``nbytes`` into ``pages`` of ``rank``'s pool."""
+        return self.world.post_write(self.rank, rank, rid, pages, generation, nbytes)
+
+    # -------------------------------------------------------------- receiving
+    def receive(self, msg: SimMessage, twinned: bool) -> None:
+        self.gate(self._on_payload, msg, twinned)
+
+    def _on_payload(self, msg: SimMessage, twinned: bool) -> None:
+        src = msg.src
+        if msg.inc != self.cards[src].incarnation:
+            self.counters.dropped_stale += 1
+            return
+        if self.is_severed(src) and msg.kind != Kind.ABORT_ACK:
+            self.counters.dropped_severed += 1
+            return
+        if twinned:  # the network delivers this message twice: drop the second (by seq)
+            key = (src, msg.seq)
+            if key in self._twins:
+                self._twins.discard(key)
+                self.counters.dropped_duplicate += 1
+                return
+            self._twins.add(key)
+        self.counters.received += 1
+        handler = self._handlers.get(msg.kind)
+        if handler is None:
+            self.counters.dropped_unexpected += 1
+            return
+        handler(msg)
+
+
+# ---------------------------------------------------------------------- the owner
+@dataclass(frozen=True)
+class RankTimes:
+    """The work the simulator does not run, as durations."""
+
+    prefill_tokens_per_s: float = 20_000.0  # one prefill rank (its share of the heads)
+    decode_step_s: float = 0.025  # one decode step (one token of every running stream)
+    verify_gbps: float = 200.0  # the I5 checksums over the pages that landed
+
+
+class SimDecodeRank(DecodeRank):
+    def __init__(
+        self,
+        runtime: SimRuntime,
+        pool: SimPool,
+        router: int,
+        times: RankTimes,
+        *,
+        transfer_timeout_s: float,
+        abort_deadline_s: float,
+        unsafe: bool = False,
+        release_on_sever: bool = False,
+    ) -> None:
+        # DecodeRank.__init__'s attributes, without a model, a KV pool or a canary table.
+        self.rt = runtime  # type: ignore[assignment]
+        self.sim = runtime
+        self.model = None
+        self.pool = pool  # type: ignore[assignment]
+        self.router = router
+        self.transfer_timeout_s = transfer_timeout_s
+        self.abort_deadline_s = abort_deadline_s
+        self.integrity = not unsafe
+        self.unsafe = unsafe
+        self.max_batch = 64
+        self.release_on_sever = release_on_sever
+        self.table = owner_core.owner_table(unsafe=unsafe, release_on_sever=release_on_sever)
+        world = runtime.world
+        self.allocator = WatchedAllocator(
+            pool.num_pages, unsafe=unsafe, truth=world.truth, rank=runtime.rank, clock=world.clock
+        )
+        self.canaries = _NoCanaries()  # type: ignore[assignment]
+        self.reqs: dict[str, OwnedRequest] = {}
+        self._init_books()
+        self.times = times
+        self.handlers = {
+            Kind.ASSIGN: self._on_assign,
+            Kind.NOTICE: self._on_notice,
+            Kind.ABORT: self._on_abort,
+            Kind.ABORT_ACK: self._on_ack,
+        }
+        assert set(self.handlers) == OWNER_RECEIVES
+        runtime.set_handlers(self.handlers, role="decode")
+        runtime.on_request_error = self.fail_request
+
+    @property
+    def now(self) -> float:
+        return self.sim.clock.now
+
+    def _feed(self, req: OwnedRequest, event: OwnerEvent) -> None:
+        """DecodeRank._feed on the simulated clock."""
+        if event in _ABORTS and req.book.state not in _HELD:
+            req.abort_started = req.abort_started or self.now
+        elif event is OwnerEvent.GRANTED:
+            req.planned_at = self.now
+        move = owner_core.step(req.book, event, self.table)
+        for do in move.effects:
+            self._do(do, req)
+
+    def _verify_and_start(self, req: OwnedRequest) -> None:
+        req.transfer_ms = 1e3 * (self.now - req.planned_at)
+        times = [n.prefill_ms for n in req.notices.values() if n.prefill_ms is not None]
+        req.prefill_ms = max(times) if times else None
+        if self.unsafe:
+            self._verified(req)
+            return
+        nbytes = len(req.grants) * self.pool.page_bytes
+        self.rt.call_later(nbytes / (self.times.verify_gbps * 1e9), lambda: self._verified(req))
+
+    def _verified(self, req: OwnedRequest) -> None:
+        if req.state is not OwnerState.VERIFYING:
+            return  # aborted meanwhile: the rest of the checks never run
+        self._feed(req, OwnerEvent.VERIFIED)
+        if req.state is OwnerState.DECODING:
+            step = self.times.decode_step_s
+            self.rt.call_later(step, lambda: self._first_token(req))
+
+    def _first_token(self, req: OwnedRequest) -> None:
+        if req.state is not OwnerState.DECODING:
+            return
+        req.generated.append(0)
+        self.rt.send(self.router, m.TOKENS, rid=req.rid, offset=0, tokens=[0])
+        rest = req.max_tokens - 1
+        if rest <= 0:
+            self._feed(req, OwnerEvent.FINISHED)
+            return
+        self.rt.call_later(rest * self.times.decode_step_s, lambda: self._last_tokens(req))
+
+    def _last_tokens(self, req: OwnedRequest) -> None:
+        if req.state is not OwnerState.DECODING:
+            return
+        rest = req.max_tokens - len(req.generated)
+        req.generated.extend([0] * rest)
+        self.rt.send(self.router, m.TOKENS, rid=req.rid, offset=1, tokens=[0] * rest)
+        self._feed(req, OwnerEvent.FINISHED)
+
+    def _warn_if_stuck(self, req: OwnedRequest) -> None:
+        if not req.warned and self.now - req.abort_started > self.abort_deadline_s * 10:
+            req.warned = True
+            self.sim.world.count("stuck_warnings")
+
+    def _close(self, req: OwnedRequest, pages: list[int], how: Release) -> None:
+        """DecodeRank._close on the simulated clock."""
+        if req.timer is not None:
+            req.timer.cancel()
+        self.reqs.pop(req.rid, None)
+        now = self.now
+        self.tombstones[req.rid] = now
+        abort_ms = 1e3 * (now - req.abort_started) if req.abort_started else None
+        self.sim.world.on_owner_release(self.sim.rank, req, len(pages), how, abort_ms)
+        self.rt.send(
+            self.router,
+            m.RELEASED,
+            rid=req.rid,
+            pages=len(pages),
+            how=how,
+            abort_ms=abort_ms,
+            released_ns=int(now * 1e9),
+        )
+
+
+# ---------------------------------------------------------------------- the writer
+class SimPrefillRank(PrefillRank):
+    def __init__(
+        self,
+        runtime: SimRuntime,
+        pool: SimPool,
+        tp: int,
+        router: int,
+        times: RankTimes,
+        *,
+        batch_target_s: float,
+        max_batch_bytes: int,
+    ) -> None:
+        # PrefillRank.__init__'s attributes, without a model, a KV pool or a segment.
+        self.rt = runtime  # type: ignore[assignment]
+        self.sim = runtime
+        self.model = None
+        self.pool = pool  # type: ignore[assignment]
+        self.segment = None  # type: ignore[assignment]
+        self.router = router
+        self.unsafe = False
+        self.integrity = False  # checksums are page data
+        self.table = writer_core.WRITER_TABLE
+        self.allocator = PageAllocator(pool.num_pages)
+        self.jobs: dict[str, WriteJob] = {}
+        self._init_books()
+        self._row_bytes = pool.page_bytes // tp  # this writer's heads of one page
+        self.batches = BatchSizer(target_s=batch_target_s, max_bytes=max_batch_bytes)
+        self.times = times
+        self.handlers = {
+            Kind.PREFILL: self._on_prefill,
+            Kind.PLAN: self._on_plan,
+            Kind.ABORT: self._on_abort,
+        }
+        assert set(self.handlers) == WRITER_RECEIVES
+        runtime.set_handlers(self.handlers, role="prefill")
+        runtime.on_request_error = self.fail_request
+
+    @property
+    def now(self) -> float:
+        return self.sim.clock.now
+
+    def _on_prefill(self, msg: Any) -> None:
+        """PrefillRank._on_prefill with the prompt as its length (one chunk)."""
+        job = self._job(msg.rid)
+        if job is None or job.tokens is not None:
+            return
+        job.book.owner, job.owner_inc = msg.owner, msg.owner_inc
+        need = -(-msg.total // self.pool.page_size)
+        try:
+            grants = self.allocator.allocate(job.rid, need)
+        except OutOfPages as exc:
+            self._fail(job, AbortSource.PREFILL, f"prefill pool out of pages: {exc}")
+            return
+        self.allocations += 1
+        job.tokens = np.empty(msg.total, dtype=np.int32)
+        job.src_pages = [g.page for g in grants]
+        self._feed(job, WriterEvent.PROMPT)
+
+    def _start_prefill(self, job: WriteJob) -> None:
+        job.prefill_started = self.now
+        assert job.tokens is not None
+        seconds = len(job.tokens) / self.times.prefill_tokens_per_s
+
+        def done() -> None:
+            if job.state not in _COMPUTING:
+                return  # aborted meanwhile: nothing more is computed
+            job.prefill_ms = 1e3 * (self.now - job.prefill_started)
+            self._feed(job, WriterEvent.KV_READY)
+
+        self.rt.call_later(seconds, done, rid=job.rid)
+
+    def _post_writes(self, job: WriteJob) -> None:
+        assert job.tokens is not None and job.dst_pages is not None
+        if len(job.dst_pages) < len(job.src_pages):
+            self._fail(
+                job,
+                AbortSource.PREFILL,
+                f"plan holds {len(job.dst_pages)} pages but the prompt of "
+                f"{len(job.tokens)} tokens needs {len(job.src_pages)}",
+            )
+            return
+        job.sent_pages = len(job.src_pages)
+        job.posted_bytes = job.sent_pages * self._row_bytes
+        job.queue = np.arange(job.sent_pages, dtype=np.int64)  # page indices to write
+        self._post_next(job)
+
+    def _post_next(self, job: WriteJob) -> bool:
+        if not job.queued():
+            return True
+        assert job.queue is not None and job.dst_pages is not None
+        assert job.dst_generations is not None
+        rows = max(1, self.batches.batch_bytes(job.owner) // self._row_bytes)
+        chunk, job.queue = job.queue[:rows], job.queue[rows:]
+        nbytes, posted_at = len(chunk) * self._row_bytes, self.now
+        lo, hi = int(chunk[0]), int(chunk[-1]) + 1
+        try:
+            batch = self.sim.write(
+                job.owner, job.rid, job.dst_pages[lo:hi], job.dst_generations[lo], nbytes
+            )
+        except TransferError as exc:
+            self._fail(job, AbortSource.TRANSFER, f"write to rank {job.owner} refused: {exc}")
+            return False
+        writer_core.on_posted(job.book)
+
+        def written(b: Any) -> None:
+            self.batches.settled(job.owner, nbytes, self.now - posted_at)
+            self._on_written(job, b)
+
+        self.rt.watch(batch, written, rid=job.rid)
+        return True

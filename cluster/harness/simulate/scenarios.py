@@ -1,0 +1,200 @@
+"""The scenarios: a workload, the faults to inject, the network and the fleet's size.
+
+Five scenarios (issue #17), each at three scales (:data:`SCALES`):
+
+- ``steady``: Poisson arrivals at ``load`` of the decode pages, 1 % of the requests
+  aborted by their client at a random moment of their life;
+- ``storm``: the same, and at 40 % of the arrivals half of every live request is aborted
+  within one second;
+- ``partition``: one rack of prefill ranks cut off from everything else for twice the
+  abort deadline, from 30 % of the arrivals;
+- ``crash``: prefill ranks crash at 1 % per rank-hour, sped up so that the simulated span
+  holds an hour's worth at 1,000 ranks (10 crashes) and at least 2 at smaller scales (the
+  speed-up is reported);
+- ``slow``: 1 % of the prefill ranks (at least one) stall, right after posting a write,
+  for the transfer timeout plus twice the abort deadline: past the deadline, with a write
+  in flight.
+
+The protocol's timings (abort deadline, transfer timeout, request deadline, admission
+wait, context length) are the service's defaults (:class:`kvferry.cluster.config.ServeConfig`).
+The workload's sizes are assumptions, stated here: a Llama-70B-like KV (80 layers x 8 KV
+heads x 128 dims x K and V x 2 bytes = 320 KiB a token, 20 MiB a 64-token page), 1,024
+pages a decode rank (64 Ki tokens), prompts of 512-4,096 tokens, 64-256 new tokens,
+25 ms a decode step, 50,000 prompt tokens a second a prefill rank, 200 Gb/s links.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvferry.cluster.config import ServeConfig
+
+from .network import LATENCIES, NetConfig
+from .ranks import RankTimes
+
+SERVE = ServeConfig()
+KV_BYTES_PER_TOKEN = 80 * 8 * 128 * 2 * 2
+SIM_PAGE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    prompt_tokens: tuple[int, int] = (512, 4096)  # uniform
+    max_tokens: tuple[int, int] = (64, 256)  # uniform
+    load: float = 0.7  # offered share of the decode pages
+    # 64-token pages (the service's default is 16): the allocator's work is per page, and
+    # a fleet of 1,000 ranks must run in minutes; 1,024 pages hold 64 Ki tokens a rank.
+    page_size: int = SIM_PAGE_TOKENS
+    page_bytes: int = SIM_PAGE_TOKENS * KV_BYTES_PER_TOKEN
+    decode_pages: int = 1024
+    prefill_pages: int = 1024
+    # The validation's pacing (bench-abort): one request at a time, each cancelled by its
+    # client after a time drawn from ``cancel_after``, the next once every page is free.
+    sequential: bool = False
+    cancel_after: tuple[float, float] | None = None
+    pause_before_write_s: float = 0.0  # bench-abort's at:before-write:pause
+
+
+@dataclass(frozen=True)
+class Faults:
+    client_abort: float = 0.01  # share of requests their client aborts
+    storm: bool = False
+    storm_at: float = 0.4  # share of the arrival span
+    storm_share: float = 0.5
+    storm_window_s: float = 1.0
+    partition_racks: int = 0
+    partition_at: float = 0.3
+    partition_deadlines: float = 2.0  # its length, in abort deadlines
+    crash_per_hour: float = 0.0  # per prefill rank
+    stalls: float = 0.0  # share of prefill ranks that stall (at least one when > 0)
+    stall_s: float | None = None  # default: transfer timeout + 2 x abort deadline
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    prefill: int
+    decode: int
+    workload: Workload
+    faults: Faults = field(default_factory=Faults)
+    tp: int = 2
+    net: NetConfig = field(default_factory=NetConfig)
+    times: RankTimes = field(default_factory=lambda: RankTimes(prefill_tokens_per_s=50_000.0))
+    ranks_per_host: int = 8
+    hosts_per_rack: int = 4
+    colocate: bool = False
+    unsafe: bool = False
+    release_on_sever: bool = False
+    seed: int = 1
+    abort_deadline_s: float = SERVE.abort_deadline_s
+    transfer_timeout_s: float = SERVE.transfer_timeout_s
+    request_timeout_s: float = SERVE.request_timeout_s
+    admission_wait_s: float = SERVE.admission_wait_s
+    context_length: int = SERVE.context_length
+    tags: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def scale(self) -> str:
+        return f"{self.prefill}x{self.decode}"
+
+    @property
+    def mode(self) -> str:
+        if self.unsafe:
+            return "unsafe"
+        return "release-on-sever" if self.release_on_sever else "safe"
+
+
+# name -> (prefill ranks, decode ranks, ranks a host, hosts a rack, default requests)
+SCALES: dict[str, tuple[int, int, int, int, int]] = {
+    "10x10": (10, 10, 2, 2, 300),
+    "100x100": (100, 100, 4, 4, 3_000),
+    "1000x1000": (1000, 1000, 8, 4, 30_000),
+}
+NAMES = ("steady", "storm", "partition", "crash", "slow")
+MODES = ("safe", "unsafe", "release-on-sever")
+
+
+def build(
+    name: str,
+    scale: str,
+    *,
+    requests: int | None = None,
+    mode: str = "safe",
+    seed: int = 1,
+    network: str = "local",
+    loss: float = 0.0,
+    dup: float = 0.0,
+    reorder: float = 0.0,
+    tp: int = 2,
+) -> Scenario:
+    prefill, decode, rph, hpr, default_requests = SCALES[scale]
+    faults = {
+        "steady": Faults(),
+        "storm": Faults(storm=True),
+        "partition": Faults(partition_racks=1),
+        "crash": Faults(crash_per_hour=0.01),
+        "slow": Faults(stalls=0.01),
+    }[name]
+    net = replace(NetConfig(), latency=LATENCIES[network], loss=loss, dup=dup, reorder=reorder)
+    return Scenario(
+        name=name,
+        prefill=prefill,
+        decode=decode,
+        workload=Workload(requests=requests or default_requests),
+        faults=faults,
+        tp=tp,
+        net=net,
+        ranks_per_host=rph,
+        hosts_per_rack=hpr,
+        unsafe=mode == "unsafe",
+        release_on_sever=mode == "release-on-sever",
+        seed=seed,
+    )
+
+
+def validation(case: str, prefill: int, decode: int, requests: int, seed: int = 7) -> Scenario:
+    """bench-abort's cluster cases (:func:`kvferry.cluster.harness.benchabort.run_case`) in
+    the simulator, with the fault suite's context, pool and deadlines: one request at a
+    time, 256 new tokens; ``quarantined``: the writer pauses 1 s before its first write and
+    the client cancels after 50 ms, so every abort waits for the writer's ack;
+    ``random``: cancelled after 1-31 ms, wherever the request is. The ranks' times are
+    guesses for the replay model on this CPU (a prefill of 256 tokens in about 3 ms, a
+    decode step in 1 ms); the quarantined case does not depend on them."""
+    from ..benchabort import TAG
+    from ..faultsuite import ABORT_DEADLINE, CONTEXT, REQUEST_TIMEOUT, TRANSFER_TIMEOUT
+
+    quarantined = case == "quarantined"
+    prompt = 256 + (len(TAG) if quarantined else 0)
+    pool_pages = SUITE_POOL_TOKENS // SERVE.page_size
+    workload = Workload(
+        requests=requests,
+        prompt_tokens=(prompt, prompt),
+        max_tokens=(256, 256),
+        page_bytes=SERVE.page_size * 2 * SERVE.layers * SERVE.kv_heads * SERVE.head_dim * 4,
+        decode_pages=pool_pages,
+        prefill_pages=pool_pages,
+        sequential=True,
+        cancel_after=(0.05, 0.05) if quarantined else (0.001, 0.031),
+        pause_before_write_s=1.0 if quarantined else 0.0,
+    )
+    return Scenario(
+        name=f"validate-{case}",
+        prefill=prefill,
+        decode=decode,
+        workload=workload,
+        faults=Faults(client_abort=0.0),
+        tp=1,
+        times=RankTimes(prefill_tokens_per_s=80_000.0, decode_step_s=0.001, verify_gbps=5.0),
+        ranks_per_host=1 + prefill + decode,
+        hosts_per_rack=1,
+        colocate=True,
+        seed=seed,
+        abort_deadline_s=ABORT_DEADLINE,
+        transfer_timeout_s=TRANSFER_TIMEOUT,
+        request_timeout_s=REQUEST_TIMEOUT,
+        context_length=CONTEXT,
+    )
+
+
+SUITE_POOL_TOKENS = 16384  # the fault suite's --pool-tokens (faultsuite.suite_args)

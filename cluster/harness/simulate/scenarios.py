@@ -15,6 +15,12 @@ Five scenarios (issue #17), each at three scales (:data:`SCALES`):
   for the transfer timeout plus twice the abort deadline: past the deadline, with a write
   in flight.
 
+Prefill and decode ranks sit on hosts of their own (8 ranks a host, 4 hosts a rack at
+1,000 ranks; 4 x 4 at 100; 2 x 2 at 10), so an owner never shares a host with its
+writers: ``write_path_closed`` is never true, and a crashed writer's quarantined pages
+wait for an ack that cannot come (reported as stranded, the price I4 asks). The
+validation's layout puts every rank on one host, as the local cluster does.
+
 The protocol's timings (abort deadline, transfer timeout, request deadline, admission
 wait, context length) are the service's defaults (:class:`kvferry.cluster.config.ServeConfig`).
 The workload's sizes are assumptions, stated here: a Llama-70B-like KV (80 layers x 8 KV

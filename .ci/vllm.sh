@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI: the vLLM connector tests (tests/vllm) against the real vLLM 0.33 on CPU, in their own
+# CI: the vLLM connector tests (tests/vllm_connector) against the real vLLM 0.33 on CPU, in their own
 # virtualenv so the core suite's .venv does not carry vLLM. Builds the venv from nothing
 # when it is missing or its pins changed (a stamp of this file), else reuses it:
 #   torch==2.13.0 (the CPU build, from this machine's wheel store; never an unpinned torch),
@@ -98,7 +98,7 @@ print("vllm: connector imports; entry point", eps[0])'
 say "setup took $(( $(date +%s) - t0 )) s"
 
 export KVFERRY_VLLM_TABLE="${KVFERRY_VLLM_TABLE:-$WORK/table.jsonl}"
-cd "$ROOT/tests/vllm"
+cd "$ROOT/tests/vllm_connector"
 rc=0
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="" \
     --timeout 600 . || rc=$?

@@ -339,7 +339,7 @@ def test_rejection_frees_prefill_at_once(model, prefill):
 
 
 def test_rejection_broken_mode_caught(model, prefill):
-    """The broken connector (tests/vllm/broken.py) forgets to tell the prefill."""
+    """The broken connector (tests/vllm_connector/broken.py) forgets to tell the prefill."""
     row = case_reject(model, prefill, unsafe=False, module="broken")
     TABLE[-1]["connector"] = "kvferry (broken: prefill not told)"
     assert row["prefill_freed_s"] is None and row["blocks_leaked"] > 0, row

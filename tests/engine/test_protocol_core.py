@@ -33,6 +33,7 @@ WALK = settings(
     stateful_step_count=30,
     deadline=None,
     derandomize=True,
+    database=None,  # the same search on every machine: no replay of a local find
     suppress_health_check=[HealthCheck.too_slow],
 )
 HUNT = settings(WALK, max_examples=1000)  # a broken table must be found, every run
@@ -317,15 +318,30 @@ def test_the_writer_table_keeps_i4_on_every_walk():
 
 @pytest.mark.parametrize("broken", ["ack_in_flight", "free_source_at_abort"])
 def test_the_walk_catches_a_broken_writer_table(broken):
+    """The writer walk on the path that reaches the changed entry (plan, prompt, KV, one
+    batch posted, then the abort) must report it. The path is fixed rather than searched
+    for: a search of this depth is not certain to take it on every machine."""
     S, E, D = WriterState, WriterEvent, WriterDo
     move = (
         Move(S.ACKING, (D.STOP_POSTING, D.TOMBSTONE, D.SEND_ACK))
         if broken == "ack_in_flight"
         else Move(S.ABORTED, (D.STOP_POSTING, D.TOMBSTONE, D.FREE_SOURCE, D.ACK_NOW))
     )
-    table = replace(wc.WRITER_TABLE, {(S.WRITING, E.ABORT): move})
-    with pytest.raises(AssertionError, match=r"in flight|before a flush"):
-        run_state_machine_as_test(writer_walk(table), settings=HUNT)
+    for table, caught in (
+        (wc.WRITER_TABLE, False),
+        (replace(wc.WRITER_TABLE, {(S.WRITING, E.ABORT): move}), True),
+    ):
+        walk = writer_walk(table)()
+        walk.plan()
+        walk.prompt()
+        walk.kv_ready()
+        assert walk.book.state is S.WRITING and walk.book.in_flight == 1
+        walk.abort()
+        if not caught:
+            walk.i4_writer_side()  # the real table: nothing to report on the same path
+            continue
+        with pytest.raises(AssertionError, match=r"in flight|before a flush"):
+            walk.i4_writer_side()
 
 
 def test_both_tables_render_for_a_reader():

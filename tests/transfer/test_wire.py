@@ -167,3 +167,25 @@ def test_decoded_lists_are_the_decoders_own_and_made_ones_are_copied():
     pages.append(4)
     assert msg.pages == [1, 2, 3]
     assert codec.decode(codec.encode(msg)).pages == [1, 2, 3]
+
+
+def test_a_protocol_word_outside_its_enum_is_refused_and_a_good_one_decodes_to_the_member():
+    """``Field(choices=Enum)``: the codec refuses a value its enum does not name (bad
+    input never reaches the protocol logic) and decodes a good one to the member. Broken
+    mode: the same field without ``choices`` lets the bad word through."""
+    import enum
+
+    class Word(enum.StrEnum):
+        FREED = "freed"
+        ACKED = "acked"
+
+    checked = Codec("t", 1)
+    loose = Codec("t", 1)
+    kc = checked.kind("K", how=Field(FieldType.STR, max_len=16, choices=Word))
+    kl = loose.kind("K", how=Field(FieldType.STR, max_len=16))
+    good = checked.decode(checked.encode(kc.make(how="acked")))
+    assert good.how is Word.ACKED
+    bad = loose.encode(kl.make(how="gone"))  # the same bytes a peer could send
+    with pytest.raises(WireError, match="not one of freed, acked"):
+        checked.decode(bad)
+    assert loose.decode(bad).how == "gone"  # the test catches a field left unchecked

@@ -31,6 +31,10 @@ class RankBooks:
         for rid in [r for r, t in self.tombstones.items() if t < cutoff]:
             del self.tombstones[rid]
 
+    def fenced_writers(self) -> list[str]:
+        """Writer incarnations quarantined pages here wait on (a decode rank's)."""
+        return []
+
     def stats(self) -> dict:
         """Pool figures for the router's /metrics and /status (I3, I6)."""
         counts = self.allocator.counts()

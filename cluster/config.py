@@ -38,6 +38,10 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     fault: list[str] = field(default_factory=list)  # fault hooks, e.g. "corrupt-page:rid-marker"
+    # failure domains: each job (router, a prefill group, a decode rank) its own torchrun
+    store: str | None = None  # HOST:PORT of the cluster's rendezvous store (kvferry.cluster.store)
+    world: int | None = None  # ranks in the whole cluster (torchrun's world is one job's)
+    first_rank: int = 0  # the cluster rank of this job's first process
 
 
 def positive_int(text: str) -> int:
@@ -176,6 +180,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="enable a fault hook (tests only), e.g. corrupt-page:MARKER",
+    )
+    g = parser.add_argument_group(
+        "failure domains",
+        "run each job (the router, a prefill group, a decode rank) as its own torchrun job "
+        "meeting through a rendezvous store: a rank's death then costs its own requests, "
+        "and a restarted rank rejoins with a new incarnation",
+    )
+    g.add_argument(
+        "--store",
+        default=None,
+        metavar="HOST:PORT",
+        help="the cluster's rendezvous store (python -m kvferry.cluster.store); without it "
+        "every rank is one torchrun group that stops as a whole",
+    )
+    g.add_argument(
+        "--world",
+        type=positive_int,
+        default=None,
+        help="ranks in the whole cluster (with --store)",
+    )
+    g.add_argument(
+        "--first-rank",
+        type=int,
+        default=0,
+        help="cluster rank of this job's first process (with --store; default 0)",
     )
     f = parser.add_argument_group("front door")
     f.add_argument("--host", default=d.host)

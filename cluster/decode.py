@@ -116,6 +116,9 @@ class OwnedRequest:
     transfer_ms: float | None = None
     prefill_ms: float | None = None  # the slowest writer's prefill compute
     warned: bool = False
+    # each writer's incarnation when the request was assigned: a notice or an ack from
+    # another incarnation of that rank (restarted since) proves nothing for this request
+    writer_incs: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.book = OwnerBook(self.rid, tuple(self.writers))
@@ -189,6 +192,8 @@ class DecodeRank(RankBooks):
         assert set(self.handlers) == OWNER_RECEIVES
         runtime.set_handlers(self.handlers, role="decode")
         runtime.on_request_error = self.fail_request
+        runtime.on_card_replaced = self._on_card_replaced
+        self.dropped_other_incarnation = 0
 
     # -------------------------------------------------------------- the table
     def _feed(self, req: OwnedRequest, event: OwnerEvent) -> None:
@@ -278,6 +283,8 @@ class DecodeRank(RankBooks):
             )
         elif do is D.ASK_ACKS:
             for w in req.book.pending():
+                if self._restarted_since(req, w):
+                    continue  # the new incarnation cannot ack for the old one
                 self.rt.send(
                     w,
                     m.ABORT,
@@ -335,6 +342,9 @@ class DecodeRank(RankBooks):
         if rid in self.tombstones or rid in self.reqs:
             return
         req = OwnedRequest(rid, msg.prompt_len, msg.max_tokens, list(msg.writers), msg.last_token)
+        req.writer_incs = {
+            w: self.rt.cards[w].incarnation for w in req.writers if w in self.rt.cards
+        }
         need = pages_needed(msg.prompt_len, msg.max_tokens, self.pool.page_size)
         try:
             req.grants = self.allocator.allocate(rid, need)
@@ -363,6 +373,8 @@ class DecodeRank(RankBooks):
                 msg.src,
                 req.writers,
             )
+            return
+        if not self._same_incarnation(req, msg, "notice"):
             return
         whole = False
         if req.state is OwnerState.AWAITING and msg.src not in req.notices:
@@ -661,6 +673,8 @@ class DecodeRank(RankBooks):
         req = self.reqs.get(msg.rid)
         if req is None or msg.src not in req.writers:
             return
+        if not self._same_incarnation(req, msg, "ack"):
+            return
         # Before we heard of an abort, a writer's ack is the abort (see core.on_ack).
         self._abort(
             req,
@@ -668,6 +682,59 @@ class DecodeRank(RankBooks):
             AbortSource.WRITER,
             f"writer rank {msg.src} acked an abort",
         )
+
+    def _restarted_since(self, req: OwnedRequest, writer: int) -> bool:
+        """``writer`` has a new incarnation since ``req`` was assigned to it."""
+        card = self.rt.cards.get(writer)
+        recorded = req.writer_incs.get(writer)
+        return card is not None and recorded is not None and recorded != card.incarnation
+
+    def _same_incarnation(self, req: OwnedRequest, msg: Message, what: str) -> bool:
+        """The message comes from the incarnation of its writer the request was assigned
+        to; one from a restarted writer is refused and counted (it wrote none of this
+        request's pages, so its word proves nothing about them)."""
+        expected = req.writer_incs.get(msg.src, msg.inc)
+        if msg.inc == expected:
+            return True
+        self.dropped_other_incarnation += 1
+        log.warning(
+            "request %s: %s from rank %d refused: incarnation %#x, the request's writer was "
+            "incarnation %#x",
+            req.rid,
+            what,
+            msg.src,
+            msg.inc,
+            expected,
+        )
+        return False
+
+    def _on_card_replaced(self, old, new) -> None:
+        """A writer came back with a new incarnation: every request its old one was still
+        writing fails (the old one is gone, its writes may be partial); their pages wait,
+        as any abort's, for an ack (which the old one can no longer send) or the proof
+        that the old process is gone (``write_path_closed`` for the old incarnation)."""
+        for req in list(self.reqs.values()):
+            if req.writer_incs.get(old.rank) != old.incarnation:
+                continue
+            if old.rank in req.book.noticed or old.rank in req.book.acked:
+                continue  # its pages from that writer are all in
+            reason = (
+                f"writer rank {old.rank} restarted (incarnation {old.incarnation:#x} -> "
+                f"{new.incarnation:#x}) before its notice"
+            )
+            req.error = req.error or f"peer: {reason}"
+            self._abort(req, core.on_failure(req.book), AbortSource.PEER, reason)
+
+    def fenced_writers(self) -> list[str]:
+        """``rank:incarnation`` (hex) of every writer incarnation whose ack or proof a
+        quarantined request here still waits for: the router admits a restarted rank
+        only once its old incarnation is on no decode rank's list (STATS)."""
+        out = set()
+        for req in self.reqs.values():
+            if req.state in (OwnerState.QUARANTINED, OwnerState.FENCED):
+                for w in req.book.pending():
+                    out.add(f"{w}:{req.writer_incs.get(w, 0):x}")
+        return sorted(out)
 
     def _arm_retry(self, req: OwnedRequest) -> None:
         """Ask every writer that has not acked again after a while, for as long as the
@@ -690,6 +757,8 @@ class DecodeRank(RankBooks):
             self.abort_deadline_s,
         )
         for w in sorted(req.book.fenced):
+            if self._restarted_since(req, w):
+                continue  # that incarnation is gone already: its proof is its exit
             reason = f"no ABORT_ACK for request {req.rid} within {self.abort_deadline_s:.1f} s"
             self.rt.sever(w, reason)
             self.rt.send(
@@ -706,7 +775,7 @@ class DecodeRank(RankBooks):
         pages stay quarantined, counted as used and visible in /metrics."""
         if req.state is not OwnerState.FENCED:
             return
-        gone = {w for w in req.book.fenced if self.rt.write_path_closed(w)}
+        gone = {w for w in req.book.fenced if self.rt.write_path_closed(w, req.writer_incs.get(w))}
         self._feed(req, core.on_proof_check(req.book, gone))
 
     def _warn_if_stuck(self, req: OwnedRequest) -> None:

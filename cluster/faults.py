@@ -2,7 +2,8 @@
 
 Each hook is one ``--fault`` string; a rank applies the hooks that name its role or none:
 
-    drop:KIND[:PROB]          drop outgoing messages of KIND (e.g. ABORT_ACK) with probability PROB
+    drop:KIND[:PROB[:COUNT]]  drop outgoing messages of KIND (e.g. ABORT_ACK) with probability
+                              PROB, at most COUNT of them (default: no limit)
     dup:KIND                  send every outgoing KIND twice
     delay:KIND:SECONDS        hold outgoing KIND this long before sending
     reorder:KIND              hold one outgoing KIND back and send it after the next one
@@ -29,12 +30,17 @@ Each hook is one ``--fault`` string; a rank applies the hooks that name its role
                               fail-prefill, fail-transfer, kill (SIGKILL itself),
                               stop (SIGSTOP itself, SIGCONT after SECONDS), raise (an
                               exception in the rank's code: a bug, or input it cannot take).
-                              Owner and router points take only raise: an owner knows no
+                              Owner and router points take only raise and kill (an
+                              owner killed at owner-notice dies with every notice in and
+                              its pages written): an owner knows no
                               prompt text, so MARKER is matched against "prompt_len=N"
                               there. POINT: owner-assign (pages allocated, plan not sent),
                               owner-notice (every notice in, before the checks),
                               owner-decode (in a decode step), router-dispatch (pages
                               reserved, before PREFILL is sent).
+
+A hook written ``rank=N:HOOK`` applies on cluster rank N only (one member of a
+tensor-parallel group, say).
 
 The ranks see faults only through :class:`FaultHooks`, whose every method is a no-op:
 where messages leave a rank (:meth:`~FaultHooks.on_send`, applied to every message by
@@ -199,6 +205,7 @@ class FaultHooks:
 @dataclass
 class FaultPlan(FaultHooks):
     drop: dict[str, float] = field(default_factory=dict)
+    drop_left: dict[str, int] = field(default_factory=dict)  # KIND -> drops left (a COUNT)
     duplicate: set[str] = field(default_factory=set)
     delay: dict[str, float] = field(default_factory=dict)
     reorder: set[str] = field(default_factory=set)
@@ -216,14 +223,30 @@ class FaultPlan(FaultHooks):
         self._rng = random.Random(self.seed)
 
     @classmethod
-    def parse(cls, specs: list[str], seed: int = 0) -> FaultPlan:
+    def parse(cls, specs: list[str], seed: int = 0, rank: int | None = None) -> FaultPlan:
+        """The plan of ``specs``; ``rank``: this rank's number, for ``rank=N:`` hooks
+        (None: every hook applies)."""
         plan = cls(seed=seed)
+        mine = []
         for spec in specs:
+            if spec.startswith("rank="):
+                head, _, rest = spec.partition(":")
+                try:
+                    only = int(head.removeprefix("rank="))
+                except ValueError:
+                    raise FaultSpecError(f"bad rank in fault spec {spec!r}") from None
+                if rank is not None and only != rank:
+                    continue
+                spec = rest
+            mine.append(spec)
+        for spec in mine:
             parts = spec.split(":")
             try:
                 what = parts[0]
                 if what == "drop":
                     plan.drop[parts[1]] = float(parts[2]) if len(parts) > 2 else 1.0
+                    if len(parts) > 3:
+                        plan.drop_left[parts[1]] = int(parts[3])
                 elif what == "dup":
                     plan.duplicate.add(parts[1])
                 elif what == "delay":
@@ -244,16 +267,18 @@ class FaultPlan(FaultHooks):
                         raise FaultSpecError(f"unknown protocol point {point!r}; one of {POINTS}")
                     if action not in ACTIONS:
                         raise FaultSpecError(f"unknown action {action!r}; one of {ACTIONS}")
-                    if point not in WRITER_POINTS and action != "raise":
-                        raise FaultSpecError(f"{point} takes only the raise action, not {action!r}")
+                    if point not in WRITER_POINTS and action not in ("raise", "kill"):
+                        raise FaultSpecError(
+                            f"{point} takes only the raise and kill actions, not {action!r}"
+                        )
                     seconds = float(parts[4]) if len(parts) > 4 else 3.0
                     plan.points.setdefault(point, []).append((action, marker, seconds))
                 else:
                     raise FaultSpecError(f"unknown fault {what!r} in {spec!r}")
             except (IndexError, ValueError) as exc:
                 raise FaultSpecError(f"bad fault spec {spec!r}: {exc}") from None
-        if specs:
-            log.warning("FAULT INJECTION ENABLED: %s", specs)
+        if mine:
+            log.warning("FAULT INJECTION ENABLED: %s", mine)
         return plan
 
     @property
@@ -278,17 +303,27 @@ class FaultPlan(FaultHooks):
         return None
 
     def raise_at(self, point: str, text: str) -> None:
-        """Raise InjectedFault if a ``raise`` is injected at ``point`` for ``text``."""
+        """Raise InjectedFault if a ``raise`` is injected at ``point`` for ``text``; die
+        there (SIGKILL) for a ``kill``."""
         found = self.at(point, text)
         if found is not None and found[0] == "raise":
             log.warning("fault: raising at %s (%s)", point, text[:40])
             raise InjectedFault(point)
+        if found is not None and found[0] == "kill":
+            log.warning("fault: killed at %s (%s)", point, text[:40])
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_send(self, kind: str, rank: int, payload: bytes) -> list[tuple[bytes, float]]:
         """What to actually send for one outgoing message: [(payload, delay_s)]."""
         if not self.enabled:
             return [(payload, 0.0)]
-        if kind in self.drop and self._rng.random() < self.drop[kind]:
+        if (
+            kind in self.drop
+            and self.drop_left.get(kind, 1) > 0
+            and self._rng.random() < self.drop[kind]
+        ):
+            if kind in self.drop_left:
+                self.drop_left[kind] -= 1
             log.warning("fault: dropped %s to rank %d", kind, rank)
             return []
         out = [(payload, self.delay.get(kind, 0.0))]

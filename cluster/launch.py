@@ -1,11 +1,21 @@
-"""One rank of a kvferry cluster, started by torchrun:
+"""One rank of a kvferry cluster, started by torchrun, in one of two ways:
 
     torchrun --standalone --nproc-per-node 3 -m kvferry.cluster.launch [serve options]
+
+every rank in one torchrun group (the demo's way: torchrun stops the whole group when any
+rank dies), or as failure domains, one torchrun job per role group meeting through the
+cluster's rendezvous store (:mod:`.store`), each job restarted on its own:
+
+    python -m kvferry.cluster.store --port 29400 &
+    torchrun --nproc-per-node 1 --max-restarts 3 -m kvferry.cluster.launch \
+        --store 127.0.0.1:29400 --world 4 --first-rank 1 [serve options]   # one job
 
 Rank 0 is the router and front door, then prefill ranks, then decode ranks (see
 :mod:`.topology`). Each rank builds its transfer engine and pool, checks the pool's
 measured capacity against the context length (I3), publishes its card, reads everyone
-else's, and serves until SIGTERM/SIGINT or a SHUTDOWN from the router.
+else's, and serves until SIGTERM/SIGINT or a SHUTDOWN from the router. As a failure
+domain, each rank is forked by a launcher that publishes its exit (:mod:`.supervise`),
+and a restarted rank publishes a new card with a new incarnation.
 """
 
 from __future__ import annotations
@@ -37,9 +47,11 @@ from .frontdoor import FrontDoor
 from .metrics import ClusterMetrics
 from .models import build_model, pool_config
 from .prefill import PrefillRank
-from .rendezvous import RankCard, RendezvousError, gather, publish, publish_failure
+from .rendezvous import FAIL_PREFIX, RankCard, RendezvousError, gather, publish, publish_failure
 from .router import Router
 from .runtime import RankRuntime
+from .store import StoreAddressError, connect
+from .supervise import fork_rank
 from .topology import Role, Topology, head_range
 from .wakeup import EngineWaker
 
@@ -78,6 +90,26 @@ def init_distributed() -> tuple[int, int, object]:
     return dist.get_rank(), dist.get_world_size(), store
 
 
+def join_domain(cfg: ServeConfig) -> tuple[int, int, object]:
+    """This process's cluster rank, the cluster's size and the store, for a job run as a
+    failure domain (``--store``): the rank is the job's first rank plus torchrun's rank
+    within the job. Forks here: the parent stays behind as the rank's launcher
+    (:func:`.supervise.fork_rank`) and this returns in the child."""
+    job_rank = int(os.environ.get("RANK", "0"))
+    job_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.world is None:
+        raise ValueError("--store needs --world, the number of ranks in the whole cluster")
+    last = cfg.first_rank + job_world - 1
+    if cfg.first_rank < 0 or last >= cfg.world:
+        raise ValueError(
+            f"this job's ranks {cfg.first_rank}..{last} ({job_world} processes from "
+            f"--first-rank {cfg.first_rank}) fall outside a world of {cfg.world}"
+        )
+    rank = cfg.first_rank + job_rank
+    fork_rank(rank, cfg.store or "")
+    return rank, cfg.world, connect(cfg.store or "")
+
+
 def freeze_long_lived_objects() -> None:
     """Called once a rank is set up: everything allocated so far (torch, the model, the
     codec tables) lives as long as the rank, so it is moved out of the collector's sight.
@@ -100,7 +132,11 @@ class StopFlag:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
-    rank, world, store = init_distributed()
+    try:
+        rank, world, store = init_distributed() if cfg.store is None else join_domain(cfg)
+    except (ValueError, StoreAddressError) as exc:
+        print(f"kvferry serve: error: {exc}", file=sys.stderr)
+        return 2
     try:
         topology = Topology.for_world(world, cfg.prefill, cfg.tp)
     except ValueError as exc:  # every rank sees the same: each says why and stops
@@ -118,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             "UNSAFE MODE: pages are freed at abort without quarantine and integrity "
             "checks are off; answers can contain other requests' data"
         )
-    faults = FaultPlan.parse(cfg.fault, seed=rank)
+    faults = FaultPlan.parse(cfg.fault, seed=rank, rank=rank)
     try:
         engine = TransferEngine(
             TransferConfig(
@@ -167,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         pid=os.getpid(),
         transports=transports_in_use(engine.describe()),
     )
+    if cfg.store is not None:
+        store.delete_key(f"{FAIL_PREFIX}{rank}")  # an earlier incarnation's refusal
     publish(store, card)
     try:
         cards = gather(store, world, RENDEZVOUS_TIMEOUT_S)
@@ -174,7 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         log.error("rendezvous failed: %s", exc)
         engine.shutdown()
         return 3
-    runtime = RankRuntime(rank, engine, cards, faults)
+    cards[rank] = card
+    log.info(
+        "rank %d incarnation %#x (pid %d)%s",
+        rank,
+        card.incarnation,
+        card.pid,
+        f", failure domain through the store at {cfg.store}" if cfg.store else "",
+    )
+    runtime = RankRuntime(rank, engine, cards, faults, store=store if cfg.store else None)
     freeze_long_lived_objects()
     stop = StopFlag()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -200,6 +246,7 @@ def transports_in_use(described: dict) -> str:
 
 def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int):
     def send() -> None:
+        runtime.refresh_cards()  # a restarted peer's new card, before the stats say which
         s = worker.stats()
         c = runtime.engine.counters
         d = runtime.dropped()
@@ -219,6 +266,8 @@ def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int
             dropped_duplicate=d["duplicate"],
             dropped_stale=d["stale"],
             dropped_malformed=d["malformed"],
+            cards_epoch=runtime.cards_epoch,
+            fenced=worker.fenced_writers(),
         )
         worker.sweep()
         runtime.call_later(STATS_INTERVAL_S, send)

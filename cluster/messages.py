@@ -133,6 +133,10 @@ STATS = CODEC.kind(
     dropped_duplicate=Field(FieldType.INT),
     dropped_stale=Field(FieldType.INT),
     dropped_malformed=Field(FieldType.INT),
+    # failure domains: the card epoch this rank has adopted, and the writer incarnations
+    # ("rank:inc" in hex) whose ack or proof its quarantined pages still wait on
+    cards_epoch=Field(FieldType.INT, optional=True),
+    fenced=Field(FieldType.STR_LIST, max_len=1024, optional=True),
 )
 SEVERED = CODEC.kind(
     Kind.SEVERED,

@@ -134,6 +134,7 @@ class PrefillRank(RankBooks):
         assert set(self.handlers) == WRITER_RECEIVES
         runtime.set_handlers(self.handlers, role="prefill")
         runtime.on_request_error = self.fail_request
+        runtime.on_card_replaced = self._on_card_replaced
 
     # -------------------------------------------------------------- the table
     def _feed(self, job: WriteJob, event: WriterEvent) -> None:
@@ -406,7 +407,9 @@ class PrefillRank(RankBooks):
         chunk, job.queue = job.queue[:rows], job.queue[rows:]
         nbytes, posted_at = int(chunk[:, 2].sum()), time.monotonic()
         try:
-            batch = self.rt.write(job.owner, self.segment, chunk, rid=job.rid)
+            batch = self.rt.write(
+                job.owner, self.segment, chunk, rid=job.rid, incarnation=job.owner_inc or None
+            )
         except TransferError as exc:
             self._fail(job, AbortSource.TRANSFER, f"write to rank {job.owner} refused: {exc}")
             return False
@@ -463,6 +466,19 @@ class PrefillRank(RankBooks):
             self._at_point(job, "after-notice", lambda j: None)
 
     # -------------------------------------------------------------- failures
+    def _on_card_replaced(self, old, new) -> None:
+        """An owner came back with a new incarnation: the requests whose pages its old one
+        allocated fail here (nothing more is posted; the source pages are freed once what
+        is in flight has settled), since those pages are gone with it."""
+        for job in list(self.jobs.values()):
+            if job.owner == old.rank and job.owner_inc == old.incarnation:
+                self._fail(
+                    job,
+                    AbortSource.PEER,
+                    f"owner rank {old.rank} restarted (incarnation {old.incarnation:#x} -> "
+                    f"{new.incarnation:#x})",
+                )
+
     def fail_request(self, rid: str, reason: str) -> None:
         """An exception while handling ``rid`` here (see RankRuntime._request_failed): the
         request fails as if its prefill had failed: the owner and the router are told,

@@ -22,6 +22,8 @@ log = logging.getLogger("kvferry.cluster")
 CARD_VERSION = 1
 KEY_PREFIX = "kvferry/card/"
 FAIL_PREFIX = "kvferry/failed/"
+EPOCH_KEY = "kvferry/cards-epoch"  # bumped on every card published: peers re-read on change
+EXIT_PREFIX = "kvferry/exited/"  # rank/incarnation -> exit record, from the rank's launcher
 
 
 class RendezvousError(RuntimeError):
@@ -78,7 +80,64 @@ class RankCard:
 
 
 def publish(store, card: RankCard) -> None:
+    """Publish (or replace, for a restarted rank) ``card``, then bump the epoch so every
+    peer re-reads the cards (:func:`cards_epoch`)."""
     store.set(f"{KEY_PREFIX}{card.rank}", card.pack())
+    store.add(EPOCH_KEY, 1)
+
+
+def cards_epoch(store) -> int:
+    """How many cards were published so far: a peer re-reads the cards when it moved."""
+    return int(store.add(EPOCH_KEY, 0))
+
+
+def read_cards(store, ranks: list[int]) -> dict[int, RankCard]:
+    """The current card of each of ``ranks`` (all published: see :func:`gather`)."""
+    raw = store.multi_get([f"{KEY_PREFIX}{r}" for r in ranks])
+    return {r: RankCard.unpack(bytes(data)) for r, data in zip(ranks, raw, strict=True)}
+
+
+@dataclass(frozen=True)
+class ExitRecord:
+    """A rank's process has exited, in the word of its launcher on the same host (the
+    process that forked it and reaped it: :mod:`.supervise`). Across hosts this is the
+    owner's proof that the writer's process, and with it its mappings and queue pairs, is
+    gone; the tcp transport's failure horizon is added before a release (the writer's
+    kernel may still retransmit what its sockets held)."""
+
+    rank: int
+    incarnation: int
+    pid: int
+    host: str
+    status: int  # the wait status as os.waitstatus_to_exitcode gives it (-9: SIGKILL)
+    at: float  # time.time() on the launcher's host when the process was reaped
+
+    def pack(self) -> bytes:
+        return msgpack.packb(asdict(self), use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> ExitRecord:
+        try:
+            obj = msgpack.unpackb(data, raw=False, max_str_len=1 << 12)
+            return cls(**obj)
+        except Exception as exc:
+            raise RendezvousError(f"undecodable exit record ({type(exc).__name__})") from None
+
+
+def exit_key(rank: int, incarnation: int) -> str:
+    return f"{EXIT_PREFIX}{rank}/{incarnation:x}"
+
+
+def publish_exit(store, record: ExitRecord) -> None:
+    store.set(exit_key(record.rank, record.incarnation), record.pack())
+
+
+def exit_record(store, rank: int, incarnation: int) -> ExitRecord | None:
+    """The launcher's word that ``rank`` in ``incarnation`` exited, if it has said so."""
+    key = exit_key(rank, incarnation)
+    if not store.check([key]):
+        return None
+    return ExitRecord.unpack(bytes(store.get(key)))
 
 
 def publish_failure(store, rank: int, reason: str) -> None:

@@ -103,6 +103,19 @@ class RoutedRequest:
         return detokenize(self.req.output_tokens)
 
 
+@dataclass
+class Rejoin:
+    """A rank that came back with a new incarnation, not yet routed to: it is admitted
+    once it has reported (STATS) and no healthy rank still waits on its old incarnation
+    (every one has adopted its new card and lists no quarantine of the old one)."""
+
+    old_incarnation: int
+    new_incarnation: int
+    epoch: int  # the card epoch at which the router saw the new card
+    since: float
+    heard: bool = False
+
+
 class Ledger:
     """Pages reserved per rank, per request, until the rank reports them released."""
 
@@ -172,6 +185,8 @@ class Router:
         # Ranks an owner severed, with the incarnation severed: never routed to again
         # (a severed rank rejoins only with a new incarnation), whatever its heartbeat.
         self.severed: dict[int, int] = {}
+        self.rejoining: dict[int, Rejoin] = {}
+        self.rejoined = 0  # ranks admitted again with a new incarnation
         self._capacity_changed = asyncio.Event()
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
@@ -193,6 +208,7 @@ class Router:
             {k: self._heard_from(fn) for k, fn in self.handlers.items()}, role="router"
         )
         runtime.on_send_failure = self._on_send_failure
+        runtime.on_card_replaced = self._on_card_replaced
         runtime.on_request_error = lambda rid, reason: self.abort(rid, AbortSource.INTERNAL, reason)
 
     # ------------------------------------------------------------------ admission
@@ -542,12 +558,17 @@ class Router:
         }
         self.rank_stats[msg.src] = stats
         self.metrics.set_rank_stats(msg.src, self.cards[msg.src].role, stats)
+        rejoin = self.rejoining.get(msg.src)
+        if rejoin is not None:
+            rejoin.heard = True  # only the new incarnation's messages get this far
+            return
+        why = self.unhealthy.get(msg.src)
         if (
-            msg.src in self.unhealthy
+            why is not None
             and msg.src not in self.severed
-            and self.unhealthy[msg.src].startswith("no heartbeat")
+            and why.startswith(("no heartbeat", "unreachable"))
         ):
-            log.info("rank %d is back", msg.src)
+            log.info("rank %d is back (it was %s)", msg.src, why)
             del self.unhealthy[msg.src]
 
     def _on_send_failure(self, rank: int, exc: Exception) -> None:
@@ -579,7 +600,93 @@ class Router:
             ):
                 self.abort(routed.rid, AbortSource.PEER, f"rank {rank} lost: {reason}")
 
+    # ------------------------------------------------------------------ failure domains
+    def _on_rank_exited(self, rank: int, reason: str) -> None:
+        """``rank``'s process is gone (its launcher said so, or /proc on this host): its
+        live requests fail at once, it is routed nothing more, and what the ledger held
+        on it is dropped, since its pool went with it."""
+        if self.unhealthy.get(rank, "").startswith(("exited", "rejoining")):
+            return
+        self.unhealthy.pop(rank, None)
+        self._on_rank_lost(rank, reason)
+        self.unhealthy[rank] = reason
+        for rid in list(self.ledger.held[rank]):
+            self.ledger.release(rank, rid)
+            routed = self.requests.get(rid)
+            if routed is not None:
+                self._forget_if_released(routed)
+        self._capacity_changed.set()
+
+    def _on_card_replaced(self, old: RankCard, new: RankCard) -> None:
+        """``old.rank`` came back as ``new``: whatever its old incarnation held is gone,
+        and it waits to be admitted (see :class:`Rejoin`)."""
+        rank = old.rank
+        self._on_rank_exited(
+            rank, f"exited (pid {old.pid}, incarnation {old.incarnation:#x}; restarted)"
+        )
+        self.severed.pop(rank, None)
+        self.rejoining[rank] = Rejoin(
+            old.incarnation, new.incarnation, self.rt.cards_epoch, time.monotonic()
+        )
+        self.unhealthy[rank] = (
+            f"rejoining as incarnation {new.incarnation:#x}: until no rank waits on "
+            f"incarnation {old.incarnation:#x}"
+        )
+        self.last_seen[rank] = time.monotonic()
+
+    def _admit_rejoined(self) -> None:
+        for rank, rejoin in list(self.rejoining.items()):
+            if not rejoin.heard:
+                continue
+            old = f"{rank}:{rejoin.old_incarnation:x}"
+            waiting = [
+                r
+                for r in self.ledger.totals
+                if r != rank
+                and r not in self.unhealthy
+                and (
+                    (self.rank_stats.get(r, {}).get("cards_epoch") or 0) < rejoin.epoch
+                    or old in (self.rank_stats.get(r, {}).get("fenced") or ())
+                )
+            ]
+            if waiting:
+                continue
+            del self.rejoining[rank]
+            self.unhealthy.pop(rank, None)
+            card = self.cards[rank]
+            self.ledger.totals[rank] = card.num_pages
+            self.ledger.held[rank], self.ledger.orphaned[rank] = {}, set()
+            self.rejoined += 1
+            self._capacity_changed.set()
+            log.info(
+                "rank %d rejoined as incarnation %#x (pid %d) %.1f s after it came back: "
+                "no rank waits on its old incarnation %#x any more",
+                rank,
+                card.incarnation,
+                card.pid,
+                time.monotonic() - rejoin.since,
+                rejoin.old_incarnation,
+            )
+
+    def check_liveness(self) -> None:
+        """With a rendezvous store (failure domains): adopt restarted ranks' cards, mark
+        the ranks whose process exited, admit rejoined ones."""
+        if self.rt.store is None:
+            return
+        self.rt.refresh_cards()
+        for rank in self.ledger.totals:
+            if rank in self.rejoining or self.unhealthy.get(rank, "").startswith("exited"):
+                continue
+            if self.rt.process_exited(rank):
+                card = self.cards[rank]
+                self._on_rank_exited(
+                    rank,
+                    f"exited (pid {card.pid} on {card.host}, incarnation {card.incarnation:#x})",
+                )
+        self._admit_rejoined()
+
     def check_heartbeats(self) -> None:
+        self.check_liveness()
         now = time.monotonic()
         for rank, seen in self.last_seen.items():
             if now - seen > HEARTBEAT_TIMEOUT_S and rank not in self.unhealthy:
@@ -627,6 +734,12 @@ class Router:
             "quarantined_requests": {r: sorted(s) for r, s in self.ledger.orphaned.items() if s},
             "unhealthy": self.unhealthy,
             "severed": sorted(self.severed),
+            "rejoining": {r: f"{j.new_incarnation:#x}" for r, j in self.rejoining.items()},
+            "rejoined": self.rejoined,
+            "processes": {
+                r: {"host": c.host, "pid": c.pid, "incarnation": f"{c.incarnation:#x}"}
+                for r, c in sorted(self.cards.items())
+            },
             "transports": {r: c.transports for r, c in sorted(self.cards.items())},
             "ranks": self.rank_stats,
             "abort_release": self.abort_release_summary(),

@@ -8,6 +8,11 @@ timers. Single-threaded, like the engine under it: the role's loop calls :meth:`
 Upholds I4's severing rule on the control plane: once a rank is severed, its messages and
 its writes are refused until it comes back with a new incarnation.
 
+Knows each peer by rank and incarnation: in a cluster run as failure domains a restarted
+rank publishes a new card, which :meth:`refresh_cards` adopts (the old one is kept, retired,
+for the proof its quarantined pages still wait on); a message of a retired incarnation is
+refused and counted as stale.
+
 Upholds I6 for the rank's own failures: an exception raised while handling a message, or in
 a timer, a deferred call or a batch callback that belongs to a request, is counted, logged
 with the request id and handed to ``on_request_error``, which ends that request through the
@@ -44,7 +49,7 @@ from kvferry.transfer.wire import Message, MessageKind
 
 from . import messages
 from .faults import FaultHooks, FaultPlan
-from .rendezvous import RankCard
+from .rendezvous import RankCard, RendezvousError, cards_epoch, exit_record, read_cards
 
 Handlers = Mapping[Kind, Callable[[Message], None]]
 
@@ -84,6 +89,7 @@ class ControlCounters:
     dropped_severed: int = 0
     dropped_unexpected: int = 0  # a kind this rank's role does not take
     severed: int = 0
+    cards_replaced: int = 0  # peers that came back with a new incarnation
 
 
 @dataclass(order=True)
@@ -115,8 +121,14 @@ class RankRuntime:
         engine: TransferEngine,
         cards: dict[int, RankCard],
         faults: FaultHooks | None = None,
+        store: Any = None,
     ) -> None:
         self.rank = rank
+        # The cluster's rendezvous store when it runs as failure domains (cards of
+        # restarted ranks, exit records of dead ones); None in a single torchrun group.
+        self.store = store
+        self.retired: dict[tuple[int, int], RankCard] = {}  # (rank, incarnation) -> card
+        self.cards_epoch = cards_epoch(store) if store is not None else 0
         self.engine = engine
         self.cards = cards
         self.faults = faults or FaultPlan()
@@ -127,7 +139,7 @@ class RankRuntime:
         self._seen: dict[int, OrderedDict[tuple[int, int], None]] = {}
         self._severed: dict[int, int] = {}  # rank -> incarnation severed
         self._severed_peers: dict[int, Peer] = {}  # control-only endpoints to severed ranks
-        self._gone_since: dict[int, float] = {}  # rank -> when its process was seen gone
+        self._gone_since: dict[tuple[int, int], float] = {}  # (rank, inc) -> seen gone
         self._watches: list[tuple[Settles, Callable[[Any], None], str | None]] = []
         self._timers: list[_Timer] = []
         self._timer_order = itertools.count()
@@ -140,6 +152,8 @@ class RankRuntime:
         # Called when a watch, a timer or a deferred call is added: a loop that sleeps
         # outside pump (the router's asyncio loop) wakes and asks sleep_bound again.
         self.on_new_work: Callable[[], None] = lambda: None
+        # Called with (old card, new card) when a peer came back with a new incarnation.
+        self.on_card_replaced: Callable[[RankCard, RankCard], None] = lambda old, new: None
         engine.set_message_handler(self._on_payload)
 
     # ------------------------------------------------------------------ peers
@@ -218,20 +232,102 @@ class RankRuntime:
             reason,
         )
 
-    def write_path_closed(self, rank: int) -> bool:
-        """True when no write from ``rank`` can land any more without its ack: its process
-        is gone (checked when it runs on this host; a remote rank's death cannot be proven
-        from here, so its pages stay quarantined until it acks), and we have kept driving
-        our worker for ``DRAIN_S`` since: over tcp our worker applies puts it already
-        received, so bytes still in our socket buffer when the writer died are consumed
-        (applied into quarantined pages) before the release."""
+    def card_of(self, rank: int, incarnation: int) -> RankCard | None:
+        """The card ``rank`` published in ``incarnation``: its current one or a retired one."""
+        card = self.cards.get(rank)
+        if card is not None and card.incarnation == incarnation:
+            return card
+        return self.retired.get((rank, incarnation))
+
+    def write_path_closed(self, rank: int, incarnation: int | None = None) -> bool:
+        """True when no write from ``rank`` in ``incarnation`` (default: the one severed,
+        else the current one) can land any more without its ack. Proof, per where the
+        writer ran:
+
+        - on this host: its process is gone (checked in /proc);
+        - on another host: its launcher's exit record is in the store (it reaped the
+          process: its mappings and queue pairs are gone), and the transports' failure
+          horizon has passed since this rank saw the record: the writer's kernel may
+          still retransmit what its tcp sockets held for up to the tcp user timeout. A
+          remote rank with no exit record (its host lost, no store) is never proven gone.
+
+        Either way this rank then keeps driving its worker for ``DRAIN_S``: over tcp it
+        applies puts it already received, so bytes still in its socket buffer when the
+        writer died are consumed (applied into quarantined pages) before the release."""
+        if incarnation is None:
+            incarnation = self._severed.get(rank, self.cards[rank].incarnation)
+        card = self.card_of(rank, incarnation)
+        if card is None:
+            return False
+        wait_s = DRAIN_S
+        if card.host == self.cards[self.rank].host:
+            if not process_gone(card.pid):
+                return False
+        else:
+            if self.store is None or not self._exit_published(rank, incarnation):
+                return False
+            wait_s += self.engine.failure_horizon().seconds or 0.0
+        seen = self._gone_since.setdefault((rank, incarnation), time.monotonic())
+        return time.monotonic() - seen >= wait_s
+
+    def _exit_published(self, rank: int, incarnation: int) -> bool:
+        try:
+            return exit_record(self.store, rank, incarnation) is not None
+        except (RendezvousError, RuntimeError, OSError) as exc:
+            log.warning("rank %d: cannot read rank %d's exit record: %s", self.rank, rank, exc)
+            return False
+
+    def process_exited(self, rank: int) -> bool:
+        """``rank``'s current incarnation is known to have exited: its process gone on
+        this host, or its launcher's exit record in the store (for the router's view of
+        who is alive; a release needs :meth:`write_path_closed`)."""
         card = self.cards[rank]
-        if card.host != self.cards[self.rank].host:
-            return False
-        if not process_gone(card.pid):
-            return False
-        seen = self._gone_since.setdefault(rank, time.monotonic())
-        return time.monotonic() - seen >= DRAIN_S
+        if card.host == self.cards[self.rank].host:
+            return process_gone(card.pid)
+        return self.store is not None and self._exit_published(rank, card.incarnation)
+
+    def refresh_cards(self) -> list[int]:
+        """Adopt the new card of every peer that came back with a new incarnation (read
+        when the store's card epoch moved; nothing without a store). The old card is
+        retired, the endpoints and the descriptor to the old incarnation are dropped, and
+        ``on_card_replaced`` tells the role. Returns the ranks replaced."""
+        if self.store is None:
+            return []
+        try:
+            epoch = cards_epoch(self.store)
+            if epoch == self.cards_epoch:
+                return []
+            fresh = read_cards(self.store, sorted(r for r in self.cards if r != self.rank))
+        except (RendezvousError, RuntimeError, OSError) as exc:
+            log.warning("rank %d: cannot read the cards from the store: %s", self.rank, exc)
+            return []
+        self.cards_epoch = epoch
+        replaced = []
+        for rank, card in fresh.items():
+            old = self.cards[rank]
+            if card.incarnation == old.incarnation or (rank, card.incarnation) in self.retired:
+                continue
+            self.retired[(rank, old.incarnation)] = old
+            self.cards[rank] = card
+            self.counters.cards_replaced += 1
+            for peer in (self._peers.pop(rank, None), self._severed_peers.pop(rank, None)):
+                if peer is not None:
+                    self.engine.close(peer, force=True)
+            self._segments.pop(rank, None)
+            replaced.append(rank)
+            log.warning(
+                "rank %d: rank %d came back: incarnation %#x (pid %d on %s) replaces "
+                "%#x (pid %d); messages of the old one are refused from now on",
+                self.rank,
+                rank,
+                card.incarnation,
+                card.pid,
+                card.host,
+                old.incarnation,
+                old.pid,
+            )
+            self.on_card_replaced(old, card)
+        return replaced
 
     # ------------------------------------------------------------------ sending
     def _fill(self, rank: int, kind: MessageKind, fields: dict) -> bytes:
@@ -313,10 +409,24 @@ class RankRuntime:
         log.warning("rank %d: %s to rank %d failed: %s", self.rank, kind, rank, exc)
         self.on_send_failure(rank, exc)
 
-    def write(self, rank: int, local: Segment, pages, rid: str | None = None) -> Batch:
+    def write(
+        self,
+        rank: int,
+        local: Segment,
+        pages,
+        rid: str | None = None,
+        incarnation: int | None = None,
+    ) -> Batch:
         """One-sided write of (local offset, remote offset, length) triples into ``rank``'s
-        pool segment, for request ``rid``. Raises TransferError (bounds, severed, failed
-        peer) before posting."""
+        pool segment, for request ``rid``, whose pages ``rank`` allocated in
+        ``incarnation``. Raises TransferError (bounds, severed, failed peer, or ``rank``
+        restarted since) before posting."""
+        current = self.cards[rank].incarnation
+        if incarnation is not None and incarnation != current:
+            raise TransferError(
+                f"rank {rank} is now incarnation {current:#x}; request {rid}'s pages were "
+                f"allocated by incarnation {incarnation:#x}, which is gone"
+            )
         batch = self.engine.write(self.peer(rank), local, self.remote_segment(rank), pages)
         if self.faults.enabled:
             self.faults.wrote(self, rank, rid or "")

@@ -348,3 +348,157 @@ def _start_two_nodes(
         taken=("Address already in use",),
     )
     return cluster
+
+
+# ------------------------------------------------------------------ failure domains
+@dataclass(frozen=True)
+class Job:
+    """One torchrun job of a cluster run as failure domains: ``nproc`` ranks from
+    ``first_rank`` (the router's job is rank 0 alone)."""
+
+    name: str
+    first_rank: int
+    nproc: int
+
+
+def domain_jobs(prefill: int, decode: int, tp: int = 1) -> list[Job]:
+    """The router's job, one job per prefill group and one per decode rank: each a
+    failure domain of its own."""
+    jobs = [Job("router", 0, 1)]
+    jobs += [Job(f"prefill{g}", 1 + g * tp, tp) for g in range(prefill // tp)]
+    jobs += [Job(f"decode{d}", 1 + prefill + d, 1) for d in range(decode)]
+    return jobs
+
+
+def job_command(
+    job: Job, world: int, store: str, port: int, args: list[str], max_restarts: int
+) -> list[str]:
+    """The torchrun line of one job, as ``scripts/serve-local.sh`` runs it."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={job.nproc}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.2",
+        "-m",
+        "kvferry.cluster.launch",
+        "--store",
+        store,
+        "--world",
+        str(world),
+        "--first-rank",
+        str(job.first_rank),
+        "--port",
+        str(port),
+        *args,
+    ]
+
+
+@dataclass
+class DomainCluster(LocalCluster):
+    """A local cluster run as failure domains: a rendezvous store process, then one
+    torchrun job per role group (``proc`` is the router's job). Every job's output goes
+    to ``log``. A rank can be killed on its own (:meth:`kill_rank`); its job's torchrun
+    restarts it (``max_restarts``) and it rejoins with a new incarnation."""
+
+    store_proc: subprocess.Popen | None = None
+    jobs: dict[str, subprocess.Popen] | None = None
+
+    def pid_of(self, rank: int) -> int:
+        return int(self.status()["processes"][str(rank)]["pid"])
+
+    def incarnation_of(self, rank: int) -> str:
+        return str(self.status()["processes"][str(rank)]["incarnation"])
+
+    def kill_rank(self, rank: int) -> int:
+        """SIGKILL ``rank``'s process (not its launcher); returns the pid killed."""
+        pid = self.pid_of(rank)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def wait_rejoined(self, rank: int, old_incarnation: str, timeout_s: float) -> str:
+        """Until ``rank`` serves again in a new incarnation; returns it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.status()
+            inc = st["processes"][str(rank)]["incarnation"]
+            if inc != old_incarnation and str(rank) not in st["unhealthy"]:
+                return inc
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank {rank} not serving again within {timeout_s:.0f} s: incarnation "
+                    f"{inc} (was {old_incarnation}), unhealthy {st['unhealthy']}"
+                )
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """The router first: its SHUTDOWN stops every rank, whose jobs then end with
+        status 0 (not restarted); a job still running after that is stopped."""
+        _stop_group(self.proc)
+        deadline = time.monotonic() + 10
+        for proc in (self.jobs or {}).values():
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            _stop_group(proc)
+        if self.store_proc is not None:
+            _stop_group(self.store_proc)
+
+
+def start_domains(
+    prefill: int,
+    decode: int,
+    args: list[str],
+    log_dir: Path,
+    tp: int = 1,
+    max_restarts: int = 1,
+    startup_s: float = STARTUP_TIMEOUT_S,
+) -> DomainCluster:
+    """A local cluster of failure domains (see :class:`DomainCluster`), ``args`` going to
+    every rank; waits for /health."""
+    return _with_port_retries(
+        lambda: _start_domains_once(prefill, decode, tp, args, log_dir, max_restarts, startup_s)
+    )
+
+
+def _start_domains_once(
+    prefill: int,
+    decode: int,
+    tp: int,
+    args: list[str],
+    log_dir: Path,
+    max_restarts: int,
+    startup_s: float,
+) -> DomainCluster:
+    port, store_port = free_port(), free_port()
+    log = Path(log_dir) / f"cluster-{port}.log"
+    log.write_bytes(b"")
+    store = _spawn_appending(
+        [sys.executable, "-m", "kvferry.cluster.store", "--port", str(store_port)], log
+    )
+    world = 1 + prefill + decode
+    jobs: dict[str, subprocess.Popen] = {}
+    role_args = ["--prefill", str(prefill), "--tp", str(tp), *args]
+    for job in domain_jobs(prefill, decode, tp):
+        cmd = job_command(job, world, f"127.0.0.1:{store_port}", port, role_args, max_restarts)
+        jobs[job.name] = _spawn_appending(cmd, log)
+    cluster = DomainCluster(
+        jobs["router"], f"http://127.0.0.1:{port}", log, store_proc=store, jobs=jobs
+    )
+    _wait_healthy(
+        cluster,
+        [(p, log) for p in [store, *jobs.values()]],
+        port,
+        startup_s,
+        taken=(f"cannot listen on 127.0.0.1:{store_port}",),
+    )
+    return cluster
+
+
+def _spawn_appending(cmd: list[str], log: Path) -> subprocess.Popen:
+    """As :func:`_spawn`, every process appending to one log (whole lines)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )

@@ -40,6 +40,7 @@ class RecordingRuntime:
 
     def __init__(self, rank: int, cards: dict[int, RankCard] | None = None) -> None:
         self.rank, self.cards, self.faults = rank, cards or {}, FaultPlan()
+        self.store = None  # one torchrun group: no rendezvous store to read cards from
         self.sent: list[tuple[int, str, dict]] = []
         self.writes: list[tuple[int, np.ndarray]] = []
         self.handler = None
@@ -60,7 +61,7 @@ class RecordingRuntime:
 
     notify = send
 
-    def write(self, rank, local, pages, rid=None):
+    def write(self, rank, local, pages, rid=None, incarnation=None):
         self.writes.append((rank, np.asarray(pages)))
         return _Done()
 

@@ -246,7 +246,7 @@ class SimRuntime:
         self.counters.severed += 1
         self.world.on_sever(self.rank, rank)
 
-    def write_path_closed(self, rank: int) -> bool:
+    def write_path_closed(self, rank: int, incarnation: int | None = None) -> bool:
         """As RankRuntime.write_path_closed: only for a rank on this host whose process is
         gone, once ``DRAIN_S`` passed since this rank first saw it gone."""
         if self.cards[rank].host != self.cards[self.rank].host:

@@ -1,0 +1,73 @@
+"""The rendezvous store of a cluster run as failure domains: one small process holding a
+torch.distributed TCPStore, started before any rank and outliving every rank's job.
+
+    python -m kvferry.cluster.store --port 29400 [--host 0.0.0.0]
+
+Ranks publish their cards there (:mod:`.rendezvous`), their launchers publish exit records,
+and a restarted rank's new card replaces its old one. It holds no request state: if it is
+lost, serving goes on, but no rank can start or rejoin until it is back. torch's TCPStore
+is already a dependency and needs nothing else installed; an operator with etcd could host
+the same keys there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+log = logging.getLogger("kvferry.cluster")
+
+CONNECT_TIMEOUT_S = 60.0
+
+
+class StoreAddressError(ValueError):
+    """A --store value that is not HOST:PORT."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise StoreAddressError(f"--store must be HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def connect(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> TCPStore:
+    """A client of the cluster's store at ``HOST:PORT``; waits up to ``timeout_s`` for it."""
+    host, port = parse_address(address)
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="kvferry store",
+        description="Host the rendezvous store a cluster's failure domains meet through.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, required=True, help="port to listen on")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s store %(levelname)s: %(message)s")
+    try:
+        store = TCPStore(args.host, args.port, is_master=True, wait_for_workers=False)
+    except Exception as exc:  # the port taken, the address not ours
+        print(
+            f"kvferry store: error: cannot listen on {args.host}:{args.port}: {exc}",
+            file=sys.stderr,
+        )
+        return 3
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: stop.set())
+    log.info("rendezvous store listening on %s:%d", args.host, store.port)
+    stop.wait()
+    log.info("rendezvous store stopping")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

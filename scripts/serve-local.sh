@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# Start a kvferry cluster on this machine under torchrun, wait until it is healthy, print its URL.
+# Start a kvferry cluster on this machine, wait until it is healthy, print its URL.
 #
 #   scripts/serve-local.sh [--nproc N] [--port P] [--run-dir DIR] [-- SERVE OPTIONS...]
 #   scripts/serve-local.sh --stop [--run-dir DIR]
 #
-#   --nproc N      ranks in all: 1 router + prefill + decode (default 3)
-#   --port P       front door port on 127.0.0.1 (default 8000)
-#   --run-dir DIR  where the log and pid file go (default runs/local)
-#   --wait S       seconds to wait for /health (default 120)
-#   --stop         stop the cluster started from this run dir: its live requests are
-#                  answered 503 at once, and every rank has exited when this returns
+#   --nproc N        ranks in all: 1 router + prefill + decode (default 3)
+#   --port P         front door port on 127.0.0.1 (default 8000)
+#   --run-dir DIR    where the log and pid file go (default runs/local)
+#   --wait S         seconds to wait for /health (default 120)
+#   --max-restarts R restarts of a rank that died, per job (default 3)
+#   --single-group   every rank in one torchrun group, which stops as a whole when one
+#                    rank dies (default: failure domains, one torchrun job per role group
+#                    meeting through a rendezvous store; a dead rank costs its own
+#                    requests, is restarted and rejoins with a new incarnation)
+#   --stop           stop the cluster started from this run dir: its live requests are
+#                    answered 503 at once, and every rank has exited when this returns
 # Options after -- go to the ranks (see `kvferry serve --help`), e.g.
 #   scripts/serve-local.sh --nproc 4 -- --prefill 2 --tp 2 --context-length 8192
 # Prints the URL on stdout when healthy; exits non-zero, with the log's tail, if it is not.
 set -euo pipefail
-case "${1:-}" in -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
-nproc=3; port=8000; run_dir=""; wait_s=120; stop=0; serve_args=()
+case "${1:-}" in -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+nproc=3; port=8000; run_dir=""; wait_s=120; stop=0; single=0; restarts=3; serve_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --nproc) nproc="$2"; shift 2;;
@@ -23,6 +28,8 @@ while [ $# -gt 0 ]; do
         --run-dir) run_dir="$2"; shift 2;;
         --wait) wait_s="$2"; shift 2;;
         --stop) stop=1; shift;;
+        --single-group) single=1; shift;;
+        --max-restarts) restarts="$2"; shift 2;;
         --) shift; serve_args=("$@"); break;;
         *) echo "serve-local.sh: unknown option $1 (see --help)" >&2; exit 2;;
     esac
@@ -61,8 +68,13 @@ if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
     exit 1
 fi
 log="$run_dir/cluster.log"
-setsid python -m torch.distributed.run --standalone --nproc-per-node="$nproc" \
-    -m kvferry.cluster.launch --port "$port" "${serve_args[@]}" >"$log" 2>&1 &
+if [ "$single" = 1 ]; then
+    setsid python -m torch.distributed.run --standalone --nproc-per-node="$nproc" \
+        -m kvferry.cluster.launch --port "$port" "${serve_args[@]}" >"$log" 2>&1 &
+else
+    setsid python -m kvferry.cluster.domains --nproc "$nproc" --max-restarts "$restarts" \
+        -- --port "$port" "${serve_args[@]}" >"$log" 2>&1 &
+fi
 pid=$!
 echo "$pid" >"$pidfile"
 url="http://127.0.0.1:$port"
@@ -84,5 +96,6 @@ PY
     fi
     sleep 0.5
 done
-echo "kvferry cluster (pid $pid, $nproc ranks) healthy; log: $log" >&2
+mode="failure domains"; [ "$single" = 1 ] && mode="one torchrun group"
+echo "kvferry cluster (pid $pid, $nproc ranks, $mode) healthy; log: $log" >&2
 echo "$url"

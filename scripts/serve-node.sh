@@ -1,25 +1,35 @@
 #!/usr/bin/env bash
-# Run one node of a multi-node kvferry cluster in the foreground (torchrun, static rendezvous
-# through node 0's store: global ranks follow node order, so the router is on node 0).
+# Run one node of a multi-node kvferry cluster in the foreground, as failure domains: one
+# torchrun job per role group on this node, meeting the other nodes' jobs through the
+# rendezvous store that node 0 hosts. Ranks follow node order, so the router is on node 0.
 #
 #   scripts/serve-node.sh --nnodes N --node-rank R --rdzv-endpoint HOST:PORT [--nproc K] [-- SERVE OPTIONS...]
 #
 #   --nnodes N             nodes in the cluster
-#   --node-rank R          this node's index (0..N-1); the router (global rank 0) runs on node 0
-#   --rdzv-endpoint H:P    address of node 0's rendezvous store, reachable from every node
+#   --node-rank R          this node's index (0..N-1); node 0 runs the router and the store
+#   --rdzv-endpoint H:P    the store's address on node 0, reachable from every node
 #   --nproc K              ranks on this node (default 2)
-#   --rdzv-id ID           rendezvous id shared by the nodes (default kvferry)
+#   --world W              ranks in the whole cluster (default N x K)
+#   --first-rank F         this node's first rank (default R x K)
+#   --max-restarts M       restarts of a rank that died, per job (default 3)
+#   --single-group         the older way: every rank of every node in one torchrun group
+#                          (static rendezvous at H:P), which stops as a whole on one death
 # Start the same command on every node; options after -- (the same on every node) go to the
 # ranks, e.g. `-- --transports tcp --host 0.0.0.0 --port 8000`. See `kvferry serve --help`.
 set -euo pipefail
-case "${1:-}" in -h|--help|"") sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; [ -n "${1:-}" ] && exit 0 || exit 2;; esac
-nnodes=""; node_rank=""; endpoint=""; nproc=2; rdzv_id=kvferry; serve_args=()
+case "${1:-}" in -h|--help|"") sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; [ -n "${1:-}" ] && exit 0 || exit 2;; esac
+nnodes=""; node_rank=""; endpoint=""; nproc=2; world=""; first=""; restarts=3; single=0
+rdzv_id=kvferry; serve_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --nnodes) nnodes="$2"; shift 2;;
         --node-rank) node_rank="$2"; shift 2;;
         --rdzv-endpoint) endpoint="$2"; shift 2;;
         --nproc) nproc="$2"; shift 2;;
+        --world) world="$2"; shift 2;;
+        --first-rank) first="$2"; shift 2;;
+        --max-restarts) restarts="$2"; shift 2;;
+        --single-group) single=1; shift;;
         --rdzv-id) rdzv_id="$2"; shift 2;;
         --) shift; serve_args=("$@"); break;;
         *) echo "serve-node.sh: unknown option $1 (see --help)" >&2; exit 2;;
@@ -29,7 +39,14 @@ for v in nnodes node_rank endpoint; do
     [ -n "${!v}" ] || { echo "serve-node.sh: --${v//_/-} is required (see --help)" >&2; exit 2; }
 done
 source "$(dirname "$0")/_env.sh"
-exec python -m torch.distributed.run --nnodes="$nnodes" --node-rank="$node_rank" \
-    --nproc-per-node="$nproc" --rdzv-backend=static --master-addr="${endpoint%:*}" \
-    --master-port="${endpoint##*:}" --rdzv-id="$rdzv_id" \
-    -m kvferry.cluster.launch "${serve_args[@]}"
+if [ "$single" = 1 ]; then
+    exec python -m torch.distributed.run --nnodes="$nnodes" --node-rank="$node_rank" \
+        --nproc-per-node="$nproc" --rdzv-backend=static --master-addr="${endpoint%:*}" \
+        --master-port="${endpoint##*:}" --rdzv-id="$rdzv_id" \
+        -m kvferry.cluster.launch "${serve_args[@]}"
+fi
+world="${world:-$((nnodes * nproc))}"
+first="${first:-$((node_rank * nproc))}"
+host_store=(); [ "$node_rank" = 0 ] && host_store=(--host-store)
+exec python -m kvferry.cluster.domains --nproc "$nproc" --world "$world" --first-rank "$first" \
+    --store "$endpoint" "${host_store[@]}" --max-restarts "$restarts" -- "${serve_args[@]}"

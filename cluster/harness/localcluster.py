@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
+from kvferry.cluster import domains
+from kvferry.cluster.topology import Topology
+
 from . import netns
 
 STARTUP_TIMEOUT_S = 120.0
@@ -351,51 +354,6 @@ def _start_two_nodes(
 
 
 # ------------------------------------------------------------------ failure domains
-@dataclass(frozen=True)
-class Job:
-    """One torchrun job of a cluster run as failure domains: ``nproc`` ranks from
-    ``first_rank`` (the router's job is rank 0 alone)."""
-
-    name: str
-    first_rank: int
-    nproc: int
-
-
-def domain_jobs(prefill: int, decode: int, tp: int = 1) -> list[Job]:
-    """The router's job, one job per prefill group and one per decode rank: each a
-    failure domain of its own."""
-    jobs = [Job("router", 0, 1)]
-    jobs += [Job(f"prefill{g}", 1 + g * tp, tp) for g in range(prefill // tp)]
-    jobs += [Job(f"decode{d}", 1 + prefill + d, 1) for d in range(decode)]
-    return jobs
-
-
-def job_command(
-    job: Job, world: int, store: str, port: int, args: list[str], max_restarts: int
-) -> list[str]:
-    """The torchrun line of one job, as ``scripts/serve-local.sh`` runs it."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={job.nproc}",
-        f"--max-restarts={max_restarts}",
-        "--monitor-interval=0.2",
-        "-m",
-        "kvferry.cluster.launch",
-        "--store",
-        store,
-        "--world",
-        str(world),
-        "--first-rank",
-        str(job.first_rank),
-        "--port",
-        str(port),
-        *args,
-    ]
-
-
 @dataclass
 class DomainCluster(LocalCluster):
     """A local cluster run as failure domains: a rendezvous store process, then one
@@ -479,9 +437,9 @@ def _start_domains_once(
     )
     world = 1 + prefill + decode
     jobs: dict[str, subprocess.Popen] = {}
-    role_args = ["--prefill", str(prefill), "--tp", str(tp), *args]
-    for job in domain_jobs(prefill, decode, tp):
-        cmd = job_command(job, world, f"127.0.0.1:{store_port}", port, role_args, max_restarts)
+    role_args = ["--prefill", str(prefill), "--tp", str(tp), "--port", str(port), *args]
+    for job in domains.plan_jobs(Topology(world, prefill, decode, tp)):
+        cmd = domains.job_command(job, world, f"127.0.0.1:{store_port}", role_args, max_restarts)
         jobs[job.name] = _spawn_appending(cmd, log)
     cluster = DomainCluster(
         jobs["router"], f"http://127.0.0.1:{port}", log, store_proc=store, jobs=jobs

@@ -21,7 +21,21 @@ Matrix (source x point; cells that cannot happen are not run):
     transfer    before-write, mid-transfer, after-write
     decode      before-write, mid-transfer, after-write  (writer too slow: decode times out)
     integrity   after-notice (a page corrupted in flight)
-    crash       mid-transfer (the writer is SIGKILLed; a second prefill rank serves B)
+    crash       prefill, before-write, mid-transfer, after-write, after-notice (the writer
+                SIGKILLs itself; the cluster runs as failure domains: its requests fail,
+                requests on the other ranks are served while it is down, torchrun
+                restarts it, and it rejoins with a new incarnation)
+    owner-crash mid-transfer (killed from outside while a writer's half is in flight),
+                after-notice (it kills itself with every notice in)
+    rejoin      mid-transfer (the writer is SIGKILLed from outside with its half in flight:
+                its replacement is admitted only after the old incarnation's quarantined
+                pages were released, and then serves)
+    tp-stall    mid-transfer (one writer of a tensor-parallel group is SIGSTOPped past the
+                abort deadline while the other acks; released on the late ack)
+    dropped     plan, notice, abort (and the ack after it), each message lost once
+    duplicated  every-kind (every message sent twice, through an abort)
+    reordered   abort (the writer's ABORT overtaken by the owner's)
+    delayed     abort-ack (the ack arrives after the deadline: severed, released on it)
     stall       mid-transfer (the writer is SIGSTOPped past the abort deadline, then resumes
                 and its in-flight write lands: the owner severed it at the deadline, but
                 releases only on its late ack or its death)
@@ -33,7 +47,9 @@ Matrix (source x point; cells that cannot happen are not run):
                 not counted)
 
 Prints a table, then one JSON line (the last line) with ``scenarios``, ``passed``,
-``unsafe_scenarios``, ``unsafe_leaks_found``.
+``unsafe_scenarios``, ``unsafe_leaks_found`` and ``served_during_failure`` (per crash
+scenario: requests on healthy ranks answered 200, with their own replay, while a rank was
+down).
 """
 
 from __future__ import annotations
@@ -82,6 +98,12 @@ PARTITION_STEP_S = 0.02  # the partition group decodes slowly: the victim still 
 # prompt pages when A's half lands
 
 POINTS = ("before-write", "mid-transfer", "after-write", "after-notice")
+CRASH_POINTS = ("prefill", "before-write", "mid-transfer", "after-write", "after-notice")
+CRASH_SOURCES = ("crash", "owner-crash", "rejoin")
+DOMAIN_ABORT_DEADLINE = 6.0  # past the tcp horizon (4 s), as in production
+SERVED_WHILE_DOWN = 3  # requests sent to the healthy ranks while a rank is down
+REJOIN_S = 90.0  # a restarted rank: torch's import, the pool, the card, admission
+OWNER_KILL_PROMPT = 342  # the owner knows a request by its prompt length only
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,7 @@ class Scenario:
     max_tokens: int = PROMPT
     expect_a: str = "error"  # error | any (the client may win the race) | rejected
     group: str = "main"  # which cluster runs it
+    prompt: int = PROMPT  # A's prompt length
 
     @property
     def name(self) -> str:
@@ -154,13 +177,64 @@ def scenarios() -> list[Scenario]:
             group="partition",
         )
     )
-    # Last: under torchrun a dead rank stops the whole group (fail-stop), so nothing after it.
+    # one writer of a tensor-parallel group stopped past the deadline, the other acks
+    t = tag("tp-stall", "mid-transfer")
     out.append(
         Scenario(
-            "crash",
+            "tp-stall",
             "mid-transfer",
-            (f"at:mid-transfer:kill:{tag('crash', 'mid-transfer')}",),
-            group="crash",
+            (
+                f"rank=1:at:mid-transfer:stop:{t}:{TRANSFER_TIMEOUT + ABORT_DEADLINE + 1}",
+                f"rank=2:at:after-write:pause:{t}:{HOLD_S}",
+            ),
+            group="tp-stall",
+        )
+    )
+    # control messages lost, doubled, overtaken or late, each in a cluster of its own
+    for source, point, cancel in (
+        ("dropped", "plan", None),
+        ("dropped", "notice", None),
+        ("dropped", "abort", CLIENT_CANCEL_S),
+        ("duplicated", "every-kind", CLIENT_CANCEL_S),
+        ("reordered", "abort", CLIENT_CANCEL_S),
+        ("delayed", "abort-ack", CLIENT_CANCEL_S),
+    ):
+        faults = (f"at:mid-transfer:pause:{tag(source, point)}:{HOLD_S}",) if cancel else ()
+        out.append(Scenario(source, point, faults, cancel, group=f"{source}-{point}"))
+    # failure domains: a rank dies, the rest serves, it comes back
+    for point in CRASH_POINTS:
+        out.append(
+            Scenario(
+                "crash",
+                point,
+                (f"at:{point}:kill:{tag('crash', point)}",),
+                group="domains",
+                expect_a="any" if point == "after-notice" else "error",
+            )
+        )
+    out.append(
+        Scenario(
+            "owner-crash",
+            "mid-transfer",
+            (f"at:mid-transfer:pause:{tag('owner-crash', 'mid-transfer')}:{HOLD_S}",),
+            group="domains",
+        )
+    )
+    out.append(
+        Scenario(
+            "owner-crash",
+            "after-notice",
+            (f"at:owner-notice:kill:prompt_len={OWNER_KILL_PROMPT}",),
+            group="domains",
+            prompt=OWNER_KILL_PROMPT,
+        )
+    )
+    out.append(
+        Scenario(
+            "rejoin",
+            "mid-transfer",
+            (f"at:mid-transfer:pause:{tag('rejoin', 'mid-transfer')}:{HOLD_S}",),
+            group="domains",
         )
     )
     return out
@@ -176,6 +250,7 @@ class Group:
     args: tuple[str, ...]
     unsafe_flag: str = "--unsafe-free-on-abort"
     nodes: int = 1  # 2: the last rank on a second node, behind a link that can go down
+    domains: tuple[int, int] | None = None  # (prefill, decode): run as failure domains
 
     @property
     def skip_reason(self) -> str | None:
@@ -208,8 +283,44 @@ GROUPS = (
         "--unsafe-release-on-sever",
         nodes=2,
     ),
-    # Last: under torchrun a dead rank stops the whole group (fail-stop).
-    Group("crash", 4, ("--prefill", "2", "--transports", "tcp")),
+    # two tensor-parallel groups of two: one member of A's group stops
+    Group(
+        "tp-stall",
+        6,
+        ("--prefill", "4", "--tp", "2", "--fault", f"decode-delay:{STALL_STEP_S}"),
+        "--unsafe-release-on-sever",
+    ),
+    Group("dropped-plan", 3, ("--fault", "drop:PLAN:1:1")),
+    Group("dropped-notice", 3, ("--fault", "drop:NOTICE:1:1")),
+    Group("dropped-abort", 3, ("--fault", "drop:ABORT:1:1", "--fault", "drop:ABORT_ACK:1:1")),
+    Group(
+        "duplicated-every-kind",
+        3,
+        tuple(
+            a
+            for kind in (
+                "PREFILL",
+                "ASSIGN",
+                "PLAN",
+                "NOTICE",
+                "TOKENS",
+                "DONE",
+                "ABORT",
+                "ABORT_ACK",
+                "RELEASED",
+            )
+            for a in ("--fault", f"dup:{kind}")
+        ),
+    ),
+    Group("reordered-abort", 3, ("--fault", "reorder:ABORT")),
+    Group("delayed-abort-ack", 3, ("--fault", f"delay:ABORT_ACK:{ABORT_DEADLINE + 1}")),
+    # failure domains: each rank its own torchrun job, restarted when it dies
+    Group(
+        "domains",
+        5,
+        ("--transports", "tcp", "--abort-deadline", str(DOMAIN_ABORT_DEADLINE)),
+        domains=(2, 2),
+    ),
 )
 
 
@@ -244,6 +355,16 @@ def open_cluster(group: Group, args: list[str], log_dir: Path) -> Iterator[Local
         with localcluster.two_nodes(group.nproc - 1, 1, suite_args(args), log_dir) as cluster:
             yield cluster
         return
+    if group.domains is not None:
+        prefill, decode = group.domains
+        domains = localcluster.start_domains(
+            prefill, decode, suite_args(args), log_dir, max_restarts=len(CRASH_POINTS) + 4
+        )
+        try:
+            yield domains
+        finally:
+            domains.stop()
+        return
     single = start(group.nproc, args, log_dir)
     try:
         yield single
@@ -263,6 +384,8 @@ class Outcome:
     answered_in_time: bool = True
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    served_during_failure: int = 0  # 200s from healthy ranks while a rank was down
+    ok_answers: int = 0  # 200s besides A's and B's, for the counters check
 
     @property
     def leak(self) -> bool:
@@ -303,7 +426,7 @@ class Pair:
     @classmethod
     def of(cls, sc: Scenario, index: int) -> Pair:
         mark_a, mark_b = _marker(2 * index, index + 1), _marker(2 * index + 1, index + 1)
-        length = CONTEXT + 5 if sc.source == "admission" else PROMPT
+        length = CONTEXT + 5 if sc.source == "admission" else sc.prompt
         return cls(
             mark_a,
             mark_b,
@@ -331,18 +454,24 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) 
             time.monotonic() - t0,
         )
     _check_a(sc, out, prompt_a, body_a, took_a)
-    if sc.source == "crash":
-        return _after_crash(cluster, out, t0)
     # Give an unsafe owner the moment it needs to free A's pages, so B gets them. For the
     # stalled writer, wait until the owner severed it and released A's pages: B then gets
     # them while the writer, resumed, still has a write in flight.
     b_tokens = PROMPT
-    if sc.source == "stall":
+    if sc.source in ("stall", "tp-stall"):
         time.sleep(ABORT_DEADLINE + 0.3)
     elif sc.source != "admission":
         time.sleep(0.3)
     out.b_status, body_b, _ = post(cluster, prompt_b, b_tokens, None)
     _check_b_and_after(cluster, sc, out, pair, body_a, body_b, before)
+    if sc.source == "duplicated" and not unsafe:
+        moved = sum(
+            v - before.get(k, 0.0)
+            for k, v in cluster.metrics().items()
+            if k.startswith("kvferry_dropped_messages") and 'reason="duplicate"' in k
+        )
+        if moved < 1:
+            out.problems.append("no duplicate counted as dropped")
     out.seconds = time.monotonic() - t0
     return out
 
@@ -480,17 +609,98 @@ def _wait_ranks_heard(cluster: LocalCluster, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def _after_crash(cluster: LocalCluster, out: Outcome, t0: float) -> Outcome:
-    """A writer died mid-transfer. torchrun stops the whole group when a rank dies, so the
-    check is: A was not answered 200, and the group (front door included) is gone within
-    its deadline: no rank is left that could read or hand out A's pages."""
-    deadline = time.monotonic() + 30
-    while cluster.proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if cluster.proc.poll() is None:
-        out.problems.append("the group did not stop within 30 s of a rank's death")
+def run_crash(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) -> Outcome:
+    """A rank dies (see the matrix); the cluster runs as failure domains. Checks: A is
+    not answered 200 (unless its writer died after its notice: then its pages are all in),
+    the router marks the dead rank at once, requests sent meanwhile are served by the
+    other ranks (``served_during_failure``), the rank comes back with a new incarnation and
+    is admitted only after every quarantine of its old one was released, B is served, no
+    page is held after quiesce, and the counters moved as expected."""
+    assert isinstance(cluster, localcluster.DomainCluster)
+    out = Outcome(sc.name, unsafe)
+    t0 = time.monotonic()
+    pair = Pair.of(sc, index)
+    before = cluster.metrics()
+    tail = LogTail.at_end(cluster.log)
+    incarnations = {int(r): p["incarnation"] for r, p in cluster.status()["processes"].items()}
+    with ThreadPoolExecutor(1) as pool:
+        answer_a = pool.submit(post, cluster, pair.prompt_a, sc.max_tokens, None)
+        if sc.source in ("rejoin", "owner-crash") and sc.point == "mid-transfer":
+            # killed from outside (as the OOM killer would) with A's second half in flight
+            rid = _logged(
+                out, lambda: tail.wait_for(r"fault: request (\S+): pause at mid-transfer", 30)[1]
+            )
+            if rid is not None:
+                placed = tail.wait_for(
+                    rf"request {re.escape(rid)}: .* -> prefill \[(\d+)[^\]]*\], decode (\d+)", 5
+                )
+                cluster.kill_rank(int(placed[2] if sc.source == "owner-crash" else placed[1]))
+        out.a_status, body_a, took_a = answer_a.result()
+    _check_a(sc, out, pair.prompt_a, body_a, took_a)
+    rid = body_a.get("id") or _rid_in(body_a)
+    dead = _logged(out, lambda: _wait_marked_dead(cluster, 10))
+    if dead is None:
+        out.seconds = time.monotonic() - t0
+        return out
+    _serve_while_down(cluster, dead, index, out)
+    _logged(out, lambda: cluster.wait_rejoined(dead, incarnations[dead], REJOIN_S))
+    if rid:
+        _check_rejoin_order(tail, rid, dead, out)
+    out.b_status, body_b, _ = post(cluster, pair.prompt_b, PROMPT, None)
+    _check_b_and_after(cluster, sc, out, pair, body_a, body_b, before, every_rank=True)
+    if out.served_during_failure < 1:
+        out.problems.append(f"no request was served while rank {dead} was down")
     out.seconds = time.monotonic() - t0
     return out
+
+
+def _rid_in(body: dict) -> str | None:
+    found = re.search(r"request (req-[0-9a-f]+-\d+)", str(body.get("message", "")))
+    return found[1] if found else None
+
+
+def _wait_marked_dead(cluster: LocalCluster, timeout_s: float) -> int:
+    """The rank the router marked as exited (or already restarted)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for rank, why in cluster.status()["unhealthy"].items():
+            if why.startswith(("exited", "rejoining")):
+                return int(rank)
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"no rank marked exited within {timeout_s:.0f} s: {cluster.status()['unhealthy']}"
+            )
+        time.sleep(0.1)
+
+
+def _serve_while_down(cluster: LocalCluster, dead: int, index: int, out: Outcome) -> None:
+    """Requests sent while ``dead`` is out of service: each must be served by the others."""
+    for k in range(SERVED_WHILE_DOWN):
+        if str(dead) not in cluster.status()["unhealthy"]:
+            break
+        mark = _marker(1000 + 10 * index + k, index + 7)
+        prompt = make_prompt(mark, PROMPT)
+        status, body, _ = post(cluster, prompt, 16, None)
+        if status == 200 and body.get("text") == expected_replay(prompt, 16):
+            out.served_during_failure += 1
+            out.ok_answers += 1
+        else:
+            out.problems.append(
+                f"a request on the healthy ranks got {status} while rank {dead} was down: "
+                f"{str(body)[:160]}"
+            )
+
+
+def _check_rejoin_order(tail: LogTail, rid: str, dead: int, out: Outcome) -> None:
+    """The replacement was admitted only after A's pages (quarantined on a live owner)
+    were released."""
+    text = tail.text()
+    released = re.search(rf"request {re.escape(rid)}: \d+ pages released", text)
+    admitted = re.search(rf"rank {dead} rejoined as incarnation", text)
+    if released is not None and admitted is not None and admitted.start() < released.start():
+        out.problems.append(
+            f"rank {dead} was admitted again before request {rid}'s pages were released"
+        )
 
 
 def _delta(before: dict, after: dict, key: str) -> float:
@@ -500,7 +710,7 @@ def _delta(before: dict, after: dict, key: str) -> float:
 def _check_counters(sc: Scenario, before: dict, after: dict, out: Outcome) -> list[str]:
     problems = []
     ok = _delta(before, after, 'kvferry_requests_total{outcome="ok"}')
-    want_ok = int(out.b_status == 200) + int(out.a_status == 200)
+    want_ok = int(out.b_status == 200) + int(out.a_status == 200) + out.ok_answers
     if ok != want_ok:
         problems.append(f"requests ok counter moved by {ok}, expected {want_ok}")
     if sc.source == "admission":
@@ -526,7 +736,7 @@ def _check_counters(sc: Scenario, before: dict, after: dict, out: Outcome) -> li
 def unsafe_scenario(sc: Scenario) -> bool:
     """Run in unsafe mode too: a write is in flight at the abort (a crashed writer's is
     not: its process is gone)."""
-    return sc.mid_transfer and sc.source != "crash"
+    return sc.mid_transfer and sc.source not in CRASH_SOURCES
 
 
 def skipped() -> dict[str, str]:
@@ -562,6 +772,11 @@ def run_suite(unsafe_too: bool, log_dir: Path, only: str | None = None) -> dict:
         "passed": sum(r.passed for r in safe),
         "unsafe_scenarios": len(unsafe_runs),
         "unsafe_leaks_found": sum(r.leak for r in unsafe_runs),
+        "served_during_failure": {
+            r.scenario: r.served_during_failure
+            for r in safe
+            if r.scenario.split("@")[0] in CRASH_SOURCES
+        },
     }
     return {"summary": summary, "results": results, "skipped": skips}
 
@@ -572,7 +787,13 @@ def _run_group(
     args = [*group.args, *(a for s in group_sc for f in s.faults for a in ("--fault", f))]
     if unsafe:
         args.append(group.unsafe_flag)
-    run: Callable[..., Outcome] = run_partition if group.nodes == 2 else run_scenario
+    run: Callable[..., Outcome] = (
+        run_partition
+        if group.nodes == 2
+        else run_crash
+        if group.domains is not None
+        else run_scenario
+    )
     results = []
     with open_cluster(group, args, log_dir) as cluster:
         for i, sc in enumerate(group_sc):
@@ -611,7 +832,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cluster logs: {log_dir}")
     print(json.dumps(s))
     mid_unsafe = s["unsafe_scenarios"]
-    ok = s["passed"] == s["scenarios"] and s["unsafe_leaks_found"] == mid_unsafe
+    ok = (
+        s["passed"] == s["scenarios"]
+        and s["unsafe_leaks_found"] == mid_unsafe
+        and all(n > 0 for n in s["served_during_failure"].values())
+    )
     return 0 if ok else 1
 
 

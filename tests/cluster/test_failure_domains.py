@@ -1,0 +1,317 @@
+"""Failure domains without a cluster: a restarted rank's new card, the old incarnation's
+word refused, the proof a remote writer is gone, the router's admission of a rejoined rank,
+the job plan, rank-scoped faults, and a launcher's exit record.
+
+Each invariant test also runs a broken mode it must catch:
+- an owner that takes an ack from a restarted writer as proof for the old request's pages;
+- a runtime that takes a remote writer as gone without its launcher's exit record;
+- a router that admits a restarted rank while a quarantine of its old incarnation stands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cluster_units import _Engine
+from test_protocol_units import RecordingRuntime, _card, _owner
+
+from kvferry.cluster import messages as m
+from kvferry.cluster import runtime as runtime_mod
+from kvferry.cluster.decode import DecodeRank
+from kvferry.cluster.domains import DomainPlanError, job_command, plan_jobs
+from kvferry.cluster.faults import FaultPlan
+from kvferry.cluster.metrics import ClusterMetrics
+from kvferry.cluster.rendezvous import ExitRecord, exit_record, publish, publish_exit
+from kvferry.cluster.router import Router
+from kvferry.cluster.runtime import DRAIN_S, RankRuntime
+from kvferry.cluster.topology import Topology
+from kvferry.engine.protocol.owner import OwnerState
+from kvferry.transfer import TransferError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def store():
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+class _HorizonEngine(_Engine):
+    """The fake engine, with what adoption and the proof ask of a real one."""
+
+    def __init__(self, horizon_s: float | None = 4.0) -> None:
+        super().__init__()
+        self.closed: list = []
+        self.horizon_s = horizon_s
+
+    def close(self, peer, force: bool = False) -> None:
+        self.closed.append(peer)
+
+    def failure_horizon(self):
+        return type("Horizon", (), {"seconds": self.horizon_s})()
+
+
+def _cards(remote_host: str = "h") -> dict:
+    cards = {0: dataclasses.replace(_card(0, "decode"), incarnation=7)}
+    cards[1] = dataclasses.replace(_card(1, "prefill"), incarnation=7, host=remote_host)
+    return cards
+
+
+# ---------------------------------------------------------------- the owner
+@pytest.mark.parametrize("checked", [True, False], ids=["contract", "broken-any-incarnation"])
+def test_an_ack_from_a_restarted_writer_proves_nothing_for_the_old_pages(checked, monkeypatch):
+    """Writer 1 was assigned in incarnation 1, and the request is aborted with its pages
+    quarantined. Rank 1 then restarts: its new incarnation, asked nothing (no retry goes
+    to it), acks the abort anyway (as a fresh rank acks an abort it knows nothing of).
+    That ack is refused and counted: the old incarnation may have had writes in flight.
+    Broken mode: an owner that checks only the rank releases the pages on it."""
+    if not checked:
+        monkeypatch.setattr(DecodeRank, "_same_incarnation", lambda self, req, msg, what: True)
+    owner, rt = _owner()
+    rt.cards.update({0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "decode")})
+    rt.deliver(m.ASSIGN, src=0, rid="r9", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
+    assert owner.reqs["r9"].writer_incs == {1: 1}
+    rt.deliver(m.ABORT, src=0, rid="r9", owner=2, writers=[1], source="client", reason="gone")
+    assert owner.reqs["r9"].state is OwnerState.QUARANTINED
+    old = rt.cards[1]
+    rt.cards[1] = dataclasses.replace(old, incarnation=5, pid=99)
+    owner._on_card_replaced(old, rt.cards[1])
+    rt.sent.clear()
+    for timer in [t for t in rt.timers if t.delay < owner.abort_deadline_s and not t.cancelled]:
+        timer.fn()  # the retries: nothing for the new incarnation to ack
+    assert "ABORT" not in rt.kinds()
+    rt.handlers[m.ABORT_ACK.name](m.ABORT_ACK.make(src=1, inc=5, seq=77, rid="r9"))
+    if not checked:
+        assert "RELEASED" in rt.kinds()  # the test catches the release on a stranger's ack
+        return
+    assert "RELEASED" not in rt.kinds()
+    assert owner.allocator.counts()["quarantined"] == 3
+    assert owner.dropped_other_incarnation == 1
+    assert owner.fenced_writers() == ["1:1"]  # the router holds rank 1 out on this
+
+
+def test_a_writer_restarted_before_its_notice_fails_the_request():
+    owner, rt = _owner()
+    rt.cards.update({0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "decode")})
+    rt.deliver(m.ASSIGN, src=0, rid="r3", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
+    old = rt.cards[1]
+    rt.cards[1] = dataclasses.replace(old, incarnation=5, pid=99)
+    rt.sent.clear()
+    owner._on_card_replaced(old, rt.cards[1])
+    assert owner.reqs["r3"].state is OwnerState.QUARANTINED
+    done = next(f for _, k, f in rt.sent if k == "DONE")
+    assert done["outcome"] == "failed" and "writer rank 1 restarted" in done["error"]
+
+
+# ---------------------------------------------------------------- the runtime
+def test_a_restarted_peer_card_is_adopted_and_its_old_incarnation_refused(store):
+    engine = _HorizonEngine()
+    cards = _cards()
+    for card in cards.values():
+        publish(store, card)
+    rt = RankRuntime(0, engine, cards, store=store)
+    seen: list = []
+    replaced: list = []
+    rt.on_card_replaced = lambda old, new: replaced.append((old.incarnation, new.incarnation))
+    rt.set_handlers({m.STATS.name: lambda msg: seen.append(msg.inc)}, role="router")
+    assert rt.refresh_cards() == []  # nothing new published
+    publish(store, dataclasses.replace(cards[1], incarnation=9, pid=4242))
+    assert rt.refresh_cards() == [1]
+    assert replaced == [(7, 9)] and rt.cards[1].incarnation == 9
+    assert rt.card_of(1, 7) is not None and rt.card_of(1, 7).pid == 1
+    assert rt.counters.cards_replaced == 1
+    stats = dict(
+        free=0, owned=0, quarantined=0, capacity_tokens=0, context_length=0,
+        bytes_written=0, batches=0, integrity_failures=0, severed=0, allocations=0,
+        dropped_duplicate=0, dropped_stale=0, dropped_malformed=0,
+    )  # fmt: skip
+    for inc, seq in ((7, 1), (9, 1)):
+        rt._on_payload(b"", m.encode(m.STATS.make(src=1, inc=inc, seq=seq, **stats)))
+    assert seen == [9] and rt.counters.dropped_stale == 1
+    with pytest.raises(TransferError, match="allocated by incarnation 0x7"):
+        rt.write(1, None, np.zeros((1, 3), dtype=np.int64), rid="r1", incarnation=7)
+    assert rt.refresh_cards() == []  # the epoch has not moved since
+
+
+@pytest.mark.parametrize("record", [True, False], ids=["contract", "broken-trusts-silence"])
+def test_a_remote_writer_is_gone_only_on_its_exit_record_and_past_the_horizon(
+    record, store, monkeypatch
+):
+    """A writer on another host: no /proc to read. Its pages wait for its launcher's exit
+    record, then for the tcp horizon and the drain. Broken mode: a runtime that takes a
+    silent remote writer as gone releases without any word from its host."""
+    if not record:
+        monkeypatch.setattr(RankRuntime, "_exit_published", lambda self, rank, inc: True)
+    clock = [1000.0]
+    monkeypatch.setattr(runtime_mod.time, "monotonic", lambda: clock[0])
+    cards = _cards(remote_host="other")
+    rt = RankRuntime(0, _HorizonEngine(horizon_s=4.0), cards, store=store)
+    clock[0] += 100
+    assert rt.write_path_closed(1) is False
+    clock[0] += 100
+    if not record:
+        assert rt.write_path_closed(1) is True  # the test catches the unproven release
+        return
+    assert rt.write_path_closed(1) is False  # still no word from its host
+    publish_exit(
+        store,
+        ExitRecord(rank=1, incarnation=7, pid=1, host="other", status=-9, at=time.time()),
+    )
+    assert rt.write_path_closed(1) is False  # the record is seen now: the horizon starts
+    clock[0] += 4.0 + DRAIN_S - 0.01
+    assert rt.write_path_closed(1) is False  # the writer's kernel may still retransmit
+    clock[0] += 0.02
+    assert rt.write_path_closed(1) is True
+
+
+# ---------------------------------------------------------------- the router
+def _router_with_rejoin():
+    cards = {0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "prefill")}
+    cards[3] = _card(3, "decode")
+    rt = RecordingRuntime(rank=0, cards=cards)
+    rt.cards_epoch = 3
+    router = Router(
+        rt,
+        Topology(4, 2, 1),
+        cards,
+        context_length=1024,
+        request_timeout_s=30,
+        admission_wait_s=0.05,
+        metrics=ClusterMetrics(),
+    )
+    return router, rt
+
+
+STATS = dict(
+    free=64, owned=0, quarantined=0, capacity_tokens=1024, context_length=1024,
+    bytes_written=0, batches=0, integrity_failures=0, severed=0, allocations=0,
+    dropped_duplicate=0, dropped_stale=0, dropped_malformed=0,
+)  # fmt: skip
+
+
+def _admit_on_word_alone(self) -> None:
+    for rank, rejoin in list(self.rejoining.items()):
+        if rejoin.heard:
+            del self.rejoining[rank]
+            self.unhealthy.pop(rank, None)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["contract", "broken-admits-at-once"])
+def test_a_restarted_rank_is_admitted_only_once_no_rank_waits_on_its_old_incarnation(
+    gated, monkeypatch
+):
+    if not gated:
+        monkeypatch.setattr(Router, "_admit_rejoined", _admit_on_word_alone)
+
+    async def run():
+        router, rt = _router_with_rejoin()
+        old = rt.cards[1]
+        rt.cards[1] = dataclasses.replace(old, incarnation=5, pid=99)
+        router._on_card_replaced(old, rt.cards[1])
+        assert 1 in router.rejoining and router.unhealthy[1].startswith("rejoining")
+        rt.deliver(m.STATS, src=1, **STATS)  # the new incarnation reports
+        rt.deliver(m.STATS, src=2, **STATS, cards_epoch=3)
+        rt.deliver(m.STATS, src=3, **STATS, cards_epoch=3, fenced=["1:1"])  # still waits
+        router._admit_rejoined()
+        if not gated:
+            assert 1 not in router.unhealthy  # the test catches the early admission
+            return router, None
+        assert 1 in router.rejoining
+        rt.deliver(m.STATS, src=3, **STATS, cards_epoch=2)  # has not seen the new card
+        router._admit_rejoined()
+        assert 1 in router.rejoining
+        rt.deliver(m.STATS, src=3, **STATS, cards_epoch=3, fenced=[])
+        router._admit_rejoined()
+        assert 1 not in router.rejoining and 1 not in router.unhealthy
+        writers = [w for i in range(6) for w in (await router.submit(f"r{i}", 4)).writers]
+        return router, writers
+
+    router, writers = asyncio.run(run())
+    if gated:
+        assert router.rejoined == 1 and 1 in writers and 2 in writers
+
+
+def test_a_dead_rank_fails_its_requests_and_its_ledger_is_dropped():
+    async def run():
+        router, _rt = _router_with_rejoin()
+        routed = await router.submit("hello", 4)
+        dead = routed.writers[0]
+        router._on_rank_exited(dead, "exited (pid 1)")
+        assert routed.outcome is not None and routed.outcome.value == "failed"
+        assert "exited" in routed.error and router.ledger.held[dead] == {}
+        assert router.unhealthy[dead].startswith("exited")
+        again = await router.submit("hello again", 4)
+        return dead, again.writers
+
+    dead, writers = asyncio.run(run())
+    assert dead not in writers
+
+
+# ---------------------------------------------------------------- the job plan
+def test_the_jobs_are_the_router_each_prefill_group_and_each_decode_rank():
+    jobs = plan_jobs(Topology(7, 4, 2, tp=2))
+    assert [(j.name, j.first_rank, j.nproc) for j in jobs] == [
+        ("router", 0, 1),
+        ("prefill0", 1, 2),
+        ("prefill1", 3, 2),
+        ("decode0", 5, 1),
+        ("decode1", 6, 1),
+    ]
+    assert [j.name for j in plan_jobs(Topology(7, 4, 2, tp=2), first_rank=3, nproc=4)] == [
+        "prefill1",
+        "decode0",
+        "decode1",
+    ]
+    with pytest.raises(DomainPlanError, match=r"prefill group 0 \(ranks \[1, 2\]\) is split"):
+        plan_jobs(Topology(7, 4, 2, tp=2), first_rank=2, nproc=5)
+    line = job_command(jobs[1], 7, "10.0.0.1:29400", ["--tp", "2"], max_restarts=3)
+    assert "--nproc-per-node=2" in line and "--max-restarts=3" in line
+    assert line[line.index("--first-rank") + 1] == "1" and line[-2:] == ["--tp", "2"]
+
+
+# ---------------------------------------------------------------- faults
+def test_a_fault_scoped_to_a_rank_applies_there_only_and_a_drop_count_runs_out():
+    assert FaultPlan.parse(["rank=2:drop:PLAN:1:1"], rank=1).enabled is False
+    plan = FaultPlan.parse(["rank=2:drop:PLAN:1:1"], rank=2)
+    assert plan.on_send("PLAN", 3, b"x") == []
+    assert plan.on_send("PLAN", 3, b"y") == [(b"y", 0.0)]
+    assert plan.on_send("NOTICE", 3, b"z") == [(b"z", 0.0)]
+
+
+# ---------------------------------------------------------------- the launcher
+def test_the_launcher_publishes_a_killed_rank_exit(store, tmp_path):
+    """A rank SIGKILLs itself after publishing its card; its launcher reaps it, publishes
+    the exit record for that incarnation and leaves with the status torchrun sees."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(ROOT.parent)!r})
+        from kvferry.cluster.supervise import fork_rank
+        from kvferry.cluster.store import connect
+        from kvferry.cluster.rendezvous import RankCard, publish
+        fork_rank(5, "127.0.0.1:{store.port}")
+        card = RankCard(rank=5, role="prefill", address=b"", incarnation=0xABC, segment=None,
+                        num_pages=1, page_size=16, capacity_tokens=16, context_length=16,
+                        host="h", pid=os.getpid())
+        publish(connect("127.0.0.1:{store.port}"), card)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, timeout=60, env=dict(os.environ)
+    )
+    assert proc.returncode == 137, proc.stderr.decode()[-2000:]
+    record = exit_record(store, 5, 0xABC)
+    assert record is not None and record.status == -9 and record.rank == 5
+    assert b"exit published" in proc.stderr

@@ -26,7 +26,6 @@ import gc
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -44,6 +43,7 @@ from .config import ServeConfig, add_serve_arguments, config_from_args
 from .decode import DecodeRank
 from .faults import FaultPlan
 from .frontdoor import FrontDoor
+from .hostid import this_host
 from .metrics import ClusterMetrics
 from .models import build_model, pool_config
 from .prefill import PrefillRank
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         page_size=cfg.page_size,
         capacity_tokens=pool.capacity_tokens if pool is not None else 0,
         context_length=context_length,
-        host=socket.gethostname(),
+        host=this_host(),
         pid=os.getpid(),
         transports=transports_in_use(engine.describe()),
     )

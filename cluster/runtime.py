@@ -368,7 +368,8 @@ class RankRuntime:
 
                 self.call_later(delay, later)
             else:
-                first = first or self._post(rank, kind, payload, flushed)
+                posted = self._post(rank, kind, payload, flushed)
+                first = first or posted
         if first is None and flushed:
             first = self._guarded(rank, kind, lambda peer: self.engine.quiesce(peer))
         return first

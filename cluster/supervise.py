@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 
+from .hostid import this_host
 from .rendezvous import KEY_PREFIX, ExitRecord, RankCard, publish_exit
 
 log = logging.getLogger("kvferry.cluster")
@@ -75,7 +75,7 @@ def _publish(rank: int, pid: int, code: int, store_address: str) -> None:
             rank=rank,
             incarnation=card.incarnation,
             pid=pid,
-            host=socket.gethostname(),
+            host=this_host(),
             status=code,
             at=time.time(),
         ),

@@ -460,3 +460,79 @@ def _spawn_appending(cmd: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
+
+
+@contextlib.contextmanager
+def domains_two_hosts(
+    remote_prefill: int,
+    local_prefill: int,
+    args: list[str],
+    log_dir: Path,
+    max_restarts: int = 2,
+    startup_s: float = STARTUP_TIMEOUT_S,
+) -> Iterator[DomainCluster]:
+    """A cluster of failure domains on two "hosts": host a (the root namespace) runs the
+    store, the router, ``local_prefill`` prefill ranks and one decode rank; host b (a
+    network namespace and a PID namespace of its own, behind a veth pair) runs the first
+    ``remote_prefill`` prefill ranks. tcp only. An owner on host a cannot see host b's
+    processes, so a writer that died there is proven gone only by its launcher's exit
+    record. Needs root, iproute2 and util-linux's unshare."""
+    with netns.two_hosts("kd", netns.unused_subnet(TWO_NODE_NET), root_a=True) as (a, b):
+        cluster = _with_port_retries(
+            lambda: _start_domains_two_hosts(
+                a, b, remote_prefill, local_prefill, args, log_dir, max_restarts, startup_s
+            )
+        )
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+def _start_domains_two_hosts(
+    a: netns.Host,
+    b: netns.Host,
+    remote_prefill: int,
+    local_prefill: int,
+    args: list[str],
+    log_dir: Path,
+    max_restarts: int,
+    startup_s: float,
+) -> DomainCluster:
+    port, store_port = free_port(), free_port()
+    log = Path(log_dir) / f"cluster-{port}.log"
+    log.write_bytes(b"")
+    store_addr = f"{a.addr}:{store_port}"
+    store = _spawn_appending(
+        [
+            sys.executable,
+            "-m",
+            "kvferry.cluster.store",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(store_port),
+        ],
+        log,
+    )
+    prefill = remote_prefill + local_prefill
+    topology = Topology(1 + prefill + 1, prefill, 1)
+    role_args = ["--prefill", str(prefill), "--transports", "tcp", "--port", str(port), *args]
+    jobs: dict[str, subprocess.Popen] = {}
+    for job in domains.plan_jobs(topology):
+        remote = job.name.startswith("prefill") and job.first_rank <= remote_prefill
+        host = b if remote else a
+        cmd = domains.job_command(job, topology.world_size, store_addr, role_args, max_restarts)
+        env = {"UCX_NET_DEVICES": host.dev}
+        jobs[job.name] = _spawn_appending(host.command(cmd, env=env, own_pids=remote), log)
+    cluster = DomainCluster(
+        jobs["router"], f"http://127.0.0.1:{port}", log, store_proc=store, jobs=jobs
+    )
+    _wait_healthy(
+        cluster,
+        [(p, log) for p in [store, *jobs.values()]],
+        port,
+        startup_s,
+        taken=(f"cannot listen on 0.0.0.0:{store_port}", "Address already in use"),
+    )
+    return cluster

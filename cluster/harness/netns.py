@@ -30,10 +30,15 @@ class Host:
     dev: str
     addr: str
 
-    def command(self, argv: list[str], env: dict[str, str] | None = None) -> list[str]:
-        """``argv`` run in this host's namespace, with ``env`` added to its environment."""
+    def command(
+        self, argv: list[str], env: dict[str, str] | None = None, own_pids: bool = False
+    ) -> list[str]:
+        """``argv`` run in this host's namespace, with ``env`` added to its environment.
+        ``own_pids``: in a PID namespace of its own too (with its own /proc), so that no
+        process of the other host can see its processes: what another machine is to them."""
         ns = ["ip", "netns", "exec", self.netns] if self.netns else []
-        return [*ns, "env", *(f"{k}={v}" for k, v in (env or {}).items()), *argv]
+        pids = ["unshare", "--pid", "--fork", "--mount-proc"] if own_pids else []
+        return [*ns, *pids, "env", *(f"{k}={v}" for k, v in (env or {}).items()), *argv]
 
     def set_link(self, up: bool) -> None:
         """Take this host's end of the pair down (a partition) or bring it back up."""

@@ -30,6 +30,9 @@ def test_fault_suite_green_and_unsafe_mode_leaks(tmp_path, capsys):
     assert summary["unsafe_leaks_found"] == summary["unsafe_scenarios"] == len(expected_unsafe)
     safe = [r for r in results if not r.unsafe]
     assert all(not r.foreign and r.held_after == 0 and r.answered_in_time for r in safe)
+    crashes = {s.name for s in runnable if s.source in faultsuite.CRASH_SOURCES}
+    assert set(summary["served_during_failure"]) == crashes
+    assert all(n > 0 for n in summary["served_during_failure"].values())
 
 
 def test_scenario_matrix_covers_every_source_and_point():
@@ -45,7 +48,23 @@ def test_scenario_matrix_covers_every_source_and_point():
         "stall@mid-transfer",
         "partition@mid-transfer",
     } <= names
+    assert len(names) >= 30
+    for point in faultsuite.CRASH_POINTS:
+        assert f"crash@{point}" in names
+    assert {
+        "owner-crash@mid-transfer",
+        "owner-crash@after-notice",
+        "rejoin@mid-transfer",
+        "tp-stall@mid-transfer",
+        "dropped@plan",
+        "dropped@notice",
+        "dropped@abort",
+        "duplicated@every-kind",
+        "reordered@abort",
+        "delayed@abort-ack",
+    } <= names
     assert {s.name for s in scenarios() if unsafe_scenario(s)} >= {
+        "tp-stall@mid-transfer",
         "stall@mid-transfer",
         "partition@mid-transfer",
     }

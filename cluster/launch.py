@@ -264,7 +264,8 @@ def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int
             severed=runtime.counters.severed,
             allocations=s["allocations"],
             dropped_duplicate=d["duplicate"],
-            dropped_stale=d["stale"],
+            # with the messages an owner refused from a restarted writer's new incarnation
+            dropped_stale=d["stale"] + getattr(worker, "dropped_other_incarnation", 0),
             dropped_malformed=d["malformed"],
             cards_epoch=runtime.cards_epoch,
             fenced=worker.fenced_writers(),

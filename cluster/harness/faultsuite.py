@@ -387,9 +387,13 @@ class Outcome:
     served_during_failure: int = 0  # 200s from healthy ranks while a rank was down
     ok_answers: int = 0  # 200s besides A's and B's, for the counters check
 
+    wrong_answer: bool = False  # B answered 200 with bytes that are not its replay
+
     @property
     def leak(self) -> bool:
-        return bool(self.foreign)
+        """Another request's bytes reached an answer: its marker, or (a tensor-parallel
+        writer's late half, which carries only some KV heads) the victim's replay broken."""
+        return bool(self.foreign) or self.wrong_answer
 
     @property
     def passed(self) -> bool:
@@ -503,6 +507,7 @@ def _check_b_and_after(
     if out.b_status != 200:
         out.problems.append(f"B: expected 200, got {out.b_status}: {str(body_b)[:200]}")
     elif body_b.get("text") != expected_replay(pair.prompt_b, PROMPT):
+        out.wrong_answer = True
         out.problems.append("B: answered 200 with a wrong replay")
     texts = [
         str(body_a.get("text", "")) + str(body_a.get("message", "")),
@@ -812,7 +817,8 @@ def _print_row(r: Outcome) -> None:
     verdict = ("LEAK" if r.leak else "no leak") if r.unsafe else ("pass" if r.passed else "FAIL")
     print(
         f"{r.scenario:<26} {mode:<6} A={r.a_status!s:<4} B={r.b_status!s:<4} "
-        f"foreign={len(r.foreign):<2} held={r.held_after:<4} {r.seconds:5.1f}s  {verdict}"
+        f"foreign={len(r.foreign):<2}{' (B wrong)' if r.wrong_answer else ''} "
+        f"held={r.held_after:<4} {r.seconds:5.1f}s  {verdict}"
         + ("" if r.passed or r.unsafe else f"  {'; '.join(r.problems)[:200]}"),
         flush=True,
     )

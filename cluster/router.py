@@ -123,13 +123,27 @@ class Ledger:
         self.totals = dict(totals)
         self.held: dict[int, dict[str, int]] = {r: {} for r in totals}
         self.orphaned: dict[int, set[str]] = {r: set() for r in totals}  # held by terminal requests
+        # Pages a rank holds for requests this router never admitted: an earlier router's,
+        # when this one is a restart. Taken from the rank's first STATS, then only lowered
+        # as it reports them released (see inherit).
+        self.inherited: dict[int, int] = {}
 
     def free(self, rank: int) -> int:
-        return self.totals[rank] - sum(self.held[rank].values())
+        return self.totals[rank] - sum(self.held[rank].values()) - self.inherited.get(rank, 0)
+
+    def inherit(self, rank: int, used: int) -> None:
+        """``used``: pages the rank reports owned or quarantined. Whatever of it this
+        router holds no reservation for belongs to requests it never knew."""
+        unknown = max(0, used - sum(self.held[rank].values()))
+        self.inherited[rank] = min(self.inherited.get(rank, unknown), unknown)
 
     def reusable(self, rank: int) -> int:
         """Pages that will be free once every live request ends: all but quarantined ones."""
-        return self.totals[rank] - sum(self.held[rank][rid] for rid in self.orphaned[rank])
+        return (
+            self.totals[rank]
+            - sum(self.held[rank][rid] for rid in self.orphaned[rank])
+            - self.inherited.get(rank, 0)
+        )
 
     def reserve(self, rank: int, rid: str, pages: int) -> None:
         self.held[rank][rid] = pages
@@ -558,6 +572,11 @@ class Router:
         }
         self.rank_stats[msg.src] = stats
         self.metrics.set_rank_stats(msg.src, self.cards[msg.src].role, stats)
+        if msg.src in self.ledger.totals:
+            before = self.ledger.inherited.get(msg.src, 0)
+            self.ledger.inherit(msg.src, msg.owned + msg.quarantined)
+            if self.ledger.inherited.get(msg.src, 0) < before:
+                self._capacity_changed.set()
         rejoin = self.rejoining.get(msg.src)
         if rejoin is not None:
             rejoin.heard = True  # only the new incarnation's messages get this far
@@ -610,6 +629,7 @@ class Router:
         self.unhealthy.pop(rank, None)
         self._on_rank_lost(rank, reason)
         self.unhealthy[rank] = reason
+        self.ledger.inherited[rank] = 0
         for rid in list(self.ledger.held[rank]):
             self.ledger.release(rank, rid)
             routed = self.requests.get(rid)

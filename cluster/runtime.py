@@ -451,6 +451,13 @@ class RankRuntime:
             return
         src = msg.src
         card = self.cards.get(src)
+        if (
+            card is not None
+            and msg.inc != card.incarnation
+            and (src, msg.inc) not in self.retired
+            and self.refresh_cards()
+        ):
+            card = self.cards.get(src)  # a peer restarted: the first word of its new self
         if card is None or msg.inc != card.incarnation:
             self.counters.dropped_stale += 1
             log.info(

@@ -27,6 +27,9 @@ Matrix (source x point; cells that cannot happen are not run):
                 restarts it, and it rejoins with a new incarnation)
     owner-crash mid-transfer (killed from outside while a writer's half is in flight),
                 after-notice (it kills itself with every notice in)
+    router-crash mid-transfer (the router is SIGKILLed with a request in flight: its client
+                sees the connection lost, torchrun restarts the router, the ranks adopt
+                its new card, finish or release what the old one left, and serve again)
     rejoin      mid-transfer (the writer is SIGKILLed from outside with its half in flight:
                 its replacement is admitted only after the old incarnation's quarantined
                 pages were released, and then serves)
@@ -99,7 +102,10 @@ PARTITION_STEP_S = 0.02  # the partition group decodes slowly: the victim still 
 
 POINTS = ("before-write", "mid-transfer", "after-write", "after-notice")
 CRASH_POINTS = ("prefill", "before-write", "mid-transfer", "after-write", "after-notice")
-CRASH_SOURCES = ("crash", "owner-crash", "rejoin")
+CRASH_SOURCES = ("crash", "owner-crash", "rejoin", "router-crash")
+# The router is the front door: while it is down no request can be answered, so its row
+# reports how long the front door was down instead of requests served meanwhile.
+FRONT_DOOR_SOURCES = ("router-crash",)
 DOMAIN_ABORT_DEADLINE = 6.0  # past the tcp horizon (4 s), as in production
 SERVED_WHILE_DOWN = 3  # requests sent to the healthy ranks while a rank is down
 REJOIN_S = 90.0  # a restarted rank: torch's import, the pool, the card, admission
@@ -227,6 +233,14 @@ def scenarios() -> list[Scenario]:
             (f"at:owner-notice:kill:prompt_len={OWNER_KILL_PROMPT}",),
             group="domains",
             prompt=OWNER_KILL_PROMPT,
+        )
+    )
+    out.append(
+        Scenario(
+            "router-crash",
+            "mid-transfer",
+            (f"at:mid-transfer:pause:{tag('router-crash', 'mid-transfer')}:{HOLD_S}",),
+            group="domains",
         )
     )
     out.append(
@@ -386,6 +400,7 @@ class Outcome:
     seconds: float = 0.0
     served_during_failure: int = 0  # 200s from healthy ranks while a rank was down
     ok_answers: int = 0  # 200s besides A's and B's, for the counters check
+    front_door_down_s: float | None = None  # a router crash: until /health answered again
 
     wrong_answer: bool = False  # B answered 200 with bytes that are not its replay
 
@@ -659,6 +674,64 @@ def run_crash(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) -> 
     return out
 
 
+def run_router_crash(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) -> Outcome:
+    """The router dies with A in flight (its writer holding the second half): A's client
+    sees the connection lost (never a 200), the router's job restarts it, every rank adopts
+    its new card at its first message, what the old router left on the ranks (A's pages)
+    is finished or released without it, and B is served by the new router."""
+    assert isinstance(cluster, localcluster.DomainCluster)
+    out = Outcome(sc.name, unsafe)
+    t0 = time.monotonic()
+    pair = Pair.of(sc, index)
+    tail = LogTail.at_end(cluster.log)
+    old = cluster.incarnation_of(0)
+    with ThreadPoolExecutor(1) as pool:
+        answer_a = pool.submit(_post_or_lost, cluster, pair.prompt_a, sc.max_tokens)
+        rid = _logged(
+            out, lambda: tail.wait_for(r"fault: request (\S+): pause at mid-transfer", 30)[1]
+        )
+        down_at = time.monotonic()
+        if rid is not None:
+            cluster.kill_rank(0)
+        out.a_status, body_a, took_a = answer_a.result()
+    _check_a(sc, out, pair.prompt_a, body_a, took_a)
+    if _logged(out, lambda: _wait_front_door(cluster, REJOIN_S)) is None:
+        out.seconds = time.monotonic() - t0
+        return out
+    out.front_door_down_s = round(time.monotonic() - down_at, 2)
+    if cluster.incarnation_of(0) == old:
+        out.problems.append("the router answers, but in its old incarnation")
+    before = cluster.metrics()  # the new router's counters
+    out.b_status, body_b, _ = post(cluster, pair.prompt_b, PROMPT, None)
+    _check_b_and_after(cluster, sc, out, pair, body_a, body_b, before, every_rank=True)
+    if rid is not None and not re.search(rf"request {re.escape(rid)}: ", tail.text()):
+        out.problems.append(f"nothing logged of request {rid} after the router died")
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def _post_or_lost(cluster: LocalCluster, prompt: str, max_tokens: int):
+    t0 = time.monotonic()
+    try:
+        return post(cluster, prompt, max_tokens, None)
+    except (ConnectionError, urllib.error.URLError, http.client.HTTPException) as exc:
+        return None, {"error": f"connection lost: {exc}"}, time.monotonic() - t0
+
+
+def _wait_front_door(cluster: LocalCluster, timeout_s: float) -> bool:
+    """Until /health answers 200 again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if cluster.call("GET", "/health", timeout=2).status == 200:
+                return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the front door did not answer within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
 def _rid_in(body: dict) -> str | None:
     found = re.search(r"request (req-[0-9a-f]+-\d+)", str(body.get("message", "")))
     return found[1] if found else None
@@ -721,7 +794,7 @@ def _check_counters(sc: Scenario, before: dict, after: dict, out: Outcome) -> li
     if sc.source == "admission":
         if _delta(before, after, 'kvferry_requests_total{outcome="rejected"}') != 1:
             problems.append("rejected counter did not move by 1")
-    elif out.a_status != 200:
+    elif out.a_status != 200 and sc.source not in FRONT_DOOR_SOURCES:  # A's router is gone
         failed = sum(
             _delta(before, after, f'kvferry_requests_total{{outcome="{o}"}}')
             for o in ("aborted", "failed", "unavailable")
@@ -781,6 +854,10 @@ def run_suite(unsafe_too: bool, log_dir: Path, only: str | None = None) -> dict:
             r.scenario: r.served_during_failure
             for r in safe
             if r.scenario.split("@")[0] in CRASH_SOURCES
+            and r.scenario.split("@")[0] not in FRONT_DOOR_SOURCES
+        },
+        "front_door_down_s": {
+            r.scenario: r.front_door_down_s for r in safe if r.front_door_down_s is not None
         },
     }
     return {"summary": summary, "results": results, "skipped": skips}
@@ -802,7 +879,8 @@ def _run_group(
     results = []
     with open_cluster(group, args, log_dir) as cluster:
         for i, sc in enumerate(group_sc):
-            res = run(cluster, sc, unsafe, i + (100 if unsafe else 0))
+            runner = run_router_crash if sc.source in FRONT_DOOR_SOURCES else run
+            res = runner(cluster, sc, unsafe, i + (100 if unsafe else 0))
             results.append(res)
             _print_row(res)
     return results

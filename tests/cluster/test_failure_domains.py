@@ -31,7 +31,7 @@ from kvferry.cluster.domains import DomainPlanError, job_command, plan_jobs
 from kvferry.cluster.faults import FaultPlan
 from kvferry.cluster.metrics import ClusterMetrics
 from kvferry.cluster.rendezvous import ExitRecord, exit_record, publish, publish_exit
-from kvferry.cluster.router import Router
+from kvferry.cluster.router import Ledger, Router, Unavailable
 from kvferry.cluster.runtime import DRAIN_S, RankRuntime
 from kvferry.cluster.topology import Topology
 from kvferry.engine.protocol.owner import OwnerState
@@ -315,3 +315,34 @@ def test_the_launcher_publishes_a_killed_rank_exit(store, tmp_path):
     record = exit_record(store, 5, 0xABC)
     assert record is not None and record.status == -9 and record.rank == 5
     assert b"exit published" in proc.stderr
+
+
+@pytest.mark.parametrize("inherits", [True, False], ids=["contract", "broken-forgets"])
+def test_a_restarted_router_counts_the_pages_ranks_hold_for_the_old_one(inherits, monkeypatch):
+    """A router that restarts knows nothing of the requests its old incarnation placed;
+    their pages on the ranks are taken from each rank's first STATS and count as used until
+    the rank reports them gone. Broken mode: a router that starts from an empty ledger hands
+    them out again (the rank would then refuse the request, or worse, if its count were
+    not its own)."""
+    if not inherits:
+        monkeypatch.setattr(Ledger, "inherit", lambda self, rank, used: None)
+
+    async def run():
+        router, rt = _router_with_rejoin()
+        rt.deliver(m.STATS, src=3, **{**STATS, "owned": 60, "free": 4})
+        try:
+            await router.submit("x" * 100, 16)  # 8 decode pages; 4 are not held
+        except Unavailable as exc:
+            refused = exc
+        else:
+            refused = None
+        rt.deliver(m.STATS, src=3, **{**STATS, "owned": 0})  # the old requests ended
+        later = await router.submit("x" * 100, 16)
+        return refused, later
+
+    refused, later = asyncio.run(run())
+    if not inherits:
+        assert refused is None  # the test catches the pages handed out twice
+        return
+    assert refused is not None and "no pool has room for 8 pages" in refused.reason
+    assert later.owner == 3

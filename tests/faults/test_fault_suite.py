@@ -30,9 +30,14 @@ def test_fault_suite_green_and_unsafe_mode_leaks(tmp_path, capsys):
     assert summary["unsafe_leaks_found"] == summary["unsafe_scenarios"] == len(expected_unsafe)
     safe = [r for r in results if not r.unsafe]
     assert all(not r.foreign and r.held_after == 0 and r.answered_in_time for r in safe)
-    crashes = {s.name for s in runnable if s.source in faultsuite.CRASH_SOURCES}
+    crashes = {
+        s.name
+        for s in runnable
+        if s.source in faultsuite.CRASH_SOURCES and s.source not in faultsuite.FRONT_DOOR_SOURCES
+    }
     assert set(summary["served_during_failure"]) == crashes
     assert all(n > 0 for n in summary["served_during_failure"].values())
+    assert set(summary["front_door_down_s"]) == {"router-crash@mid-transfer"}
 
 
 def test_scenario_matrix_covers_every_source_and_point():
@@ -55,6 +60,7 @@ def test_scenario_matrix_covers_every_source_and_point():
         "owner-crash@mid-transfer",
         "owner-crash@after-notice",
         "rejoin@mid-transfer",
+        "router-crash@mid-transfer",
         "tp-stall@mid-transfer",
         "dropped@plan",
         "dropped@notice",

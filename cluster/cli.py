@@ -5,6 +5,9 @@
 cluster with concurrent users and checks every answer for foreign data: it replaces this
 process with ``python -m kvferry.cluster.harness.workload`` (harness, not imported here).
 ``kvferry cluster-capacity`` asks a live cluster for every rank's measured pool capacity.
+``kvferry domains`` runs a cluster (or one host's ranks) as failure domains, one torchrun job
+per role group (:mod:`kvferry.cluster.domains`); ``kvferry store`` hosts the rendezvous store
+they meet through (:mod:`kvferry.cluster.store`).
 
 ``kvferry check-capacity`` builds a KV pool of ``--pool-tokens`` tokens with the given
 shape, measures what was really allocated and compares it with ``--context-length``
@@ -87,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run concurrent users against a cluster and check for leaks",
     )
     work.set_defaults(func=_workload)
+    for name, what in (
+        ("domains", "run a cluster as failure domains: one torchrun job per role group"),
+        ("store", "host the rendezvous store a cluster's failure domains meet through"),
+    ):
+        sub.add_parser(name, add_help=False, help=what).set_defaults(func=_passthrough)
     live = sub.add_parser(
         "cluster-capacity", help="every rank's measured pool capacity vs the context length"
     )
@@ -140,6 +148,13 @@ def _workload(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def _passthrough(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"kvferry.cluster.{args.command}")
+    return int(module.main(args.rest))
+
+
 def _cluster_capacity(args: argparse.Namespace) -> int:
     import urllib.request
 
@@ -155,10 +170,10 @@ def _cluster_capacity(args: argparse.Namespace) -> int:
         print(json.dumps(body))
     else:
         columns = ("rank", "role", "host", "capacity_tokens", "context_length")
-        print("{:>4}  {:<8} {:<20} {:>15} {:>14}  ok".format(*columns))
+        print("{:>4}  {:<8} {:<28} {:>15} {:>14}  ok".format(*columns))
         for r in rows:
             print(
-                f"{r['rank']:>4}  {r['role']:<8} {r['host'][:20]:<20} {r['capacity_tokens']:>15} "
+                f"{r['rank']:>4}  {r['role']:<8} {r['host'][:28]:<28} {r['capacity_tokens']:>15} "
                 f"{r['context_length']:>14}  {'yes' if r['ok'] else 'NO'}"
             )
     if short:
@@ -175,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("serve", "workload"):
         args = argparse.Namespace(rest=argv[1:], func=_serve if argv[0] == "serve" else _workload)
+    elif argv and argv[0] in ("domains", "store"):
+        args = argparse.Namespace(rest=argv[1:], command=argv[0], func=_passthrough)
     else:
         args = build_parser().parse_args(argv)
     return args.func(args)

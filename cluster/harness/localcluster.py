@@ -429,18 +429,51 @@ def _start_domains_once(
     max_restarts: int,
     startup_s: float,
 ) -> DomainCluster:
+    return _start_domain_jobs(
+        Topology(1 + prefill + decode, prefill, decode, tp),
+        ["--tp", str(tp), *args],
+        log_dir,
+        max_restarts,
+        startup_s,
+        store_host="127.0.0.1",
+        place=lambda job, cmd: cmd,
+    )
+
+
+def _start_domain_jobs(
+    topology: Topology,
+    args: list[str],
+    log_dir: Path,
+    max_restarts: int,
+    startup_s: float,
+    store_host: str,
+    place: Callable[[domains.Job, list[str]], list[str]],
+) -> DomainCluster:
+    """The store (listening on ``store_host``) and one job per role group, each job's
+    command as ``place`` wraps it (run on another host: in its namespaces)."""
     port, store_port = free_port(), free_port()
     log = Path(log_dir) / f"cluster-{port}.log"
     log.write_bytes(b"")
+    listen = "0.0.0.0" if store_host != "127.0.0.1" else store_host
     store = _spawn_appending(
-        [sys.executable, "-m", "kvferry.cluster.store", "--port", str(store_port)], log
+        [
+            sys.executable,
+            "-m",
+            "kvferry.cluster.store",
+            "--host",
+            listen,
+            "--port",
+            str(store_port),
+        ],
+        log,
     )
-    world = 1 + prefill + decode
+    role_args = ["--prefill", str(topology.prefill), "--port", str(port), *args]
     jobs: dict[str, subprocess.Popen] = {}
-    role_args = ["--prefill", str(prefill), "--tp", str(tp), "--port", str(port), *args]
-    for job in domains.plan_jobs(Topology(world, prefill, decode, tp)):
-        cmd = domains.job_command(job, world, f"127.0.0.1:{store_port}", role_args, max_restarts)
-        jobs[job.name] = _spawn_appending(cmd, log)
+    for job in domains.plan_jobs(topology):
+        cmd = domains.job_command(
+            job, topology.world_size, f"{store_host}:{store_port}", role_args, max_restarts
+        )
+        jobs[job.name] = _spawn_appending(place(job, cmd), log)
     cluster = DomainCluster(
         jobs["router"], f"http://127.0.0.1:{port}", log, store_proc=store, jobs=jobs
     )
@@ -449,7 +482,7 @@ def _start_domains_once(
         [(p, log) for p in [store, *jobs.values()]],
         port,
         startup_s,
-        taken=(f"cannot listen on 127.0.0.1:{store_port}",),
+        taken=(f"cannot listen on {listen}:{store_port}", "Address already in use"),
     )
     return cluster
 
@@ -499,40 +532,19 @@ def _start_domains_two_hosts(
     max_restarts: int,
     startup_s: float,
 ) -> DomainCluster:
-    port, store_port = free_port(), free_port()
-    log = Path(log_dir) / f"cluster-{port}.log"
-    log.write_bytes(b"")
-    store_addr = f"{a.addr}:{store_port}"
-    store = _spawn_appending(
-        [
-            sys.executable,
-            "-m",
-            "kvferry.cluster.store",
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(store_port),
-        ],
-        log,
-    )
     prefill = remote_prefill + local_prefill
-    topology = Topology(1 + prefill + 1, prefill, 1)
-    role_args = ["--prefill", str(prefill), "--transports", "tcp", "--port", str(port), *args]
-    jobs: dict[str, subprocess.Popen] = {}
-    for job in domains.plan_jobs(topology):
+
+    def place(job: domains.Job, cmd: list[str]) -> list[str]:
         remote = job.name.startswith("prefill") and job.first_rank <= remote_prefill
         host = b if remote else a
-        cmd = domains.job_command(job, topology.world_size, store_addr, role_args, max_restarts)
-        env = {"UCX_NET_DEVICES": host.dev}
-        jobs[job.name] = _spawn_appending(host.command(cmd, env=env, own_pids=remote), log)
-    cluster = DomainCluster(
-        jobs["router"], f"http://127.0.0.1:{port}", log, store_proc=store, jobs=jobs
-    )
-    _wait_healthy(
-        cluster,
-        [(p, log) for p in [store, *jobs.values()]],
-        port,
+        return host.command(cmd, env={"UCX_NET_DEVICES": host.dev}, own_pids=remote)
+
+    return _start_domain_jobs(
+        Topology(2 + prefill, prefill, 1),
+        ["--transports", "tcp", *args],
+        log_dir,
+        max_restarts,
         startup_s,
-        taken=(f"cannot listen on 0.0.0.0:{store_port}", "Address already in use"),
+        store_host=a.addr,
+        place=place,
     )
-    return cluster

@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_cluster_units import _Engine
-from test_protocol_units import RecordingRuntime, _card, _owner
+from test_failure_units import STATS, _router
+from test_protocol_units import _card, _owner
 
 from kvferry.cluster import messages as m
 from kvferry.cluster import runtime as runtime_mod
 from kvferry.cluster.decode import DecodeRank
 from kvferry.cluster.domains import DomainPlanError, job_command, plan_jobs
 from kvferry.cluster.faults import FaultPlan
-from kvferry.cluster.metrics import ClusterMetrics
 from kvferry.cluster.rendezvous import ExitRecord, exit_record, publish, publish_exit
 from kvferry.cluster.router import Ledger, Router, Unavailable
 from kvferry.cluster.runtime import DRAIN_S, RankRuntime
@@ -177,27 +177,10 @@ def test_a_remote_writer_is_gone_only_on_its_exit_record_and_past_the_horizon(
 
 # ---------------------------------------------------------------- the router
 def _router_with_rejoin():
-    cards = {0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "prefill")}
-    cards[3] = _card(3, "decode")
-    rt = RecordingRuntime(rank=0, cards=cards)
+    """Router 0, prefill ranks 1 and 2, decode rank 3; the store's card epoch at 3."""
+    router, rt = _router(prefill=2)
     rt.cards_epoch = 3
-    router = Router(
-        rt,
-        Topology(4, 2, 1),
-        cards,
-        context_length=1024,
-        request_timeout_s=30,
-        admission_wait_s=0.05,
-        metrics=ClusterMetrics(),
-    )
     return router, rt
-
-
-STATS = dict(
-    free=64, owned=0, quarantined=0, capacity_tokens=1024, context_length=1024,
-    bytes_written=0, batches=0, integrity_failures=0, severed=0, allocations=0,
-    dropped_duplicate=0, dropped_stale=0, dropped_malformed=0,
-)  # fmt: skip
 
 
 def _admit_on_word_alone(self) -> None:

@@ -823,26 +823,33 @@ def skipped() -> dict[str, str]:
     return {s.name: why for s in scenarios() if (why := groups[s.group].skip_reason) is not None}
 
 
-def run_suite(unsafe_too: bool, log_dir: Path, only: str | None = None) -> dict:
+def run_suite(
+    unsafe_too: bool, log_dir: Path, only: str | None = None, group: str | None = None
+) -> dict:
     """Every group's scenarios on its own cluster, safe mode, then (``unsafe_too``) the
-    unsafe ones in unsafe mode. A group this machine cannot run is printed as skipped and
-    not counted (``report["skipped"]``: scenario -> reason)."""
-    all_sc = [s for s in scenarios() if only is None or only in s.name]
+    unsafe ones in unsafe mode; ``only``: the scenarios whose name contains it; ``group``:
+    one group's. A group this machine cannot run is printed as skipped and not counted
+    (``report["skipped"]``: scenario -> reason)."""
+    all_sc = [
+        s
+        for s in scenarios()
+        if (only is None or only in s.name) and (group is None or s.group == group)
+    ]
     results: list[Outcome] = []
     skips: dict[str, str] = {}
     for unsafe in [False, True] if unsafe_too else [False]:
-        for group in GROUPS:
+        for g in GROUPS:
             group_sc = [
-                s for s in all_sc if s.group == group.name and (not unsafe or unsafe_scenario(s))
+                s for s in all_sc if s.group == g.name and (not unsafe or unsafe_scenario(s))
             ]
             if not group_sc:
                 continue
-            if group.skip_reason is not None:
+            if g.skip_reason is not None:
                 for sc in group_sc:
-                    skips[sc.name] = group.skip_reason
-                    _print_skip(sc, unsafe, group.skip_reason)
+                    skips[sc.name] = g.skip_reason
+                    _print_skip(sc, unsafe, g.skip_reason)
                 continue
-            results += _run_group(group, group_sc, unsafe, log_dir)
+            results += _run_group(g, group_sc, unsafe, log_dir)
     safe = [r for r in results if not r.unsafe]
     unsafe_runs = [r for r in results if r.unsafe]
     summary = {
@@ -906,12 +913,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvferry fault-suite", description=__doc__.split("\n\n")[0])
     p.add_argument("--no-unsafe", action="store_true", help="skip the unsafe-mode run")
     p.add_argument("--only", help="run the scenarios whose name contains this")
+    p.add_argument(
+        "--group",
+        choices=[g.name for g in GROUPS],
+        help="run one group's scenarios (each group is one cluster)",
+    )
     p.add_argument("--log-dir", help="where cluster logs go (default: a temporary folder)")
     args = p.parse_args(argv)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvferry-faults-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"{'scenario':<26} {'mode':<6} answers     checks", flush=True)
-    report = run_suite(not args.no_unsafe, log_dir, args.only)
+    report = run_suite(not args.no_unsafe, log_dir, args.only, args.group)
     s = report["summary"]
     print(f"cluster logs: {log_dir}")
     print(json.dumps(s))

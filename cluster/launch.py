@@ -29,6 +29,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,14 +84,14 @@ def setup_logging(level: str, rank: int, role: Role) -> None:
     )
 
 
-def init_distributed() -> tuple[int, int, object]:
+def init_distributed() -> tuple[int, int, Any]:
     """torch.distributed (gloo) from torchrun's environment; returns rank, world, store."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
     store = dist.distributed_c10d._get_default_store()
     return dist.get_rank(), dist.get_world_size(), store
 
 
-def join_domain(cfg: ServeConfig) -> tuple[int, int, object]:
+def join_domain(cfg: ServeConfig) -> tuple[int, int, Any]:
     """This process's cluster rank, the cluster's size and the store, for a job run as a
     failure domain (``--store``): the rank is the job's first rank plus torchrun's rank
     within the job. Forks here: the parent stays behind as the rank's launcher

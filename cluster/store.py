@@ -19,7 +19,8 @@ import sys
 import threading
 from datetime import timedelta
 
-from torch.distributed import TCPStore
+# public in torch.distributed, re-exported there only when distributed is built in
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 log = logging.getLogger("kvferry.cluster")
 

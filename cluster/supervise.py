@@ -12,6 +12,7 @@ is gone (see ``RankRuntime.write_path_closed``). Only a launcher that dies with 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -33,7 +34,7 @@ def fork_rank(rank: int, store_address: str) -> None:
     if child == 0:
         return
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, f, c=child: _forward(c, s))
+        signal.signal(sig, functools.partial(_forward, child))
     while True:
         try:
             _, status = os.waitpid(child, 0)
@@ -52,7 +53,7 @@ def fork_rank(rank: int, store_address: str) -> None:
     os._exit(code if code >= 0 else 128 - code)
 
 
-def _forward(child: int, sig: int) -> None:
+def _forward(child: int, sig: int, frame: object = None) -> None:
     try:
         os.kill(child, sig)
     except ProcessLookupError:

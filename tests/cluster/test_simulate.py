@@ -8,8 +8,14 @@
   release pages with a write still in flight in the slow-writer scenario, and the late
   write lands in another request's page; with a slower link the abort storm catches the
   unsafe table too.
+- ``release_on_sever`` leaks in ``partition-long`` (a write stuck in the partition lands
+  after the deadline); the protocol as shipped stays safe there.
 - A run is a function of its seed.
 - The network model loses, duplicates and reorders messages at the configured rates.
+- The service model: an event that reaches a busy rank waits; an ABORT waits out the
+  decode step or the compute slice in progress; the router's and the ranks' message
+  handling lengthens the abort's way from the router; without the model
+  (``service=False``) a run is what it was before the model (its figures pinned).
 
 No sleeps and no timing assertions: the clock is simulated.
 """
@@ -25,7 +31,8 @@ import pytest
 from kvferry.cluster.harness.simulate import scenarios
 from kvferry.cluster.harness.simulate.clock import Clock
 from kvferry.cluster.harness.simulate.network import Layout, NetConfig, Network
-from kvferry.cluster.harness.simulate.world import run
+from kvferry.cluster.harness.simulate.service import MEASURED, Background
+from kvferry.cluster.harness.simulate.world import World, run
 
 SMALL = "10x10"
 REQUESTS = 200
@@ -46,7 +53,7 @@ def test_every_scenario_is_safe_at_the_small_scale(name):
     }, r["examples"]
     assert r["requests"] == REQUESTS and r["unanswered"] == 0
     assert r["served"] > 0
-    if name in ("partition", "slow"):
+    if name in ("partition", "partition-long", "slow"):
         assert r["severed_ranks"] >= 1, "the fault reaches the abort deadline"
         assert r["releases"].get("severed", 0) >= 1, "released on proof after severing"
     if name == "crash":
@@ -145,3 +152,98 @@ def test_a_partition_holds_within_the_failure_horizon_and_cuts_past_it():
     clock.run(100)
     assert len(arrived) == 2 and min(arrived) < 1.1 and max(arrived) >= 10.0
     assert failed == [pytest.approx(5.0)]
+
+
+def test_release_on_sever_leaks_when_a_partitioned_write_outlives_the_deadline():
+    """partition-long: the transport holds the write until the heal, past the deadline."""
+    r = run(small("partition-long", "release-on-sever"))
+    assert r["leak"] and r["released_while_landing_pages"] > 0
+    assert r["overwritten_pages"] + r["landed_in_free_pages"] > 0
+    # the plain partition's writes fail at the tcp horizon, before the deadline: no leak
+    assert run(small("partition", "release-on-sever"))["leak"] is False
+
+
+# ---------------------------------------------------------------------- the service model
+def _world(service: bool = True) -> World:
+    return World(scenarios.validation("random", 1, 1, 1, service=service))
+
+
+def _arrive(world: World, rank: int, at: float, message: bool = True) -> list[float]:
+    """An event for ``rank`` at ``at``; returns the list its run time is put in."""
+    rt, ran = world.runtimes[rank], []
+
+    def record() -> None:
+        ran.append(world.clock.now)
+
+    world.clock.at(at, rt._enter, message, record, ())
+    return ran
+
+
+def test_an_abort_waits_behind_the_decode_step_in_progress():
+    world = _world()
+    owner = world.topology.decode_ranks[0]
+    world.runtimes[owner].bg.stepping(0.0, 0.010)  # 10 ms steps from t = 0
+    ran = _arrive(world, owner, 0.013)  # in the second step
+    world.clock.run(1.0)
+    assert len(ran) == 1
+    assert 0.020 < ran[0] < 0.020 + 0.005, "after the step ends, plus its service time"
+    # without the model it runs as it arrives
+    world = _world(service=False)
+    world.runtimes[owner].bg.stepping(0.0, 0.010)
+    ran = _arrive(world, owner, 0.013)
+    world.clock.run(1.0)
+    assert ran == [pytest.approx(0.013)]
+
+
+def test_a_message_waits_for_the_compute_slice_and_for_the_message_before_it():
+    world = _world()
+    writer = world.topology.prefill_ranks[0]
+    rt = world.runtimes[writer]
+    assert rt.bg.compute(0.0, 0.005, 0.002) == pytest.approx(0.005)  # slices end 2, 4, 5 ms
+    first = _arrive(world, writer, 0.0025)
+    second = _arrive(world, writer, 0.0026)
+    world.clock.run(1.0)
+    assert 0.004 < first[0] < second[0], "the slice ends at 4 ms; then one after the other"
+    assert rt.busy_s > 0
+
+
+def test_the_background_pieces():
+    bg = Background()
+    assert bg.free_at(1.0) == 1.0 and not bg.active(1.0)
+    bg.stepping(1.0, 0.01)
+    assert bg.free_at(1.0) == pytest.approx(1.0) and bg.free_at(1.005) == pytest.approx(1.01)
+    bg.stepping(1.015, 0.02)  # the batch grows mid-step: that step ends as it began
+    assert bg.free_at(1.016) == pytest.approx(1.02)
+    assert bg.free_at(1.021) == pytest.approx(1.04)
+    bg.resume(1.05)  # the rank handled messages until 1.05: the next step starts then
+    assert bg.free_at(1.06) == pytest.approx(1.07)
+    bg.stepping(1.06, None)  # no request decodes: the last step still runs out
+    assert bg.free_at(1.061) == pytest.approx(1.07) and bg.free_at(1.08) == 1.08
+
+
+def test_the_service_model_lengthens_the_abort_from_the_router():
+    """The validation's random case: cancelled while decoding, the ABORT waits out a step
+    of the replay model (about 2 ms) and the handling on the way."""
+    on = run(scenarios.validation("random", 1, 1, 40))
+    off = run(scenarios.validation("random", 1, 1, 40, service=False))
+    assert on["safe"] and off["safe"]
+    step_ms = 1e3 * scenarios.REPLAY_TIMES.decode_step(1)
+    assert on["abort_from_router"]["p50_ms"] > off["abort_from_router"]["p50_ms"] + step_ms / 4
+    assert on["abort_from_router"]["p99_ms"] > off["abort_from_router"]["p99_ms"]
+    assert on["router_busy_share"] > 0 and off["service_model"] == "off"
+
+
+def test_without_the_service_model_a_run_is_what_it_was_before_it():
+    """Figures of this run before the service model existed (same seed, same code path)."""
+    r = run(small("steady", service=False))
+    assert r["events"] == 5428
+    assert r["abort_from_router"] == {"count": 2, "p50_ms": 0.268, "p99_ms": 0.268, "max_ms": 0.268}
+    r = run(small("storm", "unsafe", service=False))
+    assert r["events"] == 5430
+    assert r["abort_from_router"]["p50_ms"] == 0.299 and r["abort_from_router"]["count"] == 38
+
+
+def test_the_measured_figures_are_in_one_place():
+    assert set(MEASURED.message) == {"router", "prefill", "decode"}
+    assert scenarios.build("steady", SMALL).service is MEASURED
+    assert scenarios.build("steady", SMALL, service=False).service is None

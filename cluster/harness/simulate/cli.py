@@ -50,6 +50,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reorder", type=float, default=0.0, help="share of messages held back")
     p.add_argument("--no-table", action="store_true")
     p.add_argument(
+        "--no-service-model",
+        action="store_true",
+        help="ranks take no time: every event runs the instant it arrives, computes and "
+        "decode steps occupy no rank (the model before the service model, for comparison)",
+    )
+    p.add_argument(
+        "--partition-deadlines",
+        type=float,
+        help="partition: its length in abort deadlines (default 2)",
+    )
+    p.add_argument(
+        "--failure-horizon",
+        type=float,
+        help="seconds the transport retransmits through a partition before it gives up "
+        "(default: the engine's tcp horizon); past the abort deadline, as a long tcp "
+        "keep-alive, a write stuck in a partition can still land after the deadline",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the service model's figures on this machine (one JSON line)",
+    )
+    p.add_argument(
         "--validate",
         action="store_true",
         help="the 1x1 and 2x2 cases against the real local cluster (bench-abort)",
@@ -57,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--validate-requests", type=int, default=100)
     p.add_argument("--log-dir", help="the real clusters' logs (--validate)")
     args = p.parse_args(argv)
+    if args.calibrate:
+        from .calibrate import main as calibrate
+
+        calibrate()
+        return 0
     if args.validate:
         from .validate import main as validate
 
@@ -77,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                     dup=args.dup,
                     reorder=args.reorder,
                     tp=args.tp,
+                    service=not args.no_service_model,
+                    partition_deadlines=args.partition_deadlines,
+                    failure_horizon_s=args.failure_horizon,
                 )
                 row = run(sc)
                 print(json.dumps(row), flush=True)

@@ -30,6 +30,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import random
+import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,9 +41,21 @@ import numpy as np
 
 from kvferry.cluster import messages as m
 from kvferry.cluster.batching import BatchSizer
-from kvferry.cluster.decode import OWNER_RECEIVES, DecodeRank, OwnedRequest
+from kvferry.cluster.decode import (
+    CHECKSUM_SLICE_BYTES,
+    OWNER_RECEIVES,
+    VERIFY_SLICE_S,
+    DecodeRank,
+    OwnedRequest,
+)
 from kvferry.cluster.faults import GO, Decision, PointDecision
-from kvferry.cluster.prefill import _COMPUTING, WRITER_RECEIVES, PrefillRank, WriteJob
+from kvferry.cluster.prefill import (
+    _COMPUTING,
+    PREFILL_SLICE_S,
+    WRITER_RECEIVES,
+    PrefillRank,
+    WriteJob,
+)
 from kvferry.cluster.runtime import DRAIN_S, ControlCounters
 from kvferry.engine.allocator import OutOfPages, PageAllocator
 from kvferry.engine.protocol import owner as owner_core
@@ -50,6 +65,7 @@ from kvferry.engine.protocol.words import AbortSource, Kind, Release
 from kvferry.engine.protocol.writer import WriterEvent
 from kvferry.transfer import BatchStatus, TransferError
 
+from .service import Background, ServiceModel, slices_of
 from .truth import WatchedAllocator
 
 if TYPE_CHECKING:
@@ -92,6 +108,17 @@ class SimMessage:
 _DEFAULTS: dict[str, dict[str, None]] = {
     k.name: dict.fromkeys(k.fields) for k in m.CODEC.kinds.values() if isinstance(k.name, str)
 }
+_KINDS = {k.name: k for k in m.CODEC.kinds.values() if isinstance(k.name, str)}
+
+
+def _encode(kind: str, fields: dict[str, Any]) -> bytes | None:
+    """The real codec's bytes for a simulated message (calibration only); None for one
+    whose simulated fields the codec refuses."""
+    k = _KINDS[kind]
+    try:
+        return m.encode(k.make(**{f: fields.get(f) for f in ("src", "inc", "seq", *k.fields)}))
+    except Exception:
+        return None
 
 
 class SimBatch:
@@ -204,18 +231,112 @@ class SimRuntime:
         self._handlers: dict[str, Callable[..., Any]] = {}
         self.on_send_failure: Callable[[int, Exception], None] = lambda rank, exc: None
         self.on_request_error: Callable[[str, str], None] = lambda rid, reason: None
+        # The service model (.service): None runs every event the instant it arrives.
+        self.svc: ServiceModel | None = world.sc.service
+        self.role = world.cards[rank].role
+        self.bg = Background()
+        self.worker: Any = None  # the rank's DecodeRank or PrefillRank (in_flight)
+        self._rng = random.Random(world.sc.seed * 104_729 + rank)
+        self._queue: deque[tuple[bool, Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._serving = False
+        self._last_done = -1.0
+        self.started = 0.0  # when the event being handled began its service
+        self.busy_s = 0.0  # time spent handling events
+        msg = self.svc.message.get(self.role) if self.svc is not None else None
+        self._msg_draw = msg.draw if msg is not None else None
 
     # -------------------------------------------------------------- running
     def gate(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn`` as this rank: never once its process is gone; after a stall."""
+        """Run ``fn`` as this rank (a timer, a callback): never once its process is gone;
+        after a stall; with the service model, once the rank is free."""
+        self._enter(False, fn, args)
+
+    def http(self, fn: Callable[..., Any], *args: Any) -> None:
+        """An event of the router's HTTP front door (a request, a client gone): handled
+        on the router's loop as a message is."""
+        self._enter(True, fn, args)
+
+    def _enter(self, message: bool, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         world = self.world
         if self.rank in world.crashed:
             return
         until = world.stalled_until.get(self.rank)
         if until is not None and until > self.clock.now:
-            self.clock.at(until, self.gate, fn, *args)
+            self.clock.at(until, self._enter, message, fn, args)
+            return
+        if self.svc is None:
+            fn(*args)
+            return
+        self._queue.append((message, fn, args))
+        if self._serving:
+            return
+        self._serving = True
+        now = self.clock.now
+        start = self.bg.free_at(now)
+        if self._asleep(now):
+            wake = self.svc.wake_router if self.role == "router" else self.svc.wake_worker
+            start = max(start, now + wake.draw(self._rng))
+        if start > now:
+            self.clock.at(start, self._next)
+        else:
+            self._next()
+
+    def _asleep(self, now: float) -> bool:
+        """The rank sleeps on its event fd: the router between events; a worker with
+        nothing in flight once its busy-poll window passed."""
+        if self.role == "router":
+            return True
+        if now - self._last_done <= self.svc.idle_after_s or self.bg.active(now):  # type: ignore[union-attr]
+            return False
+        w = self.worker
+        return w is None or not w.in_flight()
+
+    def _next(self) -> None:
+        """The rank is free: handle the head of its queue."""
+        queue, clock = self._queue, self.clock
+        until = self.world.stalled_until.get(self.rank)
+        if until is not None and until > clock.now and queue:
+            clock.at(until, self._next)  # stalled meanwhile: the queue waits for it
+            return
+        while queue:
+            if self.rank in self.world.crashed:
+                queue.clear()
+                break
+            message, fn, args = queue.popleft()
+            self.started = clock.now
+            if message and self._msg_draw is not None:
+                s = self._msg_draw(self._rng)
+                self.busy_s += s
+                clock.after(s, self._finish, fn, args)
+                return
+            fn(*args)
+            s = self.svc.callback_s  # type: ignore[union-attr]
+            if s > 0:
+                self.busy_s += s
+                clock.after(s, self._next)
+                return
+        self._serving = False
+        now = clock.now
+        self._last_done = now
+        self.bg.resume(now)
+
+    def began(self) -> float:
+        """When the event being handled began (its service's start; now without the
+        model): the real handler stamps its times after decoding the message."""
+        return self.started if self.svc is not None else self.clock.now
+
+    def _finish(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        world = self.world
+        if self.rank in world.crashed:
+            self._queue.clear()
+            self._serving = False
+            return
+        until = world.stalled_until.get(self.rank)
+        if until is not None and until > self.clock.now:
+            self.clock.at(until, self._finish, fn, args)
             return
         fn(*args)
+        self._next()
 
     def call_later(self, delay_s: float, fn: Callable[[], None], rid: str | None = None) -> Any:
         return self.clock.after(delay_s, self.gate, fn)
@@ -270,6 +391,8 @@ class SimRuntime:
             self._send_failed(rank, TransferError(f"rank {rank} is severed"))
             return None
         msg = SimMessage(kind, self.rank, self.incarnation, next(self._seq), fields)
+        if self.world.profile is not None:
+            _encode(kind, msg.fields)
         self.counters.sent += 1
         self.world.count_message(kind)
         dst = self.world.runtimes[rank]
@@ -292,7 +415,7 @@ class SimRuntime:
 
     # -------------------------------------------------------------- receiving
     def receive(self, msg: SimMessage, twinned: bool) -> None:
-        self.gate(self._on_payload, msg, twinned)
+        self._enter(True, self._on_payload, (msg, twinned))
 
     def _on_payload(self, msg: SimMessage, twinned: bool) -> None:
         src = msg.src
@@ -314,7 +437,18 @@ class SimRuntime:
         if handler is None:
             self.counters.dropped_unexpected += 1
             return
+        profile = self.world.profile
+        if profile is None:
+            handler(msg)
+            return
+        # calibration: the real codec's decode of this message, and the handler (whose
+        # sends encode theirs, see _deliver)
+        data = _encode(msg.kind, msg.fields)
+        t0 = time.perf_counter()
+        if data is not None:
+            m.decode(data)
         handler(msg)
+        profile[self.role].append(time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------------- the owner
@@ -325,6 +459,16 @@ class RankTimes:
     prefill_tokens_per_s: float = 20_000.0  # one prefill rank (its share of the heads)
     decode_step_s: float = 0.025  # one decode step (one token of every running stream)
     verify_gbps: float = 200.0  # the I5 checksums over the pages that landed
+    decode_step_per_seq_s: float = 0.0  # a step's extra for each request in the batch
+    prefill_base_s: float = 0.0  # a prefill's cost besides its tokens
+    prefill_layers: int = 1  # model steps a prefill yields between (its slices)
+    max_batch: int = 64  # DecodeRank.max_batch
+
+    def decode_step(self, batch: int) -> float:
+        return self.decode_step_s + self.decode_step_per_seq_s * min(max(1, batch), self.max_batch)
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.prefill_base_s + tokens / self.prefill_tokens_per_s
 
 
 class SimDecodeRank(DecodeRank):
@@ -361,6 +505,8 @@ class SimDecodeRank(DecodeRank):
         self.reqs: dict[str, OwnedRequest] = {}
         self._init_books()
         self.times = times
+        self._decoding = 0  # requests in DECODING: the batch the rank steps
+        runtime.worker = self
         self.handlers = {
             Kind.ASSIGN: self._on_assign,
             Kind.NOTICE: self._on_notice,
@@ -378,10 +524,17 @@ class SimDecodeRank(DecodeRank):
     def _feed(self, req: OwnedRequest, event: OwnerEvent) -> None:
         """DecodeRank._feed on the simulated clock."""
         if event in _ABORTS and req.book.state not in _HELD:
-            req.abort_started = req.abort_started or self.now
+            req.abort_started = req.abort_started or self.sim.began()
         elif event is OwnerEvent.GRANTED:
             req.planned_at = self.now
+        before = req.book.state
         move = owner_core.step(req.book, event, self.table)
+        after = req.book.state
+        if (before is OwnerState.DECODING) != (after is OwnerState.DECODING):
+            self._decoding += 1 if after is OwnerState.DECODING else -1
+            if self.sim.svc is not None:
+                n = self._decoding
+                self.sim.bg.stepping(self.now, self.times.decode_step(n) if n else None)
         for do in move.effects:
             self._do(do, req)
 
@@ -393,14 +546,18 @@ class SimDecodeRank(DecodeRank):
             self._verified(req)
             return
         nbytes = len(req.grants) * self.pool.page_bytes
-        self.rt.call_later(nbytes / (self.times.verify_gbps * 1e9), lambda: self._verified(req))
+        seconds = nbytes / (self.times.verify_gbps * 1e9)
+        if self.sim.svc is not None:  # the checks occupy the rank, in slices
+            piece = max(VERIFY_SLICE_S, CHECKSUM_SLICE_BYTES / (self.times.verify_gbps * 1e9))
+            seconds = self.sim.bg.compute(self.now, seconds, piece) - self.now
+        self.rt.call_later(seconds, lambda: self._verified(req))
 
     def _verified(self, req: OwnedRequest) -> None:
         if req.state is not OwnerState.VERIFYING:
             return  # aborted meanwhile: the rest of the checks never run
         self._feed(req, OwnerEvent.VERIFIED)
         if req.state is OwnerState.DECODING:
-            step = self.times.decode_step_s
+            step = self.times.decode_step(self._decoding)
             self.rt.call_later(step, lambda: self._first_token(req))
 
     def _first_token(self, req: OwnedRequest) -> None:
@@ -412,7 +569,8 @@ class SimDecodeRank(DecodeRank):
         if rest <= 0:
             self._feed(req, OwnerEvent.FINISHED)
             return
-        self.rt.call_later(rest * self.times.decode_step_s, lambda: self._last_tokens(req))
+        step = self.times.decode_step(self._decoding)
+        self.rt.call_later(rest * step, lambda: self._last_tokens(req))
 
     def _last_tokens(self, req: OwnedRequest) -> None:
         if req.state is not OwnerState.DECODING:
@@ -476,6 +634,7 @@ class SimPrefillRank(PrefillRank):
         self._row_bytes = pool.page_bytes // tp  # this writer's heads of one page
         self.batches = BatchSizer(target_s=batch_target_s, max_bytes=max_batch_bytes)
         self.times = times
+        runtime.worker = self
         self.handlers = {
             Kind.PREFILL: self._on_prefill,
             Kind.PLAN: self._on_plan,
@@ -509,7 +668,10 @@ class SimPrefillRank(PrefillRank):
     def _start_prefill(self, job: WriteJob) -> None:
         job.prefill_started = self.now
         assert job.tokens is not None
-        seconds = len(job.tokens) / self.times.prefill_tokens_per_s
+        seconds = self.times.prefill_s(len(job.tokens))
+        if self.sim.svc is not None:  # the compute occupies the rank, in slices, FIFO
+            piece = slices_of(seconds, self.times.prefill_layers, PREFILL_SLICE_S)
+            seconds = self.sim.bg.compute(self.now, seconds, piece) - self.now
 
         def done() -> None:
             if job.state not in _COMPUTING:

@@ -1,13 +1,22 @@
 """The scenarios: a workload, the faults to inject, the network and the fleet's size.
 
-Five scenarios (issue #17), each at three scales (:data:`SCALES`):
+Six scenarios (issue #17, and ``partition-long``), each at three scales (:data:`SCALES`):
 
 - ``steady``: Poisson arrivals at ``load`` of the decode pages, 1 % of the requests
   aborted by their client at a random moment of their life;
 - ``storm``: the same, and at 40 % of the arrivals half of every live request is aborted
   within one second;
 - ``partition``: one rack of prefill ranks cut off from everything else for twice the
-  abort deadline, from 30 % of the arrivals;
+  abort deadline, from 30 % of the arrivals. A write stuck in it fails at the
+  transport's failure horizon (the tcp horizon the engine sets up, about 4 s), before the
+  abort deadline (5 s) runs out: nothing of it can land later, so ``release-on-sever``,
+  which releases at the deadline, shows no leak here;
+- ``partition-long``: the same cut for four abort deadlines, with a failure horizon of
+  :data:`LONG_HORIZON_S` (a transport that keeps retransmitting, as tcp with long
+  keep-alives and no user timeout does): a write stuck in the partition lands at the
+  heal, after the deadline. The protocol keeps such pages until the writer acks (after
+  the heal); ``release-on-sever`` releases them at the deadline, and the late write lands
+  in released pages;
 - ``crash``: prefill ranks crash at 1 % per rank-hour, sped up so that the simulated span
   holds an hour's worth at 1,000 ranks (10 crashes) and at least 2 at smaller scales (the
   speed-up is reported);
@@ -37,6 +46,7 @@ from kvferry.cluster.config import ServeConfig
 
 from .network import LATENCIES, NetConfig
 from .ranks import RankTimes
+from .service import MEASURED, ServiceModel
 
 SERVE = ServeConfig()
 KV_BYTES_PER_TOKEN = 80 * 8 * 128 * 2 * 2
@@ -86,7 +96,9 @@ class Scenario:
     faults: Faults = field(default_factory=Faults)
     tp: int = 2
     net: NetConfig = field(default_factory=NetConfig)
-    times: RankTimes = field(default_factory=lambda: RankTimes(prefill_tokens_per_s=50_000.0))
+    times: RankTimes = field(
+        default_factory=lambda: RankTimes(prefill_tokens_per_s=50_000.0, prefill_layers=80)
+    )
     ranks_per_host: int = 8
     hosts_per_rack: int = 4
     colocate: bool = False
@@ -98,6 +110,7 @@ class Scenario:
     request_timeout_s: float = SERVE.request_timeout_s
     admission_wait_s: float = SERVE.admission_wait_s
     context_length: int = SERVE.context_length
+    service: ServiceModel | None = MEASURED  # None: ranks take no time (.service)
     tags: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -117,7 +130,8 @@ SCALES: dict[str, tuple[int, int, int, int, int]] = {
     "100x100": (100, 100, 4, 4, 3_000),
     "1000x1000": (1000, 1000, 8, 4, 30_000),
 }
-NAMES = ("steady", "storm", "partition", "crash", "slow")
+NAMES = ("steady", "storm", "partition", "partition-long", "crash", "slow")
+LONG_HORIZON_S = 60.0  # partition-long's failure horizon: past the heal
 MODES = ("safe", "unsafe", "release-on-sever")
 
 
@@ -133,16 +147,29 @@ def build(
     dup: float = 0.0,
     reorder: float = 0.0,
     tp: int = 2,
+    service: bool = True,
+    partition_deadlines: float | None = None,
+    failure_horizon_s: float | None = None,
 ) -> Scenario:
+    """One scenario at one scale. ``partition_deadlines`` sets the partition's length (in
+    abort deadlines) and ``failure_horizon_s`` how long the transport retransmits through
+    it before giving up (default: the tcp horizon the engine sets up)."""
     prefill, decode, rph, hpr, default_requests = SCALES[scale]
     faults = {
         "steady": Faults(),
         "storm": Faults(storm=True),
         "partition": Faults(partition_racks=1),
+        "partition-long": Faults(partition_racks=1, partition_deadlines=4.0),
         "crash": Faults(crash_per_hour=0.01),
         "slow": Faults(stalls=0.01),
     }[name]
+    if partition_deadlines is not None:
+        faults = replace(faults, partition_deadlines=partition_deadlines)
     net = replace(NetConfig(), latency=LATENCIES[network], loss=loss, dup=dup, reorder=reorder)
+    if name == "partition-long":
+        net = replace(net, failure_horizon_s=LONG_HORIZON_S)
+    if failure_horizon_s is not None:
+        net = replace(net, failure_horizon_s=failure_horizon_s)
     return Scenario(
         name=name,
         prefill=prefill,
@@ -156,17 +183,19 @@ def build(
         unsafe=mode == "unsafe",
         release_on_sever=mode == "release-on-sever",
         seed=seed,
+        service=MEASURED if service else None,
     )
 
 
-def validation(case: str, prefill: int, decode: int, requests: int, seed: int = 7) -> Scenario:
+def validation(
+    case: str, prefill: int, decode: int, requests: int, seed: int = 7, service: bool = True
+) -> Scenario:
     """bench-abort's cluster cases (:func:`kvferry.cluster.harness.benchabort.run_case`) in
     the simulator, with the fault suite's context, pool and deadlines: one request at a
     time, 256 new tokens; ``quarantined``: the writer pauses 1 s before its first write and
     the client cancels after 50 ms, so every abort waits for the writer's ack;
     ``random``: cancelled after 1-31 ms, wherever the request is. The ranks' times are
-    guesses for the replay model on this CPU (a prefill of 256 tokens in about 3 ms, a
-    decode step in 1 ms); the quarantined case does not depend on them."""
+    the replay model's on this CPU, measured (:data:`REPLAY_TIMES`)."""
     from ..benchabort import TAG
     from ..faultsuite import ABORT_DEADLINE, CONTEXT, REQUEST_TIMEOUT, TRANSFER_TIMEOUT
 
@@ -191,7 +220,7 @@ def validation(case: str, prefill: int, decode: int, requests: int, seed: int = 
         workload=workload,
         faults=Faults(client_abort=0.0),
         tp=1,
-        times=RankTimes(prefill_tokens_per_s=80_000.0, decode_step_s=0.001, verify_gbps=5.0),
+        times=REPLAY_TIMES,
         ranks_per_host=1 + prefill + decode,
         hosts_per_rack=1,
         colocate=True,
@@ -200,7 +229,22 @@ def validation(case: str, prefill: int, decode: int, requests: int, seed: int = 
         transfer_timeout_s=TRANSFER_TIMEOUT,
         request_timeout_s=REQUEST_TIMEOUT,
         context_length=CONTEXT,
+        service=MEASURED if service else None,
     )
 
 
 SUITE_POOL_TOKENS = 16384  # the fault suite's --pool-tokens (faultsuite.suite_args)
+
+# The replay model of a fault-suite cluster on this CPU (1 layer, 2 KV heads of 32 dims,
+# fp32, 16-token pages, integrity checks on), measured with ``simulate --calibrate``:
+# the real DecodeRank.step for batches of 1-32 (medians 1.85, 2.29, 2.70, 4.06, 5.44,
+# 7.60 ms: 2.07 ms + 0.183 ms a request) and the real PrefillRank._prefill_steps with
+# its checksums for 64-2,048 tokens (0.50 ms + 2.70 us a token). verify_gbps is not
+# measured (the checks of a 256-token prompt's 16 pages take microseconds either way).
+REPLAY_TIMES = RankTimes(
+    prefill_tokens_per_s=1 / 2.70e-6,
+    prefill_base_s=0.50e-3,
+    decode_step_s=2.07e-3,
+    decode_step_per_seq_s=0.183e-3,
+    verify_gbps=5.0,
+)

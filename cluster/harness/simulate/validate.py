@@ -3,7 +3,7 @@ held before its write, so every abort waits for its ack; and requests cancelled 
 random moment) through a real cluster of 1 prefill x 1 decode rank and of 2 x 2, and the
 same cases in the simulator, in one run. Prints one JSON line per scale and case: the
 real and the simulated abort-to-release p50/p99 (the owner's, and from the router's
-ABORT), and sim over real."""
+ABORT), and sim over real, with the service model (:mod:`.service`) and without it."""
 
 from __future__ import annotations
 
@@ -39,10 +39,12 @@ def real(prefill: int, decode: int, requests: int, log_dir: Path) -> dict[str, d
     return out
 
 
-def simulated(prefill: int, decode: int, requests: int) -> dict[str, dict[str, Any]]:
+def simulated(
+    prefill: int, decode: int, requests: int, service: bool = True
+) -> dict[str, dict[str, Any]]:
     out = {}
     for case in CASES:
-        r = run(validation(case, prefill, decode, requests))
+        r = run(validation(case, prefill, decode, requests, service=service))
         owner = r["abort_release_quarantined"] if case == "quarantined" else r["abort_release"]
         out[case] = {
             **_pick(owner),
@@ -65,18 +67,21 @@ def main(requests: int, log_dir: str | None = None) -> list[dict[str, Any]]:
     lines = []
     for prefill, decode in SHAPES:
         sim = simulated(prefill, decode, requests)
+        off = simulated(prefill, decode, requests, service=False)
         rl = real(prefill, decode, requests, logs)
+        keys = ("p50_ms", "p99_ms", "from_router_p50_ms", "from_router_p99_ms")
         for case in CASES:
-            s, r = sim[case], rl[case]
+            s, r, o = sim[case], rl[case], off[case]
             line = {
                 "bench": "simulate-validate",
                 "scale": f"{prefill}x{decode}",
                 "case": case,
                 "sim": s,
                 "real": r,
-                **{
-                    f"sim_over_real_{k}": _ratio(s.get(k), r.get(k))
-                    for k in ("p50_ms", "p99_ms", "from_router_p50_ms", "from_router_p99_ms")
+                **{f"sim_over_real_{k}": _ratio(s.get(k), r.get(k)) for k in keys},
+                # the same without the service model (--no-service-model)
+                "no_service_model": {
+                    f"sim_over_real_{k}": _ratio(o.get(k), r.get(k)) for k in keys
                 },
             }
             print(json.dumps(line), flush=True)

@@ -78,6 +78,7 @@ class World:
         self.metrics = metrics.Metrics()
         self.notes: dict[str, Any] = {}
         self.faults = SimFaults()
+        self.profile: dict[str, list[float]] | None = None  # calibration: handler times
         self.net = Network(
             self.clock,
             sc.net,
@@ -244,7 +245,7 @@ class World:
     def _submit(self, rid: str, prompt: int, new: int) -> None:
         self.submitted += 1
         self.last_arrival = self.clock.now
-        self.router.submit(rid, prompt, new)
+        self.runtimes[0].http(self.router.submit, rid, prompt, new)
 
     def schedule(self) -> float:
         """Schedule every arrival and fault; returns the span of the arrivals."""
@@ -264,7 +265,7 @@ class World:
             arrivals.append((t, rid, prompt, new))
             if f.client_abort and self.rng.random() < f.client_abort:
                 life = prompt / sc.times.prefill_tokens_per_s + new * sc.times.decode_step_s
-                self.clock.at(t + self.rng.uniform(0, 1.2 * life), self.router.client_abort, rid)
+                self._client_abort_at(t + self.rng.uniform(0, 1.2 * life), rid)
         span = t
         self.notes["arrival_rate_per_s"] = round(rate, 2)
         if f.storm:
@@ -295,6 +296,10 @@ class World:
             self.notes["stall"] = {"writers": n, "seconds": self._stall_s()}
         return span
 
+    def _client_abort_at(self, when: float, rid: str) -> None:
+        """The client goes away at ``when``: an event on the router's loop."""
+        self.clock.at(when, self.runtimes[0].http, self.router.client_abort, rid)
+
     def _storm(self) -> None:
         f = self.sc.faults
         now, n = self.clock.now, 0
@@ -303,9 +308,7 @@ class World:
         for rid in live:
             if self.rng.random() < f.storm_share:
                 n += 1
-                self.clock.at(
-                    now + self.rng.uniform(0, f.storm_window_s), self.router.client_abort, rid
-                )
+                self._client_abort_at(now + self.rng.uniform(0, f.storm_window_s), rid)
         self.notes["storm"] = {"at_s": round(now, 3), "aborted": n, "live": len(live)}
 
     def _next_sequential(self) -> None:
@@ -320,7 +323,7 @@ class World:
             self.faults.pause_before_write[rid] = wl.pause_before_write_s
         self._submit(rid, prompt, new)
         if wl.cancel_after is not None:
-            self.clock.after(self.rng.uniform(*wl.cancel_after), self.router.client_abort, rid)
+            self._client_abort_at(self.clock.now + self.rng.uniform(*wl.cancel_after), rid)
 
     def _next_when_idle(self) -> None:
         """bench-abort's _wait_idle: the next request once no rank holds pages."""
@@ -400,7 +403,19 @@ class World:
                 self.clock.at(span, self._check_quiet, span)
             self.clock.run(horizon)
         wall = time.perf_counter() - t0
-        return metrics.summary(sc, self, wall)
+        return metrics.summary(sc, self, wall, self._service_notes())
+
+    def _service_notes(self) -> dict[str, Any]:
+        """How busy the ranks were (the service model's time handling events)."""
+        if self.sc.service is None:
+            return {"service_model": "off"}
+        span = max(self.clock.now, 1e-9)
+        workers = [rt.busy_s for r, rt in self.runtimes.items() if r != 0]
+        return {
+            "service_model": self.sc.service.source,
+            "router_busy_share": round(self.runtimes[0].busy_s / span, 4),
+            "busiest_worker_busy_share": round(max(workers, default=0.0) / span, 4),
+        }
 
 
 def run(sc: Scenario) -> dict[str, Any]:

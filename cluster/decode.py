@@ -747,19 +747,33 @@ class DecodeRank(RankBooks):
             if any(self.rt.is_severed(w) for w in pending)
             else max(0.05, self.abort_deadline_s / 8)
         )
-        self.rt.call_later(every, lambda: self._feed(req, OwnerEvent.RETRY), rid=req.rid)
+        self.rt.call_later(every, lambda: self._retry(req), rid=req.rid)
+
+    def _retry(self, req: OwnedRequest) -> None:
+        """The retry timer; a quarantined request whose silent writers are all gone is
+        fenced at once (see ``core.on_retry``)."""
+        gone: set[int] = set()
+        if req.state is OwnerState.QUARANTINED:
+            gone = {
+                w
+                for w in req.book.pending()
+                if self.rt.write_path_closed(w, req.writer_incs.get(w))
+            }
+        self._feed(req, core.on_retry(req.book, gone))
 
     def _sever(self, req: OwnedRequest) -> None:
+        waited = time.monotonic() - req.abort_started
+        if waited < self.abort_deadline_s:  # fenced early: every silent writer is gone
+            why = f"gone {waited:.1f} s into the {self.abort_deadline_s:.1f} s abort deadline"
+        else:
+            why = f"no ABORT_ACK within {self.abort_deadline_s:.1f} s"
         log.warning(
-            "request %s: writers %s did not ack within %.1f s; severing them",
-            req.rid,
-            sorted(req.book.fenced),
-            self.abort_deadline_s,
+            "request %s: writers %s %s; severing them", req.rid, sorted(req.book.fenced), why
         )
         for w in sorted(req.book.fenced):
             if self._restarted_since(req, w):
                 continue  # that incarnation is gone already: its proof is its exit
-            reason = f"no ABORT_ACK for request {req.rid} within {self.abort_deadline_s:.1f} s"
+            reason = f"request {req.rid}: {why}"
             self.rt.sever(w, reason)
             self.rt.send(
                 self.router,

@@ -240,6 +240,17 @@ def on_deadline(book: OwnerBook) -> OwnerEvent:
     return OwnerEvent.DEADLINE
 
 
+def on_retry(book: OwnerBook, gone: set[int]) -> OwnerEvent:
+    """The retry timer. ``gone``: writers still silent whose process is known to have
+    exited. While quarantined, once every silent writer is gone no ack can come, so the
+    deadline is not waited out: the request is fenced now, and released only on the same
+    proof (PROOF_CHECK) as at the deadline."""
+    pending = book.pending()
+    if book.state is OwnerState.QUARANTINED and pending and set(pending) <= gone:
+        return on_deadline(book)
+    return OwnerEvent.RETRY
+
+
 def on_proof_check(book: OwnerBook, gone: set[int]) -> OwnerEvent:
     """``gone``: the severed writers whose process is known to have exited (and whose
     last bytes were drained)."""

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from test_cluster_units import _Engine
 from test_failure_units import STATS, _router
-from test_protocol_units import _card, _owner
+from test_protocol_units import TimedRuntime, _card, _owner
 
 from kvferry.cluster import messages as m
 from kvferry.cluster import runtime as runtime_mod
@@ -34,7 +34,10 @@ from kvferry.cluster.rendezvous import ExitRecord, exit_record, publish, publish
 from kvferry.cluster.router import Ledger, Router, Unavailable
 from kvferry.cluster.runtime import DRAIN_S, RankRuntime
 from kvferry.cluster.topology import Topology
+from kvferry.engine.pool import KVPool
+from kvferry.engine.protocol import owner as core
 from kvferry.engine.protocol.owner import OwnerState
+from kvferry.engine.replay import ReplayConfig, ReplayModel
 from kvferry.transfer import TransferError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -329,3 +332,71 @@ def test_a_restarted_router_counts_the_pages_ranks_hold_for_the_old_one(inherits
         return
     assert refused is not None and "no pool has room for 8 pages" in refused.reason
     assert later.owner == 3
+
+
+class _DeadWriters(TimedRuntime):
+    """An owner's runtime where the writers in ``dead`` are proven gone."""
+
+    def __init__(self, rank: int, dead: set[int]) -> None:
+        super().__init__(rank)
+        self.dead = dead
+
+    def write_path_closed(self, rank, incarnation=None) -> bool:
+        return rank in self.dead
+
+    def sever(self, rank, reason) -> None:
+        self.sent.append((rank, "(severed)", {"reason": reason}))
+
+
+def _any_gone_fences(book, gone):
+    """Broken mode: fence as soon as one silent writer is gone."""
+    if book.state is OwnerState.QUARANTINED and set(book.pending()) & gone:
+        return core.on_deadline(book)
+    return core.OwnerEvent.RETRY
+
+
+@pytest.mark.parametrize("rule", ["every-silent-writer", "broken-any"], ids=str)
+def test_a_quarantine_whose_silent_writers_are_all_gone_does_not_wait_out_the_deadline(
+    rule, monkeypatch
+):
+    """Two writers; the abort finds neither acked. Writer 1's process is gone: still
+    quarantined, since writer 3 lives and may still write. Once writer 3 is gone too, the
+    next retry fences the request and releases it on the proof, well before the deadline.
+    Broken mode: fencing once any silent writer is gone severs writer 3 while it lives,
+    before its deadline (the proof check still holds the pages: it wants both gone)."""
+    if rule == "broken-any":
+        monkeypatch.setattr(core, "on_retry", _any_gone_fences)
+    model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
+    rt = _DeadWriters(rank=2, dead={1})
+    rt.cards.update({r: _card(r, "prefill") for r in (1, 3)})
+    owner = DecodeRank(
+        rt,
+        model,
+        KVPool(model.pool_config(16, 64)),
+        router=0,
+        transfer_timeout_s=5.0,
+        abort_deadline_s=5.0,
+    )
+    rt.deliver(m.ASSIGN, src=0, rid="r4", prompt_len=40, max_tokens=8, writers=[1, 3], last_token=7)
+    rt.deliver(m.ABORT, src=0, rid="r4", owner=2, writers=[1, 3], source="peer", reason="gone")
+    assert owner.reqs["r4"].state is OwnerState.QUARANTINED
+
+    def fire_retries() -> None:
+        for timer in [t for t in rt.timers if t.delay < owner.abort_deadline_s]:
+            if not timer.cancelled:
+                timer.cancelled = True
+                timer.fn()
+
+    fire_retries()
+    severed = [to for to, kind, _ in rt.sent if kind == "(severed)"]
+    if rule == "broken-any":
+        assert 3 in severed  # the test catches writer 3 severed while alive
+        return
+    assert severed == [] and "RELEASED" not in rt.kinds()
+    assert owner.reqs["r4"].state is OwnerState.QUARANTINED
+    rt.dead.add(3)
+    fire_retries()
+    fire_retries()  # the proof check the fence armed
+    released = [f for _, k, f in rt.sent if k == "RELEASED"]
+    assert [(f["pages"], f["how"]) for f in released] == [(3, "severed")]
+    assert owner.allocator.counts()["quarantined"] == 0

@@ -277,6 +277,9 @@ class TimedRuntime(RecordingRuntime):
     def is_severed(self, rank) -> bool:
         return False
 
+    def write_path_closed(self, rank, incarnation=None) -> bool:
+        return False  # every writer alive
+
 
 def _owner(integrity: bool = True) -> tuple[DecodeRank, TimedRuntime]:
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))

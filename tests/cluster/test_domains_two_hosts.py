@@ -101,6 +101,9 @@ def test_a_remote_writer_dies_and_rejoins_while_the_decode_node_keeps_serving(
     assert published is not None and released is not None, text[-3000:]
     marked = re.search(r".*rank 1 marked unhealthy: exited.*", text)
     assert marked is not None
+    # its replacement was admitted only once the old incarnation's pages were released
+    admitted = re.search(r"rank 1 rejoined as incarnation", text)
+    assert admitted is not None and admitted.start() > released.start()
     release_s = _stamp(released[0]) - _stamp(marked[0])
     print(f"cross-host proof: pages released {release_s:.2f} s after the exit was seen")
     assert release_s >= HORIZON_S - 0.5  # the record, then the horizon, then the drain

@@ -247,3 +247,25 @@ def test_the_measured_figures_are_in_one_place():
     assert set(MEASURED.message) == {"router", "prefill", "decode"}
     assert scenarios.build("steady", SMALL).service is MEASURED
     assert scenarios.build("steady", SMALL, service=False).service is None
+
+
+@pytest.mark.parametrize("records", [True, False], ids=["exit-records", "host-lost"])
+def test_a_remote_crashed_writer_is_proven_gone_by_its_exit_record(records, monkeypatch):
+    """Writers and owners sit on different hosts: a crashed writer's pages are released
+    on its launcher's exit record past the horizon, and none is stranded. Without the
+    record (its whole host lost) the pages stay quarantined: stranded, never released."""
+    if not records:
+        monkeypatch.setattr(World, "exit_records", False, raising=False)
+        real_init = World.__init__
+
+        def init(self, *a, **k):
+            real_init(self, *a, **k)
+            self.exit_records = False
+
+        monkeypatch.setattr(World, "__init__", init)
+    r = run(small("crash"))
+    assert r["safe"] and r["checks"]["no_release_while_landing"]
+    if records:
+        assert r["stranded_pages"] == 0 and r["checks"]["every_page_free_at_end"]
+    else:
+        assert r["stranded_pages"] > 0

@@ -368,14 +368,19 @@ class SimRuntime:
         self.world.on_sever(self.rank, rank)
 
     def write_path_closed(self, rank: int, incarnation: int | None = None) -> bool:
-        """As RankRuntime.write_path_closed: only for a rank on this host whose process is
-        gone, once ``DRAIN_S`` passed since this rank first saw it gone."""
-        if self.cards[rank].host != self.cards[self.rank].host:
-            return False
+        """As RankRuntime.write_path_closed: a rank whose process is gone, once ``DRAIN_S``
+        passed since this rank first saw it gone (on this host, in /proc) or, on another
+        host, since it saw the launcher's exit record (published as the process dies)
+        plus the transport's failure horizon."""
         if rank not in self.world.crashed:
             return False
+        wait = DRAIN_S
+        if self.cards[rank].host != self.cards[self.rank].host:
+            if not self.world.exit_records:
+                return False
+            wait += self.world.net.cfg.failure_horizon_s
         seen = self._gone_since.setdefault(rank, self.clock.now)
-        return self.clock.now - seen >= DRAIN_S
+        return self.clock.now - seen >= wait
 
     # -------------------------------------------------------------- sending
     def send(self, rank: int, kind: Any, **fields: Any) -> SimBatch | None:

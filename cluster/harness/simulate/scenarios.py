@@ -26,9 +26,11 @@ Six scenarios (issue #17, and ``partition-long``), each at three scales (:data:`
 
 Prefill and decode ranks sit on hosts of their own (8 ranks a host, 4 hosts a rack at
 1,000 ranks; 4 x 4 at 100; 2 x 2 at 10), so an owner never shares a host with its
-writers: ``write_path_closed`` is never true, and a crashed writer's quarantined pages
-wait for an ack that cannot come (reported as stranded, the price I4 asks). The
-validation's layout puts every rank on one host, as the local cluster does.
+writers: a crashed writer's quarantined pages are released on its launcher's exit record
+(published as the process dies) once the transport's failure horizon has passed, as the
+runtime does; a writer that never acks and never dies keeps them (reported as stranded,
+the price I4 asks). The validation's layout puts every rank on one host, as the local
+cluster does.
 
 The protocol's timings (abort deadline, transfer timeout, request deadline, admission
 wait, context length) are the service's defaults (:class:`kvferry.cluster.config.ServeConfig`).

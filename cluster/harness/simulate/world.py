@@ -72,6 +72,9 @@ class World:
         self.decode_pages = wl.decode_pages
         self.prefill_pages = wl.prefill_pages
         self.crashed: set[int] = set()
+        # A crashed writer's launcher publishes its exit (kvferry.cluster.supervise), so an
+        # owner on another host proves it gone past the horizon; off: the host is lost too.
+        self.exit_records = True
         self.stalled_until: dict[int, float] = {}
         self.silent_since: dict[int, float] = {}
         self.truth = Truth()
@@ -369,7 +372,10 @@ class World:
 
     def _unprovable(self, rank: int, req: Any) -> bool:
         """A fenced request whose proof can never come: a severed writer that has not
-        acked crashed on another host (write_path_closed cannot see it)."""
+        acked crashed on another host and no exit record will say so (``exit_records``
+        off: its launcher lost with it, as when a whole host goes)."""
+        if self.exit_records:
+            return False
         host = self.layout.host
         silent = req.book.fenced - req.book.acked
         return any(w in self.crashed and host[w] != host[rank] for w in silent)

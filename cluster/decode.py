@@ -752,14 +752,17 @@ class DecodeRank(RankBooks):
     def _retry(self, req: OwnedRequest) -> None:
         """The retry timer; a quarantined request whose silent writers are all gone is
         fenced at once (see ``core.on_retry``)."""
-        gone: set[int] = set()
-        if req.state is OwnerState.QUARANTINED:
-            gone = {
-                w
-                for w in req.book.pending()
-                if self.rt.write_path_closed(w, req.writer_incs.get(w))
-            }
+        gone = (
+            self._proven_gone(req, req.book.pending())
+            if req.state is OwnerState.QUARANTINED
+            else set()
+        )
         self._feed(req, core.on_retry(req.book, gone))
+
+    def _proven_gone(self, req: OwnedRequest, writers) -> set[int]:
+        """Those of ``writers`` whose incarnation on ``req`` can no longer write (I4's
+        proof: see ``RankRuntime.write_path_closed``)."""
+        return {w for w in writers if self.rt.write_path_closed(w, req.writer_incs.get(w))}
 
     def _sever(self, req: OwnedRequest) -> None:
         waited = time.monotonic() - req.abort_started
@@ -789,8 +792,7 @@ class DecodeRank(RankBooks):
         pages stay quarantined, counted as used and visible in /metrics."""
         if req.state is not OwnerState.FENCED:
             return
-        gone = {w for w in req.book.fenced if self.rt.write_path_closed(w, req.writer_incs.get(w))}
-        self._feed(req, core.on_proof_check(req.book, gone))
+        self._feed(req, core.on_proof_check(req.book, self._proven_gone(req, req.book.fenced)))
 
     def _warn_if_stuck(self, req: OwnedRequest) -> None:
         waited = time.monotonic() - req.abort_started

@@ -34,10 +34,8 @@ from kvferry.cluster.rendezvous import ExitRecord, exit_record, publish, publish
 from kvferry.cluster.router import Ledger, Router, Unavailable
 from kvferry.cluster.runtime import DRAIN_S, RankRuntime
 from kvferry.cluster.topology import Topology
-from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol import owner as core
 from kvferry.engine.protocol.owner import OwnerState
-from kvferry.engine.replay import ReplayConfig, ReplayModel
 from kvferry.transfer import TransferError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -366,17 +364,9 @@ def test_a_quarantine_whose_silent_writers_are_all_gone_does_not_wait_out_the_de
     before its deadline (the proof check still holds the pages: it wants both gone)."""
     if rule == "broken-any":
         monkeypatch.setattr(core, "on_retry", _any_gone_fences)
-    model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     rt = _DeadWriters(rank=2, dead={1})
     rt.cards.update({r: _card(r, "prefill") for r in (1, 3)})
-    owner = DecodeRank(
-        rt,
-        model,
-        KVPool(model.pool_config(16, 64)),
-        router=0,
-        transfer_timeout_s=5.0,
-        abort_deadline_s=5.0,
-    )
+    owner, _ = _owner(rt=rt, abort_deadline_s=5.0)
     rt.deliver(m.ASSIGN, src=0, rid="r4", prompt_len=40, max_tokens=8, writers=[1, 3], last_token=7)
     rt.deliver(m.ABORT, src=0, rid="r4", owner=2, writers=[1, 3], source="peer", reason="gone")
     assert owner.reqs["r4"].state is OwnerState.QUARANTINED

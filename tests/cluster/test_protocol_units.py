@@ -281,16 +281,19 @@ class TimedRuntime(RecordingRuntime):
         return False  # every writer alive
 
 
-def _owner(integrity: bool = True) -> tuple[DecodeRank, TimedRuntime]:
+def _owner(
+    integrity: bool = True, rt: TimedRuntime | None = None, abort_deadline_s: float = 1.0
+) -> tuple[DecodeRank, TimedRuntime]:
+    """Decode rank 2 over ``rt`` (default: a TimedRuntime of its own)."""
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
-    rt = TimedRuntime(rank=2)
+    rt = rt or TimedRuntime(rank=2)
     owner = DecodeRank(
         rt,
         model,
         KVPool(model.pool_config(16, 64)),
         router=0,
         transfer_timeout_s=5.0,
-        abort_deadline_s=1.0,
+        abort_deadline_s=abort_deadline_s,
         integrity=integrity,
     )
     return owner, rt

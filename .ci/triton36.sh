@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The kernel checks under Triton 3.6 (the lent GPU machine's version): the sm_90 compile
-# of the device table's variants with their register counts, then the interpreter tests
-# against the torch references. Runs after scripts/test.sh, which made .venv.
+# of the device table's variants with their register counts, and of every compile point of
+# the tuning sweep (fails on a spill), then the interpreter tests against the torch
+# references. Runs after scripts/test.sh, which made .venv.
 #   .ci/triton36.sh            run them
 #   .ci/triton36.sh -k NAME    extra arguments go to pytest
 # A venv of its own (.venv/triton36) holds triton==3.6.0 and numpy<2.4 (Triton 3.6's
@@ -9,7 +10,7 @@
 # and kvferry through .venv's site-packages, which come after its own on sys.path.
 set -euo pipefail
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
-    sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0
+    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0
 fi
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -34,4 +35,5 @@ print(f"triton36: triton {triton.__version__}, numpy {numpy.__version__}, torch 
 EOF
 cd "$ROOT"
 env -u TRITON_INTERPRET "$VENV/bin/python" -m kvferry.engine.kernels.aot --only decode-bf16-d128-g4 --jobs 2
+env -u TRITON_INTERPRET "$VENV/bin/python" -m kvferry.engine.kernels.aot --sweep --jobs 2
 "$VENV/bin/python" -m pytest -q -ra -p no:cacheprovider -W ignore::DeprecationWarning tests/engine/test_kernels_interpret.py "$@"

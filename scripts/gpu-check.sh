@@ -8,6 +8,10 @@
 #   scripts/gpu-check.sh --checks-only   correctness only
 #   scripts/gpu-check.sh --no-flex       skip the FlexAttention baseline (compiles on first use)
 #   scripts/gpu-check.sh --dry-run       no GPU: the whole script on CPU, small shapes
+#   scripts/gpu-check.sh --tune          the decode kernel's tuning sweep instead: each tuning
+#                                        checked, timed on the goal cases, the best timed as
+#                                        the main run times the default (--tunings A,B: those)
+#   scripts/gpu-check.sh --tuning NAME   the main run at another tuning (n64-w4-s2-p2-m256)
 #   scripts/gpu-check.sh --help-python   the Python options (--budget, --iters, --seed, ...)
 # Python: $KVFERRY_PYTHON, else .venv/bin/python when it has torch, else python3. Needs
 # torch and triton; kvferry comes from this checkout (no install): transfer/, engine/ and
@@ -16,7 +20,7 @@
 # temporary folder first.
 set -euo pipefail
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0
+    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0
 fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${KVFERRY_PYTHON:-}"

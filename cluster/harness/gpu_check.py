@@ -46,6 +46,9 @@ from typing import Any
 
 import torch
 
+from kvferry.engine.kernels.tuning import DEFAULT as DEFAULT_TUNING
+from kvferry.engine.kernels.tuning import DecodeTuning
+
 DEV = "cuda"  # "cpu" in a dry run (--dry-run: the interpreter, small shapes, wall-clock timings)
 SMALL = False
 RESULTS: list[dict] = []
@@ -304,10 +307,45 @@ def copy_bandwidth(warmup: int, iters: int) -> float:
     return gbs
 
 
+def attention_shape() -> tuple[int, int, int, int, torch.dtype]:
+    """(q heads, kv heads, head dim, page size, dtype) of the timed cases."""
+    return (8, 2, 128, 16, torch.bfloat16) if SMALL else (32, 8, 128, 16, torch.bfloat16)
+
+
+def attention_inputs(
+    batch: int, context: int, gen: torch.Generator, shape: tuple[int, int, int, int, torch.dtype]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A timed case's inputs: pool ``[pages, 2, 2, kv_heads, page_size, head_dim]`` (layer 1
+    is read), a shuffled full table ``[batch, context / page_size]`` int32, every sequence
+    ``context`` long, q ``[batch, q_heads, head_dim]``; and the bytes a pass moves (the K/V
+    read, q read and the output written)."""
+    q_heads, kv_heads, head_dim, page_size, dtype = shape
+    pages_per_seq = context // page_size
+    num_pages = batch * pages_per_seq + 16
+    kv = torch.empty(
+        num_pages, 2, 2, kv_heads, page_size, head_dim, dtype=dtype, device=DEV
+    ).normal_()
+    table = (
+        torch.randperm(num_pages, generator=gen, device=DEV)[: batch * pages_per_seq]
+        .view(batch, pages_per_seq)
+        .to(torch.int32)
+    )
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+    q = torch.randn(batch, q_heads, head_dim, generator=gen, device=DEV).to(dtype)
+    kv_bytes = batch * context * kv_heads * head_dim * 2 * kv.element_size()
+    return kv, table, seq_lens, q, kv_bytes + 2 * q.numel() * q.element_size()
+
+
 def attention_cases(
-    cases, copy_gbs: float, warmup: int, iters: int, deadline: float, flex: bool
+    cases,
+    copy_gbs: float,
+    warmup: int,
+    iters: int,
+    deadline: float,
+    flex: bool,
+    tuning: DecodeTuning = DEFAULT_TUNING,
 ) -> None:
-    shape = (8, 2, 128, 16, torch.bfloat16) if SMALL else (32, 8, 128, 16, torch.bfloat16)
+    shape = attention_shape()
     gen = torch.Generator(device=DEV).manual_seed(7)
     flex_fn: Callable[..., Any] | None = None
     if flex:
@@ -324,7 +362,7 @@ def attention_cases(
             emit("skipped", case=f"{batch}x{context}", reason="time budget")
             continue
         flex_fn = attention_case(
-            batch, context, copy_gbs, warmup, iters, deadline, flex_fn, gen, shape
+            batch, context, copy_gbs, warmup, iters, deadline, flex_fn, gen, shape, tuning
         )
 
 
@@ -338,41 +376,32 @@ def attention_case(
     flex_fn: Callable[..., Any] | None,
     gen: torch.Generator,
     shape: tuple[int, int, int, int, torch.dtype],
+    tuning: DecodeTuning = DEFAULT_TUNING,
 ) -> Callable[..., Any] | None:
-    """One batch x context case: the kernel with the check off and on, the torch
-    baselines; returns the FlexAttention function for the next case (None once it failed
-    or its compile took too long)."""
+    """One batch x context case: the kernel (at ``tuning``) with the check off and on, the
+    torch baselines; returns the FlexAttention function for the next case (None once it
+    failed or its compile took too long)."""
     from kvferry.engine.kernels import triton_decode
 
-    q_heads, kv_heads, head_dim, page_size, dtype = shape
-    pages_per_seq = context // page_size
-    num_pages = batch * pages_per_seq + 16
-    kv = torch.empty(
-        num_pages, 2, 2, kv_heads, page_size, head_dim, dtype=dtype, device=DEV
-    ).normal_()
-    table = (
-        torch.randperm(num_pages, generator=gen, device=DEV)[: batch * pages_per_seq]
-        .view(batch, pages_per_seq)
-        .to(torch.int32)
-    )
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
-    q = torch.randn(batch, q_heads, head_dim, generator=gen, device=DEV).to(dtype)
+    kv_heads, page_size = shape[1], shape[3]
+    kv, table, seq_lens, q, io_bytes = attention_inputs(batch, context, gen, shape)
     out = torch.empty_like(q)
     _, _, _, fresh = stamp_all(kv, table, seq_lens, page_size)
     own = fresh()
-    kv_bytes = batch * context * kv_heads * head_dim * 2 * kv.element_size()
-    io_bytes = kv_bytes + 2 * q.numel() * q.element_size()
-    splits = triton_decode.choose_splits(batch, kv_heads, context, kv.device)
+    head_dim = q.shape[2]
+    splits = triton_decode.choose_splits(batch, kv_heads, context, kv.device, tuning)
     results = {}
     for name, fn in (
         (
             "triton",
-            lambda: triton_decode.paged_decode_attention(q, kv, 1, table, seq_lens, out=out),
+            lambda: triton_decode.paged_decode_attention(
+                q, kv, 1, table, seq_lens, out=out, tuning=tuning
+            ),
         ),
         (
             "triton+check",
             lambda: triton_decode.paged_decode_attention(
-                q, kv, 1, table, seq_lens, out=out, ownership=own
+                q, kv, 1, table, seq_lens, out=out, ownership=own, tuning=tuning
             ),
         ),
     ):
@@ -383,6 +412,7 @@ def attention_case(
             case=f"{batch}x{context}",
             impl=name,
             splits=splits,
+            tuning=tuning.name,
             bytes=io_bytes,
             seconds=t,
             gb_s=io_bytes / t / 1e9,
@@ -768,7 +798,10 @@ def table() -> None:
             _row(f"page transfer {r['path']}", None, f"failed: {r['error'][:120]}")
     for r in RESULTS:
         if r["kind"] == "jit":
-            _row(f"JIT {r['kernel']}", None, f"registers {r['registers']}, spills {r['spills']}")
+            at = f" {r['tuning']}" if "tuning" in r else ""
+            _row(
+                f"JIT {r['kernel']}{at}", None, f"registers {r['registers']}, spills {r['spills']}"
+            )
     goals(print)
     checks = [r for r in RESULTS if r["kind"] == "check"]
     print(
@@ -796,6 +829,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-transfer", action="store_true", help="skip the GPU page transfer between processes"
     )
+    parser.add_argument(
+        "--tuning",
+        default=DEFAULT_TUNING.name,
+        help=f"the decode kernel's tuning for the timings (default {DEFAULT_TUNING.name}: "
+        "block_n, warps, stages, programs per SM, min split tokens)",
+    )
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="instead of the main run: the tuning sweep (each tuning checked, then timed on "
+        "the goal cases; the best timed as the main run times the default)",
+    )
+    parser.add_argument(
+        "--tunings", help="with --tune: only these tunings, comma-separated (default: the sweep)"
+    )
     parser.add_argument("--transfer-target", help=argparse.SUPPRESS)  # the target process
     parser.add_argument(
         "--dry-run",
@@ -809,6 +857,10 @@ def main(argv: list[str] | None = None) -> int:
         help="inputs' seed (default: fresh each run)",
     )
     args = parser.parse_args(argv)
+    try:
+        tuning = DecodeTuning.parse(args.tuning)
+    except ValueError as error:
+        parser.error(str(error))
     t0 = time.monotonic()
     global DEV, SMALL
     if args.transfer_target:
@@ -846,13 +898,23 @@ def main(argv: list[str] | None = None) -> int:
             triton=triton.__version__,
             seed=args.seed,
         )
+    if args.tune:
+        from . import gpu_tune
+
+        return gpu_tune.run(args)
     correctness(args.seed)
     emit("phase", name="checks", seconds=time.monotonic() - t0)
     if not args.checks_only:
         copy_gbs = copy_bandwidth(args.warmup, args.iters)
         cases = [(1, 512), (2, 256)] if SMALL else [(1, 131072), (16, 8192), (64, 2048)]
         attention_cases(
-            cases, copy_gbs, args.warmup, args.iters, t0 + args.budget, not (args.no_flex or SMALL)
+            cases,
+            copy_gbs,
+            args.warmup,
+            args.iters,
+            t0 + args.budget,
+            not (args.no_flex or SMALL),
+            tuning,
         )
         if time.monotonic() < t0 + args.budget:
             checksum_bandwidth(copy_gbs, args.warmup, args.iters)
@@ -868,4 +930,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # through the imported module, so that gpu_tune shares its globals (device, results)
+    from kvferry.cluster.harness import gpu_check
+
+    sys.exit(gpu_check.main())

@@ -13,7 +13,11 @@ aligned; q, pool and output strides multiples of 16 elements; ``split_len`` a mu
 equal these is for the device run to confirm (``scripts/gpu-check.sh`` prints both).
 
 Run: ``python -m kvferry.engine.kernels.aot [--jobs N] [--json]``: one JSON object per
-variant, a table, exit 1 on any violation. Must run without ``TRITON_INTERPRET``.
+variant, a table, exit 1 on any violation. ``--sweep`` compiles the decode kernel (bf16,
+head dim 128, group 4, check off and on) at every (block_n, warps, stages) point of
+:func:`.tuning.compile_points` instead, with the programs each leaves resident per SM;
+there only spills and failed compiles are violations, since the register budget is the
+default launch's. Must run without ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
@@ -28,15 +32,20 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from .tuning import DEFAULT, DecodeTuning, compile_points
 
 # Registers per thread: 4 warps at <= 128 keep 4 programs (16 warps) resident per SM.
 REGISTER_BUDGET = {"decode": 128, "combine": 96, "checksum": 64}
 TARGET = ("cuda", 90, 32)
-NUM_WARPS = 4
+NUM_WARPS = 4  # the combine and checksum kernels'; the decode kernel's come from its tuning
 NUM_STAGES = 2
 _DT = {"bf16": "*bf16", "fp16": "*fp16"}
+# sm_90 per SM: 64K registers (allocated per warp in 256s), 228 KiB shared memory (1 KiB
+# of it reserved per block), 64 warps, 32 blocks.
+SM_REGISTERS, SM_SHARED, SM_WARPS, SM_BLOCKS = 65536, 233472, 64, 32
 
 
 @dataclass(frozen=True)
@@ -46,12 +55,15 @@ class Variant:
     head_dim: int = 128
     group: int = 4
     check: bool = False
+    tuning: DecodeTuning = DEFAULT  # the decode kernel's block_n, warps and stages
 
     @property
     def name(self) -> str:
         if self.kernel == "decode":
             check = "check" if self.check else "nocheck"
-            return f"decode-{self.dtype}-d{self.head_dim}-g{self.group}-{check}"
+            key = self.tuning.compile_key
+            at = "" if key == DEFAULT.compile_key else "@n{}-w{}-s{}".format(*key)
+            return f"decode-{self.dtype}-d{self.head_dim}-g{self.group}-{check}{at}"
         if self.kernel == "combine":
             return f"combine-{self.dtype}-d{self.head_dim}"
         return f"checksum-{self.dtype}"
@@ -74,6 +86,25 @@ def variants() -> list[Variant]:
     return out
 
 
+def sweep_variants() -> list[Variant]:
+    """The decode kernel of the device table's shape (bf16, head dim 128, group 4), check
+    off and on, at every compile point of the tuning sweep."""
+    return [
+        Variant("decode", "bf16", 128, 4, check, point)
+        for point in compile_points()
+        for check in (False, True)
+    ]
+
+
+def resident_programs(registers: int, shared: int, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps an sm_90 SM holds at once with these registers per
+    thread and bytes of shared memory per program."""
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = SM_REGISTERS // (per_warp * num_warps)
+    by_shared = SM_SHARED // (max(shared, 0) + 1024)
+    return int(min(by_regs, by_shared, SM_WARPS // num_warps, SM_BLOCKS))
+
+
 @dataclass
 class Report:
     variant: str
@@ -85,6 +116,8 @@ class Report:
     loads_128: int = 0
     mma: int = 0
     spill_ops: int = 0
+    num_warps: int = NUM_WARPS
+    resident: int = -1  # programs per SM, from registers and shared memory (-1: unknown)
     seconds: float = 0.0
     # "ptx" where no cuobjdump is found: loads and MMA from PTX, registers unknown (-1)
     sass_from: str = "cuobjdump"
@@ -159,7 +192,7 @@ def _source(v: Variant, divisibility: bool = True) -> Any:
             "GROUP": v.group,
             "G_PAD": triton_decode.group_pad(v.group),
             "HEAD_DIM": v.head_dim,
-            "BLOCK": triton_decode.BLOCK_N,
+            "BLOCK": v.tuning.block_n,
             "CHECK": v.check,
             "UPCAST": False,
         }
@@ -230,11 +263,17 @@ def compile_variant(v: Variant, budget: int | None = None, divisibility: bool = 
     from triton.backends.compiler import GPUTarget
 
     report = Report(v.name, triton.__version__)
+    warps, stages = (
+        (v.tuning.num_warps, v.tuning.num_stages)
+        if v.kernel == "decode"
+        else (NUM_WARPS, NUM_STAGES)
+    )
+    report.num_warps = warps
     t0 = time.perf_counter()
     compiled = triton.compile(
         _source(v, divisibility),
         target=GPUTarget(*TARGET),
-        options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
+        options={"num_warps": warps, "num_stages": stages},
     )
     report.seconds = round(time.perf_counter() - t0, 2)
     report.shared = int(getattr(compiled.metadata, "shared", -1))
@@ -267,6 +306,7 @@ def compile_variant(v: Variant, budget: int | None = None, divisibility: bool = 
         report.loads_128 = len(_LOAD128.findall(sass))
         report.mma = len(_MMA.findall(sass))
         report.spill_ops = len(_SPILL.findall(sass))
+        report.resident = resident_programs(report.registers, report.shared, warps)
         budget = REGISTER_BUDGET[v.kernel] if budget is None else budget
         if report.registers > budget:
             report.violations.append(f"{report.registers} registers > budget {budget}")
@@ -320,24 +360,46 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="drop the 16-byte divisibility hints (shows the load check can fail)",
     )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the decode kernel at every tuning compile point (registers, spills, resident "
+        "programs per SM) instead of the default variants",
+    )
+    parser.add_argument(
+        "--tuning",
+        help="the decode variants at this tuning (e.g. n128-w8-s3-p2-m256), registers "
+        "reported against 255 per thread unless --register-budget is given",
+    )
     args = parser.parse_args(argv)
-    selected = [v for v in variants() if args.only in v.name]
+    if args.tuning:
+        try:
+            at = DecodeTuning.parse(args.tuning)
+        except ValueError as error:
+            parser.error(str(error))
+        pool = [replace(v, tuning=at) for v in variants() if v.kernel == "decode"]
+    else:
+        pool = sweep_variants() if args.sweep else variants()
+    selected = [v for v in pool if args.only in v.name]
     if not selected:
         parser.error(f"no variant matches {args.only!r}")
+    budget = args.register_budget
+    if (args.sweep or args.tuning) and budget is None:
+        budget = 255  # every register a thread may have: the sweep reports, resident decides
     t0 = time.perf_counter()
-    reports = run(selected, args.jobs, args.register_budget, not args.no_divisibility)
+    reports = run(selected, args.jobs, budget, not args.no_divisibility)
     for r in reports:
         print(json.dumps(asdict(r)), flush=True)
     if not args.json:
         print(
-            f"\n{'variant':44} {'regs':>4} {'spill':>5} {'ld128':>5} {'mma':>4} {'smem':>6}"
-            "  verdict"
+            f"\n{'variant':56} {'regs':>4} {'spill':>5} {'ld128':>5} {'mma':>4} {'smem':>6}"
+            f" {'res':>3}  verdict"
         )
         for r in reports:
             verdict = "ok" if not r.violations else "; ".join(r.violations)
             print(
-                f"{r.variant:44} {r.registers:>4} {r.stack + r.local:>5} {r.loads_128:>5} "
-                f"{r.mma:>4} {r.shared:>6}  {verdict}"
+                f"{r.variant:56} {r.registers:>4} {r.stack + r.local:>5} {r.loads_128:>5} "
+                f"{r.mma:>4} {r.shared:>6} {r.resident:>3}  {verdict}"
             )
         failing = sum(bool(r.violations) for r in reports)
         print(f"{len(reports)} variants, {failing} failing, {time.perf_counter() - t0:.1f} s")

@@ -8,9 +8,10 @@ q ``[batch, q_heads, head_dim]``; returns ``[batch, q_heads, head_dim]`` in q.dt
 for an empty sequence. GQA: query head ``h`` reads KV head ``h // (q_heads // kv_heads)``.
 
 Work split: program ``(b, kv_head, split)`` attends the query heads of one KV head over one
-slice of ``split_len`` positions (a multiple of ``BLOCK_N``, the tokens per step, which is
+slice of ``split_len`` positions (a multiple of ``block_n``, the tokens per step, which is
 itself a multiple of the page size, so a step never straddles a split and starts on a page
-boundary), in blocks of ``BLOCK_N`` positions gathered through the page table. With one
+boundary), in blocks of ``block_n`` positions gathered through the page table (``block_n``,
+warps, stages and the split heuristic are a :class:`~.tuning.DecodeTuning`). With one
 split the program writes the output; with several it writes an unnormalised partial
 (acc, running max, running sum) and :func:`_combine_kernel` merges the splits that hold
 positions. Page size (a power of two: shift and mask) and split count are runtime
@@ -50,11 +51,9 @@ from .ownership import (
     WRONG_INDEX,
     PageOwnership,
 )
+from .tuning import DEFAULT, DecodeTuning
 
-BLOCK_N = 64  # positions per step; a multiple of every supported page size
 COMBINE_BLOCK = 16  # splits merged per step of the combine kernel
-MAX_SPLITS = 128
-MIN_SPLIT_TOKENS = 256
 LOG2E = 1.4426950408889634
 PAGE_SIZES = (16, 32, 64)
 HEAD_DIMS = (64, 128)
@@ -282,18 +281,21 @@ def _sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-def choose_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
-    """Splits of the sequence so that about two programs run per SM; each split keeps at
-    least ``MIN_SPLIT_TOKENS`` positions."""
+def choose_splits(
+    batch: int,
+    kv_heads: int,
+    max_tokens: int,
+    device: torch.device,
+    tuning: DecodeTuning = DEFAULT,
+) -> int:
+    """Splits of the sequence by ``tuning``'s heuristic (:meth:`DecodeTuning.splits`) for
+    this device's SM count (an H200's 132 off the GPU)."""
     sms = (
         _sm_count(device.index if device.index is not None else torch.cuda.current_device())
         if device.type == "cuda"
         else 132
     )
-    programs = max(1, batch * kv_heads)
-    want = -(-2 * sms // programs)
-    cap = max(1, max_tokens // MIN_SPLIT_TOKENS)
-    return int(max(1, min(want, cap, MAX_SPLITS)))
+    return tuning.splits(batch, kv_heads, max_tokens, sms)
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -355,13 +357,13 @@ def paged_decode_attention(
     *,
     ownership: PageOwnership | None = None,
     num_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    tuning: DecodeTuning = DEFAULT,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged decode attention; see the module doc. ``ownership`` turns the page check
-    on; ``num_splits`` overrides the split heuristic (1: no combine kernel); ``out`` is an
-    optional ``[batch, q_heads, head_dim]`` q.dtype output."""
+    on; ``num_splits`` overrides ``tuning``'s split heuristic (1: no combine kernel);
+    ``tuning`` sets the tile, warps and stages (:mod:`.tuning`); ``out`` is an optional
+    ``[batch, q_heads, head_dim]`` q.dtype output."""
     _check(q, kv, layer, page_table, seq_lens)
     batch, q_heads, head_dim = q.shape
     num_pages, _, _, kv_heads, page_size, _ = kv.shape
@@ -380,9 +382,10 @@ def paged_decode_attention(
     seq_lens = seq_lens.to(device=kv.device, dtype=torch.int32)
     max_tokens = width * page_size
     if num_splits is None:
-        num_splits = choose_splits(batch, kv_heads, max_tokens, kv.device)
+        num_splits = choose_splits(batch, kv_heads, max_tokens, kv.device, tuning)
+    block_n = tuning.block_n
     split_len = -(-max(max_tokens, 1) // num_splits)
-    split_len = -(-split_len // BLOCK_N) * BLOCK_N
+    split_len = -(-split_len // block_n) * block_n
     num_splits = max(1, -(-max_tokens // split_len))
     pool = kv.select(1, layer)  # [pages, 2, kv_heads, page_size, head_dim], a view
     k, v = pool.select(1, 0), pool.select(1, 1)
@@ -438,11 +441,11 @@ def paged_decode_attention(
         GROUP=group,
         G_PAD=group_pad(group),
         HEAD_DIM=head_dim,
-        BLOCK=BLOCK_N,
+        BLOCK=block_n,
         CHECK=ownership is not None,
         UPCAST=upcast,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
     )
     if num_splits > 1:
         LAUNCHED["combine"] = _combine_kernel[(batch, q_heads)](

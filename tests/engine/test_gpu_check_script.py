@@ -3,6 +3,7 @@ exits 2 (its checks and timings run only on the GPU machine); --help answers."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -59,3 +60,44 @@ def test_the_page_transfer_moves_host_pages_between_two_processes(monkeypatch):
     assert row["bytes"] == 8 * 4096 and row["memory_types"]["registered"] == {
         "host": {"segments": 1, "bytes": 8 * 4096}
     }
+
+
+def _script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={"PATH": "/usr/bin:/bin", "KVFERRY_PYTHON": sys.executable, "PYTHONNOUSERSITE": "1"},
+    )
+
+
+def test_the_tuning_sweep_runs_whole_on_cpu():
+    """``--tune --dry-run``: the device sweep's own logic under the interpreter, three
+    tunings on two small cases: each checked against the reference, timed, a pick over
+    the goal cases, and the pick timed as the main run times the default."""
+    proc = _script("--tune", "--dry-run", "--no-transfer")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    from kvferry.cluster.harness.gpu_tune import DRY_RUN_TUNINGS, SMALL_CASES
+
+    timed = {(r["case"], r["tuning"]) for r in rows if r["kind"] == "tune"}
+    cases = {f"{b}x{c}" for b, c in SMALL_CASES}
+    assert timed == {(c, t) for c in cases for t in DRY_RUN_TUNINGS}
+    checks = [r for r in rows if r["kind"] == "check"]
+    assert checks and all(r["ok"] for r in checks)
+    (pick,) = [r for r in rows if r["kind"] == "tuned" and r["case"] == "goal cases"]
+    assert pick["best"] in DRY_RUN_TUNINGS
+    again = {(r["case"], r["impl"]) for r in rows if r["kind"] == "attention"}
+    assert again == {(c, i) for c in cases for i in ("triton", "triton+check", "torch gather+sdpa")}
+    assert all(r["tuning"] == pick["best"] for r in rows if r.get("impl", "").startswith("triton"))
+    assert f"best over the goal cases: {pick['best']}" in proc.stdout
+
+
+def test_a_tuning_that_does_not_parse_is_refused_with_its_form():
+    proc = _script("--dry-run", "--tuning", "n64-w4")
+    assert proc.returncode == 2 and "n<block_n>-w<warps>" in proc.stderr
+    proc = _script("--tune", "--dry-run", "--tunings", "n32-w4-s2-p2-m256")
+    assert proc.returncode == 1
+    (row,) = [json.loads(x) for x in proc.stdout.splitlines() if '"tunings parse"' in x]
+    assert row["ok"] is False and "block_n 32 not in" in row["error"]

@@ -410,3 +410,44 @@ def test_random_corruptions_flag_as_the_reference_does(lens, page_size, splits, 
         else:
             canaries.table[page, ["rid", "gen", "idx"].index(what)] += 1
     run_both(kv, table, seq_lens, q, canaries, rids, grants, splits)
+
+
+@pytest.mark.parametrize("name", ["n128-w4-s2-p2-m256", "n256-w8-s3-p4-m256", "n64-w8-s1-p8-m512"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_every_tile_of_the_sweep_matches_reference(name, page_size):
+    """The tunings the device sweep times change the tile (``block_n``) and the split
+    heuristic: each gives the reference's output with splits of one, several and its own
+    choice, on sequences shorter than a tile, not a multiple of it and several tiles
+    long; with the check on a clean run is bit-identical and a foreign page is flagged as
+    the torch reference flags it."""
+    from kvferry.engine.kernels.tuning import DecodeTuning
+
+    tuning = DecodeTuning.parse(name)
+    lens = (tuning.block_n * 3 + 7, 5, 0, 2 * tuning.block_n)
+    kv, table, seq_lens, q, canaries, rids, grants = owned_case(
+        zlib.crc32(name.encode()) % 1000, page_size, lens
+    )
+    want = reference(q, kv, 0, table, seq_lens)
+    plain = None
+    for splits in (1, 3, None):
+        got = td.paged_decode_attention(
+            q,
+            kv,
+            0,
+            table,
+            seq_lens,
+            num_splits=splits,
+            tuning=tuning,
+            out=torch.full_like(q, float("nan")),
+        )
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        plain = got if splits is None else plain
+    own = PageOwnership.for_requests(canaries, rids, grants, width=table.shape[1])
+    checked = td.paged_decode_attention(q, kv, 0, table, seq_lens, tuning=tuning, ownership=own)
+    assert own.failures() == [] and torch.equal(checked, plain)
+    seq, bits, first = corrupt("foreign", table, canaries, kv.shape[0])
+    own = PageOwnership.for_requests(canaries, rids, grants, width=table.shape[1])
+    ref = PageOwnership.for_requests(canaries, rids, grants, width=table.shape[1])
+    td.paged_decode_attention(q, kv, 0, table, seq_lens, tuning=tuning, ownership=own)
+    check_ownership_reference(table, seq_lens, page_size, kv.shape[0], ref)
+    assert own.failures() == ref.failures() == [(seq, bits, first)]

@@ -69,3 +69,30 @@ def test_losing_alignment_loses_16_byte_loads_and_fails():
     rc, reports, _ = run_aot("--only", "decode-bf16-d64-g4-nocheck", "--no-divisibility")
     assert rc == 1 and len(reports) == 1
     assert any("16-byte global loads" in v for v in reports[0]["violations"]), reports[0]
+
+
+@need_cuobjdump
+def test_every_compile_point_of_the_tuning_sweep_compiles_without_spills():
+    """The device sweep times only what fits: each (block_n, warps, stages) point with the
+    check on compiles for sm_90 with no spills and leaves a program resident per SM."""
+    from kvferry.engine.kernels.tuning import compile_points
+
+    rc, reports, stderr = run_aot("--sweep", "--only=-check@")
+    points = [p for p in compile_points() if p.compile_key != aot.DEFAULT.compile_key]
+    assert len(reports) == len(points), stderr[-2000:]
+    assert rc == 0, {r["variant"]: r["violations"] for r in reports if r["violations"]}
+    assert all(r["spill_ops"] == 0 and r["resident"] >= 1 for r in reports)
+
+
+@need_cuobjdump
+def test_a_tile_past_the_sweep_rule_spills():
+    """The rule the sweep keeps (block_n at most 32 rows per warp) is what keeps spills out:
+    one step past it, 128 positions on 2 warps, spills and is reported as a violation."""
+    from kvferry.engine.kernels.tuning import MAX_ROWS_PER_WARP, DecodeTuning
+
+    past = DecodeTuning(block_n=128, num_warps=2, num_stages=2)
+    assert past.block_n > MAX_ROWS_PER_WARP * past.num_warps
+    rc, reports, stderr = run_aot("--tuning", past.name, "--only", "decode-bf16-d128-g4-check")
+    assert rc == 1 and len(reports) == 1, stderr[-2000:]
+    assert reports[0]["variant"] == "decode-bf16-d128-g4-check@n128-w2-s2"
+    assert reports[0]["spill_ops"] > 0 and any("spills" in v for v in reports[0]["violations"])

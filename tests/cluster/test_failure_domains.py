@@ -3,7 +3,8 @@ word refused, the proof a remote writer is gone, the router's admission of a rej
 the job plan, rank-scoped faults, and a launcher's exit record.
 
 Each invariant test also runs a broken mode it must catch:
-- an owner that takes an ack from a restarted writer as proof for the old request's pages;
+- an owner that takes an ack from a restarted writer as proof for the old request's pages,
+  or its notice as the old request's writes done;
 - a runtime that takes a remote writer as gone without its launcher's exit record;
 - a router that admits a restarted rank while a quarantine of its old incarnation stands.
 """
@@ -100,6 +101,51 @@ def test_an_ack_from_a_restarted_writer_proves_nothing_for_the_old_pages(checked
     assert owner.allocator.counts()["quarantined"] == 3
     assert owner.dropped_other_incarnation == 1
     assert owner.fenced_writers() == ["1:1"]  # the router holds rank 1 out on this
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["contract", "broken-any-incarnation"])
+def test_a_notice_from_a_restarted_writer_starts_no_decode(checked, monkeypatch):
+    """Writer 1 was assigned in incarnation 1; a notice for the request arrives carrying
+    incarnation 5, ahead of the card that says rank 1 restarted. The new process wrote
+    none of these pages and the old one may still be writing them, so the notice is
+    refused and counted, the request keeps waiting, and once the new card is seen it fails
+    with the restart as its reason. Broken mode: an owner that checks only the rank
+    takes the notice and decodes over pages whose writes are not proven done."""
+    if not checked:
+        monkeypatch.setattr(DecodeRank, "_same_incarnation", lambda self, req, msg, what: True)
+    owner, rt = _owner(integrity=False)
+    rt.cards.update({0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "decode")})
+    rt.deliver(m.ASSIGN, src=0, rid="r4", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
+    plan = next(f for _, k, f in rt.sent if k == "PLAN")
+    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
+    notice = m.NOTICE.make(
+        src=1,
+        inc=5,
+        seq=4242,
+        rid="r4",
+        tokens=40,
+        offset=0,
+        total=3,
+        pages=plan["pages"][:3],
+        generations=plan["generations"][:3],
+        checksums=[],
+        bytes=3 * slice_bytes,
+    )
+    rt.handlers[m.NOTICE.name](notice)
+    rt.pump()
+    if not checked:
+        assert owner.busy() and owner.step()  # the test catches decode on unproven pages
+        return
+    assert not owner.busy() and not owner.step()
+    assert owner.reqs["r4"].state is OwnerState.AWAITING and owner.reqs["r4"].notices == {}
+    assert owner.dropped_other_incarnation == 1
+    old = rt.cards[1]
+    rt.cards[1] = dataclasses.replace(old, incarnation=5, pid=99)
+    rt.sent.clear()
+    owner._on_card_replaced(old, rt.cards[1])
+    assert owner.reqs["r4"].state is OwnerState.QUARANTINED
+    done = next(f for _, k, f in rt.sent if k == "DONE")
+    assert done["outcome"] == "failed" and "writer rank 1 restarted" in done["error"]
 
 
 def test_a_writer_restarted_before_its_notice_fails_the_request():

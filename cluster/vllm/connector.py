@@ -1068,10 +1068,8 @@ class _WorkerSide:
         o.abort_source = AbortSource.CLIENT
         o.error = o.error or reason
         self.stats.abort(AbortSource.CLIENT.value)
-        if o.book.state is OwnerState.NEW:  # nothing planned: nothing can land
-            self._feed_owner(o, oc.on_assign(o.book, (WRITER,), granted=False))
-        else:
-            self._feed_owner(o, oc.on_abort(o.book, writers_told=False))
+        # Before the plan (NEW) nothing can land: the table closes it and tells the writer.
+        self._feed_owner(o, oc.on_abort(o.book, writers_told=False))
 
     def _owned_from(self, msg: Any, m: dict[str, Any]) -> _Owned | None:
         o = self.owned.get(m["orid"])

@@ -69,7 +69,7 @@ class OwnerDo(enum.Enum):
     TOMBSTONE = "remember the id as ended: a late ASSIGN or NOTICE is ignored (I2)"
     REPORT_FAILED = "DONE(failed, reason) to the router"
     REPORT_FINISHED = "the last TOKENS and DONE(finished) to the router"
-    ABORT_WRITERS = "ABORT to every writer (the owner refused the request)"
+    ABORT_WRITERS = "ABORT to every writer (refused, or aborted before the plan)"
     REPORT_NOTHING_HELD = "RELEASED(0 pages) to the router: its reservation here ends"
     FREE = "free the pages; RELEASED(freed, or acked when a writer acked rather than noticed)"
     QUARANTINE = "move the pages to quarantine: counted as used, never allocated"
@@ -95,6 +95,10 @@ OWNER_ROWS: dict[tuple[OwnerState, OwnerEvent], Move[OwnerState, OwnerDo]] = {
     (S.NEW, E.REFUSED): Move(
         S.CLOSED, (D.TOMBSTONE, D.REPORT_FAILED, D.ABORT_WRITERS, D.REPORT_NOTHING_HELD)
     ),
+    # Aborted before any page was allocated: no write can land here, so it closes at once;
+    # writers it knows of and the abort did not reach are told to drop the request.
+    (S.NEW, E.ABORT): Move(S.CLOSED, (D.TOMBSTONE, D.ABORT_WRITERS, D.REPORT_NOTHING_HELD)),
+    (S.NEW, E.ABORT_TOLD): Move(S.CLOSED, (D.TOMBSTONE, D.REPORT_NOTHING_HELD)),
     (S.NEW, E.ABORT_FLUSHED): Move(S.CLOSED, (D.TOMBSTONE, D.REPORT_NOTHING_HELD)),
     (S.NEW, E.FAIL_FLUSHED): Move(S.CLOSED, (D.TOMBSTONE, D.REPORT_FAILED, D.REPORT_NOTHING_HELD)),
     (S.AWAITING, E.FLUSH): Move(S.AWAITING),

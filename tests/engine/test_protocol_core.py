@@ -107,6 +107,15 @@ def owner_walk(table):
                 self.alloc.allocate("r", pages)
             self.feed(oc.on_assign(self.book, tuple(range(writers)), granted))
 
+        @rule(writers=st.integers(0, 3), told=st.booleans())
+        @precondition(lambda self: self.book is None)
+        def abort_before_assign(self, writers: int, told: bool) -> None:
+            """An abort that finds the request NEW: no ASSIGN yet at a rank, or a
+            connector's request waiting for its peer's handshake (writers known)."""
+            self.book = oc.OwnerBook("r", tuple(range(writers)))
+            self.feed(oc.on_abort(self.book, writers_told=told))
+            assert self.book.state is OwnerState.CLOSED
+
         def writer(self, data) -> int:
             assert self.book is not None and self.book.writers
             return data.draw(st.sampled_from(self.book.writers))
@@ -202,6 +211,19 @@ def owner_walk(table):
                 assert self.alloc.quarantined_pages_of("r") or not self.alloc.pages_of("r")
 
     return OwnerWalk
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["untold", "told"])
+def test_an_abort_before_the_plan_closes_at_once_and_tells_untold_writers(told):
+    """Nothing was allocated, so nothing is quarantined or freed: the id is tombstoned,
+    the router's reservation ends with RELEASED(0), and writers the abort did not reach
+    are told to drop the request (a vLLM prefill holds its blocks until then)."""
+    book = oc.OwnerBook("r", (0, 1))
+    move = oc.step(book, oc.on_abort(book, writers_told=told))
+    assert book.state is OwnerState.CLOSED
+    assert OwnerDo.TOMBSTONE in move.effects and OwnerDo.REPORT_NOTHING_HELD in move.effects
+    assert not RELEASES & set(move.effects) and OwnerDo.QUARANTINE not in move.effects
+    assert (OwnerDo.ABORT_WRITERS in move.effects) is (not told)
 
 
 def test_the_owner_table_keeps_i2_and_i4_on_every_walk():

@@ -24,6 +24,8 @@ KEY_PREFIX = "kvferry/card/"
 FAIL_PREFIX = "kvferry/failed/"
 EPOCH_KEY = "kvferry/cards-epoch"  # bumped on every card published: peers re-read on change
 EXIT_PREFIX = "kvferry/exited/"  # rank/incarnation -> exit record, from the rank's launcher
+EXIT_COUNT_KEY = "kvferry/exits"  # exit records published so far: the log's length
+EXIT_LOG_PREFIX = "kvferry/exit-log/"  # 1..count -> the same records, in publishing order
 
 
 class RendezvousError(RuntimeError):
@@ -129,7 +131,36 @@ def exit_key(rank: int, incarnation: int) -> str:
 
 
 def publish_exit(store, record: ExitRecord) -> None:
-    store.set(exit_key(record.rank, record.incarnation), record.pack())
+    """The record under its (rank, incarnation) key, for a proof that asks of one writer,
+    and appended to the exit log, which a watcher of every rank reads in one round trip
+    while nothing new has exited (:class:`ExitLog`)."""
+    packed = record.pack()
+    store.set(exit_key(record.rank, record.incarnation), packed)
+    slot = int(store.add(EXIT_COUNT_KEY, 1))
+    store.set(f"{EXIT_LOG_PREFIX}{slot}", packed)
+
+
+@dataclass
+class ExitLog:
+    """A reader's place in the store's exit log. :meth:`read_new` costs one store round
+    trip when nothing exited since the last call, and two more per new record; so a
+    router watching a thousand ranks asks the store once a tick, not once a rank."""
+
+    seen: int = 0
+
+    def read_new(self, store) -> list[ExitRecord]:
+        """The records published since the last call, oldest first. A slot counted but
+        not written yet (its launcher is between the two calls) ends the read; the next
+        call resumes there."""
+        count = int(store.add(EXIT_COUNT_KEY, 0))
+        out: list[ExitRecord] = []
+        while self.seen < count:
+            key = f"{EXIT_LOG_PREFIX}{self.seen + 1}"
+            if not store.check([key]):
+                break
+            out.append(ExitRecord.unpack(bytes(store.get(key))))
+            self.seen += 1
+        return out
 
 
 def exit_record(store, rank: int, incarnation: int) -> ExitRecord | None:

@@ -690,10 +690,12 @@ class Router:
 
     def check_liveness(self) -> None:
         """With a rendezvous store (failure domains): adopt restarted ranks' cards, mark
-        the ranks whose process exited, admit rejoined ones."""
+        the ranks whose process exited (gone from /proc on this host; elsewhere, an exit
+        record new in the store's exit log), admit rejoined ones."""
         if self.rt.store is None:
             return
         self.rt.refresh_cards()
+        self.rt.poll_exits()  # one store round trip unless someone exited
         for rank in self.ledger.totals:
             if rank in self.rejoining or self.unhealthy.get(rank, "").startswith("exited"):
                 continue

@@ -49,7 +49,15 @@ from kvferry.transfer.wire import Message, MessageKind
 
 from . import messages
 from .faults import FaultHooks, FaultPlan
-from .rendezvous import RankCard, RendezvousError, cards_epoch, exit_record, read_cards
+from .rendezvous import (
+    ExitLog,
+    ExitRecord,
+    RankCard,
+    RendezvousError,
+    cards_epoch,
+    exit_record,
+    read_cards,
+)
 
 Handlers = Mapping[Kind, Callable[[Message], None]]
 
@@ -129,6 +137,8 @@ class RankRuntime:
         self.store = store
         self.retired: dict[tuple[int, int], RankCard] = {}  # (rank, incarnation) -> card
         self.cards_epoch = cards_epoch(store) if store is not None else 0
+        self.exit_log = ExitLog()  # where this rank is in the store's exit log
+        self.exited: set[tuple[int, int]] = set()  # (rank, incarnation) with an exit record
         self.engine = engine
         self.cards = cards
         self.faults = faults or FaultPlan()
@@ -271,20 +281,39 @@ class RankRuntime:
         return time.monotonic() - seen >= wait_s
 
     def _exit_published(self, rank: int, incarnation: int) -> bool:
+        if (rank, incarnation) in self.exited:
+            return True
         try:
-            return exit_record(self.store, rank, incarnation) is not None
+            record = exit_record(self.store, rank, incarnation)
         except (RendezvousError, RuntimeError, OSError) as exc:
             log.warning("rank %d: cannot read rank %d's exit record: %s", self.rank, rank, exc)
             return False
+        if record is not None:
+            self.exited.add((rank, incarnation))
+        return record is not None
+
+    def poll_exits(self) -> list[ExitRecord]:
+        """The exit records published since the last poll (one store round trip when
+        there are none), remembered for :meth:`process_exited`; nothing without a store."""
+        if self.store is None:
+            return []
+        try:
+            fresh = self.exit_log.read_new(self.store)
+        except (RendezvousError, RuntimeError, OSError) as exc:
+            log.warning("rank %d: cannot read the exit log: %s", self.rank, exc)
+            return []
+        self.exited.update((r.rank, r.incarnation) for r in fresh)
+        return fresh
 
     def process_exited(self, rank: int) -> bool:
         """``rank``'s current incarnation is known to have exited: its process gone on
-        this host, or its launcher's exit record in the store (for the router's view of
-        who is alive; a release needs :meth:`write_path_closed`)."""
+        this host, or its launcher's exit record among those :meth:`poll_exits` has read
+        (for the router's view of who is alive; a release needs
+        :meth:`write_path_closed`)."""
         card = self.cards[rank]
         if card.host == self.cards[self.rank].host:
             return process_gone(card.pid)
-        return self.store is not None and self._exit_published(rank, card.incarnation)
+        return (rank, card.incarnation) in self.exited
 
     def refresh_cards(self) -> list[int]:
         """Adopt the new card of every peer that came back with a new incarnation (read

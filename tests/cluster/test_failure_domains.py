@@ -222,6 +222,66 @@ def test_a_remote_writer_is_gone_only_on_its_exit_record_and_past_the_horizon(
     assert rt.write_path_closed(1) is True
 
 
+class _CountingStore:
+    """A store that counts the round trips asked of it."""
+
+    def __init__(self, store) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def _exited_one_by_one(self, rank: int) -> bool:
+    """The watch before the exit log: each remote rank's own record, read every tick."""
+    card = self.cards[rank]
+    if card.host == self.cards[self.rank].host:
+        return runtime_mod.process_gone(card.pid)
+    return self._exit_published(rank, card.incarnation)
+
+
+@pytest.mark.parametrize("logged", [True, False], ids=["contract", "broken-per-rank"])
+def test_watching_many_remote_ranks_costs_one_store_round_trip_a_tick(logged, store, monkeypatch):
+    """A router watching 64 ranks on other hosts asks the store the same few questions a
+    tick however many ranks there are (the card epoch and the exit log's length), and
+    still sees a rank's exit at the next tick, and no other rank as exited. Broken mode:
+    reading every rank's own exit record each tick costs a round trip per rank."""
+    if not logged:
+        monkeypatch.setattr(RankRuntime, "process_exited", _exited_one_by_one)
+    cards = {0: dataclasses.replace(_card(0, "router"), incarnation=7)}
+    for r in range(1, 65):
+        cards[r] = dataclasses.replace(_card(r, "decode"), incarnation=7, host=f"h{r}")
+    counting = _CountingStore(store)
+    rt = RankRuntime(0, _HorizonEngine(), cards, store=counting)
+
+    def tick() -> tuple[list[int], int]:
+        before = counting.calls
+        rt.refresh_cards()
+        rt.poll_exits()
+        exited = [r for r in range(1, 65) if rt.process_exited(r)]
+        return exited, counting.calls - before
+
+    assert tick()[0] == []
+    exited, calls = tick()
+    if not logged:
+        assert calls >= 64  # the test catches a round trip per rank
+        return
+    assert exited == [] and calls <= 2, calls
+    publish_exit(store, ExitRecord(rank=17, incarnation=7, pid=1, host="h17", status=-9, at=0.0))
+    exited, calls = tick()
+    assert exited == [17] and calls <= 4, calls
+    assert tick() == ([17], 2)
+    # a record of an old incarnation marks nothing: rank 18's current card is another one
+    publish_exit(store, ExitRecord(rank=18, incarnation=6, pid=1, host="h18", status=0, at=0.0))
+    assert tick()[0] == [17]
+
+
 # ---------------------------------------------------------------- the router
 def _router_with_rejoin():
     """Router 0, prefill ranks 1 and 2, decode rank 3; the store's card epoch at 3."""

@@ -253,6 +253,80 @@ def correctness(seed: int) -> None:
         )
 
 
+def registers_against_aot(
+    gen: torch.Generator,
+    tuning: DecodeTuning = DEFAULT_TUNING,
+    checks: tuple[bool, ...] = (False, True),
+    others: bool = True,
+) -> None:
+    """The registers and spills the GPU's JIT gave each kernel, beside the sm_90 compile of
+    the same variant on this machine (``kvferry.engine.kernels.aot``: the signature and
+    16-byte divisibility the CPU-side compile assumes): one ``registers`` line each,
+    ``equal`` when the counts agree, so the CPU-side figures in engine/GPU.md are checked
+    where they matter. The decode kernel (bf16, head dim 128, group 4) at ``tuning`` with
+    the check off and on; with ``others``, the combine and checksum kernels too."""
+    if DEV == "cpu":
+        emit(
+            "skipped",
+            name="registers against the sm_90 compile",
+            reason="dry run: the interpreter compiles nothing",
+        )
+        return
+    from kvferry.engine.kernels import aot, triton_checksum, triton_decode
+
+    kv, table, seq_lens, q = random_case(gen, torch.bfloat16, 128, 16, [700, 300])
+    _, _, _, fresh = stamp_all(kv, table, seq_lens, 16)
+    launched: list[tuple[Any, Any]] = []
+    for check_on in checks:
+        triton_decode.paged_decode_attention(
+            q,
+            kv,
+            1,
+            table,
+            seq_lens,
+            num_splits=3,
+            tuning=tuning,
+            ownership=fresh() if check_on else None,
+        )
+        variant = aot.Variant("decode", "bf16", 128, 4, check_on, tuning)
+        launched.append((variant, triton_decode.LAUNCHED["decode"]))
+    if others:
+        launched.append((aot.Variant("combine", "bf16", 128), triton_decode.LAUNCHED["combine"]))
+        triton_checksum.page_checksums(kv, torch.arange(kv.shape[0], device=DEV))
+        launched.append((aot.Variant("checksum", "words"), triton_checksum.LAUNCHED["checksum"]))
+    compare_registers(launched, tuning)
+
+
+def compare_registers(launched: list[tuple[Any, Any]], tuning: DecodeTuning) -> None:
+    """Each (aot variant, compiled kernel the JIT gave) compiled again for sm_90 here, one
+    ``registers`` line each."""
+    from kvferry.engine.kernels import aot
+
+    for variant, compiled in launched:
+        jit, jit_spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+        try:
+            report = aot.compile_variant(variant, budget=255)
+        except Exception as error:
+            emit(
+                "registers",
+                variant=variant.name,
+                jit=jit,
+                error=f"{type(error).__name__}: {error}"[:300],
+            )
+            continue
+        emit(
+            "registers",
+            variant=variant.name,
+            tuning=tuning.name,
+            jit=jit,
+            aot=report.registers,
+            jit_spills=jit_spills,
+            aot_spill_ops=report.spill_ops,
+            aot_from=report.sass_from,
+            equal=jit == report.registers,
+        )
+
+
 def pool_past_2_31(gen, reference, triton_decode) -> None:
     per_page = 16 * 128 * 8 * 2
     pages = (1 << 31) // per_page + 64
@@ -802,6 +876,15 @@ def table() -> None:
             _row(
                 f"JIT {r['kernel']}{at}", None, f"registers {r['registers']}, spills {r['spills']}"
             )
+        elif r["kind"] == "registers" and "aot" in r:
+            same = "equal" if r["equal"] else "DIFFER"
+            _row(
+                f"registers {r['variant']}",
+                None,
+                f"JIT {r['jit']} (spills {r['jit_spills']}), sm_90 compile {r['aot']}: {same}",
+            )
+        elif r["kind"] == "registers":
+            _row(f"registers {r['variant']}", None, f"JIT {r['jit']}; compile failed: {r['error']}")
     goals(print)
     checks = [r for r in RESULTS if r["kind"] == "check"]
     print(
@@ -903,6 +986,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return gpu_tune.run(args)
     correctness(args.seed)
+    registers_against_aot(torch.Generator(device=DEV).manual_seed(args.seed), tuning)
     emit("phase", name="checks", seconds=time.monotonic() - t0)
     if not args.checks_only:
         copy_gbs = copy_bandwidth(args.warmup, args.iters)

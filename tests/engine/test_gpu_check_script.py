@@ -4,6 +4,7 @@ exits 2 (its checks and timings run only on the GPU machine); --help answers."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -101,3 +102,40 @@ def test_a_tuning_that_does_not_parse_is_refused_with_its_form():
     assert proc.returncode == 1
     (row,) = [json.loads(x) for x in proc.stdout.splitlines() if '"tunings parse"' in x]
     assert row["ok"] is False and "block_n 32 not in" in row["error"]
+
+
+def test_the_jit_registers_are_set_beside_the_sm_90_compile():
+    """The device run's register comparison, its compile half on CPU: each launched kernel
+    (here a stand-in holding the counts a JIT would report) is compiled for sm_90 again and
+    one line says whether the counts agree. Runs in a process of its own: the kernels must
+    be defined without the interpreter for the compile."""
+    pytest.importorskip("triton")
+    from kvferry.engine.kernels import aot
+
+    if aot.cuobjdump() is None:
+        pytest.skip("no cuobjdump in the Triton wheel or on PATH: registers unknown")
+    code = """
+import json, types
+from kvferry.cluster.harness import gpu_check as gc
+from kvferry.engine.kernels import aot
+from kvferry.engine.kernels.tuning import DEFAULT
+want = aot.compile_variant(aot.Variant("decode", "bf16", 128, 4, False)).registers
+jit = lambda n: types.SimpleNamespace(n_regs=n, n_spills=0)
+gc.compare_registers(
+    [(aot.Variant("decode", "bf16", 128, 4, False), jit(want)),
+     (aot.Variant("decode", "bf16", 128, 4, True), jit(7))],
+    DEFAULT,
+)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert [(r["variant"], r["equal"]) for r in rows] == [
+        ("decode-bf16-d128-g4-nocheck", True),
+        ("decode-bf16-d128-g4-check", False),
+    ]
+    assert rows[1]["jit"] == 7 and rows[1]["aot"] > 7 and rows[1]["tuning"] == "n64-w4-s2-p2-m256"

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from kvferry.engine.capacity import CapacityError, enforce_startup_capacity
+from kvferry.engine.kernels import tuning as decode_tuning
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol.words import Kind
 from kvferry.transfer import TransferConfig, TransferEngine, TransferError
@@ -156,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
             "checks are off; answers can contain other requests' data"
         )
     faults = FaultPlan.parse(cfg.fault, seed=rank, rank=rank)
+    try:
+        tuning = decode_tuning.active()  # a bad KVFERRY_DECODE_TUNING stops the start
+    except ValueError as exc:
+        log.error("refusing to start: %s", exc)
+        publish_failure(store, rank, str(exc))
+        return 2
+    if tuning != decode_tuning.DEFAULT:
+        log.info("decode kernel tuning %s (%s)", tuning.name, decode_tuning.ENV)
     try:
         engine = TransferEngine(
             TransferConfig(

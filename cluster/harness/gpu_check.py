@@ -48,6 +48,7 @@ import torch
 
 from kvferry.engine.kernels.tuning import DEFAULT as DEFAULT_TUNING
 from kvferry.engine.kernels.tuning import DecodeTuning
+from kvferry.engine.kernels.tuning import active as active_tuning
 
 DEV = "cuda"  # "cpu" in a dry run (--dry-run: the interpreter, small shapes, wall-clock timings)
 SMALL = False
@@ -914,9 +915,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--tuning",
-        default=DEFAULT_TUNING.name,
-        help=f"the decode kernel's tuning for the timings (default {DEFAULT_TUNING.name}: "
-        "block_n, warps, stages, programs per SM, min split tokens)",
+        help="the decode kernel's tuning for the timings: block_n, warps, stages, programs "
+        f"per SM, min split tokens (default: $KVFERRY_DECODE_TUNING, else {DEFAULT_TUNING.name})",
     )
     parser.add_argument(
         "--tune",
@@ -941,7 +941,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        tuning = DecodeTuning.parse(args.tuning)
+        tuning = DecodeTuning.parse(args.tuning) if args.tuning else active_tuning()
     except ValueError as error:
         parser.error(str(error))
     t0 = time.monotonic()

@@ -1,6 +1,7 @@
 """Which implementation runs: the Triton kernels on CUDA tensors, the torch references
 elsewhere. ``KVFERRY_KERNELS=torch`` forces the references everywhere (``triton`` forces
-the kernels, e.g. under ``TRITON_INTERPRET=1`` on CPU tensors).
+the kernels, e.g. under ``TRITON_INTERPRET=1`` on CPU tensors). The kernels launch with
+``KVFERRY_DECODE_TUNING`` when it is set (:func:`.tuning.active`), else the default tuning.
 
 Shapes the kernels do not take (page sizes other than 16/32/64, head dims other than
 64/128, pages not dense inside) run the references on any device. Semantics are the
@@ -19,6 +20,7 @@ import torch
 
 from .. import attention as _reference
 from .. import integrity as _integrity
+from . import tuning as _tuning
 from .ownership import PageOwnership, check_ownership_reference
 
 
@@ -52,7 +54,14 @@ def paged_decode_attention(
 
         table = page_table if page_table.dtype == torch.int32 else page_table.to(torch.int32)
         return triton_decode.paged_decode_attention(
-            q, kv, layer, table.to(kv.device), seq_lens.to(kv.device), scale, ownership=ownership
+            q,
+            kv,
+            layer,
+            table.to(kv.device),
+            seq_lens.to(kv.device),
+            scale,
+            ownership=ownership,
+            tuning=_tuning.active(),
         )
     if ownership is None:
         return _reference.paged_decode_attention(q, kv, layer, page_table, seq_lens, scale)

@@ -6,12 +6,17 @@ A :class:`DecodeTuning` holds what a launch chooses beyond the shapes: positions
 software-pipeline stages, and the split heuristic (programs per SM to aim for, and the
 fewest positions a split may hold). Its name, ``n64-w4-s2-p2-m256``, is how the sm_90
 compile, the device run and an operator's ``--tuning`` spell it; :meth:`DecodeTuning.parse`
-reads it back. ``DEFAULT`` is what every launch uses unless told otherwise.
+reads it back. ``DEFAULT`` is what every launch uses unless told otherwise; an operator
+tells otherwise with ``KVFERRY_DECODE_TUNING=<name>`` (:func:`active`), e.g. with the pick
+``scripts/gpu-check.sh --tune`` printed for their GPU.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 BLOCK_NS = (64, 128, 256)  # multiples of every page size (16/32/64): a step never straddles
@@ -85,6 +90,24 @@ class DecodeTuning:
 
 
 DEFAULT = DecodeTuning()
+ENV = "KVFERRY_DECODE_TUNING"
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(name: str) -> DecodeTuning:
+    return DecodeTuning.parse(name)
+
+
+def active(environ: Mapping[str, str] | None = None) -> DecodeTuning:
+    """The tuning launches use: ``KVFERRY_DECODE_TUNING`` when set, else ``DEFAULT``.
+    ValueError names the variable and what is wrong with its value."""
+    name = (os.environ if environ is None else environ).get(ENV, "").strip()
+    if not name:
+        return DEFAULT
+    try:
+        return _parsed(name)
+    except ValueError as error:
+        raise ValueError(f"{ENV}={name!r}: {error}") from None
 
 
 def compile_points() -> list[DecodeTuning]:

@@ -105,3 +105,11 @@ def test_the_pick_over_the_goal_cases_minimises_the_worst_loss():
     assert best_overall(per_case, goals) == "b"
     assert best_overall({"1x131072": {}, "16x8192": {}}, goals) is None
     assert best_overall({"1x131072": {"a": 1.0}, "16x8192": {"b": 1.0}}, goals) is None
+
+
+def test_the_environment_picks_the_tuning_and_a_bad_one_is_named():
+    assert tuning.active({}) == DEFAULT
+    assert tuning.active({tuning.ENV: " "}) == DEFAULT
+    assert tuning.active({tuning.ENV: "n128-w8-s3-p4-m256"}) == DecodeTuning(128, 8, 3, 4, 256)
+    with pytest.raises(ValueError, match=r"KVFERRY_DECODE_TUNING='n32-w4-s2-p2-m256': block_n 32"):
+        tuning.active({tuning.ENV: "n32-w4-s2-p2-m256"})

@@ -7,7 +7,8 @@ tuning). A tuning whose compile spills, or whose output is wrong, is reported an
 timed. Then the best tuning of each case, and the best single tuning over the goal cases
 (the one whose worst loss against each case's best is smallest), which is timed again as
 the main run times the default (check off and on, torch baselines), so its table and the
-goals read the same way. The table ends with what to write into ``tuning.DEFAULT``.
+goals read the same way. The table ends with the ``KVFERRY_DECODE_TUNING`` value that
+serves with the pick, and what to write into ``tuning.DEFAULT`` to make it the default.
 
 Run as ``scripts/gpu-check.sh --tune [--tunings NAME,NAME]`` (a dry run on CPU:
 ``--tune --dry-run``, three tunings under the interpreter, small shapes).
@@ -268,7 +269,8 @@ def table(per_case: dict[str, dict[str, float]]) -> None:
     if pick:
         best = DecodeTuning.parse(pick[0]["best"])
         print(
-            f"\nbest over the goal cases: {best.name}; to adopt it, tuning.DEFAULT = "
+            f"\nbest over the goal cases: {best.name}; to serve with it, "
+            f"KVFERRY_DECODE_TUNING={best.name}; to make it the default, tuning.DEFAULT = "
             f"DecodeTuning(block_n={best.block_n}, num_warps={best.num_warps}, "
             f"num_stages={best.num_stages}, programs_per_sm={best.programs_per_sm}, "
             f"min_split_tokens={best.min_split_tokens})"

@@ -31,7 +31,6 @@ GOAL_CASES = ((1, 131072), (16, 8192))
 CASES = (*GOAL_CASES, (64, 2048))
 SMALL_CASES = ((1, 512), (2, 256))
 DRY_RUN_TUNINGS = ("n64-w4-s2-p2-m256", "n128-w4-s2-p4-m256", "n256-w8-s3-p1-m256")
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 def select(names: str | None) -> list[DecodeTuning]:
@@ -49,10 +48,11 @@ def select(names: str | None) -> list[DecodeTuning]:
 def check_point(tuning: DecodeTuning, gen: torch.Generator) -> bool:
     """``tuning`` against the reference on ragged sequences (empty, shorter than a step,
     not a multiple of ``block_n``, several splits long), page sizes 16 and 64, one split,
-    seven and the heuristic's; then the spills of what the JIT built. One check line each;
-    False when any failed."""
+    seven and the heuristic's; then the registers and spills of what the JIT built, beside
+    the sm_90 compile of the same variant (on the GPU). One check line each; False when
+    any failed or the kernel spills."""
     from kvferry.engine.attention import paged_decode_attention as reference
-    from kvferry.engine.kernels import triton_decode
+    from kvferry.engine.kernels import aot, triton_decode
 
     ok_all = True
     top = 200 if gc.SMALL else 3000
@@ -61,7 +61,7 @@ def check_point(tuning: DecodeTuning, gen: torch.Generator) -> bool:
         kv, table, seq_lens, q = gc.random_case(
             gen, torch.bfloat16, 128, page_size, lens, kv_heads=2 if gc.SMALL else 8
         )
-        want = reference(q, kv, 1, table, seq_lens).float()
+        want = reference(q, kv, 1, table, seq_lens)
         for splits in (1, 7, None):
             got = triton_decode.paged_decode_attention(
                 q,
@@ -73,10 +73,7 @@ def check_point(tuning: DecodeTuning, gen: torch.Generator) -> bool:
                 tuning=tuning,
                 out=torch.full_like(q, float("nan")),
             )
-            err = (got.float() - want).abs().max().item()
-            tol = TOLERANCE[torch.bfloat16]
-            ok = bool(torch.isfinite(got).all()) and bool((got[1] == 0).all())
-            ok = ok and bool(torch.allclose(got.float(), want, atol=tol, rtol=tol))
+            ok, err = gc.close_to_reference(got, want, torch.bfloat16, empty=(1,))
             gc.check(
                 f"tuning {tuning.name} p{page_size} splits={splits or 'auto'}",
                 ok,
@@ -93,6 +90,10 @@ def check_point(tuning: DecodeTuning, gen: torch.Generator) -> bool:
         spills=spills,
         shared=getattr(getattr(compiled, "metadata", None), "shared", None),
     )
+    if gc.DEV != "cpu":  # the interpreter compiles nothing
+        gc.compare_registers(
+            [(aot.Variant("decode", "bf16", 128, 4, False, tuning), compiled)], tuning
+        )
     if spills:
         gc.emit("tune_skipped", tuning=tuning.name, reason=f"{spills} spilled registers")
         return False
@@ -116,7 +117,7 @@ def time_case(
 
     shape = gc.attention_shape()
     kv, table, seq_lens, q, io_bytes = gc.attention_inputs(batch, context, gen, shape)
-    want = reference(q, kv, 1, table, seq_lens).float()
+    want = reference(q, kv, 1, table, seq_lens)
     out = torch.empty_like(q)
     case = f"{batch}x{context}"
     seconds: dict[str, float] = {}
@@ -127,9 +128,8 @@ def time_case(
         got = triton_decode.paged_decode_attention(
             q, kv, 1, table, seq_lens, tuning=tuning, out=torch.full_like(q, float("nan"))
         )
-        err = (got.float() - want).abs().max().item()
-        tol = TOLERANCE[shape[4]]
-        if not torch.allclose(got.float(), want, atol=tol, rtol=tol):
+        ok, err = gc.close_to_reference(got, want, shape[4])
+        if not ok:
             gc.check(f"tuning {tuning.name} on {case}", False, max_abs_err=err)
             continue
         run = functools.partial(
@@ -191,11 +191,6 @@ def run(args) -> int:
             checked[key] = check_point(tuning, gen)
         if checked[key]:
             passed.append(tuning)
-    compared: set[tuple[int, int, int]] = set()
-    for tuning in passed:  # each compile point's JIT registers beside its sm_90 compile
-        if tuning.compile_key not in compared and time.monotonic() < deadline:
-            compared.add(tuning.compile_key)
-            gc.registers_against_aot(gen, tuning, checks=(False,), others=False)
     gc.emit("phase", name="tuning checks", seconds=time.monotonic() - t0)
     copy_gbs = gc.copy_bandwidth(args.warmup, args.iters)
     cases = SMALL_CASES if gc.SMALL else CASES

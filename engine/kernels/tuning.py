@@ -82,7 +82,7 @@ class DecodeTuning:
 
     def splits(self, batch: int, kv_heads: int, max_tokens: int, sms: int) -> int:
         """Splits of the sequence so that about ``programs_per_sm`` programs run per SM,
-        each split keeping at least ``min_split_tokens`` positions, at most ``max_splits``."""
+        each split keeping at least ``min_split_tokens`` positions, at most ``MAX_SPLITS``."""
         programs = max(1, batch * kv_heads)
         want = -(-self.programs_per_sm * sms // programs)
         cap = max(1, max_tokens // self.min_split_tokens)
@@ -113,9 +113,10 @@ def active(environ: Mapping[str, str] | None = None) -> DecodeTuning:
 def compile_points() -> list[DecodeTuning]:
     """The (block_n, warps, stages) points the sweep compiles, with the default split
     heuristic: every one whose K/V tile rows per warp stay within ``MAX_ROWS_PER_WARP``.
-    The sm_90 compile (``python -m kvferry.engine.kernels.aot --sweep``) found every point
-    past it spilling but one (block_n 256 on 4 warps, 2 stages, one program per SM), and
-    none within it."""
+    The sm_90 compile (``python -m kvferry.engine.kernels.aot --sweep``; ``--tuning`` for a
+    point past the rule) found none within it spilling, and every point past it spilling
+    with the check on under Triton 3.6 (under 3.9 all but block_n 256 on 4 warps at 2
+    stages)."""
     return [
         DecodeTuning(block_n=n, num_warps=w, num_stages=s, min_split_tokens=max(256, n))
         for n in BLOCK_NS

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from test_cluster_units import _Engine
 from test_failure_units import STATS, _router
-from test_protocol_units import TimedRuntime, _card, _owner
+from test_protocol_units import TimedRuntime, _assign_and_notice_fields, _card, _owner
 
 from kvferry.cluster import messages as m
 from kvferry.cluster import runtime as runtime_mod
@@ -115,23 +115,8 @@ def test_a_notice_from_a_restarted_writer_starts_no_decode(checked, monkeypatch)
         monkeypatch.setattr(DecodeRank, "_same_incarnation", lambda self, req, msg, what: True)
     owner, rt = _owner(integrity=False)
     rt.cards.update({0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "decode")})
-    rt.deliver(m.ASSIGN, src=0, rid="r4", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
-    plan = next(f for _, k, f in rt.sent if k == "PLAN")
-    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
-    notice = m.NOTICE.make(
-        src=1,
-        inc=5,
-        seq=4242,
-        rid="r4",
-        tokens=40,
-        offset=0,
-        total=3,
-        pages=plan["pages"][:3],
-        generations=plan["generations"][:3],
-        checksums=[],
-        bytes=3 * slice_bytes,
-    )
-    rt.handlers[m.NOTICE.name](notice)
+    fields = _assign_and_notice_fields(owner, rt, "r4", checksums=False)
+    rt.handlers[m.NOTICE.name](m.NOTICE.make(src=1, inc=5, seq=4242, **fields))
     rt.pump()
     if not checked:
         assert owner.busy() and owner.step()  # the test catches decode on unproven pages
@@ -139,11 +124,17 @@ def test_a_notice_from_a_restarted_writer_starts_no_decode(checked, monkeypatch)
     assert not owner.busy() and not owner.step()
     assert owner.reqs["r4"].state is OwnerState.AWAITING and owner.reqs["r4"].notices == {}
     assert owner.dropped_other_incarnation == 1
+    _restart_writer_1_and_see_the_request_fail(owner, rt, "r4")
+
+
+def _restart_writer_1_and_see_the_request_fail(owner, rt, rid: str) -> None:
+    """Rank 1's new card (incarnation 5) reaches the owner: ``rid``, assigned to the old
+    incarnation, is quarantined and fails with the restart as its reason."""
     old = rt.cards[1]
     rt.cards[1] = dataclasses.replace(old, incarnation=5, pid=99)
     rt.sent.clear()
     owner._on_card_replaced(old, rt.cards[1])
-    assert owner.reqs["r4"].state is OwnerState.QUARANTINED
+    assert owner.reqs[rid].state is OwnerState.QUARANTINED
     done = next(f for _, k, f in rt.sent if k == "DONE")
     assert done["outcome"] == "failed" and "writer rank 1 restarted" in done["error"]
 
@@ -152,13 +143,7 @@ def test_a_writer_restarted_before_its_notice_fails_the_request():
     owner, rt = _owner()
     rt.cards.update({0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "decode")})
     rt.deliver(m.ASSIGN, src=0, rid="r3", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
-    old = rt.cards[1]
-    rt.cards[1] = dataclasses.replace(old, incarnation=5, pid=99)
-    rt.sent.clear()
-    owner._on_card_replaced(old, rt.cards[1])
-    assert owner.reqs["r3"].state is OwnerState.QUARANTINED
-    done = next(f for _, k, f in rt.sent if k == "DONE")
-    assert done["outcome"] == "failed" and "writer rank 1 restarted" in done["error"]
+    _restart_writer_1_and_see_the_request_fail(owner, rt, "r3")
 
 
 # ---------------------------------------------------------------- the runtime

@@ -18,6 +18,7 @@ from kvferry.cluster.prefill import PrefillRank
 from kvferry.cluster.rendezvous import RankCard
 from kvferry.cluster.router import Router
 from kvferry.cluster.topology import Topology
+from kvferry.engine.integrity import page_checksums
 from kvferry.engine.models import ReplayConfig, ReplayModel
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol.owner import OwnerBook
@@ -281,6 +282,27 @@ class TimedRuntime(RecordingRuntime):
         return False  # every writer alive
 
 
+def _assign_and_notice_fields(owner: DecodeRank, rt: TimedRuntime, rid: str, checksums: bool):
+    """ASSIGN ``rid`` (40 prompt tokens, writer 1) to ``owner``; returns the fields of
+    writer 1's whole NOTICE for the 3 pages its plan gives it (with their checksums, or
+    none: checks off)."""
+    rt.deliver(m.ASSIGN, src=0, rid=rid, prompt_len=40, max_tokens=8, writers=[1], last_token=7)
+    plan = next(f for _, k, f in rt.sent if k == "PLAN")
+    pages, gens = plan["pages"][:3], plan["generations"][:3]
+    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
+    sums = page_checksums(owner.pool.kv, pages).tolist() if checksums else []
+    return dict(
+        rid=rid,
+        tokens=40,
+        offset=0,
+        total=3,
+        pages=pages,
+        generations=gens,
+        checksums=sums,
+        bytes=3 * slice_bytes,
+    )
+
+
 def _owner(
     integrity: bool = True, rt: TimedRuntime | None = None, abort_deadline_s: float = 1.0
 ) -> tuple[DecodeRank, TimedRuntime]:
@@ -340,21 +362,7 @@ def test_an_ack_that_overtakes_the_abort_during_decode_stops_the_request():
     arrives first. The owner stops decoding and frees the pages at once ("freed": the
     notices, not the ack, proved the writes done)."""
     owner, rt = _owner(integrity=False)
-    rt.deliver(m.ASSIGN, src=0, rid="r7", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
-    plan = next(f for _, k, f in rt.sent if k == "PLAN")
-    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
-    rt.deliver(
-        m.NOTICE,
-        src=1,
-        rid="r7",
-        tokens=40,
-        offset=0,
-        total=3,
-        pages=plan["pages"][:3],
-        generations=plan["generations"][:3],
-        checksums=[],
-        bytes=3 * slice_bytes,
-    )
+    rt.deliver(m.NOTICE, src=1, **_assign_and_notice_fields(owner, rt, "r7", checksums=False))
     rt.pump()  # the checks run from the loop, in slices
     assert owner.busy() and owner.step()
     rt.sent.clear()
@@ -525,30 +533,16 @@ def test_a_page_that_loses_its_owner_mid_decode_fails_the_request_at_the_next_st
     of its pages' canary names another request (an allocator or page-table bug). The next
     step fails the request with the integrity error and gives it no token. Broken mode
     (checks on arrival only) decodes on over the foreign page, and the test sees it."""
-    from kvferry.engine.integrity import Canary, page_checksums, request_id_hash
+    from kvferry.engine.integrity import Canary, request_id_hash
 
     if not checked:
         monkeypatch.setattr(
             DecodeRank, "_still_owned", lambda self, batch, table: list(range(len(batch)))
         )
     owner, rt = _owner(integrity=True)
-    rt.deliver(m.ASSIGN, src=0, rid="r11", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
-    plan = next(f for _, k, f in rt.sent if k == "PLAN")
-    pages, gens = plan["pages"][:3], plan["generations"][:3]
-    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
-    sums = page_checksums(owner.pool.kv, pages).tolist()
-    rt.deliver(
-        m.NOTICE,
-        src=1,
-        rid="r11",
-        tokens=40,
-        offset=0,
-        total=3,
-        pages=pages,
-        generations=gens,
-        checksums=sums,
-        bytes=3 * slice_bytes,
-    )
+    notice = _assign_and_notice_fields(owner, rt, "r11", checksums=True)
+    pages, gens = notice["pages"], notice["generations"]
+    rt.deliver(m.NOTICE, src=1, **notice)
     rt.pump()
     assert owner.busy() and owner.step()  # verified, decoding
     owner.canaries.stamp([pages[1]], [Canary(request_id_hash("another"), gens[1], 1)])

@@ -213,17 +213,39 @@ def owner_walk(table):
     return OwnerWalk
 
 
-@pytest.mark.parametrize("told", [False, True], ids=["untold", "told"])
-def test_an_abort_before_the_plan_closes_at_once_and_tells_untold_writers(told):
+def _abort_before_the_plan_is_handled(table, told: bool) -> bool:
     """Nothing was allocated, so nothing is quarantined or freed: the id is tombstoned,
     the router's reservation ends with RELEASED(0), and writers the abort did not reach
     are told to drop the request (a vLLM prefill holds its blocks until then)."""
     book = oc.OwnerBook("r", (0, 1))
-    move = oc.step(book, oc.on_abort(book, writers_told=told))
-    assert book.state is OwnerState.CLOSED
-    assert OwnerDo.TOMBSTONE in move.effects and OwnerDo.REPORT_NOTHING_HELD in move.effects
+    move = oc.step(book, oc.on_abort(book, writers_told=told), table)
     assert not RELEASES & set(move.effects) and OwnerDo.QUARANTINE not in move.effects
-    assert (OwnerDo.ABORT_WRITERS in move.effects) is (not told)
+    return (
+        book.state is OwnerState.CLOSED
+        and OwnerDo.TOMBSTONE in move.effects
+        and OwnerDo.REPORT_NOTHING_HELD in move.effects
+        and (OwnerDo.ABORT_WRITERS in move.effects) is (not told)
+    )
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["untold", "told"])
+def test_an_abort_before_the_plan_closes_at_once_and_tells_untold_writers(told):
+    assert _abort_before_the_plan_is_handled(oc.OWNER_TABLE, told)
+
+
+def test_an_owner_table_that_forgets_the_untold_writers_is_caught():
+    """Broken mode: NEW | ABORT closes without ABORT_WRITERS (the prefill keeps its blocks
+    until its hold timeout); the check above sees it."""
+    broken = replace(
+        oc.OWNER_TABLE,
+        {
+            (OwnerState.NEW, OwnerEvent.ABORT): Move(
+                OwnerState.CLOSED, (OwnerDo.TOMBSTONE, OwnerDo.REPORT_NOTHING_HELD)
+            )
+        },
+    )
+    assert not _abort_before_the_plan_is_handled(broken, told=False)
+    assert _abort_before_the_plan_is_handled(broken, told=True)
 
 
 def test_the_owner_table_keeps_i2_and_i4_on_every_walk():

@@ -8,36 +8,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_protocol_units import _owner
+from test_protocol_units import _assign_and_notice_fields, _owner
 
 import kvferry.cluster.decode as decode_mod
 import kvferry.engine.replay as replay_mod
 from kvferry.cluster import messages as m
-from kvferry.engine.integrity import Canary, page_checksums, request_id_hash
+from kvferry.engine.integrity import Canary, request_id_hash
 from kvferry.engine.kernels import dispatch
 
 
 def _decoding(owner, rt, rid="r21"):
     """A request verified and past its first step; returns its pages and generations."""
-    rt.deliver(m.ASSIGN, src=0, rid=rid, prompt_len=40, max_tokens=8, writers=[1], last_token=7)
-    plan = next(f for _, k, f in rt.sent if k == "PLAN")
-    pages, gens = plan["pages"][:3], plan["generations"][:3]
-    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
-    rt.deliver(
-        m.NOTICE,
-        src=1,
-        rid=rid,
-        tokens=40,
-        offset=0,
-        total=3,
-        pages=pages,
-        generations=gens,
-        checksums=page_checksums(owner.pool.kv, pages).tolist(),
-        bytes=3 * slice_bytes,
-    )
+    notice = _assign_and_notice_fields(owner, rt, rid, checksums=True)
+    rt.deliver(m.NOTICE, src=1, **notice)
     rt.pump()
     assert owner.busy() and owner.step()
-    return pages, gens
+    return notice["pages"], notice["generations"]
 
 
 @pytest.fixture

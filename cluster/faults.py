@@ -116,21 +116,44 @@ class HeldWrite:
     """An injected in-flight write (``at:mid-transfer``): posted as far as the writer knows,
     landed later (after its seconds, or right after the writer's next write to the same
     owner). It settles, like a batch, only once it has landed, so a flush waits for it,
-    as a posted one-sided write would. Over shared memory it lands by copying through the
-    owner's mapping, whatever became of either side's endpoint meanwhile."""
+    as a posted one-sided write would.
+
+    It is bound like a real post: to the owner's incarnation whose pages it was posted
+    into, with the endpoint and remote segment of that moment. It lands through them;
+    when those were closed meanwhile (a severed or reconnected endpoint) it lands
+    through the current endpoint to the *same* incarnation, as a put already on the
+    wire still does (a closed endpoint recalls nothing); when that incarnation is gone
+    (the owner restarted) it fails, as a put to a dead process does: its bytes can only
+    have gone into memory that died with it, never into the new incarnation's pool.
+    ``rebind_at_landing`` is the BROKEN MODE of the tests that show this: re-resolve
+    the owner at landing, which re-targets the write at whatever incarnation is there.
+    """
+
+    rebind_at_landing = False
 
     def __init__(
-        self, rid: str, owner: int, segment: Any, triples: np.ndarray, target: int | None
+        self,
+        rid: str,
+        owner: int,
+        incarnation: int,
+        segment: Any,
+        triples: np.ndarray,
+        peer: Any,
+        remote: Any,
     ) -> None:
-        self.rid, self.owner, self.segment, self.triples = rid, owner, segment, triples
-        self.target = target
+        self.rid, self.owner, self.incarnation = rid, owner, incarnation
+        self.segment, self.triples = segment, triples
+        self.peer, self.remote = peer, remote  # bound when held, as a posted put is
         self.landed = False
         self.batch: Any = None  # the real batch, when it lands by a real post
+        self.failure: str | None = None  # why it could not land
         self.timer: Any = None
 
     def peek(self) -> BatchStatus:
         if self.batch is not None:
             return self.batch.peek()
+        if self.failure is not None:
+            return BatchStatus.FAILED
         return BatchStatus.COMPLETED if self.landed else BatchStatus.PENDING
 
     def status(self) -> BatchStatus:
@@ -138,7 +161,9 @@ class HeldWrite:
 
     @property
     def error(self) -> Any:
-        return self.batch.error if self.batch is not None else None
+        if self.batch is not None:
+            return self.batch.error
+        return self.failure
 
     def land(self, rt: Any) -> None:
         if self.landed:
@@ -146,17 +171,51 @@ class HeldWrite:
         self.landed = True
         if self.timer is not None:
             self.timer.cancel()
-        log.warning("fault: request %s: %d in-flight pages land now", self.rid, len(self.triples))
-        if self.target is not None:
-            for local, remote, length in self.triples.tolist():
-                ctypes.memmove(self.target + remote, self.segment.base + local, length)
+        log.warning(
+            "fault: request %s: %d in-flight pages land now (owner rank %d, incarnation %#x)",
+            self.rid,
+            len(self.triples),
+            self.owner,
+            self.incarnation,
+        )
+        if self.rebind_at_landing:  # BROKEN MODE: re-targets the write
+            self._post(rt.engine, rt.peer(self.owner), rt.remote_segment(self.owner))
+            return
+        current = rt.cards[self.owner].incarnation
+        if current != self.incarnation:
+            self._fail(
+                f"owner rank {self.owner} is incarnation {current:#x} now; incarnation "
+                f"{self.incarnation:#x}, which this write was posted to, is gone"
+            )
+            return
+        peer, remote = self.peer, self.remote
+        if not _still_mapped(rt.engine, peer, remote):
+            try:  # the endpoint was closed meanwhile; the same incarnation is still there
+                peer, remote = rt.peer(self.owner), rt.remote_segment(self.owner)
+            except TransferError as exc:
+                self._fail(f"owner rank {self.owner} cannot be reached: {exc}")
+                return
+        self._post(rt.engine, peer, remote)
+
+    def _post(self, engine: Any, peer: Any, remote: Any) -> None:
+        if remote.direct is not None:  # mapped here: the copy a shared-memory put makes
+            for local, offset, length in self.triples.tolist():
+                ctypes.memmove(remote.direct + offset, self.segment.base + local, length)
             return
         try:
-            self.batch = rt.engine.write(
-                rt.peer(self.owner), self.segment, rt.remote_segment(self.owner), self.triples
-            )
+            self.batch = engine.write(peer, self.segment, remote, self.triples)
         except TransferError as exc:
-            log.warning("request %s: in-flight pages could not land: %s", self.rid, exc)
+            self._fail(str(exc))
+
+    def _fail(self, why: str) -> None:
+        self.failure = why
+        log.warning("fault: request %s: in-flight pages could not land: %s", self.rid, why)
+
+
+def _still_mapped(engine: Any, peer: Any, remote: Any) -> bool:
+    """The endpoint and remote key a held write was bound to are still open here (a
+    closed endpoint's keys are destroyed, and with them any mapping of the segment)."""
+    return bool(engine.peer_alive(peer)) and remote.rkey in peer.rkeys
 
 
 class FaultHooks:
@@ -405,11 +464,13 @@ class FaultPlan(FaultHooks):
         if mid is None or len(triples) < 2:
             return triples, None
         half = len(triples) // 2
-        try:  # where an in-flight write lands even if endpoints change state meanwhile
-            target = rt.remote_segment(owner).direct
+        try:  # what a post binds to: this endpoint, this segment, this incarnation
+            peer, remote = rt.peer(owner), rt.remote_segment(owner)
         except TransferError:
-            target = None
-        held = HeldWrite(rid, owner, segment, triples[half:], target)
+            return triples, None  # nothing can be posted: the write itself fails
+        held = HeldWrite(
+            rid, owner, rt.cards[owner].incarnation, segment, triples[half:], peer, remote
+        )
         held.timer = rt.call_later(mid[1], lambda: held.land(rt), rid=rid)
         self._in_flight.setdefault(owner, []).append(held)
         return triples[:half], held

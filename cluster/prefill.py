@@ -408,7 +408,7 @@ class PrefillRank(RankBooks):
         nbytes, posted_at = int(chunk[:, 2].sum()), time.monotonic()
         try:
             batch = self.rt.write(
-                job.owner, self.segment, chunk, rid=job.rid, incarnation=job.owner_inc or None
+                job.owner, self.segment, chunk, rid=job.rid, incarnation=job.owner_inc
             )
         except TransferError as exc:
             self._fail(job, AbortSource.TRANSFER, f"write to rank {job.owner} refused: {exc}")

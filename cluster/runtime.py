@@ -444,22 +444,30 @@ class RankRuntime:
         rank: int,
         local: Segment,
         pages,
-        rid: str | None = None,
-        incarnation: int | None = None,
+        *,
+        rid: str,
+        incarnation: int,
     ) -> Batch:
         """One-sided write of (local offset, remote offset, length) triples into ``rank``'s
         pool segment, for request ``rid``, whose pages ``rank`` allocated in
-        ``incarnation``. Raises TransferError (bounds, severed, failed peer, or ``rank``
-        restarted since) before posting."""
+        ``incarnation``. A write is bound to that incarnation: it is refused (TransferError,
+        before anything is posted) once ``rank`` runs as another one, and it goes through
+        a segment opened for exactly it. Also refused: bounds, a severed or failed peer."""
         current = self.cards[rank].incarnation
-        if incarnation is not None and incarnation != current:
+        if incarnation != current:
             raise TransferError(
                 f"rank {rank} is now incarnation {current:#x}; request {rid}'s pages were "
                 f"allocated by incarnation {incarnation:#x}, which is gone"
             )
-        batch = self.engine.write(self.peer(rank), local, self.remote_segment(rank), pages)
+        remote = self.remote_segment(rank)
+        if remote.descriptor.incarnation != incarnation:  # a segment of the card's rank
+            raise TransferError(
+                f"rank {rank}'s open segment is of incarnation "
+                f"{remote.descriptor.incarnation:#x}, not {incarnation:#x} (request {rid})"
+            )
+        batch = self.engine.write(self.peer(rank), local, remote, pages)
         if self.faults.enabled:
-            self.faults.wrote(self, rank, rid or "")
+            self.faults.wrote(self, rank, rid)
         return batch
 
     def quiesce(self, rank: int) -> Batch:

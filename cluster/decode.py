@@ -274,12 +274,14 @@ class DecodeRank(RankBooks):
             self._close(req, self.allocator.free(rid), req.book.free_reason())
         elif do is D.QUARANTINE:
             self.allocator.quarantine(rid)
-            log.debug(
-                "request %s aborted (%s); %d pages quarantined until writers %s ack",
+            log.info(
+                "request %s: %d pages quarantined on rank %d (aborted: %s) until writers %s "
+                "ack after their flush or are proven gone",
                 rid,
-                req.abort_reason,
                 len(req.grants),
-                req.book.pending(),
+                self.rt.rank,
+                req.abort_reason,
+                sorted(req.book.pending()),
             )
         elif do is D.ASK_ACKS:
             for w in req.book.pending():
@@ -825,6 +827,8 @@ class DecodeRank(RankBooks):
                 abort_ms,
                 req.abort_reason or "writers finished",
             )
+        else:
+            log.info("request %s: %d pages freed (%s)", req.rid, len(pages), how.value)
         self.rt.send(
             self.router,
             m.RELEASED,

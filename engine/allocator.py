@@ -8,8 +8,8 @@ generation from one counter, so ``(page, generation)`` never repeats.
 
 Upholds: free + owned + quarantined == total at all times; only the owner frees; pages
 leave quarantine only through :meth:`PageAllocator.release` (I4 bookkeeping; the proof
-that no write can land is the caller's, see DESIGN.md). Quarantined pages are not free,
-so admission counts them as used (I1).
+that no write can land is the caller's, see ``engine/protocol/README.md``). Quarantined
+pages are not free, so admission counts them as used (I1).
 
 Unsafe mode (``unsafe=True``, off by default, logged at CRITICAL) makes
 :meth:`PageAllocator.quarantine` free pages at once. It exists only to show that the leak

@@ -27,3 +27,19 @@ def test_every_package_folder_is_listed():
     assert not packages_on_disk() <= listed - {"kvferry.engine.protocol"}, (
         "the check catches a subpackage left out"
     )
+
+
+def test_the_minimum_python_is_the_one_the_tools_check_and_ci_runs():
+    """requires-python, ruff's target and mypy's version name one minimum; the code may
+    use what that version has (enum.StrEnum, TimeoutError from asyncio.wait_for), and the
+    interpreter running the suite is at least it."""
+    import sys
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    minimum = project["project"]["requires-python"].removeprefix(">=")
+    major, minor = (int(x) for x in minimum.split("."))
+    assert project["tool"]["ruff"]["target-version"] == f"py{major}{minor}"
+    assert project["tool"]["mypy"]["python_version"] == minimum
+    assert sys.version_info[:2] >= (major, minor)
+    readme = (ROOT / "README.md").read_text()
+    assert f"Python {minimum}+" in readme

@@ -460,6 +460,7 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) 
     pair = Pair.of(sc, index)
     prompt_a, prompt_b = pair.prompt_a, pair.prompt_b
     before = cluster.metrics()
+    tail = LogTail.at_end(cluster.log)
     try:
         out.a_status, body_a, took_a = post(
             cluster, prompt_a, sc.max_tokens if sc.source != "admission" else 8, sc.cancel_after
@@ -473,14 +474,13 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) 
             time.monotonic() - t0,
         )
     _check_a(sc, out, prompt_a, body_a, took_a)
-    # Give an unsafe owner the moment it needs to free A's pages, so B gets them. For the
-    # stalled writer, wait until the owner severed it and released A's pages: B then gets
-    # them while the writer, resumed, still has a write in flight.
+    # B goes once the owner has decided A's pages (quarantined, or freed at once in
+    # unsafe mode, so that B gets them); for the stalled writer, once the owner severed it
+    # (and, unsafe, released A's pages without proof: B then gets them while the writer,
+    # resumed, still has a write in flight). Waited on the owner's log lines, never slept.
     b_tokens = PROMPT
-    if sc.source in ("stall", "tp-stall"):
-        time.sleep(ABORT_DEADLINE + 0.3)
-    elif sc.source != "admission":
-        time.sleep(0.3)
+    if sc.source != "admission":
+        _wait_owner_decided(tail, sc, unsafe, out)
     out.b_status, body_b, _ = post(cluster, prompt_b, b_tokens, None)
     _check_b_and_after(cluster, sc, out, pair, body_a, body_b, before)
     if sc.source == "duplicated" and not unsafe:
@@ -493,6 +493,26 @@ def run_scenario(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) 
             out.problems.append("no duplicate counted as dropped")
     out.seconds = time.monotonic() - t0
     return out
+
+
+OWNER_DECIDED_S = REQUEST_TIMEOUT + 10  # the longest an owner takes to settle A's pages
+
+
+def _wait_owner_decided(tail: LogTail, sc: Scenario, unsafe: bool, out: Outcome) -> None:
+    """Until the owner's log says what became of A's pages: quarantined, released or
+    freed; for a stalled writer, severed (and, unsafe, released). A is the scenario's
+    first request routed since ``tail`` began."""
+    routed = _logged(out, lambda: tail.wait_for(r"request (\S+): \d+ prompt tokens", 10))
+    if routed is None:
+        return
+    rid = re.escape(routed[1])
+    if sc.source in ("stall", "tp-stall"):
+        _logged(out, lambda: tail.wait_for(rf"request {rid}: writers \[.*severing", 30))
+        if unsafe:
+            _logged(out, lambda: tail.wait_for(rf"request {rid}: \d+ pages released", 10))
+        return
+    decided = rf"request {rid}: \d+ pages (quarantined|released|freed)"
+    _logged(out, lambda: tail.wait_for(decided, OWNER_DECIDED_S))
 
 
 def _check_a(sc: Scenario, out: Outcome, prompt_a: str, body_a: dict, took_a: float) -> None:

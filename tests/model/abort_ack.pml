@@ -1,5 +1,5 @@
 /*
- * kvferry abort-acknowledgement protocol (DESIGN.md, "The abort-acknowledgement
+ * kvferry abort-acknowledgement protocol (engine/protocol/README.md, "The
  * protocol", points 1-5; invariant I4, and I5's "decode reads only what this
  * request wrote").
  *

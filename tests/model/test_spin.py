@@ -1,4 +1,4 @@
-"""spin's verdicts on the abort-acknowledgement model (DESIGN.md, I4).
+"""spin's verdicts on the abort-acknowledgement model (engine/protocol/README.md, I4).
 
 The protocol must verify (safety, and liveness under weak fairness); each mutant
 must yield a counterexample, which shows the checks can fail; and the two limits

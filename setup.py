@@ -1,6 +1,13 @@
-"""Builds the native UCX binding ``kvferry.transfer._ucp`` (cffi, API mode) at install
-time, for both editable and normal installs; everything else lives in pyproject.toml."""
+"""Builds the native modules (cffi, API mode) at install time, for both editable and
+normal installs: ``kvferry.transfer._ucp``, the UCX binding, and
+``kvferry.transfer._checksum``, the CPU page checksum (no UCX); everything else lives in
+pyproject.toml."""
 
 from setuptools import setup
 
-setup(cffi_modules=["transfer/native/build_ucp.py:ffibuilder"])
+setup(
+    cffi_modules=[
+        "transfer/native/build_ucp.py:ffibuilder",
+        "transfer/native/build_checksum.py:ffibuilder",
+    ]
+)

@@ -35,6 +35,11 @@ class RankBooks:
         """Writer incarnations quarantined pages here wait on (a decode rank's)."""
         return []
 
+    def quarantines(self) -> list[str]:
+        """One line per quarantined request here: what it holds, what it waits on and
+        the proofs it has so far (a decode rank's; /status)."""
+        return []
+
     def stats(self) -> dict:
         """Pool figures for the router's /metrics and /status (I3, I6)."""
         counts = self.allocator.counts()

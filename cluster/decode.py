@@ -56,6 +56,7 @@ from kvferry.engine.kernels.ownership import (
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol import owner as core
 from kvferry.engine.protocol.owner import OwnerBook, OwnerDo, OwnerEvent, OwnerState
+from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Kind, Outcome, Release
 from kvferry.transfer.wire import Message
 
@@ -150,6 +151,7 @@ TOKEN_FLUSH = 16
 TIMEOUT_TOKENS = 1 << 16  # the transfer timeout applies per this many prompt tokens
 VERIFY_SLICE_S = 0.005  # longest the checks run before the loop polls again
 CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step of the checks
+QUARANTINES_SHOWN = 64  # quarantined requests a STATS lists by name (/status)
 PROOF_CHECK_S = 0.05  # how often a fenced request looks for its proof
 
 
@@ -263,7 +265,14 @@ class DecodeRank(RankBooks):
                     reason="no decode pages",
                 )
         elif do is D.REPORT_NOTHING_HELD:
-            self.rt.send(self.router, m.RELEASED, rid=rid, pages=0, how=Release.FREED)
+            self.rt.send(
+                self.router,
+                m.RELEASED,
+                rid=rid,
+                pages=0,
+                how=Release.FREED,
+                justification=Proof.NOTHING_POSTED,
+            )
         elif do is D.FREE:
             if req.abort_started:
                 log.info(
@@ -738,6 +747,28 @@ class DecodeRank(RankBooks):
                     out.add(f"{w}:{req.writer_incs.get(w, 0):x}")
         return sorted(out)
 
+    def quarantines(self) -> list[str]:
+        """``rid pages=N state=S waiting=[w:inc] proven=[w:proof]`` for every request
+        whose pages are quarantined here (the first ``QUARANTINES_SHOWN``), for /status:
+        which writer incarnations it waits on, and which proof each other writer gave."""
+        out = []
+        for req in self.reqs.values():
+            if req.state not in (OwnerState.QUARANTINED, OwnerState.FENCED):
+                continue
+            book = req.book
+            proven = [
+                f"{w}:{Proof.NOTICED if w in book.noticed else Proof.ACKED}"
+                for w in sorted(book.noticed | book.acked)
+            ] + [f"{w}:{p}" for w, p in sorted(book.gone.items())]
+            waiting = [f"{w}:{req.writer_incs.get(w, 0):x}" for w in book.pending()]
+            out.append(
+                f"{req.rid} pages={len(req.grants)} state={req.state.value} "
+                f"waiting=[{','.join(waiting)}] proven=[{','.join(proven)}]"
+            )
+            if len(out) >= QUARANTINES_SHOWN:
+                break
+        return out
+
     def _arm_retry(self, req: OwnedRequest) -> None:
         """Ask every writer that has not acked again after a while, for as long as the
         pages are held: a lost ABORT or ABORT_ACK costs a retry, not the deadline, and a
@@ -757,14 +788,15 @@ class DecodeRank(RankBooks):
         gone = (
             self._proven_gone(req, req.book.pending())
             if req.state is OwnerState.QUARANTINED
-            else set()
+            else {}
         )
         self._feed(req, core.on_retry(req.book, gone))
 
-    def _proven_gone(self, req: OwnedRequest, writers) -> set[int]:
-        """Those of ``writers`` whose incarnation on ``req`` can no longer write (I4's
-        proof: see ``RankRuntime.write_path_closed``)."""
-        return {w for w in writers if self.rt.write_path_closed(w, req.writer_incs.get(w))}
+    def _proven_gone(self, req: OwnedRequest, writers) -> dict[int, Proof]:
+        """Those of ``writers`` whose incarnation on ``req`` can no longer write, with the
+        proof of each (I4: see ``RankRuntime.write_path_closed``)."""
+        proofs = {w: self.rt.write_path_closed(w, req.writer_incs.get(w)) for w in writers}
+        return {w: proof for w, proof in proofs.items() if proof is not None}
 
     def _sever(self, req: OwnedRequest) -> None:
         waited = time.monotonic() - req.abort_started
@@ -817,24 +849,27 @@ class DecodeRank(RankBooks):
         released_ns = time.monotonic_ns()  # the router times aborts on this clock too
         self.tombstones[req.rid] = released_ns / 1e9
         abort_ms = None
+        why = req.book.justification()
         if req.abort_started:
             abort_ms = 1e3 * (released_ns / 1e9 - req.abort_started)
             log.info(
-                "request %s: %d pages released (%s) %.1f ms after the abort (%s)",
+                "request %s: %d pages released (%s; proof: %s) %.1f ms after the abort (%s)",
                 req.rid,
                 len(pages),
                 how.value,
+                why,
                 abort_ms,
                 req.abort_reason or "writers finished",
             )
         else:
-            log.info("request %s: %d pages freed (%s)", req.rid, len(pages), how.value)
+            log.info("request %s: %d pages freed (%s; proof: %s)", req.rid, len(pages), how, why)
         self.rt.send(
             self.router,
             m.RELEASED,
             rid=req.rid,
             pages=len(pages),
             how=how,
+            justification=why,
             abort_ms=abort_ms,
             released_ns=released_ns,
         )

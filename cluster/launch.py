@@ -279,6 +279,7 @@ def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int
             dropped_malformed=d["malformed"],
             cards_epoch=runtime.cards_epoch,
             fenced=worker.fenced_writers(),
+            quarantines=worker.quarantines(),
         )
         worker.sweep()
         runtime.call_later(STATS_INTERVAL_S, send)

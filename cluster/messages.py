@@ -114,6 +114,7 @@ RELEASED = CODEC.kind(
     rid=_RID,
     pages=Field(FieldType.INT),
     how=Field(FieldType.STR, max_len=32, choices=Release),
+    justification=Field(FieldType.STR, max_len=96),  # engine.protocol.proof.justification
     abort_ms=Field(FieldType.FLOAT, optional=True),  # owner: from the abort to the release
     released_ns=Field(FieldType.UINT64, optional=True),
 )  # owner's CLOCK_MONOTONIC then
@@ -137,6 +138,8 @@ STATS = CODEC.kind(
     # ("rank:inc" in hex) whose ack or proof its quarantined pages still wait on
     cards_epoch=Field(FieldType.INT, optional=True),
     fenced=Field(FieldType.STR_LIST, max_len=1024, optional=True),
+    # a decode rank's quarantined requests: pages, what each waits on, the proofs so far
+    quarantines=Field(FieldType.STR_LIST, max_len=64, optional=True),
 )
 SEVERED = CODEC.kind(
     Kind.SEVERED,

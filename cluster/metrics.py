@@ -24,6 +24,14 @@ class ClusterMetrics:
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
         self.aborts = Counter("kvferry_aborts", "Aborts by source", ["source"], registry=r)
+        self.releases = Counter(
+            "kvferry_releases",
+            "Page releases (rank, request) by the proof that made each safe: every writer's "
+            "notice or ack after its flush, or its end (process gone, exit record past the "
+            "horizon); 'none' only in the unsafe modes",
+            ["justification"],
+            registry=r,
+        )
         self.pages = Gauge(
             "kvferry_pages", "KV pool pages by state", ["rank", "role", "state"], registry=r
         )

@@ -32,6 +32,7 @@ from kvferry.engine.allocator import OutOfPages, PageAllocator
 from kvferry.engine.integrity import page_checksums
 from kvferry.engine.pool import KVPool, coalesce_runs
 from kvferry.engine.protocol import writer as core
+from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Kind, Release
 from kvferry.engine.protocol.writer import WriterBook, WriterDo, WriterEvent, WriterState
 from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
@@ -199,9 +200,19 @@ class PrefillRank(RankBooks):
         elif do is D.FREE_SOURCE:
             freed = self.allocator.free(job.rid) if self.allocator.pages_of(job.rid) else []
             how = Release.FREED if job.state is WriterState.DONE else Release.ABORTED
-            self.rt.send(self.router, m.RELEASED, rid=job.rid, pages=len(freed), how=how)
+            why = Proof.OWN_FLUSH if freed else Proof.NOTHING_POSTED
+            self.rt.send(
+                self.router, m.RELEASED, rid=job.rid, pages=len(freed), how=how, justification=why
+            )
         elif do is D.REPORT_NOTHING_HELD:
-            self.rt.send(self.router, m.RELEASED, rid=job.rid, pages=0, how=Release.FREED)
+            self.rt.send(
+                self.router,
+                m.RELEASED,
+                rid=job.rid,
+                pages=0,
+                how=Release.FREED,
+                justification=Proof.NOTHING_POSTED,
+            )
         else:  # pragma: no cover - the enum is closed
             raise AssertionError(f"request {job.rid}: no handler for {do}")
 

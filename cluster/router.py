@@ -27,6 +27,7 @@ import numpy as np
 
 from kvferry.engine.admission import AdmissionRejected, admit, pages_needed
 from kvferry.engine.lifecycle import Request, RequestState
+from kvferry.engine.protocol.proof import is_justified
 from kvferry.engine.protocol.words import AbortSource, Answer, Kind, Outcome
 from kvferry.engine.tokenizer import decode as detokenize
 from kvferry.engine.tokenizer import encode as tokenize
@@ -434,6 +435,15 @@ class Router:
         self._on_severed(msg.peer_rank, msg.incarnation, f"severed by rank {msg.src}: {msg.reason}")
 
     def _on_released(self, msg: Message) -> None:
+        self.metrics.releases.labels(msg.justification).inc()
+        if not is_justified(msg.justification):
+            log.error(
+                "request %s: rank %d released %d pages without proof (justification %r)",
+                msg.rid,
+                msg.src,
+                msg.pages,
+                msg.justification,
+            )
         if msg.abort_ms is not None:
             self.abort_release_ms.append((msg.how, msg.abort_ms))
             self.metrics.abort_release.observe(msg.abort_ms / 1e3)

@@ -24,6 +24,7 @@ peer is not marked lost.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -34,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
 from kvferry.engine.protocol.words import Kind
 from kvferry.transfer import (
     Batch,
@@ -249,10 +251,10 @@ class RankRuntime:
             return card
         return self.retired.get((rank, incarnation))
 
-    def write_path_closed(self, rank: int, incarnation: int | None = None) -> bool:
-        """True when no write from ``rank`` in ``incarnation`` (default: the one severed,
-        else the current one) can land any more without its ack. Proof, per where the
-        writer ran:
+    def write_path_closed(self, rank: int, incarnation: int | None = None) -> Proof | None:
+        """The proof that no write from ``rank`` in ``incarnation`` (default: the one
+        severed, else the current one) can land any more without its ack, or None. The
+        facts are gathered here; the rule is :func:`kvferry.engine.protocol.gone_proof`:
 
         - on this host: its process is gone (checked in /proc);
         - on another host: its launcher's exit record is in the store (it reaped the
@@ -268,17 +270,23 @@ class RankRuntime:
             incarnation = self._severed.get(rank, self.cards[rank].incarnation)
         card = self.card_of(rank, incarnation)
         if card is None:
-            return False
-        wait_s = DRAIN_S
-        if card.host == self.cards[self.rank].host:
-            if not process_gone(card.pid):
-                return False
+            return None
+        same_host = card.host == self.cards[self.rank].host
+        if same_host:
+            seen = process_gone(card.pid)
+            facts = GoneFacts(same_host=True, process_gone=seen, drain_s=DRAIN_S)
         else:
-            if self.store is None or not self._exit_published(rank, incarnation):
-                return False
-            wait_s += self.engine.failure_horizon().seconds or 0.0
-        seen = self._gone_since.setdefault((rank, incarnation), time.monotonic())
-        return time.monotonic() - seen >= wait_s
+            seen = self.store is not None and self._exit_published(rank, incarnation)
+            facts = GoneFacts(
+                same_host=False,
+                exit_record=seen,
+                drain_s=DRAIN_S,
+                horizon_s=self.engine.failure_horizon().seconds or 0.0,
+            )
+        if not seen:
+            return None
+        since = self._gone_since.setdefault((rank, incarnation), time.monotonic())
+        return gone_proof(dataclasses.replace(facts, gone_for_s=time.monotonic() - since))
 
     def _exit_published(self, rank: int, incarnation: int) -> bool:
         if (rank, incarnation) in self.exited:

@@ -1,14 +1,23 @@
 """Page integrity, the building blocks of I5: checksums, canary tags, length checks.
 
-Checksum. Each page's bytes are read as 32-bit words ``w_i`` (bytes if the page size is
-odd) and reduced modulo the Mersenne prime ``P = 2^31 - 1`` into two sums, Fletcher style:
-``s1 = sum w_i mod P`` and ``s2 = sum (i+1) * w_i mod P``, packed as ``s1 * 2^31 + s2``.
-Why this function: it is integer arithmetic, so the result does not depend on reduction
-order and is identical on CPU and GPU (float sums are not); it is a handful of fully
-vectorised elementwise ops and one reduction per page (no sequential dependency as in a
-CRC), so it runs at memory speed in torch and maps to a one-pass GPU kernel; the position
-weight in ``s2`` catches swapped or shifted words, and ``s1`` catches any single changed
-word. It detects stale or foreign pages and accidental corruption, not an adversary.
+Checksum. Each page's bytes are read as 32-bit words ``w_i`` (bytes if the page's byte
+count is not a multiple of 4) and reduced modulo the Mersenne prime ``P = 2^31 - 1`` into
+two sums, Fletcher style: ``s1 = sum w_i mod P`` and ``s2 = sum (i+1) * w_i mod P``, packed
+as ``s1 * 2^31 + s2``. Why this function: it is integer arithmetic, so the result does not
+depend on reduction order and is identical on CPU and GPU (float sums are not); it has no
+sequential dependency (as a CRC has), so it vectorises: SIMD lanes on a CPU, a one-pass
+GPU kernel; the position weight in ``s2`` catches swapped or shifted words, and ``s1``
+catches any single changed word. It detects stale or foreign pages and accidental
+corruption, not an adversary.
+
+Three implementations, bit-identical (tests/engine/test_checksum_impls.py):
+:func:`page_checksums_reference`, torch on any device and layout, ~100 MB/s on a CPU (it
+gathers the pages and widens every word to int64); :func:`page_checksums_native`, C
+(``transfer/native/kvf_checksum.c``: adds in uint64 lanes, Mersenne folds per block, the
+GIL released) reading the pool in place at memory speed, which :func:`page_checksums` runs
+on CPU pools whose pages are dense inside, since decode checksums every page it receives;
+and the Triton kernel for CUDA pools (:mod:`.kernels.triton_checksum`, chosen by
+:func:`.kernels.page_checksums`).
 
 Canary. A side table (not inside the KV) holds per page ``(request_id_hash, generation,
 page_index)``: written by whoever writes the page, compared by the reader against what it
@@ -21,9 +30,12 @@ the number it will attend over; any difference fails the request.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,22 +75,24 @@ def check_transferred_length(request_id: str, expected_tokens: int, received_tok
 # --- checksums -----------------------------------------------------------------------
 def _page_words(kv: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """``[n, words]`` int64 holding each page's bytes as unsigned 32-bit words (or bytes)."""
-    flat = kv[pages].reshape(
-        pages.numel(), -1
-    )  # gather copies the listed pages only: [n, elements]
+    # the gather copies the listed pages only: [n, elements]
+    flat = kv[pages].reshape(pages.numel(), kv[0].numel())
     raw = flat.view(torch.uint8)
     if raw.shape[1] % 4 == 0:
         return raw.view(torch.int32).to(torch.int64) & _WORD_MASK
     return raw.to(torch.int64)
 
 
-def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    """One int64 checksum per listed page (``[n]``, on kv's device); see the module doc."""
+def page_checksums_reference(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """One int64 checksum per listed page (``[n]``, on kv's device); see the module doc.
+    The torch reference: any device and layout. Pages outside the pool raise IndexError."""
     pages = torch.as_tensor(pages, dtype=torch.int64, device=kv.device).reshape(-1)
     out = torch.empty(pages.numel(), dtype=torch.int64, device=kv.device)
     if pages.numel() == 0:
         return out
-    page_elements = kv[0].numel()
+    if bool(((pages < 0) | (pages >= kv.shape[0])).any()):
+        raise IndexError(f"pages outside [0, {kv.shape[0]})")
+    page_elements = max(1, kv[0].numel())
     per_chunk = max(1, _CHUNK_ELEMENTS // page_elements)
     weights = None
     for start in range(0, pages.numel(), per_chunk):
@@ -91,6 +105,66 @@ def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> tor
         s2 = ((words * weights) % MODULUS).sum(dim=1) % MODULUS
         out[start : start + per_chunk] = s1 * (1 << 31) + s2
     return out
+
+
+@functools.cache
+def _native() -> tuple[Any, Any] | None:
+    """The native checksum's cffi ``(ffi, lib)`` (``kvf_page_checksums``, see
+    ``transfer/native/kvf_checksum.h``), or None when the module is not built. The one
+    place the engine reaches into kvferry.transfer's native layer: a byte function."""
+    try:
+        module = importlib.import_module("kvferry.transfer._checksum")
+    except (ImportError, OSError):
+        return None
+    return module.ffi, module.lib
+
+
+def native_supports(kv: torch.Tensor) -> bool:
+    """True when :func:`page_checksums` runs the native checksum on ``kv``: a CPU pool
+    ``[pages, ...]`` with each page dense inside (pages at any stride), module built."""
+    return (
+        kv.device.type == "cpu"
+        and kv.layout == torch.strided
+        and kv.dim() > 0
+        and kv.shape[0] > 0
+        and kv[0].is_contiguous()
+        and _native() is not None
+    )
+
+
+def page_checksums_native(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """:func:`page_checksums_reference`'s values from the native checksum, read in place
+    (no gather); needs :func:`native_supports`. Pages outside the pool raise IndexError."""
+    if not native_supports(kv):
+        raise ValueError("the native checksum takes CPU pools with each page dense inside")
+    pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).to("cpu").contiguous()
+    out = torch.empty(pages.numel(), dtype=torch.int64)
+    if pages.numel() == 0:
+        return out
+    native = _native()
+    assert native is not None  # native_supports
+    ffi, lib = native
+    size = kv.element_size()
+    bad = lib.kvf_page_checksums(  # releases the GIL
+        ffi.cast("const void *", kv.data_ptr()),
+        kv.stride(0) * size,
+        kv[0].numel() * size,
+        kv.shape[0],
+        ffi.cast("const int64_t *", pages.data_ptr()),
+        pages.numel(),
+        ffi.cast("int64_t *", out.data_ptr()),
+    )
+    if bad >= 0:
+        raise IndexError(f"page {int(pages[bad])} outside [0, {kv.shape[0]})")
+    return out
+
+
+def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """One int64 checksum per listed page (``[n]``, on kv's device); see the module doc.
+    Native on CPU pools it takes (:func:`native_supports`), else the torch reference."""
+    if native_supports(kv):
+        return page_checksums_native(kv, pages)
+    return page_checksums_reference(kv, pages)
 
 
 # --- canaries ------------------------------------------------------------------------

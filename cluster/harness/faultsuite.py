@@ -72,8 +72,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from kvferry.engine.protocol.proof import is_justified
+
 from . import localcluster, netns
-from .localcluster import LocalCluster, LogTail, TwoNodeCluster
+from .localcluster import LocalCluster, LogTail, TwoNodeCluster, releases_by_justification
 from .workload import MARKER_RE, expected_replay, make_prompt
 
 T = TypeVar("T")
@@ -403,6 +405,7 @@ class Outcome:
     front_door_down_s: float | None = None  # a router crash: until /health answered again
 
     wrong_answer: bool = False  # B answered 200 with bytes that are not its replay
+    releases: dict[str, float] = field(default_factory=dict)  # by justification, this row
 
     @property
     def leak(self) -> bool:
@@ -805,8 +808,21 @@ def _delta(before: dict, after: dict, key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
+def _check_releases(before: dict, after: dict, out: Outcome) -> list[str]:
+    """Every release of the row carried its proof (``kvferry_releases_total``): one at
+    least (B's), and in safe mode none without proof."""
+    was, now = releases_by_justification(before), releases_by_justification(after)
+    out.releases = {k: n - was.get(k, 0.0) for k, n in now.items() if n > was.get(k, 0.0)}
+    if not out.releases:
+        return ["no release counted in kvferry_releases_total"]
+    unproven = {k: n for k, n in out.releases.items() if not is_justified(k)}
+    if unproven and not out.unsafe:
+        return [f"releases without proof: {unproven}"]
+    return []
+
+
 def _check_counters(sc: Scenario, before: dict, after: dict, out: Outcome) -> list[str]:
-    problems = []
+    problems = _check_releases(before, after, out)
     ok = _delta(before, after, 'kvferry_requests_total{outcome="ok"}')
     want_ok = int(out.b_status == 200) + int(out.a_status == 200) + out.ok_answers
     if ok != want_ok:
@@ -877,6 +893,9 @@ def run_suite(
         "passed": sum(r.passed for r in safe),
         "unsafe_scenarios": len(unsafe_runs),
         "unsafe_leaks_found": sum(r.leak for r in unsafe_runs),
+        "releases": _sum_releases(safe),
+        "unjustified_releases": sum(_unproven(r) for r in safe),
+        "unsafe_unjustified_releases": sum(_unproven(r) for r in unsafe_runs),
         "served_during_failure": {
             r.scenario: r.served_during_failure
             for r in safe
@@ -888,6 +907,18 @@ def run_suite(
         },
     }
     return {"summary": summary, "results": results, "skipped": skips}
+
+
+def _unproven(r: Outcome) -> float:
+    return sum(n for k, n in r.releases.items() if not is_justified(k))
+
+
+def _sum_releases(rows: list[Outcome]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for r in rows:
+        for k, n in r.releases.items():
+            total[k] = total.get(k, 0.0) + n
+    return dict(sorted(total.items()))
 
 
 def _run_group(

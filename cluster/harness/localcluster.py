@@ -74,6 +74,18 @@ class LogTail:
         return found
 
 
+RELEASES_KEY = 'kvferry_releases_total{justification="'
+
+
+def releases_by_justification(metrics: dict[str, float]) -> dict[str, float]:
+    """The release counts of a /metrics sample dict, keyed by justification."""
+    return {
+        key[len(RELEASES_KEY) : -2]: value
+        for key, value in metrics.items()
+        if key.startswith(RELEASES_KEY)
+    }
+
+
 class Reply(NamedTuple):
     status: int
     body: dict
@@ -123,6 +135,10 @@ class LocalCluster:
 
     def status(self) -> dict:
         return self.call("GET", "/status", timeout=10).body
+
+    def releases(self) -> dict[str, float]:
+        """``kvferry_releases_total`` by justification (the proof each release recorded)."""
+        return releases_by_justification(self.metrics())
 
     def held(self, every_rank: bool = False) -> int:
         """Pages owned or quarantined on any healthy rank (a crashed rank's pool is gone),

@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvferry.engine.protocol.proof import is_justified
+
 from . import workload
 from .faultsuite import start
 
@@ -74,12 +76,17 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
         result = asyncio.run(workload.run(wargs))
+        releases = cluster.releases()
     finally:
         cluster.stop()
+    result["release_justifications"] = releases
+    result["unjustified_releases"] = sum(n for k, n in releases.items() if not is_justified(k))
     clean = (
         result["foreign_markers"] == 0
         and result["wrong_answers"] == 0
         and result["leaked_pages"] == 0
+        and result["unjustified_releases"] == 0
+        and sum(releases.values()) > 0
     )
     unanswered = sum(
         1 for j in result["_jobs"] if j.outcome == "failed" and (j.error or "").startswith("client")

@@ -50,6 +50,7 @@ from kvferry.engine.integrity import page_checksums, request_id_hash
 from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol import writer as wc
 from kvferry.engine.protocol.owner import OwnerBook, OwnerDo, OwnerEvent, OwnerState
+from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
 from kvferry.engine.protocol.words import AbortSource
 from kvferry.engine.protocol.writer import WriterBook, WriterDo, WriterEvent, WriterState
 from kvferry.transfer import (
@@ -921,19 +922,25 @@ class _WorkerSide:
         else:  # pragma: no cover - the enum is closed
             raise AssertionError(do)
 
-    def _writer_gone(self, o: _Owned, now: float) -> bool:
-        """Proof from the writer's process: it exited (same host only, drained)."""
+    def _writer_gone(self, o: _Owned, now: float) -> Proof | None:
+        """The proof that the writer is gone, by the protocol's rule
+        (:func:`kvferry.engine.protocol.gone_proof`): its process exited on this host and
+        the drain passed. A prefill on another host is never proven gone here (no exit
+        records reach a connector), so its pages wait for its ack."""
         if not o.peer_local or o.peer_pid < 0 or not process_gone(o.peer_pid):
             o.gone_since = None
-            return False
+            return None
         o.gone_since = o.gone_since or now
-        return now - o.gone_since >= DRAIN_S
+        facts = GoneFacts(
+            same_host=True, process_gone=True, gone_for_s=now - o.gone_since, drain_s=DRAIN_S
+        )
+        return gone_proof(facts)
 
     def _check_proof(self, o: _Owned, now: float) -> None:
         if o.book.state is not OwnerState.FENCED:
             return
-        gone = {WRITER} if self._writer_gone(o, now) else set()
-        self._feed_owner(o, oc.on_proof_check(o.book, gone))
+        proof = self._writer_gone(o, now)
+        self._feed_owner(o, oc.on_proof_check(o.book, {WRITER: proof} if proof else {}))
 
     def _owner_tick(self, o: _Owned, now: float) -> None:
         state = o.book.state

@@ -1,6 +1,9 @@
 """Which implementation runs: the Triton kernels on CUDA tensors, the torch references
-elsewhere. ``KVFERRY_KERNELS=torch`` forces the references everywhere (``triton`` forces
-the kernels, e.g. under ``TRITON_INTERPRET=1`` on CPU tensors). The kernels launch with
+elsewhere, except checksums on CPU pools, which :func:`kvferry.engine.integrity.page_checksums`
+runs natively (C, the same values; a GPU kernel does not help there).
+``KVFERRY_KERNELS=torch`` forces the references everywhere (``triton`` forces the kernels,
+e.g. under ``TRITON_INTERPRET=1`` on CPU tensors); for checksums ``torch`` means
+:func:`~kvferry.engine.integrity.page_checksums_reference`. The kernels launch with
 ``KVFERRY_DECODE_TUNING`` when it is set (:func:`.tuning.active`), else the default tuning.
 
 Shapes the kernels do not take (page sizes other than 16/32/64, head dims other than
@@ -83,9 +86,12 @@ def _decode_supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """One int64 checksum per listed page, ``[n]`` (the values of
-    :func:`kvferry.engine.integrity.page_checksums`)."""
+    :func:`kvferry.engine.integrity.page_checksums_reference`): Triton on CUDA, native on
+    CPU pools with dense pages, else the reference."""
     if use_triton(kv) and kv.dim() > 0 and kv.shape[0] > 0 and kv[0].is_contiguous():
         from . import triton_checksum
 
         return triton_checksum.page_checksums(kv, pages)
+    if os.environ.get("KVFERRY_KERNELS") == "torch":
+        return _integrity.page_checksums_reference(kv, pages)
     return _integrity.page_checksums(kv, pages)

@@ -1,4 +1,4 @@
-"""Page checksums in Triton, equal to :func:`kvferry.engine.integrity.page_checksums`.
+"""Page checksums in Triton, equal to :func:`kvferry.engine.integrity.page_checksums_reference`.
 
 Each page's bytes are 32-bit words ``w_i`` (bytes when the page's byte count is not a
 multiple of 4); ``s1 = sum w_i mod P``, ``s2 = sum (i+1) w_i mod P`` with ``P = 2^31 - 1``,
@@ -9,7 +9,12 @@ reference's value exactly. Reductions mod the Mersenne prime fold with shifts an
 Grid ``(pages, chunks)``: program ``(p, c)`` reduces words ``[c*CHUNK, (c+1)*CHUNK)`` of
 page ``pages[p]`` in steps of ``BLOCK`` words into two partial sums below P; the partials
 are added (and folded) on the host side with torch. Each page must be contiguous inside
-(``kv[page]`` dense); pages may sit at any stride.
+(``kv[page]`` dense); pages may sit at any stride. Words that are not 4-byte aligned (a
+page stride or pool offset not a multiple of 4 bytes) are loaded byte by byte and put
+together little-endian, so they still checksum as words, as the reference does.
+
+The CPU counterpart is native (``transfer/native/kvf_checksum.c``, the same function in
+C); tests/engine/test_checksum_impls.py holds all three to the same values.
 """
 
 from __future__ import annotations
@@ -46,9 +51,11 @@ def _checksum_kernel(
     BLOCK: tl.constexpr,
     STEPS: tl.constexpr,
     BYTES: tl.constexpr,
+    COMPOSE: tl.constexpr,
 ):
-    """words ``[pool pages, words_per_page]`` (int32 words or uint8 bytes), pages ``[n]``
-    int64, part ``[n, chunks, 2]`` int64 partial (s1, s2), each below P."""
+    """words ``[pool pages, words_per_page]`` (int32 words or uint8 bytes; with COMPOSE
+    uint8 bytes read four at a time as little-endian words), pages ``[n]`` int64, part
+    ``[n, chunks, 2]`` int64 partial (s1, s2), each below P."""
     p = tl.program_id(0)
     c = tl.program_id(1)
     page = tl.load(pages_ptr + p)
@@ -60,11 +67,18 @@ def _checksum_kernel(
     for step in range(STEPS):
         i = i0 + step * BLOCK + offs
         ok = i < words_per_page
-        w = tl.load(base + i, mask=ok, other=0).to(tl.int64)
-        if BYTES:
-            w = w & 255
+        if COMPOSE:
+            at = base + i.to(tl.int64) * 4
+            w = tl.load(at, mask=ok, other=0).to(tl.int64) & 255
+            w |= (tl.load(at + 1, mask=ok, other=0).to(tl.int64) & 255) << 8
+            w |= (tl.load(at + 2, mask=ok, other=0).to(tl.int64) & 255) << 16
+            w |= (tl.load(at + 3, mask=ok, other=0).to(tl.int64) & 255) << 24
         else:
-            w = w & 4294967295
+            w = tl.load(base + i, mask=ok, other=0).to(tl.int64)
+            if BYTES:
+                w = w & 255
+            else:
+                w = w & 4294967295
         w = _fold(w)  # w mod P, below 2^31
         s1 += w  # at most STEPS values below 2^31 per lane: no overflow
         s2 += _fold(w * (i + 1).to(tl.int64))
@@ -89,12 +103,14 @@ def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> tor
         raise IndexError(f"pages outside [0, {kv.shape[0]})")
     page_bytes = page.numel() * page.element_size()
     stride_bytes = kv.stride(0) * kv.element_size()
-    as_words = page_bytes % 4 == 0 and stride_bytes % 4 == 0 and kv.data_ptr() % 4 == 0
+    as_words = page_bytes % 4 == 0
+    # words that are not 4-byte aligned (an odd page stride or offset) load as bytes
+    compose = as_words and (stride_bytes % 4 != 0 or kv.data_ptr() % 4 != 0)
     unit = 4 if as_words else 1
     flat = torch.as_strided(
         kv, (kv.shape[0], page.numel()), (kv.stride(0), 1)
     )  # [pool pages, elements], a view
-    words = flat.view(torch.int32 if as_words else torch.uint8)  # [pool pages, words], a view
+    words = flat.view(torch.int32 if as_words and not compose else torch.uint8)  # a view
     per_page = page_bytes // unit
     chunks = -(-per_page // (BLOCK * CHUNK_STEPS))
     part = torch.empty(n, chunks, 2, dtype=torch.int64, device=kv.device)
@@ -108,6 +124,7 @@ def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> tor
         BLOCK=BLOCK,
         STEPS=CHUNK_STEPS,
         BYTES=not as_words,
+        COMPOSE=compose,
         num_warps=4,
     )
     sums = part.sum(dim=1) % MODULUS  # [n, 2]: at most chunks values below P each

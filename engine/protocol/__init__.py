@@ -16,6 +16,7 @@ from .owner import (
     owner_table,
     render_owner_table,
 )
+from .proof import GoneFacts, Proof, gone_proof, is_justified, justification
 from .table import Move
 from .words import AbortSource, Answer, Kind, Outcome, Release
 from .writer import (
@@ -32,6 +33,7 @@ __all__ = [
     "WRITER_TABLE",
     "AbortSource",
     "Answer",
+    "GoneFacts",
     "Kind",
     "Move",
     "Outcome",
@@ -39,11 +41,15 @@ __all__ = [
     "OwnerDo",
     "OwnerEvent",
     "OwnerState",
+    "Proof",
     "Release",
     "WriterBook",
     "WriterDo",
     "WriterEvent",
     "WriterState",
+    "gone_proof",
+    "is_justified",
+    "justification",
     "owner_table",
     "render_owner_table",
     "render_writer_table",

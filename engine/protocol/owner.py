@@ -22,8 +22,10 @@ a release except LAST_FLUSH and PROOF, whose conditions are exactly the proof).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .proof import Proof, justification
 from .table import Move, complete, render, replace
 from .words import Release
 
@@ -179,6 +181,7 @@ class OwnerBook:
     whole: set[int] = field(default_factory=set)  # its notice is whole
     acked: set[int] = field(default_factory=set)  # acked an abort: flushed
     fenced: frozenset[int] = frozenset()  # severed at the abort deadline
+    gone: dict[int, Proof] = field(default_factory=dict)  # silent writers proven gone, how
 
     def writers_done(self) -> bool:
         """Every writer noticed or acked: no write of this request can land any more."""
@@ -191,6 +194,11 @@ class OwnerBook:
     def free_reason(self) -> Release:
         """FREE's word: ACKED when some writer acked instead of noticing."""
         return Release.ACKED if self.acked - self.noticed else Release.FREED
+
+    def justification(self) -> str:
+        """Why releasing the pages now is safe (see :func:`.proof.justification`):
+        ``none`` unless every writer noticed, acked or was proven gone."""
+        return justification(self.writers, self.noticed, self.acked, self.gone)
 
 
 # ---------------------------------------------------------------------- inputs -> events
@@ -244,21 +252,22 @@ def on_deadline(book: OwnerBook) -> OwnerEvent:
     return OwnerEvent.DEADLINE
 
 
-def on_retry(book: OwnerBook, gone: set[int]) -> OwnerEvent:
-    """The retry timer. ``gone``: writers still silent whose process is known to have
-    exited. While quarantined, once every silent writer is gone no ack can come, so the
-    deadline is not waited out: the request is fenced now, and released only on the same
-    proof (PROOF_CHECK) as at the deadline."""
+def on_retry(book: OwnerBook, gone: Mapping[int, Proof]) -> OwnerEvent:
+    """The retry timer. ``gone``: writers still silent proven gone, with the proof
+    (:func:`.proof.gone_proof`). While quarantined, once every silent writer is gone no
+    ack can come, so the deadline is not waited out: the request is fenced now, and
+    released only on the same proof (PROOF_CHECK) as at the deadline."""
     pending = book.pending()
-    if book.state is OwnerState.QUARANTINED and pending and set(pending) <= gone:
+    if book.state is OwnerState.QUARANTINED and pending and set(pending) <= set(gone):
         return on_deadline(book)
     return OwnerEvent.RETRY
 
 
-def on_proof_check(book: OwnerBook, gone: set[int]) -> OwnerEvent:
-    """``gone``: the severed writers whose process is known to have exited (and whose
-    last bytes were drained)."""
+def on_proof_check(book: OwnerBook, gone: Mapping[int, Proof]) -> OwnerEvent:
+    """``gone``: the severed writers proven gone (their last bytes drained), with the
+    proof of each, which the release then records."""
     if all(w in book.acked or w in gone for w in book.fenced):
+        book.gone.update({w: gone[w] for w in book.fenced if w not in book.acked})
         return OwnerEvent.PROOF
     return OwnerEvent.NO_PROOF
 

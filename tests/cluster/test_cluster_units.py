@@ -66,7 +66,7 @@ def test_every_message_kind_round_trips():
         "DONE": dict(rid="r", outcome="finished", error=None, count=2, transfer_ms=1.5),
         "ABORT": dict(rid="r", owner=2, writers=[1], source="client", reason="gone"),
         "ABORT_ACK": dict(rid="r"),
-        "RELEASED": dict(rid="r", pages=3, how="acked", abort_ms=0.5),
+        "RELEASED": dict(rid="r", pages=3, how="acked", justification="acked", abort_ms=0.5),
         "SEVERED": dict(peer_rank=1, incarnation=9, reason="no ack"),
         "SHUTDOWN": dict(),
     }

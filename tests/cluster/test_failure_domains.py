@@ -37,6 +37,7 @@ from kvferry.cluster.runtime import DRAIN_S, RankRuntime
 from kvferry.cluster.topology import Topology
 from kvferry.engine.protocol import owner as core
 from kvferry.engine.protocol.owner import OwnerState
+from kvferry.engine.protocol.proof import Proof
 from kvferry.transfer import TransferError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,21 +191,21 @@ def test_a_remote_writer_is_gone_only_on_its_exit_record_and_past_the_horizon(
     cards = _cards(remote_host="other")
     rt = RankRuntime(0, _HorizonEngine(horizon_s=4.0), cards, store=store)
     clock[0] += 100
-    assert rt.write_path_closed(1) is False
+    assert rt.write_path_closed(1) is None
     clock[0] += 100
     if not record:
-        assert rt.write_path_closed(1) is True  # the test catches the unproven release
+        assert rt.write_path_closed(1) is Proof.EXIT_RECORD  # the unproven release, caught
         return
-    assert rt.write_path_closed(1) is False  # still no word from its host
+    assert rt.write_path_closed(1) is None  # still no word from its host
     publish_exit(
         store,
         ExitRecord(rank=1, incarnation=7, pid=1, host="other", status=-9, at=time.time()),
     )
-    assert rt.write_path_closed(1) is False  # the record is seen now: the horizon starts
+    assert rt.write_path_closed(1) is None  # the record is seen now: the horizon starts
     clock[0] += 4.0 + DRAIN_S - 0.01
-    assert rt.write_path_closed(1) is False  # the writer's kernel may still retransmit
+    assert rt.write_path_closed(1) is None  # the writer's kernel may still retransmit
     clock[0] += 0.02
-    assert rt.write_path_closed(1) is True
+    assert rt.write_path_closed(1) is Proof.EXIT_RECORD
 
 
 class _CountingStore:
@@ -430,8 +431,8 @@ class _DeadWriters(TimedRuntime):
         super().__init__(rank)
         self.dead = dead
 
-    def write_path_closed(self, rank, incarnation=None) -> bool:
-        return rank in self.dead
+    def write_path_closed(self, rank, incarnation=None):
+        return Proof.PROCESS_GONE if rank in self.dead else None
 
     def sever(self, rank, reason) -> None:
         self.sent.append((rank, "(severed)", {"reason": reason}))
@@ -439,7 +440,7 @@ class _DeadWriters(TimedRuntime):
 
 def _any_gone_fences(book, gone):
     """Broken mode: fence as soon as one silent writer is gone."""
-    if book.state is OwnerState.QUARANTINED and set(book.pending()) & gone:
+    if book.state is OwnerState.QUARANTINED and set(book.pending()) & set(gone):
         return core.on_deadline(book)
     return core.OwnerEvent.RETRY
 

@@ -278,8 +278,8 @@ class TimedRuntime(RecordingRuntime):
     def is_severed(self, rank) -> bool:
         return False
 
-    def write_path_closed(self, rank, incarnation=None) -> bool:
-        return False  # every writer alive
+    def write_path_closed(self, rank, incarnation=None):
+        return None  # every writer alive: no proof it is gone
 
 
 def _assign_and_notice_fields(owner: DecodeRank, rt: TimedRuntime, rid: str, checksums: bool):
@@ -504,13 +504,16 @@ def test_router_times_an_abort_to_the_owners_release(owner_host):
         routed = await router.submit("abort me", 8)
         router.abort(routed.rid, "client", "gone")
         released_ns = routed.aborted_ns + 1_500_000  # the owner released 1.5 ms later
-        rt.deliver(m.RELEASED, src=1, rid=routed.rid, pages=1, how="aborted")
+        rt.deliver(
+            m.RELEASED, src=1, rid=routed.rid, pages=1, how="aborted", justification="own-flush"
+        )
         rt.deliver(
             m.RELEASED,
             src=2,
             rid=routed.rid,
             pages=1,
             how="acked",
+            justification="acked",
             abort_ms=0.4,
             released_ns=released_ns,
         )
@@ -605,3 +608,41 @@ def test_the_transfer_timeout_grows_with_the_prompt(scaled, monkeypatch):
         assert long_wait == owner.transfer_timeout_s  # the test catches the flat timeout
         return
     assert long_wait == 16 * owner.transfer_timeout_s
+
+
+# ---------------------------------------------------------------- every release carries its proof
+@pytest.mark.parametrize("table", ["safe", "broken-unsafe"])
+def test_every_release_says_which_proof_made_it_safe(table):
+    """I4: writer 1 acks, writer 3 is silent and then proven gone (its process exited).
+    While quarantined, /status's line names the pages, whom they wait on and the proofs
+    so far; the release records ``acked+process-gone`` in RELEASED (the router counts it
+    in ``kvferry_releases_total{justification}``). Broken mode: the unsafe table frees
+    at the abort, and its release says ``none``."""
+    from kvferry.engine.protocol.owner import owner_table
+    from kvferry.engine.protocol.proof import Proof, is_justified
+
+    owner, rt = _owner()
+    if table != "safe":
+        owner.table = owner_table(unsafe=True)
+    rt.deliver(m.ASSIGN, src=0, rid="r9", prompt_len=40, max_tokens=8, writers=[1, 3], last_token=7)
+    rt.sent.clear()
+    rt.deliver(m.ABORT, src=0, rid="r9", owner=2, writers=[1, 3], source="client", reason="gone")
+    if table != "safe":
+        released = [f for _, k, f in rt.sent if k == "RELEASED"]
+        assert [f["justification"] for f in released] == ["none"]
+        assert not is_justified(released[0]["justification"])
+        return
+    rt.deliver(m.ABORT_ACK, src=1, rid="r9")
+    (line,) = owner.quarantines()
+    assert line.startswith("r9 pages=3 state=quarantined") and "waiting=[3:" in line
+    assert "proven=[1:acked]" in line
+    rt.write_path_closed = lambda rank, inc=None: Proof.PROCESS_GONE if rank == 3 else None
+    rt.sever = lambda rank, reason: rt.sent.append((rank, "(severed)", {}))
+    rt.cards.update({r: _card(r, role) for r, role in ((1, "prefill"), (3, "prefill"))})
+    retry = [t for t in rt.timers if t.delay < owner.abort_deadline_s and not t.cancelled]
+    retry[0].fn()  # writer 3 is gone: fenced at once, then its proof is taken
+    for t in [t for t in rt.timers if not t.cancelled and t not in retry]:
+        t.fn()
+    released = [f for _, k, f in rt.sent if k == "RELEASED"]
+    assert [(f["pages"], f["justification"]) for f in released] == [(3, "acked+process-gone")]
+    assert is_justified(released[0]["justification"]) and owner.quarantines() == []

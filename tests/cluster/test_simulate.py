@@ -50,7 +50,10 @@ def test_every_scenario_is_safe_at_the_small_scale(name):
         "no_page_overwritten": True,
         "every_page_free_at_end": True,
         "every_request_answered": True,
+        "every_release_justified": True,
     }, r["examples"]
+    assert r["unjustified_releases"] == 0 and sum(r["release_justifications"].values()) > 0
+    assert not any("timer" in label for label in r["release_justifications"])
     assert r["requests"] == REQUESTS and r["unanswered"] == 0
     assert r["served"] > 0
     if name in ("partition", "partition-long", "slow"):
@@ -82,6 +85,8 @@ def test_each_broken_mode_leaks_where_a_write_can_still_land(mode):
     assert r["released_while_landing_pages"] > 0
     assert r["overwritten_pages"] + r["landed_in_free_pages"] > 0
     assert not r["checks"]["no_release_while_landing"]
+    assert r["unjustified_releases"] > 0  # each release without proof says so
+    assert not r["checks"]["every_release_justified"]
 
 
 def test_the_unsafe_table_leaks_in_an_abort_storm_on_a_slow_link():

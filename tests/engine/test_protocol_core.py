@@ -25,6 +25,7 @@ from kvferry.engine.allocator import PageAllocator
 from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol import writer as wc
 from kvferry.engine.protocol.owner import OwnerDo, OwnerEvent, OwnerState
+from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.table import Move, replace, terminal
 from kvferry.engine.protocol.writer import WriterDo, WriterEvent, WriterState
 
@@ -164,7 +165,7 @@ def owner_walk(table):
         @rule()
         @precondition(lambda self: self.book is not None and self.book.state is OwnerState.FENCED)
         def proof_check(self) -> None:
-            self.feed(oc.on_proof_check(self.book, set(self.gone)))
+            self.feed(oc.on_proof_check(self.book, dict.fromkeys(self.gone, Proof.PROCESS_GONE)))
 
         def feed(self, event: OwnerEvent) -> None:
             assert self.book is not None

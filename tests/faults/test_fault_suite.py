@@ -35,6 +35,11 @@ def test_fault_suite_green_and_unsafe_mode_leaks(group, tmp_path):
     assert summary["unsafe_leaks_found"] == summary["unsafe_scenarios"] == len(expected_unsafe)
     safe = [r for r in results if not r.unsafe]
     assert all(not r.foreign and r.held_after == 0 and r.answered_in_time for r in safe)
+    # I4: every release carried its proof (kvferry_releases_total{justification}), none
+    # is a timer; each unsafe row's release without proof is counted as such
+    assert summary["unjustified_releases"] == 0 and all(r.releases for r in safe)
+    assert all("timer" not in k for r in results for k in r.releases)
+    assert all(faultsuite._unproven(r) > 0 for r in unsafe)
     crashes = {
         s.name
         for s in runnable

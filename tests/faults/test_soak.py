@@ -22,3 +22,6 @@ def test_short_soak_leaves_no_page_and_no_foreign_marker(tmp_path, capsys):
     assert result["foreign_markers"] == 0 and result["wrong_answers"] == 0
     assert result["leaked_pages"] == 0 and result["unanswered"] == 0
     assert result["ok"] > 0 and result["aborted"] > 0 and result["rejected"] > 0
+    # every release carried its proof, and none is a timer
+    assert result["unjustified_releases"] == 0 and sum(result["release_justifications"].values())
+    assert all("timer" not in k for k in result["release_justifications"])

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.cluster.router import latency_summary
+from kvferry.engine.protocol.proof import is_justified
 from kvferry.engine.protocol.words import Answer, Release
 
 
@@ -17,6 +18,7 @@ class Metrics:
     messages: Counter[str] = field(default_factory=Counter)
     counts: Counter[str] = field(default_factory=Counter)
     releases: Counter[str] = field(default_factory=Counter)  # owner releases by reason
+    justifications: Counter[str] = field(default_factory=Counter)  # ... by their proof
     abort_release_ms: list[float] = field(default_factory=list)  # owner's, every abort
     quarantined_release_ms: list[float] = field(default_factory=list)  # those that waited
     severed_pairs: set[tuple[int, int]] = field(default_factory=set)
@@ -24,8 +26,9 @@ class Metrics:
     q_share: list[float] = field(default_factory=list)  # fleet quarantine share, per sample
     q_worst: list[float] = field(default_factory=list)  # worst rank's share, per sample
 
-    def on_release(self, how: Release, abort_ms: float | None) -> None:
+    def on_release(self, how: Release, abort_ms: float | None, justification: str) -> None:
         self.releases[how.value] += 1
+        self.justifications[justification] += 1
         if abort_ms is not None:
             self.abort_release_ms.append(abort_ms)
             if how is not Release.FREED:
@@ -58,6 +61,7 @@ def summary(
         "no_page_overwritten": truth.overwritten == 0 and truth.landed_in_free == 0,
         "every_page_free_at_end": end["held_pages"] == end["stranded_pages"],
         "every_request_answered": answered == submitted and not world.unanswered(),
+        "every_release_justified": all(is_justified(label) for label in mt.justifications),
     }
     out: dict[str, Any] = {
         "bench": "simulate",
@@ -80,6 +84,10 @@ def summary(
         "abort_release_quarantined": _ms(mt.quarantined_release_ms),
         "abort_from_router": _ms(world.router.abort_from_router_ms),
         "releases": dict(mt.releases),
+        "release_justifications": dict(mt.justifications),
+        "unjustified_releases": sum(
+            n for label, n in mt.justifications.items() if not is_justified(label)
+        ),
         "severed_ranks": len(mt.severed_writers),
         "sever_events": len(mt.severed_pairs),
         "unhealthy_ranks": len(world.router.unhealthy),

@@ -61,6 +61,7 @@ from kvferry.engine.allocator import OutOfPages, PageAllocator
 from kvferry.engine.protocol import owner as owner_core
 from kvferry.engine.protocol import writer as writer_core
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
+from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
 from kvferry.engine.protocol.words import AbortSource, Kind, Release
 from kvferry.engine.protocol.writer import WriterEvent
 from kvferry.transfer import BatchStatus, TransferError
@@ -367,20 +368,27 @@ class SimRuntime:
         self.counters.severed += 1
         self.world.on_sever(self.rank, rank)
 
-    def write_path_closed(self, rank: int, incarnation: int | None = None) -> bool:
-        """As RankRuntime.write_path_closed: a rank whose process is gone, once ``DRAIN_S``
-        passed since this rank first saw it gone (on this host, in /proc) or, on another
-        host, since it saw the launcher's exit record (published as the process dies)
-        plus the transport's failure horizon."""
+    def write_path_closed(self, rank: int, incarnation: int | None = None) -> Proof | None:
+        """As RankRuntime.write_path_closed, from the simulated world's facts, judged by
+        the same rule (:func:`kvferry.engine.protocol.gone_proof`): a crashed rank on
+        this host is gone once ``DRAIN_S`` passed since it was first seen gone; on
+        another host only with its launcher's exit record (published as the process
+        dies), once the drain and the transport's failure horizon passed."""
         if rank not in self.world.crashed:
-            return False
-        wait = DRAIN_S
-        if self.cards[rank].host != self.cards[self.rank].host:
-            if not self.world.exit_records:
-                return False
-            wait += self.world.net.cfg.failure_horizon_s
+            return None
+        same_host = self.cards[rank].host == self.cards[self.rank].host
+        if not same_host and not self.world.exit_records:
+            return None
         seen = self._gone_since.setdefault(rank, self.clock.now)
-        return self.clock.now - seen >= wait
+        facts = GoneFacts(
+            same_host=same_host,
+            process_gone=same_host,
+            exit_record=not same_host,
+            gone_for_s=self.clock.now - seen,
+            drain_s=DRAIN_S,
+            horizon_s=self.world.net.cfg.failure_horizon_s,
+        )
+        return gone_proof(facts)
 
     # -------------------------------------------------------------- sending
     def send(self, rank: int, kind: Any, **fields: Any) -> SimBatch | None:
@@ -605,6 +613,7 @@ class SimDecodeRank(DecodeRank):
             rid=req.rid,
             pages=len(pages),
             how=how,
+            justification=req.book.justification(),
             abort_ms=abort_ms,
             released_ns=int(now * 1e9),
         )

@@ -152,7 +152,7 @@ class World:
     def on_owner_release(
         self, rank: int, req: Any, pages: int, how: Release, abort_ms: float | None
     ) -> None:
-        self.metrics.on_release(how, abort_ms)
+        self.metrics.on_release(how, abort_ms, req.book.justification())
 
     def on_answer(self, rid: str, outcome: Answer) -> None:
         if rid in self._answered:

@@ -1,0 +1,31 @@
+/* kvferry's page checksum on the CPU (implemented in kvf_checksum.c, built into the cffi
+ * module kvferry.transfer._checksum by build_checksum.py). A byte function: it knows
+ * nothing of requests, transfers or UCX, and links nothing but libc.
+ *
+ * The function is kvferry.engine.integrity.page_checksums_reference: each page's bytes
+ * are unsigned 32-bit words w_i in the machine's byte order (single bytes when the page's
+ * byte count is not a multiple of 4), s1 = sum w_i mod P, s2 = sum (i+1) w_i mod P with
+ * P = 2^31 - 1, packed s1 * 2^31 + s2. Integer arithmetic, so any summation order gives
+ * exactly the reference's value.
+ *
+ * Between the KVF_CDEF markers: the declarations build_checksum.py hands to cffi's cdef
+ * (plain C, no preprocessor lines). */
+#ifndef KVF_CHECKSUM_H
+#define KVF_CHECKSUM_H
+
+#include <stdint.h>
+
+/* KVF_CDEF_BEGIN */
+
+/* One checksum per listed page into out[0..n): page p is the page_bytes bytes at
+ * base + p * page_stride (any stride, pages may overlap; page_bytes >= 0). Every page is
+ * checked against [0, pool_pages) before any is read: returns -1 when all are inside,
+ * else the index in `pages` of the first outside (out is then left unwritten). Reads
+ * nothing else, holds no state: safe to call with the GIL released, from any thread. */
+int64_t kvf_page_checksums(const void *base, int64_t page_stride, int64_t page_bytes,
+                           int64_t pool_pages, const int64_t *pages, int64_t n,
+                           int64_t *out);
+
+/* KVF_CDEF_END */
+
+#endif /* KVF_CHECKSUM_H */

@@ -7,10 +7,9 @@ of them (a PREFILL, PLAN, ASSIGN or NOTICE overtaken by its ABORT) never brings 
 
 from __future__ import annotations
 
-import time
-
 from kvferry.engine.allocator import PageAllocator
 from kvferry.engine.pool import KVPool
+from kvferry.engine.protocol.driver import Clock
 
 TOMBSTONE_S = 600.0
 
@@ -20,6 +19,7 @@ class RankBooks:
 
     allocator: PageAllocator
     pool: KVPool
+    clock: Clock  # the time the rank's protocol code reads
 
     def _init_books(self) -> None:
         self.tombstones: dict[str, float] = {}
@@ -27,7 +27,7 @@ class RankBooks:
         self.allocations = 0
 
     def sweep(self) -> None:
-        cutoff = time.monotonic() - TOMBSTONE_S
+        cutoff = self.clock.now() - TOMBSTONE_S
         for rid in [r for r, t in self.tombstones.items() if t < cutoff]:
             del self.tombstones[rid]
 

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +54,7 @@ from kvferry.engine.kernels.ownership import (
 )
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol import owner as core
+from kvferry.engine.protocol.driver import Clock, Driver, MonotonicClock
 from kvferry.engine.protocol.owner import OwnerBook, OwnerDo, OwnerEvent, OwnerState
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Kind, Outcome, Release
@@ -79,6 +79,7 @@ _ABORTS = frozenset(
         OwnerEvent.FAIL_FLUSHED,
     }
 )
+_HELD = (OwnerState.QUARANTINED, OwnerState.FENCED, OwnerState.CLOSED)  # abort timed already
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class OwnedRequest:
     notices: dict[int, Notice] = field(default_factory=dict)  # whole notices
     generated: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)
-    planned_at: float = field(default_factory=time.monotonic)
+    planned_at: float = 0.0  # when its plan went out (the rank's clock)
     timer: Any = None
     abort_started: float = 0.0
     abort_source: AbortSource = AbortSource.INTERNAL  # ASK_ACKS's words
@@ -169,8 +170,15 @@ class DecodeRank(RankBooks):
         unsafe: bool = False,
         release_on_sever: bool = False,
         max_batch: int = 64,
+        clock: Clock | None = None,
     ) -> None:
         self.rt = runtime
+        self.clock = clock or MonotonicClock()
+        # told of every release (rank's request, pages, how, ms since the abort): a report
+        # port (the simulator's world counts them)
+        self.on_release: Callable[[OwnedRequest, int, Release, float | None], None] = (
+            lambda req, pages, how, abort_ms: None
+        )
         self.model = model
         self.pool = pool
         self.router = router
@@ -180,7 +188,7 @@ class DecodeRank(RankBooks):
         self.unsafe = unsafe
         self.max_batch = max_batch
         self.release_on_sever = release_on_sever
-        self.table = core.owner_table(unsafe=unsafe, release_on_sever=release_on_sever)
+        self._init_driver(core.owner_table(unsafe=unsafe, release_on_sever=release_on_sever))
         self.allocator = PageAllocator(pool.num_pages, unsafe=unsafe)
         self.canaries = CanaryTable(pool.num_pages)
         self.reqs: dict[str, OwnedRequest] = {}
@@ -198,17 +206,29 @@ class DecodeRank(RankBooks):
         self.dropped_other_incarnation = 0
 
     # -------------------------------------------------------------- the table
+    def _init_driver(self, table: dict) -> None:
+        """The owner's table, carried out by the protocol's one driver (an event an
+        effect produces, a failed check or a proof found, waits for the rest of its row:
+        no re-entrant feed)."""
+        self.driver: Driver = Driver(table, self._do, observe=self._observe)
+
+    @property
+    def table(self) -> dict:
+        return self.driver.table  # type: ignore[return-value]
+
+    @table.setter
+    def table(self, table: dict) -> None:
+        self.driver.table = table
+
     def _feed(self, req: OwnedRequest, event: OwnerEvent) -> None:
         """Move the request by the owner's table and carry out the effects it lists."""
-        if event in _ABORTS and req.book.state not in (
-            OwnerState.QUARANTINED,
-            OwnerState.FENCED,
-            OwnerState.CLOSED,
-        ):
-            req.abort_started = req.abort_started or time.monotonic()
-        move = core.step(req.book, event, self.table)
-        for do in move.effects:
-            self._do(do, req)
+        self.driver.feed(req, event)
+
+    def _observe(self, req: OwnedRequest, event: OwnerEvent, before: OwnerState, move) -> None:
+        """The abort's clock starts at its first sign (its pages' release is timed on
+        it)."""
+        if event in _ABORTS and before not in _HELD:
+            req.abort_started = req.abort_started or self.clock.now()
 
     def _do(self, do: OwnerDo, req: OwnedRequest) -> None:
         D = OwnerDo
@@ -241,7 +261,7 @@ class DecodeRank(RankBooks):
         elif do is D.VERIFY:
             self._verify_and_start(req)
         elif do is D.TOMBSTONE:
-            self.tombstones[rid] = time.monotonic()
+            self.tombstones[rid] = self.clock.now()
         elif do is D.REPORT_FAILED:
             self._done(rid, Outcome.FAILED, req.error)
         elif do is D.REPORT_FINISHED:
@@ -364,6 +384,7 @@ class DecodeRank(RankBooks):
             self._feed(req, core.on_assign(req.book, req.book.writers, granted=False))
             return
         self.allocations += 1
+        req.planned_at = self.clock.now()
         self.reqs[rid] = req
         self._feed(req, core.on_assign(req.book, req.book.writers, granted=True))
 
@@ -412,7 +433,7 @@ class DecodeRank(RankBooks):
         """Verify (I5) in slices (a long prompt's checksums take seconds; see .sliced),
         then decode. An ABORT that arrives meanwhile frees the pages (every writer
         noticed) and the rest of the checks never run."""
-        req.transfer_ms = 1e3 * (time.monotonic() - req.planned_at)
+        req.transfer_ms = 1e3 * (self.clock.now() - req.planned_at)
         times = [n.prefill_ms for n in req.notices.values() if n.prefill_ms is not None]
         req.prefill_ms = max(times) if times else None
         self.rt.faults.raise_at("owner-notice", f"prompt_len={req.prompt_len}")
@@ -799,7 +820,7 @@ class DecodeRank(RankBooks):
         return {w: proof for w, proof in proofs.items() if proof is not None}
 
     def _sever(self, req: OwnedRequest) -> None:
-        waited = time.monotonic() - req.abort_started
+        waited = self.clock.now() - req.abort_started
         if waited < self.abort_deadline_s:  # fenced early: every silent writer is gone
             why = f"gone {waited:.1f} s into the {self.abort_deadline_s:.1f} s abort deadline"
         else:
@@ -829,7 +850,7 @@ class DecodeRank(RankBooks):
         self._feed(req, core.on_proof_check(req.book, self._proven_gone(req, req.book.fenced)))
 
     def _warn_if_stuck(self, req: OwnedRequest) -> None:
-        waited = time.monotonic() - req.abort_started
+        waited = self.clock.now() - req.abort_started
         if waited > self.abort_deadline_s * 10 and not req.warned:
             req.warned = True
             log.error(
@@ -846,12 +867,13 @@ class DecodeRank(RankBooks):
         if req.timer is not None:
             req.timer.cancel()
         self.reqs.pop(req.rid, None)
-        released_ns = time.monotonic_ns()  # the router times aborts on this clock too
-        self.tombstones[req.rid] = released_ns / 1e9
+        now = self.clock.now()  # the router times aborts on this clock too (one host)
+        released_ns = int(now * 1e9)
+        self.tombstones[req.rid] = now
         abort_ms = None
         why = req.book.justification()
         if req.abort_started:
-            abort_ms = 1e3 * (released_ns / 1e9 - req.abort_started)
+            abort_ms = 1e3 * (now - req.abort_started)
             log.info(
                 "request %s: %d pages released (%s; proof: %s) %.1f ms after the abort (%s)",
                 req.rid,
@@ -863,6 +885,7 @@ class DecodeRank(RankBooks):
             )
         else:
             log.info("request %s: %d pages freed (%s; proof: %s)", req.rid, len(pages), how, why)
+        self.on_release(req, len(pages), how, abort_ms)
         self.rt.send(
             self.router,
             m.RELEASED,

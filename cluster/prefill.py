@@ -20,7 +20,6 @@ Upholds:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from kvferry.engine.allocator import OutOfPages, PageAllocator
 from kvferry.engine.integrity import page_checksums
 from kvferry.engine.pool import KVPool, coalesce_runs
 from kvferry.engine.protocol import writer as core
+from kvferry.engine.protocol.driver import Clock, Driver, MonotonicClock
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Kind, Release
 from kvferry.engine.protocol.writer import WriterBook, WriterDo, WriterEvent, WriterState
@@ -108,8 +108,10 @@ class PrefillRank(RankBooks):
         integrity: bool = True,
         prefill_slice_s: float = PREFILL_SLICE_S,
         batch_target_s: float = 0.5,
+        clock: Clock | None = None,
     ) -> None:
         self.rt = runtime
+        self.clock = clock or MonotonicClock()
         self.model = model
         self.pool = pool
         self.segment = segment
@@ -118,7 +120,7 @@ class PrefillRank(RankBooks):
         self.unsafe = unsafe
         self.integrity = integrity and not unsafe
         self.prefill_slice_s = prefill_slice_s
-        self.table = core.WRITER_TABLE
+        self._init_driver(core.WRITER_TABLE)
         self.allocator = PageAllocator(pool.num_pages)
         self.jobs: dict[str, WriteJob] = {}
         self._init_books()
@@ -138,22 +140,36 @@ class PrefillRank(RankBooks):
         runtime.on_card_replaced = self._on_card_replaced
 
     # -------------------------------------------------------------- the table
+    def _init_driver(self, table: dict) -> None:
+        """The writer's table, carried out by the protocol's one driver (an event an
+        effect produces waits for the rest of its row: no re-entrant feed)."""
+        self.driver: Driver = Driver(table, self._do, observe=self._observe, settled=self._settled)
+
+    @property
+    def table(self) -> dict:
+        return self.driver.table  # type: ignore[return-value]
+
+    @table.setter
+    def table(self, table: dict) -> None:
+        self.driver.table = table
+
     def _feed(self, job: WriteJob, event: WriterEvent) -> None:
         """Move the job by the writer's table and carry out the effects it lists."""
-        before = job.state
-        move = core.step(job.book, event, self.table)
-        if move.ignored:
-            if event in (WriterEvent.FAIL, WriterEvent.FAIL_IDLE):
-                log.error(
-                    "request %s: %s (the writer had already reached %s; nothing more to undo)",
-                    job.rid,
-                    job.abort_reason,
-                    before.value,
-                )
-            return
-        for do in move.effects:
-            self._do(do, job)
-        if job.state in (WriterState.DONE, WriterState.ABORTED):
+        self.driver.feed(job, event)
+
+    def _observe(self, job: WriteJob, event: WriterEvent, before: WriterState, move) -> None:
+        if move.ignored and event in (WriterEvent.FAIL, WriterEvent.FAIL_IDLE):
+            log.error(
+                "request %s: %s (the writer had already reached %s; nothing more to undo)",
+                job.rid,
+                job.abort_reason,
+                before.value,
+            )
+
+    def _settled(self, job: WriteJob, move) -> None:
+        if not move.ignored and job.state is WriterState.DONE and self.rt.faults.enabled:
+            self._at_point(job, "after-notice", lambda j: None)  # the notice flushed
+        if not move.ignored and job.state in (WriterState.DONE, WriterState.ABORTED):
             self.jobs.pop(job.rid, None)
             self.rt.faults.forget(job.rid)
 
@@ -173,7 +189,7 @@ class PrefillRank(RankBooks):
                 job.timer = None
             job.queue = None
         elif do is D.TOMBSTONE:
-            self.tombstones[job.rid] = time.monotonic()
+            self.tombstones[job.rid] = self.clock.now()
         elif do is D.TELL_ABORT:
             log.error(
                 "request %s: prefill rank %d failed: %s", job.rid, self.rt.rank, job.abort_reason
@@ -318,7 +334,7 @@ class PrefillRank(RankBooks):
 
     # -------------------------------------------------------------- prefill
     def _start_prefill(self, job: WriteJob) -> None:
-        job.prefill_started = time.monotonic()
+        job.prefill_started = self.clock.now()
         # The prefill and the checksums run in slices (see .sliced): an ABORT that arrives
         # during a long prefill waits for about one slice and one step (a layer, or a chunk
         # of a long prompt's tokens), not the whole prefill; a fast one never yields.
@@ -355,7 +371,7 @@ class PrefillRank(RankBooks):
                     return
             if layer is not None and layer + 1 >= self.model.layers:
                 break
-        job.prefill_ms = 1e3 * (time.monotonic() - job.prefill_started)
+        job.prefill_ms = 1e3 * (self.clock.now() - job.prefill_started)
         if not self.integrity:
             return
         lo, hi = self.heads
@@ -416,7 +432,7 @@ class PrefillRank(RankBooks):
         assert job.queue is not None
         rows = max(1, self.batches.batch_bytes(job.owner) // self._row_bytes)
         chunk, job.queue = job.queue[:rows], job.queue[rows:]
-        nbytes, posted_at = int(chunk[:, 2].sum()), time.monotonic()
+        nbytes, posted_at = int(chunk[:, 2].sum()), self.clock.now()
         try:
             batch = self.rt.write(
                 job.owner, self.segment, chunk, rid=job.rid, incarnation=job.owner_inc
@@ -427,7 +443,7 @@ class PrefillRank(RankBooks):
         core.on_posted(job.book)
 
         def written(b: Batch) -> None:
-            self.batches.settled(job.owner, nbytes, time.monotonic() - posted_at)
+            self.batches.settled(job.owner, nbytes, self.clock.now() - posted_at)
             self._on_written(job, b)
 
         self.rt.watch(batch, written, rid=job.rid)
@@ -472,9 +488,7 @@ class PrefillRank(RankBooks):
             self.rt.watch(notice, lambda b: self._on_notified(job), rid=job.rid)
 
     def _on_notified(self, job: WriteJob) -> None:
-        self._feed(job, WriterEvent.NOTICE_FLUSHED)
-        if job.state is WriterState.DONE:
-            self._at_point(job, "after-notice", lambda j: None)
+        self._feed(job, WriterEvent.NOTICE_FLUSHED)  # DONE: _settled runs after-notice
 
     # -------------------------------------------------------------- failures
     def _on_card_replaced(self, old, new) -> None:

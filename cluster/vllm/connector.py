@@ -49,6 +49,7 @@ from kvferry.cluster.runtime import DRAIN_S, process_gone
 from kvferry.engine.integrity import page_checksums, request_id_hash
 from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol import writer as wc
+from kvferry.engine.protocol.driver import Driver
 from kvferry.engine.protocol.owner import OwnerBook, OwnerDo, OwnerEvent, OwnerState
 from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
 from kvferry.engine.protocol.words import AbortSource
@@ -425,7 +426,14 @@ class _WorkerSide:
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.tp_rank, self.tp_size = _tp(vllm_config)
         self.layout = str(getattr(vllm_config.cache_config, "kv_cache_layout", None) or "?")
-        self.table = oc.owner_table(unsafe=settings.unsafe)
+        # the protocol's one driver per side (an event an effect produces waits for the
+        # rest of its row)
+        self.owner_driver: Driver = Driver(
+            oc.owner_table(unsafe=settings.unsafe), self._do_owner, settled=self._owner_settled
+        )
+        self.writer_driver: Driver = Driver(
+            wc.WRITER_TABLE, self._do_writer, settled=self._writer_settled
+        )
         if settings.unsafe:
             log.error("kvferry connector in UNSAFE mode: loads reported before they land")
         self.engine = TransferEngine(
@@ -577,9 +585,9 @@ class _WorkerSide:
         return job
 
     def _feed_writer(self, job: _Job, event: WriterEvent) -> None:
-        move = wc.step(job.book, event)
-        for do in move.effects:
-            self._do_writer(do, job)
+        self.writer_driver.feed(job, event)
+
+    def _writer_settled(self, job: _Job, move: Any) -> None:
         if job.book.state in (WriterState.DONE, WriterState.ABORTED):
             self.jobs.pop(job.rid, None)
 
@@ -814,9 +822,9 @@ class _WorkerSide:
 
     # ============================================================ the owner (decode)
     def _feed_owner(self, o: _Owned, event: OwnerEvent) -> None:
-        move = oc.step(o.book, event, self.table)
-        for do in move.effects:
-            self._do_owner(do, o)
+        self.owner_driver.feed(o, event)
+
+    def _owner_settled(self, o: _Owned, move: Any) -> None:
         if o.book.state is OwnerState.CLOSED:
             self.owned.pop(o.rid, None)
 

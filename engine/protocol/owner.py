@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from .proof import Proof, justification
 from .table import Move, complete, render, replace
+from .table import step as table_step
 from .words import Release
 
 
@@ -278,9 +279,7 @@ def step(
     table: dict[tuple[OwnerState, OwnerEvent], Move[OwnerState, OwnerDo]] = OWNER_TABLE,
 ) -> Move[OwnerState, OwnerDo]:
     """Move ``book`` by ``table``; returns the entry (its effects are the rank's to do)."""
-    move = table[book.state, event]
-    book.state = move.to
-    return move
+    return table_step(book, event, table)
 
 
 def render_owner_table() -> str:

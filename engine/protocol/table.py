@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
@@ -28,6 +28,14 @@ class Move(Generic[S, D]):
 
 
 Table = Mapping[tuple[S, E], Move[S, D]]
+
+
+def step(book: Any, event: E, table: Mapping[tuple[S, E], Move[S, D]]) -> Move[S, D]:
+    """Move ``book`` (anything with a ``state``) by ``table``; returns the entry, whose
+    effects are the host's to carry out (:class:`.driver.Driver` does, in order)."""
+    move = table[book.state, event]
+    book.state = move.to
+    return move
 
 
 def complete(

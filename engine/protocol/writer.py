@@ -26,6 +26,7 @@ import enum
 from dataclasses import dataclass
 
 from .table import Move, complete, render
+from .table import step as table_step
 
 
 class WriterState(enum.Enum):
@@ -174,9 +175,7 @@ def step(
     table: dict[tuple[WriterState, WriterEvent], Move[WriterState, WriterDo]] = WRITER_TABLE,
 ) -> Move[WriterState, WriterDo]:
     """Move ``book`` by ``table``; returns the entry (its effects are the rank's to do)."""
-    move = table[book.state, event]
-    book.state = move.to
-    return move
+    return table_step(book, event, table)
 
 
 def render_writer_table() -> str:

@@ -24,8 +24,9 @@ from hypothesis.stateful import (
 from kvferry.engine.allocator import PageAllocator
 from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol import writer as wc
+from kvferry.engine.protocol.driver import Driver
 from kvferry.engine.protocol.owner import OwnerDo, OwnerEvent, OwnerState
-from kvferry.engine.protocol.proof import Proof
+from kvferry.engine.protocol.proof import Proof, is_justified
 from kvferry.engine.protocol.table import Move, replace, terminal
 from kvferry.engine.protocol.writer import WriterDo, WriterEvent, WriterState
 
@@ -168,33 +169,46 @@ def owner_walk(table):
             self.feed(oc.on_proof_check(self.book, dict.fromkeys(self.gone, Proof.PROCESS_GONE)))
 
         def feed(self, event: OwnerEvent) -> None:
+            """Through the protocol's one driver, whose ``perform`` is this walk's fake
+            pages and proofs; ``observe`` checks I2 on every move."""
             assert self.book is not None
-            before = self.book.state
-            move = oc.step(self.book, event, table)
-            for do in move.effects:
-                if do is OwnerDo.TOMBSTONE:
-                    self.tombstoned = True
-                elif do is OwnerDo.QUARANTINE:
-                    self.alloc.quarantine("r")
-                elif do in RELEASES:
-                    landing = [
-                        w
-                        for w in self.book.writers
-                        if w not in self.book.noticed
-                        and w not in self.book.acked
-                        and w not in self.gone
-                    ]
-                    if landing:
-                        self.released_while_landing.append(
-                            f"{before.name} --{event.name}--> {do.name} with writers {landing} "
-                            f"still able to write"
-                        )
-                    if self.alloc.quarantined_pages_of("r"):
-                        self.alloc.release("r")
-                    else:
-                        self.alloc.free("r")
+            if not hasattr(self, "driver"):
+                self.driver = Driver(table, self.perform, observe=self.observe)
+            self.moving = event
+            self.driver.feed(self, event)
+
+        def observe(self, subject, event: OwnerEvent, before: OwnerState, move) -> None:
+            self.before = before
             if before is OwnerState.CLOSED:
                 assert move.to is OwnerState.CLOSED, "I2: CLOSED has no way out"
+
+        def perform(self, do: OwnerDo, subject) -> None:
+            assert self.book is not None
+            if do is OwnerDo.TOMBSTONE:
+                self.tombstoned = True
+            elif do is OwnerDo.QUARANTINE:
+                self.alloc.quarantine("r")
+            elif do in RELEASES:
+                landing = [
+                    w
+                    for w in self.book.writers
+                    if w not in self.book.noticed
+                    and w not in self.book.acked
+                    and w not in self.gone
+                ]
+                where = f"{self.before.name} --{self.moving.name}--> {do.name}"
+                if landing:
+                    self.released_while_landing.append(
+                        f"{where} with writers {landing} still able to write"
+                    )
+                if not is_justified(self.book.justification()):
+                    self.released_while_landing.append(
+                        f"{where}: released with justification {self.book.justification()!r}"
+                    )
+                if self.alloc.quarantined_pages_of("r"):
+                    self.alloc.release("r")
+                else:
+                    self.alloc.free("r")
 
         @invariant()
         def i4_no_release_while_a_write_may_land(self) -> None:
@@ -323,31 +337,38 @@ def writer_walk(table):
             self.feed(event)
 
         def feed(self, event: WriterEvent) -> None:
-            before = self.book.state
-            move = wc.step(self.book, event, table)
-            where = f"{before.name} --{event.name}-->"
-            for do in move.effects:
-                if do in (WriterDo.POST_WRITES, WriterDo.POST_NEXT):
-                    if self.stopped:
-                        self.problems.append(f"{where} {do.name} after an abort")
-                    if do is WriterDo.POST_WRITES:
-                        self.queued = 2
-                    wc.on_posted(self.book)
-                    self.queued = max(0, self.queued - 1)
-                elif do is WriterDo.STOP_POSTING:
-                    self.stopped, self.queued = True, 0
-                elif do is WriterDo.TOMBSTONE:
-                    self.stopped = True
-                elif do in (WriterDo.SEND_ACK, WriterDo.ACK_NOW) and self.book.in_flight:
-                    self.problems.append(
-                        f"{where} {do.name} with {self.book.in_flight} batches in flight"
-                    )
-                elif do is WriterDo.FREE_SOURCE:
-                    if event not in self.flushes or self.book.in_flight:
-                        self.problems.append(f"{where} FREE_SOURCE before a flush")
-                    self.alloc.free("r") if self.alloc.pages_of("r") else None
+            """Through the protocol's one driver, whose ``perform`` is this walk's fake
+            batches and pages; ``observe`` checks I2 on every move."""
+            if not hasattr(self, "driver"):
+                self.driver = Driver(table, self.perform, observe=self.observe)
+            self.driver.feed(self, event)
+
+        def observe(self, subject, event: WriterEvent, before: WriterState, move) -> None:
+            self.where, self.event = f"{before.name} --{event.name}-->", event
             if before in (WriterState.DONE, WriterState.ABORTED):
                 assert move.to is before, "I2: DONE and ABORTED have no way out"
+
+        def perform(self, do: WriterDo, subject) -> None:
+            where = self.where
+            if do in (WriterDo.POST_WRITES, WriterDo.POST_NEXT):
+                if self.stopped:
+                    self.problems.append(f"{where} {do.name} after an abort")
+                if do is WriterDo.POST_WRITES:
+                    self.queued = 2
+                wc.on_posted(self.book)
+                self.queued = max(0, self.queued - 1)
+            elif do is WriterDo.STOP_POSTING:
+                self.stopped, self.queued = True, 0
+            elif do is WriterDo.TOMBSTONE:
+                self.stopped = True
+            elif do in (WriterDo.SEND_ACK, WriterDo.ACK_NOW) and self.book.in_flight:
+                self.problems.append(
+                    f"{where} {do.name} with {self.book.in_flight} batches in flight"
+                )
+            elif do is WriterDo.FREE_SOURCE:
+                if self.event not in self.flushes or self.book.in_flight:
+                    self.problems.append(f"{where} FREE_SOURCE before a flush")
+                self.alloc.free("r") if self.alloc.pages_of("r") else None
 
         @invariant()
         def i4_writer_side(self) -> None:

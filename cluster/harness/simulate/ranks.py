@@ -14,11 +14,13 @@ host whose process is gone, ``DRAIN_S`` after it was seen gone).
 The methods overridden here are the ones that touch what is not simulated (the model,
 the KV pool's bytes, the wall clock):
 
-- owner: ``__init__`` (no pool, model or canary table), ``_feed`` and ``_close`` (the
-  same steps, on the simulated clock), ``_verify_and_start`` (the I5 checks read page
-  bytes: here they take ``verify_s`` and pass, then decoding takes ``max_tokens`` steps
-  of ``decode_step_s``, with TOKENS after the first step and at the end),
-  ``_warn_if_stuck`` (the simulated clock);
+- owner: ``__init__`` (no pool, model or canary table; the simulated clock as its clock
+  port; each release reported to the world), ``_observe`` (the abort timed from when the
+  rank began handling it; the decoding batch counted; a verified request's steps
+  started), ``_verify_and_start`` (the I5 checks read page bytes: here they take
+  ``verify_s`` and pass, then decoding takes ``max_tokens`` steps of ``decode_step_s``,
+  with TOKENS after the first step and at the end), ``_warn_if_stuck`` (the simulated
+  clock);
 - writer: ``__init__``, ``_on_prefill`` (the prompt arrives as a length, not tokens),
   ``_start_prefill`` (the prefill takes prompt / ``prefill_tokens_per_s``),
   ``_post_writes`` and ``_post_next`` (the same checks, batch sizing by the real
@@ -62,7 +64,7 @@ from kvferry.engine.protocol import owner as owner_core
 from kvferry.engine.protocol import writer as writer_core
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
-from kvferry.engine.protocol.words import AbortSource, Kind, Release
+from kvferry.engine.protocol.words import AbortSource, Kind
 from kvferry.engine.protocol.writer import WriterEvent
 from kvferry.transfer import BatchStatus, TransferError
 
@@ -484,6 +486,16 @@ class RankTimes:
         return self.prefill_base_s + tokens / self.prefill_tokens_per_s
 
 
+class _WorldClock:
+    """The simulated world's clock, as the ranks' clock port."""
+
+    def __init__(self, runtime: SimRuntime) -> None:
+        self._clock = runtime.world.clock
+
+    def now(self) -> float:
+        return self._clock.now
+
+
 class SimDecodeRank(DecodeRank):
     def __init__(
         self,
@@ -509,7 +521,8 @@ class SimDecodeRank(DecodeRank):
         self.unsafe = unsafe
         self.max_batch = 64
         self.release_on_sever = release_on_sever
-        self.table = owner_core.owner_table(unsafe=unsafe, release_on_sever=release_on_sever)
+        self.clock = _WorldClock(runtime)
+        self._init_driver(owner_core.owner_table(unsafe=unsafe, release_on_sever=release_on_sever))
         world = runtime.world
         self.allocator = WatchedAllocator(
             pool.num_pages, unsafe=unsafe, truth=world.truth, rank=runtime.rank, clock=world.clock
@@ -529,27 +542,26 @@ class SimDecodeRank(DecodeRank):
         assert set(self.handlers) == OWNER_RECEIVES
         runtime.set_handlers(self.handlers, role="decode")
         runtime.on_request_error = self.fail_request
+        self.on_release = functools.partial(world.on_owner_release, runtime.rank)
 
     @property
     def now(self) -> float:
         return self.sim.clock.now
 
-    def _feed(self, req: OwnedRequest, event: OwnerEvent) -> None:
-        """DecodeRank._feed on the simulated clock."""
-        if event in _ABORTS and req.book.state not in _HELD:
+    def _observe(self, req: OwnedRequest, event: OwnerEvent, before: OwnerState, move) -> None:
+        """DecodeRank._observe, with the abort timed from when this rank began handling
+        it (the service model) and the decoding batch the rank steps counted."""
+        if event in _ABORTS and before not in _HELD:
             req.abort_started = req.abort_started or self.sim.began()
-        elif event is OwnerEvent.GRANTED:
-            req.planned_at = self.now
-        before = req.book.state
-        move = owner_core.step(req.book, event, self.table)
         after = req.book.state
         if (before is OwnerState.DECODING) != (after is OwnerState.DECODING):
             self._decoding += 1 if after is OwnerState.DECODING else -1
             if self.sim.svc is not None:
                 n = self._decoding
                 self.sim.bg.stepping(self.now, self.times.decode_step(n) if n else None)
-        for do in move.effects:
-            self._do(do, req)
+            if after is OwnerState.DECODING:  # verified: the first step's token comes next
+                step = self.times.decode_step(self._decoding)
+                self.rt.call_later(step, lambda: self._first_token(req))
 
     def _verify_and_start(self, req: OwnedRequest) -> None:
         req.transfer_ms = 1e3 * (self.now - req.planned_at)
@@ -568,10 +580,7 @@ class SimDecodeRank(DecodeRank):
     def _verified(self, req: OwnedRequest) -> None:
         if req.state is not OwnerState.VERIFYING:
             return  # aborted meanwhile: the rest of the checks never run
-        self._feed(req, OwnerEvent.VERIFIED)
-        if req.state is OwnerState.DECODING:
-            step = self.times.decode_step(self._decoding)
-            self.rt.call_later(step, lambda: self._first_token(req))
+        self._feed(req, OwnerEvent.VERIFIED)  # DECODING: _observe starts the steps
 
     def _first_token(self, req: OwnedRequest) -> None:
         if req.state is not OwnerState.DECODING:
@@ -598,26 +607,6 @@ class SimDecodeRank(DecodeRank):
             req.warned = True
             self.sim.world.count("stuck_warnings")
 
-    def _close(self, req: OwnedRequest, pages: list[int], how: Release) -> None:
-        """DecodeRank._close on the simulated clock."""
-        if req.timer is not None:
-            req.timer.cancel()
-        self.reqs.pop(req.rid, None)
-        now = self.now
-        self.tombstones[req.rid] = now
-        abort_ms = 1e3 * (now - req.abort_started) if req.abort_started else None
-        self.sim.world.on_owner_release(self.sim.rank, req, len(pages), how, abort_ms)
-        self.rt.send(
-            self.router,
-            m.RELEASED,
-            rid=req.rid,
-            pages=len(pages),
-            how=how,
-            justification=req.book.justification(),
-            abort_ms=abort_ms,
-            released_ns=int(now * 1e9),
-        )
-
 
 # ---------------------------------------------------------------------- the writer
 class SimPrefillRank(PrefillRank):
@@ -641,7 +630,8 @@ class SimPrefillRank(PrefillRank):
         self.router = router
         self.unsafe = False
         self.integrity = False  # checksums are page data
-        self.table = writer_core.WRITER_TABLE
+        self.clock = _WorldClock(runtime)
+        self._init_driver(writer_core.WRITER_TABLE)
         self.allocator = PageAllocator(pool.num_pages)
         self.jobs: dict[str, WriteJob] = {}
         self._init_books()

@@ -14,6 +14,18 @@ The run fails on any mismatch. Both ways of posting are timed (``api``): ``write
 In the same run: a memcpy of the same pages into pre-faulted memory (the ceiling), the
 idle target's CPU use, and the CPU cost of one write + notice + delivery measured in one
 process (two engines, no wake-ups: the software cost alone).
+
+KV-shaped rows (``op: kv-burst``), the method of the kv-transfer suites: a burst of 1-64
+requests, each one write of its own layer-major descriptor list (for every layer, K then
+V, every block of a seeded random block table, source and destination pools laid out
+``[layers, 2, blocks, block_bytes]`` as a paged KV cache is), the same total bytes at every
+burst size; beside them a one-descriptor ``bulk`` write of those bytes, the wire's ceiling
+in this run, and each row's ``ceiling_ratio`` against it.
+
+Every throughput row (scattered, kv-burst, bulk) checks its bytes at the target: the
+destination is cleared after the warm-up, the timed batches run, then the target compares
+every byte each descriptor wrote with the source pattern (``verified``); a mismatch fails
+the run.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from kvferry.transfer import Peer, SegmentDescriptor, TransferConfig, TransferEn
 from kvferry.transfer._native import COPY_FLAG_STREAMING, ffi, lib
 
 MiB = 1 << 20
+VERIFY_RUNS = 8192  # descriptors per verify request (192 KiB, under the message limit)
 
 
 def emit(**rec) -> None:
@@ -46,11 +59,20 @@ def source_pattern(nbytes: int) -> np.ndarray:
     return np.tile(cycle, nbytes // 251 + 1)[:nbytes].copy()
 
 
-def scattered(n: int, page: int, src_len: int, dst_len: int, seed: int) -> np.ndarray:
+def scattered(
+    n: int, page: int, src_len: int, dst_len: int, seed: int, part: tuple[int, int] = (0, 1)
+) -> np.ndarray:
+    """``n`` random (source, destination) pages; ``part=(k, of)``: the destinations are
+    the k-th of ``of`` disjoint slices of one permutation (shared by every k), so that the
+    sets of a byte-checked row never write each other's pages."""
     rng = np.random.default_rng(seed)
     out = np.empty((n, 3), dtype=np.int64)
     out[:, 0] = rng.permutation(src_len // page)[:n] * page
-    out[:, 1] = rng.permutation(dst_len // page)[:n] * page
+    k, of = part
+    dst = np.random.default_rng(10_000 + of).permutation(dst_len // page)
+    out[:, 1] = (
+        dst[k * n : (k + 1) * n] * page if of > 1 else rng.permutation(dst_len // page)[:n] * page
+    )
     out[:, 2] = page
     return out
 
@@ -81,6 +103,17 @@ def run_target(args) -> int:
         cmd = msgpack.unpackb(payload)
         if cmd["op"] == "exit":
             state["exit"] = True
+            return
+        if cmd["op"] == "zero":
+            view[:] = 0
+        elif cmd["op"] == "verify":
+            runs = np.frombuffer(cmd["runs"], dtype="<i8").reshape(-1, 3)
+            bad = sum(
+                not np.array_equal(view[ro : ro + ln], pattern[lo : lo + ln])
+                for lo, ro, ln in runs.tolist()
+            )
+            peer = peers.get(sender) or peers.setdefault(sender, eng.connect(sender))
+            eng.send(peer, msgpack.packb({"op": "verified", "bad": bad, "runs": len(runs)}))
             return
         bad = 0
         stamp = np.frombuffer(int(cmd.get("i", 0)).to_bytes(8, "little"), np.uint8)
@@ -115,6 +148,31 @@ def run_target(args) -> int:
         eng.progress(0.05)
     eng.shutdown()
     return 0
+
+
+def kv_descriptors(
+    requests: int,
+    blocks: int,
+    layers: int,
+    block: int,
+    src_blocks: int,
+    dst_blocks: int,
+    seed: int,
+) -> list[np.ndarray]:
+    """One ``[layers * 2 * blocks, 3]`` descriptor list per request, layer-major (layer,
+    then K/V, then block), over pools laid out ``[layers, 2, pool blocks, block]``: each
+    request's source and destination block tables drawn from a seeded generator, no block
+    shared between the burst's requests."""
+    rng = np.random.default_rng(seed)
+    src = rng.permutation(src_blocks)[: requests * blocks].reshape(requests, blocks)
+    dst = rng.permutation(dst_blocks)[: requests * blocks].reshape(requests, blocks)
+    plane = np.arange(layers * 2, dtype=np.int64)[:, None]  # (layer, kv) planes
+    out = []
+    for r in range(requests):
+        lo = ((plane * src_blocks + src[r][None, :]) * block).reshape(-1)
+        ro = ((plane * dst_blocks + dst[r][None, :]) * block).reshape(-1)
+        out.append(np.stack([lo, ro, np.full_like(lo, block)], axis=1))
+    return out
 
 
 def cpu_seconds(pid: int) -> float:
@@ -190,20 +248,68 @@ class Bench:
             **rec,
         }
 
-    def throughput(self, npages: int, page: int) -> None:
+    def _ask(self, obj: dict, timeout_s: float = 60.0) -> dict:
+        """Send a command to the target (after every earlier write: ``notify``) and wait
+        for its reply."""
+        n = len(self.replies)
+        self.eng.notify(self.peer, msgpack.packb(obj)).wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while len(self.replies) <= n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no reply to {obj['op']} within {timeout_s:.0f} s")
+            self.eng.progress(0.01)
+        return self.replies[n]
+
+    def _timed(self, sets: list[list[np.ndarray]]) -> list[float]:
+        """Seconds per timed round; a round posts each descriptor list of one set (one
+        write per list, all in flight together) and waits for all. The warm-up touches
+        every set once; then the target is cleared, the timed rounds run, and the target
+        checks every byte of every set (RuntimeError on any mismatch)."""
+        warmup = max(self.args.warmup, len(sets))
+        for i in range(warmup):
+            for b in [
+                self.eng.write(self.peer, self.src, self.rseg, d) for d in sets[i % len(sets)]
+            ]:
+                b.wait(60.0)
+        self._ask({"op": "zero"})
         times = []
-        pages = [
-            scattered(npages, page, self.src.length, self.rseg.length, seed=s) for s in range(4)
-        ]
-        warmup = max(self.args.warmup, len(pages))  # first touch of every page set
-        for i in range(warmup + self.args.batches):
+        for i in range(max(self.args.batches, len(sets))):
             t0 = time.perf_counter()
-            self.eng.write(self.peer, self.src, self.rseg, pages[i % 4]).wait(60.0)
-            dt = time.perf_counter() - t0
-            if i >= warmup:
-                times.append(dt)
-        nbytes = npages * page
+            batches = [
+                self.eng.write(self.peer, self.src, self.rseg, d) for d in sets[i % len(sets)]
+            ]
+            for b in batches:
+                b.wait(60.0)
+            times.append(time.perf_counter() - t0)
+        runs = np.ascontiguousarray(np.concatenate([d for s in sets for d in s]), dtype="<i8")
+        bad = 0
+        for lo in range(0, len(runs), VERIFY_RUNS):  # each ask under the message limit
+            bad += self._ask({"op": "verify", "runs": runs[lo : lo + VERIFY_RUNS].tobytes()})["bad"]
+        if bad:
+            raise RuntimeError(
+                f"{bad} of {len(runs)} descriptors differ at the target "
+                f"({self.transport}, {self.dest})"
+            )
+        return times
+
+    def _rates(self, nbytes: int, times: list[float]) -> dict:
         rates = sorted(nbytes / t / 1e9 for t in times)
+        return dict(
+            gbps=round(statistics.median(rates), 3),
+            gbps_min=round(rates[0], 3),
+            gbps_max=round(rates[-1], 3),
+            batches=len(times),
+            verified="byte-exact",
+        )
+
+    def throughput(self, npages: int, page: int) -> None:
+        nsets = max(1, min(4, self.rseg.length // (npages * page)))  # disjoint targets
+        pages = [
+            [scattered(npages, page, self.src.length, self.rseg.length, seed=s, part=(s, nsets))]
+            for s in range(nsets)
+        ]
+        nbytes = npages * page
+        times = self._timed(pages)
         emit(
             **self.base(
                 nbytes,
@@ -211,10 +317,39 @@ class Bench:
                 pages=npages,
                 page_bytes=page,
                 batch_bytes=nbytes,
-                gbps=round(statistics.median(rates), 3),
-                gbps_min=round(rates[0], 3),
-                gbps_max=round(rates[-1], 3),
-                batches=len(times),
+                **self._rates(nbytes, times),
+            )
+        )
+
+    def bulk(self, nbytes: int) -> float:
+        """One descriptor of ``nbytes``: the wire's ceiling for these bytes in this run."""
+        sets = [[np.array([[s * nbytes, s * nbytes, nbytes]], dtype=np.int64)] for s in range(2)]
+        rates = self._rates(nbytes, self._timed(sets))
+        emit(**self.base(nbytes, op="bulk", descriptors=1, batch_bytes=nbytes, **rates))
+        return rates["gbps"]
+
+    def kv_burst(self, requests: int, layers: int, block: int, total: int, ceiling: float) -> None:
+        """A burst of ``requests`` requests of ``total`` bytes in all, each written as one
+        layer-major descriptor list over its seeded random block tables."""
+        per_req = total // (requests * layers * 2 * block)
+        src_blocks = self.src.length // (layers * 2 * block)
+        dst_blocks = self.rseg.length // (layers * 2 * block)
+        both = kv_descriptors(2 * requests, per_req, layers, block, src_blocks, dst_blocks, seed=7)
+        sets = [both[:requests], both[requests:]]  # no destination block in both
+        nbytes = requests * per_req * layers * 2 * block
+        rates = self._rates(nbytes, self._timed(sets))
+        emit(
+            **self.base(
+                block * per_req * layers * 2,
+                op="kv-burst",
+                requests=requests,
+                layers=layers,
+                blocks_per_request=per_req,
+                descriptors=requests * per_req * layers * 2,
+                block_bytes=block,
+                batch_bytes=nbytes,
+                **rates,
+                ceiling_ratio=round(rates["gbps"] / ceiling, 3) if ceiling else None,
             )
         )
 
@@ -400,6 +535,9 @@ def main(argv=None) -> int:
         help="busy-poll window after the last activity (0: sleep at once)",
     )
     ap.add_argument("--cpu-iters", type=int, default=5000)
+    ap.add_argument("--kv-mib", type=int, default=64, help="bytes of each kv-burst and bulk row")
+    ap.add_argument("--kv-layers", type=int, default=8, help="layers of the kv-burst rows")
+    ap.add_argument("--kv-block-kib", type=int, default=16, help="block bytes of kv-burst rows")
     ap.add_argument("--src-size", type=int, default=256 * MiB, help="target role")
     ap.add_argument("--lifetime", type=float, default=900.0)
     args = ap.parse_args(argv)
@@ -424,6 +562,10 @@ def main(argv=None) -> int:
             try:
                 for npages, page in workloads:
                     b.throughput(npages, page)
+                total = args.kv_mib * MiB
+                ceiling = b.bulk(total)
+                for requests in (1, 4, 16, 64):
+                    b.kv_burst(requests, args.kv_layers, args.kv_block_kib << 10, total, ceiling)
                 for check in ("byte-exact", "stamps"):
                     for fused in (False, True):
                         b.latency(fused, check)

@@ -72,22 +72,46 @@ import logging
 import math
 import os
 import secrets
-import select
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
-
-import numpy as np
 
 from . import _native as native
 from . import horizon as horizons
 from . import memtypes, ucxinfo
 from ._native import ffi, lib
 from .batch import Batch, BatchStatus
+from .config import (
+    RC_UCX_DEFAULTS,
+    UCS_ERR_BUSY,
+    UCS_ERR_NO_ELEM,
+    UCS_ERR_OUT_OF_RANGE,
+    _environment,
+    _tl_home,
+)
+from .config import (
+    TCP_FAILURE_OPTIONS as TCP_FAILURE_OPTIONS,
+)
+from .config import (
+    TRANSPORT_PRESETS as TRANSPORT_PRESETS,
+)
+from .config import (
+    MessageHandler as MessageHandler,
+)
+from .config import (
+    OptionPlan as OptionPlan,
+)
+from .config import (
+    TransferConfig as TransferConfig,
+)
+from .config import (
+    TransferCounters as TransferCounters,
+)
+from .config import (
+    plan_options as plan_options,
+)
 from .envelope import REASONS as ENVELOPE_REFUSALS
 from .envelope import EnvelopeError
 from .errors import (
@@ -101,8 +125,9 @@ from .errors import (
     status_name,
     ucx_error,
 )
+from .liveness import PeerTable
+from .memory import SegmentMap
 from .memtypes import MemoryType
-from .pages import as_page_array, check_pages
 from .peer import Peer, PeerState
 from .protocol import (
     ADDRESS,
@@ -113,192 +138,10 @@ from .protocol import (
     IncomingMessage,
     decode_address,
 )
+from .runs import as_runs, check_runs
 from .segment import RemoteSegment, Segment, SegmentDescriptor
 
 log = logging.getLogger("kvferry.transfer")
-
-TRANSPORT_PRESETS = {"shm": "sm,self", "tcp": "tcp,self", "rdma": "rc,ud,dc,self"}
-# Added to a preset when the config asks for CUDA memory: cuda_ipc moves device memory
-# between processes on one host (GPU to GPU, one-sided), cuda_copy between host and
-# device and as the staging copy of pipelined protocols.
-CUDA_TLS = "cuda_copy,cuda_ipc"
-TCP_FAILURE_OPTIONS = {
-    "TCP_KEEPIDLE": "1s",
-    "TCP_KEEPINTVL": "1s",
-    "TCP_KEEPCNT": "3",
-    "TCP_USER_TIMEOUT": "4s",
-}
-# RC: the NIC runs a 0.5 s timeout as 4.096 us x 2^17 = 0.54 s per try; 8 tries (7 retries)
-# take 4.3 s, inside the 5 s default abort deadline as tcp's 4 s are. UCX's defaults
-# (1.0 s, 7) give 1.07 s x 8 = 8.6 s.
-RC_FAILURE_OPTIONS = {"RC_TIMEOUT": "0.5s", "RC_RETRY_COUNT": "7"}
-RC_UCX_DEFAULTS = {"RC_TIMEOUT": "1.0s", "RC_RETRY_COUNT": "7"}
-# Options below ucp, by prefix: the (component, transport) this UCX reads them for.
-TL_OPTION_HOMES = {
-    "TCP_": ("tcp", "tcp"),
-    "RC_": ("ib", "rc_verbs"),
-    "UD_": ("ib", "ud_verbs"),
-    "DC_": ("ib", "dc_mlx5"),
-    "IB_": ("ib", "rc_verbs"),
-}
-UCS_ERR_NO_ELEM = -12
-UCS_ERR_BUSY = -15
-UCS_ERR_OUT_OF_RANGE = -19
-RDMA_TLS_WORDS = (
-    "rc",
-    "ud",
-    "dc",
-    "rc_verbs",
-    "rc_mlx5",
-    "ud_verbs",
-    "ud_mlx5",
-    "dc_mlx5",
-    "rc_x",
-    "ud_x",
-    "dc_x",
-    "ib",
-)
-MessageHandler = Callable[[bytes, bytes], None]
-
-
-@dataclass
-class TransferConfig:
-    """Engine settings. ``transports``: ``"shm"``, ``"tcp"``, ``None`` or a UCX_TLS list."""
-
-    transports: str | None = None
-    name: str = ""
-    direct_copy: bool = True  # copy pages directly into mapped remote memory
-    streaming_stores: bool = True  # ... with non-temporal stores (no read-for-ownership)
-    streaming_min_bytes: int = 1 << 20  # ... for batches of at least this many bytes
-    prefault_direct: bool = True  # ... mapped with its page tables populated up front
-    max_message_bytes: int = 256 << 10  # payload limit of notify/send (and of receipt)
-    spin_us: int = 50  # busy-poll at least this long before sleeping
-    busy_poll_us: int = 1000  # ... and until this long after the last activity
-    liveness_interval_s: float = 0.005  # how often waits look at the peer's process
-    default_timeout_s: float = 30.0  # Batch.wait() without a timeout
-    close_timeout_s: float = 2.0  # bound on endpoint close
-    tcp_failure_detection: bool = True  # tcp keep-alive so a silent partition fails
-    rc_failure_detection: bool = True  # RC timeout x retries inside the abort deadline
-    ucx_options: dict[str, str] = field(default_factory=dict)  # extra ucp_config_modify keys
-    # Memory the engine registers: ("host",), or ("host", "cuda") for CUDA segments (CUDA
-    # is initialised before ucp_init and the start refused unless UCX can move it).
-    memory_types: tuple[str, ...] = ("host",)
-    cuda_device: int | None = None  # None: torch's current device (else 0)
-    # Injected fault for tests that must show they can fail: skip page i of every write.
-    fault_skip_page: int | None = None
-
-    def wants_cuda(self) -> bool:
-        return MemoryType.CUDA in {memtypes.parse(m) for m in self.memory_types}
-
-    def tls(self) -> str | None:
-        """The UCX_TLS list these transports stand for (None: UCX's default); a preset
-        gains the CUDA transports when CUDA memory is asked for."""
-        preset = TRANSPORT_PRESETS.get(self.transports or "")
-        if preset is None:
-            return self.transports
-        return f"{preset},{CUDA_TLS}" if self.wants_cuda() else preset
-
-    def uses_tcp(self) -> bool:
-        tls = self.tls()
-        return tls is None or tls == "all" or "tcp" in tls.split(",")
-
-    def uses_rc(self) -> bool:
-        tls = self.tls()
-        return tls is None or tls == "all" or any(w in RDMA_TLS_WORDS for w in tls.split(","))
-
-    def engine_defaults(self) -> dict[str, str]:
-        """The options the engine sets unless ``ucx_options`` (or, for transport options,
-        the operator's ``UCX_*`` environment) says otherwise."""
-        opts: dict[str, str] = {}
-        tls = self.tls()
-        if tls:
-            opts["TLS"] = tls
-        if self.tcp_failure_detection and self.uses_tcp():
-            opts.update(TCP_FAILURE_OPTIONS)
-        if self.rc_failure_detection and self.uses_rc() and self.transports is not None:
-            opts.update(RC_FAILURE_OPTIONS)
-        return opts
-
-    def resolved_ucx_options(self) -> dict[str, str]:
-        return {**self.engine_defaults(), **self.ucx_options}
-
-
-@dataclass
-class TransferCounters:
-    bytes_written: int = 0
-    bytes_read: int = 0
-    batches: int = 0
-    pages_posted: int = 0
-    pages_direct: int = 0
-    completed: int = 0
-    failures: int = 0
-    timeouts: int = 0
-    notifies: int = 0
-    notifies_flushed: int = 0  # notices that waited for an endpoint flush (UCX puts before)
-    messages_sent: int = 0
-    messages_received: int = 0
-    malformed_messages: int = 0
-    dropped_messages: int = 0
-    handler_errors: int = 0
-    peers_failed: int = 0
-    bounds_refused: int = 0
-    stale_refused: int = 0
-    stream_syncs: int = 0  # writes from CUDA segments that waited for their producer
-
-
-def _tl_home(key: str) -> tuple[str, str, str] | None:
-    """(component, transport, option) of a transport-level option, None for ucp's own."""
-    for prefix, (component, tl) in TL_OPTION_HOMES.items():
-        if key.startswith(prefix):
-            return component, tl, key[len(prefix) :]
-    return None
-
-
-@dataclass
-class OptionPlan:
-    """How each resolved option reaches UCX: ucp's own through ``ucp_config_modify``,
-    transport options through the environment, some left to the operator's environment,
-    some left out because this UCX lacks them."""
-
-    ucp: dict[str, str] = field(default_factory=dict)
-    environment: dict[str, str] = field(default_factory=dict)  # UCX_KEY -> value
-    operator: dict[str, str] = field(default_factory=dict)  # UCX_KEY -> operator's value
-    unsupported: list[str] = field(default_factory=list)
-
-
-def plan_options(
-    options: dict[str, str], defaults: dict[str, str], explicit: dict[str, str], env: dict[str, str]
-) -> OptionPlan:
-    plan = OptionPlan()
-    for key, value in options.items():
-        home = _tl_home(key)
-        if home is None:
-            plan.ucp[key] = value
-            continue
-        name = f"UCX_{key}"
-        if key in defaults and key not in explicit and name in env:
-            plan.operator[name] = env[name]
-            continue
-        if ucxinfo.iface_option(*home)[0] == UCS_ERR_NO_ELEM and home[0] == "tcp":
-            plan.unsupported.append(f"{key}={value} (this UCX's {home[1]} has no {home[2]} option)")
-            continue
-        plan.environment[name] = value
-    return plan
-
-
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``values`` set in the process environment (where UCX reads them), then restored."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _check(status: int, what: str, peer: str | None = None) -> None:
@@ -317,23 +160,6 @@ def _host_identity() -> tuple[str, str, int]:
     except OSError:
         pidns = 0
     return socket.gethostname(), boot_id, pidns
-
-
-def _buffer_pointer(buf: Any) -> tuple[int, int]:
-    """(address, nbytes) of a contiguous host buffer: numpy array, CPU torch tensor, or any
-    writable buffer-protocol object."""
-    if isinstance(buf, np.ndarray):
-        if not buf.flags.c_contiguous:
-            raise ValueError("register: numpy array must be C-contiguous")
-        return buf.ctypes.data, buf.nbytes
-    if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # torch.Tensor
-        if buf.device.type != "cpu":
-            raise ValueError(f"register: tensor on {buf.device} (only CPU memory here)")
-        if not buf.is_contiguous():
-            raise ValueError("register: tensor must be contiguous")
-        return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
-    view = ffi.from_buffer(buf, require_writable=True)
-    return int(ffi.cast("uintptr_t", view)), len(view)
 
 
 class TransferEngine:
@@ -427,14 +253,19 @@ class TransferEngine:
         self._msg_param.sender_length = len(self.address)
         self._msg_param.incarnation = self.incarnation
         self._rma_param.notice = self._msg_param
-        self._peers: dict[bytes, Peer] = {}
-        self._segments: list[Segment] = []
         self._inflight: list[tuple[Any, Any]] = []  # (kvf_batch_t *, keep-alive refs)
         self._sweep_at = 256
-        # Peers whose batches failed with a peer-failure status, seen by poll(): marked
-        # failed and severed in the progress path (poll itself touches no endpoint).
-        self._failed_peers: list[tuple[Peer, str]] = []
-        self._next_liveness_check = 0.0
+        self.memory = SegmentMap(
+            self._worker, self.config, self.incarnation, self._memory, self._require_open
+        )
+        self.peers = PeerTable(
+            self._worker,
+            self.config,
+            self.counters,
+            self._identity,
+            self._require_open,
+            self.progress,
+        )
         self._handler: MessageHandler | None = None
         self._senders: dict[bytes, AddressInfo] = {}
         self._inbox: deque[IncomingMessage] = deque()
@@ -470,13 +301,13 @@ class TransferEngine:
                     "transports": p.transports,
                     "transports_from": p.transports_from,
                 }
-                for p in self._peers.values()
+                for p in self.peers.by_address.values()
             },
         }
         if self._rdma is not None:
             out["rdma"] = dict(self._rdma)
         registered: dict[str, dict[str, int]] = {}
-        for seg in self._segments:
+        for seg in self.memory.segments:
             row = registered.setdefault(seg.memory_type, {"segments": 0, "bytes": 0})
             row["segments"] += 1
             row["bytes"] += seg.length
@@ -571,244 +402,29 @@ class TransferEngine:
     def register(
         self, buf: Any, *, memory_type: str | None = None, nbytes: int | None = None
     ) -> Segment:
-        """Register contiguous memory zero-copy; the segment keeps a reference to ``buf``.
-
-        ``buf``: a host buffer (numpy, CPU torch tensor, bytearray...), a CUDA torch
-        tensor or an object with ``__cuda_array_interface__`` (CuPy), or an int address
-        with ``nbytes`` and ``memory_type``. ``memory_type`` (``"host"``/``"cuda"``) is
-        inferred from ``buf`` when not given. CUDA memory is mapped as CUDA memory
-        (``UCS_MEMORY_TYPE_CUDA``) after the UCX context is checked to support it:
-        :class:`CudaMemoryUnavailableError` names what is missing otherwise, and the
-        engine must have been created with ``memory_types`` including ``"cuda"``. Map a
-        pool that is one plain ``cudaMalloc`` allocation (cuda_ipc exports the whole
-        allocation; VMM or memory-pool memory needs other handles)."""
-        self._require_open()
-        device: int | None = None
-        if isinstance(buf, int) and not isinstance(buf, bool):
-            if nbytes is None or memory_type is None:
-                raise ValueError("register: an address needs nbytes= and memory_type=")
-            kind = memtypes.parse(memory_type)
-            address, size = buf, nbytes
-        else:
-            cuda = memtypes.cuda_pointer(buf)
-            if cuda is not None:
-                kind = MemoryType.CUDA
-                address, size, device = cuda
-            else:
-                kind = MemoryType.HOST
-                address, size = _buffer_pointer(buf)
-            if memory_type is not None and memtypes.parse(memory_type) is not kind:
-                raise ValueError(f"register: buffer is {kind.value} memory, not {memory_type}")
-        if size <= 0:
-            raise ValueError("register: empty buffer")
-        if kind is MemoryType.CUDA:
-            memtypes.require(kind, self._memory)
-            if not self.config.wants_cuda():
-                raise TransferError(
-                    "register: CUDA memory needs an engine created with "
-                    "TransferConfig(memory_types=('host', 'cuda')) (CUDA initialised "
-                    "before ucp_init, the cuda transports in UCX_TLS)"
-                )
-            if device is None:
-                device = self.config.cuda_device
-        return self._map(address, size, allocate=False, owner=buf, memory_type=kind, device=device)
+        """Register ``buf`` zero-copy as a segment: see :meth:`.memory.SegmentMap.register`."""
+        return self.memory.register(buf, memory_type=memory_type, nbytes=nbytes)
 
     def allocate(self, nbytes: int, prefault: bool = True) -> Segment:
-        """UCX-allocated memory (``UCP_MEM_MAP_ALLOCATE``: shared memory that peers on this
-        host map and write directly). ``prefault`` touches every page once."""
-        self._require_open()
-        if nbytes <= 0:
-            raise ValueError(f"allocate: nbytes must be positive, got {nbytes}")
-        seg = self._map(0, nbytes, allocate=True, owner=None)
-        if prefault:
-            seg.as_numpy()[::4096] = 0
-        return seg
-
-    def _map(
-        self,
-        address: int,
-        nbytes: int,
-        allocate: bool,
-        owner: Any,
-        memory_type: MemoryType = MemoryType.HOST,
-        device: int | None = None,
-    ) -> Segment:
-        memh, base, mlen = ffi.new("kvf_mem_h *"), ffi.new("void **"), ffi.new("size_t *")
-        params = ffi.new("kvf_mem_map_params_t *")
-        params.field_mask = (
-            native.MEM_MAP_PARAM_FIELD_ADDRESS
-            | native.MEM_MAP_PARAM_FIELD_FLAGS
-            | native.MEM_MAP_PARAM_FIELD_MEMORY_TYPE
-        )
-        params.address = ffi.cast("void *", address)
-        params.length = nbytes
-        params.flags = native.MEM_MAP_FLAG_ALLOCATE if allocate else 0
-        params.memory_type = memtypes.NATIVE_TYPE[memory_type]
-        _check(
-            lib.kvf_mem_map(self._worker, params, memh, base, mlen),
-            f"mapping {nbytes} bytes of {memory_type.value} memory",
-        )
-        rbuf, rsize = ffi.new("void **"), ffi.new("size_t *")
-        st = lib.kvf_rkey_pack(self._worker, memh[0], rbuf, rsize)
-        if st != 0:
-            lib.kvf_mem_unmap(self._worker, memh[0])
-            _check(st, "packing an rkey")
-        rkey = bytes(ffi.buffer(rbuf[0], rsize[0]))
-        lib.kvf_rkey_buffer_release(rbuf[0])
-        length = nbytes if not allocate else min(nbytes, int(mlen[0]))
-        seg = Segment(
-            base=int(ffi.cast("uintptr_t", base[0])),
-            length=length,
-            rkey=rkey,
-            incarnation=self.incarnation,
-            allocated=allocate,
-            memh=memh[0],
-            owner=owner,
-            memory_type=memory_type.value,
-            device=device,
-        )
-        self._segments.append(seg)
-        return seg
+        """UCX-allocated memory as a segment: see :meth:`.memory.SegmentMap.allocate`."""
+        return self.memory.allocate(nbytes, prefault)
 
     def deregister(self, seg: Segment) -> None:
-        """Unmap a segment. For allocated segments this releases the memory: only do it
-        once no peer can write it any more (I4); peers that mapped it keep their mapping."""
-        if seg.registered:
-            seg.registered = False
-            self._segments.remove(seg)
-            _check(lib.kvf_mem_unmap(self._worker, seg.memh), "unmapping a segment")
+        """Unmap a segment: see :meth:`.memory.SegmentMap.deregister`."""
+        self.memory.deregister(seg)
 
     # ---------------------------------------------------------------------- peers
     def connect(self, peer_address: bytes, name: str = "") -> Peer:
-        """Endpoint to the engine at ``peer_address`` (its :attr:`address`). Connecting
-        twice to the same live address returns the same peer."""
-        self._require_open()
-        existing = self._peers.get(peer_address)
-        if existing is not None and existing.state is PeerState.CONNECTED:
-            return existing
-        info = decode_address(peer_address)
-        name = name or info.name
-        ep = ffi.new("kvf_ep_h *")
-        _check(lib.kvf_ep_create(self._worker, info.ucx, ep), "connecting", name)
-        peer = Peer(name=name, address=peer_address, info=info, ep=ep[0])
-        if (info.host, info.boot_id, info.pidns) == self._identity and info.pid != os.getpid():
-            try:
-                peer.pidfd = os.pidfd_open(info.pid)
-            except (OSError, AttributeError):
-                peer.pidfd = None
-                if not self._pid_exists(info.pid):
-                    peer.state, peer.failure = PeerState.FAILED, f"process {info.pid} is gone"
-        peer.transports, peer.transports_from = ucxinfo.endpoint_transports(peer.ep)
-        self._peers[peer_address] = peer
-        log.info(
-            "connected to %s (incarnation %#x) over %s",
-            name,
-            info.incarnation,
-            peer.transports or "?",
-        )
-        return peer
-
-    @staticmethod
-    def _pid_exists(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
-    def _peer_alive(self, peer: Peer, force: bool = False) -> bool:
-        if peer.state is not PeerState.CONNECTED:
-            return False
-        if peer.pidfd is None:
-            return True
-        now = time.monotonic()
-        if not force and now - peer.last_liveness_check < self.config.liveness_interval_s:
-            return True
-        peer.last_liveness_check = now
-        readable, _, _ = select.select([peer.pidfd], [], [], 0)
-        if readable:
-            self._mark_peer_failed(peer, f"process {peer.info.pid} exited")
-            return False
-        return True
-
-    def _mark_peer_failed(self, peer: Peer, reason: str) -> None:
-        """Record the failure and sever the endpoint: pending requests complete with
-        UCS_ERR_CANCELED and nothing more is posted to this peer."""
-        if peer.state is not PeerState.CONNECTED:
-            return
-        peer.state, peer.failure = PeerState.FAILED, reason
-        self.counters.peers_failed += 1
-        log.warning("peer %s failed: %s; severing its endpoint", peer.name, reason)
-        self._release_rkeys(peer)
-        lib.kvf_ep_close(
-            self._worker,
-            peer.ep,
-            native.EP_CLOSE_FLAG_FORCE,
-            int(self.config.close_timeout_s * 1000),
-        )
-
-    @staticmethod
-    def _release_rkeys(peer: Peer) -> None:
-        for rkey in peer.rkeys:
-            lib.kvf_rkey_destroy(rkey)
-        peer.rkeys.clear()
+        """Endpoint to the engine at ``peer_address``: see :meth:`.liveness.PeerTable.connect`."""
+        return self.peers.connect(peer_address, name)
 
     def peer_alive(self, peer: Peer) -> bool:
         """False once the peer failed or was closed (checks its process if local)."""
-        if self._failed_peers:
-            self._sever_failed_peers()
-        return self._peer_alive(peer, force=True)
-
-    def _sever_failed_peers(self) -> None:
-        """Mark failed (and sever) the peers whose batches :meth:`poll` found failed with
-        a peer-failure status."""
-        failed, self._failed_peers = self._failed_peers, []
-        for peer, reason in failed:
-            self._mark_peer_failed(peer, reason)
-
-    def _watch_peers(self) -> None:
-        """Every ``liveness_interval_s``: the process of each local peer with unsettled
-        batches (its pidfd); one that exited is marked failed and severed, so those
-        batches fail instead of waiting for their deadline."""
-        now = time.monotonic()
-        if now < self._next_liveness_check:
-            return
-        self._next_liveness_check = now + self.config.liveness_interval_s
-        for peer in list(self._peers.values()):
-            if peer.unsettled and peer.pidfd is not None:
-                self._peer_alive(peer, force=True)
+        return self.peers.peer_alive(peer)
 
     def close(self, peer: Peer, force: bool = False) -> None:
-        """Close the endpoint. ``force=True`` severs it without flushing: requests in
-        flight complete with UCS_ERR_CANCELED (bytes already sent are not recalled)."""
-        if peer.state is PeerState.CLOSED:
-            return
-        was_connected = peer.state is PeerState.CONNECTED
-        peer.state = PeerState.CLOSED
-        peer.failure = peer.failure or ("severed" if force else "closed")
-        self._release_rkeys(peer)
-        if was_connected:
-            st = lib.kvf_ep_close(
-                self._worker,
-                peer.ep,
-                native.EP_CLOSE_FLAG_FORCE if force else 0,
-                int(self.config.close_timeout_s * 1000),
-            )
-            if st != 0 and not force:
-                lib.kvf_ep_close(
-                    self._worker,
-                    peer.ep,
-                    native.EP_CLOSE_FLAG_FORCE,
-                    int(self.config.close_timeout_s * 1000),
-                )
-        if peer.pidfd is not None:
-            os.close(peer.pidfd)
-            peer.pidfd = None
-        if self._peers.get(peer.address) is peer:
-            del self._peers[peer.address]
-        self.progress(0)
+        """Close the endpoint: see :meth:`.liveness.PeerTable.close`."""
+        self.peers.close(peer, force)
 
     def open_segment(
         self, peer: Peer, desc: SegmentDescriptor | bytes, expected_incarnation: int | None = None
@@ -863,40 +479,41 @@ class TransferEngine:
         peer: Peer,
         seg: Segment,
         rseg: RemoteSegment,
-        pages: Any,
+        runs: Any,
         notice: bytes | None = None,
         *,
         stream: Any = None,
     ) -> Batch:
-        """Put pages (local offset, remote offset, length) from ``seg`` into ``rseg``.
+        """Put ``runs`` (local offset, remote offset, length: byte runs, ``[n, 3]``) from
+        ``seg`` into ``rseg``.
         The batch completes once every page is visible at the target (flushed).
 
         With ``notice``, the same call then posts it as :meth:`notify` would (delivered
-        only after these pages and every earlier write on this peer are visible), and
+        only after these runs and every earlier write on this peer are visible), and
         the batch completes once the notice is sent too. Nothing is noticed if posting
-        the pages fails. One native call: the low-latency path for small writes.
+        the runs fails. One native call: the low-latency path for small writes.
 
         From a CUDA segment, the bytes' producer is waited for before anything is
         posted, since UCX's cuda transports copy on their own streams and would not wait
         on the application's: ``stream`` is anything with ``synchronize()`` (the torch
         or CuPy stream, or cheaper an event recorded right after the kernels that wrote
-        these pages); None waits on torch's current stream of the segment's device. A
+        these runs); None waits on torch's current stream of the segment's device. A
         host segment waits on nothing."""
         if seg.is_cuda:
             memtypes.synchronize(seg.device, stream)
             self.counters.stream_syncs += 1
-        return self._rma(peer, seg, rseg, pages, write=True, notice=notice)
+        return self._rma(peer, seg, rseg, runs, write=True, notice=notice)
 
-    def read(self, peer: Peer, seg: Segment, rseg: RemoteSegment, pages: Any) -> Batch:
-        """Get pages (local offset, remote offset, length) from ``rseg`` into ``seg``."""
-        return self._rma(peer, seg, rseg, pages, write=False)
+    def read(self, peer: Peer, seg: Segment, rseg: RemoteSegment, runs: Any) -> Batch:
+        """Get ``runs`` (local offset, remote offset, length) from ``rseg`` into ``seg``."""
+        return self._rma(peer, seg, rseg, runs, write=False)
 
     def _rma(
         self,
         peer: Peer,
         seg: Segment,
         rseg: RemoteSegment,
-        pages: Any,
+        runs: Any,
         write: bool,
         notice: bytes | None = None,
     ) -> Batch:
@@ -905,7 +522,7 @@ class TransferEngine:
             raise TransferError(f"remote segment belongs to {rseg.peer.name}, not {peer.name}")
         if not seg.registered:
             raise TransferError("local segment is not registered")
-        arr = as_page_array(pages)
+        arr = as_runs(runs)
         n = arr.shape[0]
         param = self._rma_param
         mask = native.RMA_PARAM_FIELD_STREAMING_MIN_BYTES
@@ -942,9 +559,9 @@ class TransferEngine:
         if st != 0:
             if st == UCS_ERR_OUT_OF_RANGE:
                 self.counters.bounds_refused += 1
-                check_pages(arr, seg.length, rseg.length)  # raises with the numbers
+                check_runs(arr, seg.length, rseg.length)  # raises with the numbers
                 raise AssertionError(
-                    "the native bounds check refused a page list that check_pages accepts"
+                    "the native bounds check refused a run list that check_runs accepts"
                 )
             _check(st, "posting a batch", peer.name)
         nbytes = int(handle.bytes)
@@ -1056,8 +673,8 @@ class TransferEngine:
             if len(self._inflight) > self._sweep_at:
                 self._sweep()
         self.poll(batch)
-        if self._failed_peers:  # it failed at once: act on it here, on the posting path
-            self._sever_failed_peers()
+        if self.peers.failed:  # it failed at once: act on it here, on the posting path
+            self.peers.sever_failed()
         return batch
 
     def _sweep(self) -> None:
@@ -1083,7 +700,7 @@ class TransferEngine:
                 err = PeerFailedError(
                     peer.name, f"{batch.op} failed with {status_name(status)}", status
                 )
-                self._failed_peers.append((peer, err.reason))
+                self.peers.failed.append((peer, err.reason))
             else:
                 err = ucx_error(status, f"{batch.op} batch", peer=peer.name)
             self._settle(batch, BatchStatus.FAILED, err)
@@ -1129,8 +746,8 @@ class TransferEngine:
                 )
                 break
             self.progress(min(remaining, step))
-        if self._failed_peers:
-            self._sever_failed_peers()
+        if self.peers.failed:
+            self.peers.sever_failed()
         return batch.final or BatchStatus.PENDING
 
     def _settle(self, batch: Batch, status: BatchStatus, error: TransferError | None) -> None:
@@ -1149,9 +766,9 @@ class TransferEngine:
 
     def _require_peer(self, peer: Peer) -> None:
         self._require_open()
-        if self._failed_peers:
-            self._sever_failed_peers()
-        if peer.state is not PeerState.CONNECTED or not self._peer_alive(peer):
+        if self.peers.failed:
+            self.peers.sever_failed()
+        if peer.state is not PeerState.CONNECTED or not self.peers.alive(peer):
             raise PeerFailedError(peer.name, peer.failure or peer.state.value)
 
     def _require_open(self) -> None:
@@ -1195,9 +812,9 @@ class TransferEngine:
         self._drain_messages()
         if len(self._inflight) > self._sweep_at:
             self._sweep()
-        if self._failed_peers:
-            self._sever_failed_peers()
-        self._watch_peers()
+        if self.peers.failed:
+            self.peers.sever_failed()
+        self.peers.watch()
         return n
 
     def _drain_messages(self) -> None:
@@ -1262,9 +879,9 @@ class TransferEngine:
         """Sever every endpoint, unmap every segment, destroy the worker."""
         if self._closed:
             return
-        for peer in list(self._peers.values()):
+        for peer in list(self.peers.by_address.values()):
             self.close(peer, force=True)
-        for seg in list(self._segments):
+        for seg in list(self.memory.segments):
             self.deregister(seg)
         self._closed = True
         lib.kvf_worker_destroy(self._worker)

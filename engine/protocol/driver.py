@@ -18,15 +18,16 @@ No I/O, no clock: plain Python, for every host alike.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 from .table import Move, step
 
-S = TypeVar("S")  # the table's states
-E = TypeVar("E")  # its events
-D = TypeVar("D")  # its effects
+S = TypeVar("S", bound=enum.Enum)  # the table's states
+E = TypeVar("E", bound=enum.Enum)  # its events
+D = TypeVar("D", bound=enum.Enum)  # its effects
 T = TypeVar("T")  # the subject: anything with a ``book`` whose ``state`` the table moves
 
 

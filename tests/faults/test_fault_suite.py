@@ -9,7 +9,7 @@ import pytest
 
 from kvferry.cluster.harness import faultsuite
 from kvferry.cluster.harness.faultsuite import run_suite, scenarios, skipped, unsafe_scenario
-from kvferry.transfer.engine import TCP_FAILURE_OPTIONS
+from kvferry.transfer.config import TCP_FAILURE_OPTIONS
 
 pytestmark = pytest.mark.slow
 

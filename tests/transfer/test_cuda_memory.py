@@ -95,7 +95,7 @@ def test_the_native_map_refuses_cuda_memory_the_context_lacks(engine):
     ucp_mem_map would return success and a key that reads device pointers as host."""
     buf = np.zeros(1 << 16, np.uint8)
     with pytest.raises(UcxError) as err:
-        engine._map(buf.ctypes.data, buf.nbytes, False, buf, MemoryType.CUDA)
+        engine.memory._map(buf.ctypes.data, buf.nbytes, False, buf, MemoryType.CUDA)
     assert err.value.ucs_name == "UCS_ERR_UNSUPPORTED"
 
 

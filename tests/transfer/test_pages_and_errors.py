@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvferry.transfer import SegmentBoundsError, UcxError
 from kvferry.transfer._native import ffi, lib
 from kvferry.transfer.errors import UCS_STATUS_NAMES, status_name, ucx_error
-from kvferry.transfer.pages import as_page_array, check_pages
+from kvferry.transfer.runs import as_runs, check_runs
 
 I64 = st.integers(-(2**63), 2**63 - 1)
 
@@ -29,12 +29,12 @@ def oracle_ok(pages, local_len, remote_len) -> bool:
     st.integers(1, 2**62),
 )
 def test_check_pages_matches_oracle(pages, local_len, remote_len):
-    arr = as_page_array(pages)
+    arr = as_runs(pages)
     if oracle_ok(pages, local_len, remote_len):
-        assert check_pages(arr, local_len, remote_len) == sum(p[2] for p in pages)
+        assert check_runs(arr, local_len, remote_len) == sum(p[2] for p in pages)
     else:
         with pytest.raises(SegmentBoundsError):
-            check_pages(arr, local_len, remote_len)
+            check_runs(arr, local_len, remote_len)
 
 
 @given(
@@ -44,7 +44,7 @@ def test_check_pages_matches_oracle(pages, local_len, remote_len):
 )
 def test_native_check_matches_oracle(pages, local_len, remote_len):
     """The check that the write/read hot path runs in C (inside kvf_rma_pages)."""
-    arr = as_page_array(pages)
+    arr = as_runs(pages)
     total = ffi.new("int64_t *")
     bad = lib.kvf_check_pages(
         ffi.from_buffer("int64_t[]", arr), len(pages), local_len, remote_len, total
@@ -66,15 +66,15 @@ def test_native_check_matches_oracle(pages, local_len, remote_len):
 def test_first_offending_page_is_reported(pages):
     bad_at = [i for i, p in enumerate(pages) if not oracle_ok([p], 1000, 900)]
     if not bad_at:
-        check_pages(as_page_array(pages), 1000, 900)
+        check_runs(as_runs(pages), 1000, 900)
         return
     with pytest.raises(SegmentBoundsError) as info:
-        check_pages(as_page_array(pages), 1000, 900)
+        check_runs(as_runs(pages), 1000, 900)
     assert info.value.index in bad_at
 
 
 def test_empty_page_list_is_zero_bytes():
-    assert check_pages(as_page_array(np.zeros((0, 3), np.int64)), 10, 10) == 0
+    assert check_runs(as_runs(np.zeros((0, 3), np.int64)), 10, 10) == 0
 
 
 @pytest.mark.parametrize("code", sorted(UCS_STATUS_NAMES))

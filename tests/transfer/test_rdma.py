@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from kvferry.transfer import RdmaUnavailableError, TransferConfig, TransferEngine, horizon, ucxinfo
-from kvferry.transfer.engine import RC_FAILURE_OPTIONS, RC_UCX_DEFAULTS, plan_options
+from kvferry.transfer.config import RC_FAILURE_OPTIONS, RC_UCX_DEFAULTS, plan_options
 
 LABEL = "UCX 9.9.9 at /x/libucp.so.0"
 NO_VERBS = ucxinfo.Inventory(components={"self": ["self"], "tcp": ["tcp"], "posix": ["posix"]})

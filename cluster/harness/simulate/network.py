@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvferry.transfer.engine import TCP_FAILURE_OPTIONS
+from kvferry.transfer.config import TCP_FAILURE_OPTIONS
 from kvferry.transfer.horizon import tcp_horizon
 
 from .clock import Clock

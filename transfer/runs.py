@@ -1,10 +1,12 @@
-"""Page lists: int64 arrays of shape ``[n, 3]`` = (local offset, remote offset, length).
+"""Runs: int64 arrays of shape ``[n, 3]`` = (local offset, remote offset, length), the
+byte runs a batch moves between two segments. Above the transfer engine a "page" is a
+pool index; here it is only ever a run of bytes.
 
-:func:`check_pages` validates a page list against both segments before anything is
+:func:`check_runs` validates a run list against both segments before anything is
 posted, so a bad offset is refused with the numbers and never reaches UCX (a put to the
 wrong remote offset would land in memory another request owns: see I4/I5). The hot path
 runs the same checks natively inside ``kvf_put_pages``/``kvf_get_pages`` and defers to
-:func:`check_pages` for the error and its numbers.
+:func:`check_runs` for the error and its numbers.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from .errors import SegmentBoundsError
 LOCAL, REMOTE, LENGTH = 0, 1, 2
 
 
-def as_page_array(pages: object) -> np.ndarray:
-    """The page list as a C-contiguous int64 array of shape [n, 3] (copied if needed)."""
+def as_runs(pages: object) -> np.ndarray:
+    """The run list as a C-contiguous int64 array of shape [n, 3] (copied if needed)."""
     if (
         type(pages) is np.ndarray
         and pages.dtype == np.int64
@@ -36,8 +38,8 @@ def as_page_array(pages: object) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def check_pages(pages: np.ndarray, local_len: int, remote_len: int) -> int:
-    """Raise SegmentBoundsError on the first page outside either segment; return total
+def check_runs(pages: np.ndarray, local_len: int, remote_len: int) -> int:
+    """Raise SegmentBoundsError on the first run outside either segment; return total
     bytes. Lengths must be positive; offsets non-negative; end offsets within bounds
     (computed without overflow: ``off <= seg_len - length``)."""
     if pages.shape[0] == 0:

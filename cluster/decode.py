@@ -54,7 +54,7 @@ from kvferry.engine.kernels.ownership import (
 )
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol import owner as core
-from kvferry.engine.protocol.driver import Clock, Driver, MonotonicClock
+from kvferry.engine.protocol.driver import Clock, Driver
 from kvferry.engine.protocol.owner import OwnerBook, OwnerDo, OwnerEvent, OwnerState
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Kind, Outcome, Release
@@ -63,6 +63,7 @@ from kvferry.transfer.wire import Message
 from . import messages as m
 from .books import RankBooks
 from .chunks import PAGES_PER_CHUNK, Reassembly, spans
+from .clock import MonotonicClock
 from .runtime import RankRuntime
 from .sliced import run_in_slices
 from .topology import head_range

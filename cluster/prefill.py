@@ -31,7 +31,7 @@ from kvferry.engine.allocator import OutOfPages, PageAllocator
 from kvferry.engine.integrity import page_checksums
 from kvferry.engine.pool import KVPool, coalesce_runs
 from kvferry.engine.protocol import writer as core
-from kvferry.engine.protocol.driver import Clock, Driver, MonotonicClock
+from kvferry.engine.protocol.driver import Clock, Driver
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Kind, Release
 from kvferry.engine.protocol.writer import WriterBook, WriterDo, WriterEvent, WriterState
@@ -42,6 +42,7 @@ from . import messages as m
 from .batching import BatchSizer
 from .books import RankBooks
 from .chunks import PAGES_PER_CHUNK, TOKENS_PER_CHUNK, Reassembly, spans
+from .clock import MonotonicClock
 from .faults import Decision, PointDecision
 from .runtime import RankRuntime
 from .sliced import run_in_slices

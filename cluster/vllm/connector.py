@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 )
 from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
-from kvferry.cluster.runtime import DRAIN_S, process_gone
+from kvferry.cluster.processes import DRAIN_S, process_gone
 from kvferry.engine.integrity import page_checksums, request_id_hash
 from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol import writer as wc

@@ -38,15 +38,6 @@ class Clock(Protocol):
     def now(self) -> float: ...
 
 
-class MonotonicClock:
-    """The service's clock: ``time.monotonic``."""
-
-    def now(self) -> float:
-        import time
-
-        return time.monotonic()
-
-
 class Driver(Generic[S, E, D, T]):
     """Carries out ``table`` for the subjects fed to it, one event at a time.
 

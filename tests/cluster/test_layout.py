@@ -5,6 +5,10 @@
   ``importlib.import_module`` / ``__import__`` with a literal name).
 - ``transfer/`` stands alone: nothing under it imports ``kvferry.engine`` or ``kvferry.cluster``.
 - ``engine/`` does not reach up: nothing under it imports ``kvferry.cluster``.
+- The protocol's core does no I/O: ``engine/protocol/`` imports only the standard
+  library (none of its process, file, socket or clock modules) and ``kvferry.engine``.
+- The vLLM connector is a host of the protocol, not a rank: ``cluster/vllm/`` imports no
+  ``kvferry.cluster.runtime``.
 
 Each check also runs on a small synthetic tree holding one violating import of each kind,
 which it must report (the broken mode).
@@ -95,6 +99,43 @@ def engine_imports_cluster(root: Path) -> list[str]:
     return violations(root, "engine", ("kvferry.cluster",))
 
 
+IO_MODULES = frozenset(
+    {"os", "time", "socket", "select", "subprocess", "signal", "threading", "asyncio",
+     "multiprocessing", "io", "pathlib", "shutil", "tempfile", "logging", "random"}
+)  # fmt: skip
+
+
+def protocol_core_imports(root: Path) -> list[str]:
+    """Imports under ``engine/protocol/`` of anything but the standard library (less its
+    I/O, clock and randomness modules) and ``kvferry.engine``."""
+    import sys
+
+    found = []
+    for path in sorted((root / "engine" / "protocol").rglob("*.py")):
+        rel = path.relative_to(root)
+        module, is_pkg = module_name(root, path)
+        for line, name in imported_modules(path.read_text(), module, is_pkg):
+            top = name.split(".")[0]
+            if name == "kvferry.engine" or name.startswith("kvferry.engine."):
+                continue
+            if top in sys.stdlib_module_names and top not in IO_MODULES or top == "__future__":
+                continue
+            found.append(f"{rel}:{line} imports {name}")
+    return found
+
+
+def connector_imports_runtime(root: Path) -> list[str]:
+    return violations(root, "cluster/vllm", ("kvferry.cluster.runtime",))
+
+
+def test_the_protocol_core_imports_only_the_standard_library_and_the_engine():
+    assert protocol_core_imports(ROOT) == []
+
+
+def test_the_vllm_connector_does_not_import_the_rank_runtime():
+    assert connector_imports_runtime(ROOT) == []
+
+
 def test_service_does_not_import_the_harness():
     assert (ROOT / "cluster" / "harness" / "__init__.py").is_file()
     assert service_imports_harness(ROOT) == []
@@ -118,8 +159,22 @@ def write(root: Path, rel: str, text: str) -> None:
 @pytest.fixture
 def tree(tmp_path):
     """A clean miniature of the layout: every check finds nothing in it."""
-    for folder in ("transfer", "engine", "cluster", "cluster/harness"):
+    for folder in (
+        "transfer",
+        "engine",
+        "engine/protocol",
+        "cluster",
+        "cluster/harness",
+        "cluster/vllm",
+    ):
         write(tmp_path, f"{folder}/__init__.py", "")
+    write(
+        tmp_path,
+        "engine/protocol/owner.py",
+        "import enum\nfrom dataclasses import dataclass\nfrom .table import Move\n"
+        "from kvferry.engine.allocator import PageAllocator\n",
+    )
+    write(tmp_path, "cluster/vllm/connector.py", "from kvferry.cluster.processes import DRAIN_S\n")
     write(tmp_path, "transfer/engine.py", "import os\nfrom .wire import pack\n")
     write(
         tmp_path,
@@ -143,6 +198,8 @@ def tree(tmp_path):
     assert service_imports_harness(tmp_path) == []
     assert transfer_imports_above(tmp_path) == []
     assert engine_imports_cluster(tmp_path) == []
+    assert protocol_core_imports(tmp_path) == []
+    assert connector_imports_runtime(tmp_path) == []
     return tmp_path
 
 
@@ -193,3 +250,35 @@ def test_broken_mode_engine_importing_cluster_is_reported(tree, source):
     write(tree, "engine/kernels/paged.py", source)
     found = engine_imports_cluster(tree)
     assert found and all(f.startswith("engine/kernels/paged.py:1 ") for f in found), found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import time\n",
+        "import os.path\n",
+        "from socket import socket\n",
+        "import numpy as np\n",
+        "from kvferry.transfer import TransferEngine\n",
+        "from kvferry.cluster.runtime import RankRuntime\n",
+        "from ... import cluster\n",
+    ],
+)
+def test_broken_mode_protocol_core_doing_io_is_reported(tree, source):
+    write(tree, "engine/protocol/driver.py", source)
+    found = protocol_core_imports(tree)
+    assert found and all(f.startswith("engine/protocol/driver.py:1 ") for f in found), found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from kvferry.cluster.runtime import DRAIN_S\n",
+        "from ..runtime import process_gone\n",
+        "import kvferry.cluster.runtime\n",
+    ],
+)
+def test_broken_mode_connector_importing_the_runtime_is_reported(tree, source):
+    write(tree, "cluster/vllm/connector.py", source)
+    found = connector_imports_runtime(tree)
+    assert found and all(f.startswith("cluster/vllm/connector.py:1 ") for f in found), found

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvferry.engine.allocator import PageAllocator
 from kvferry.engine.pool import KVPool
-from kvferry.engine.protocol.driver import Clock
+from kvferry.engine.protocol.driver import Clock, Driver
 
 TOMBSTONE_S = 600.0
 
@@ -20,6 +20,16 @@ class RankBooks:
     allocator: PageAllocator
     pool: KVPool
     clock: Clock  # the time the rank's protocol code reads
+    driver: Driver  # carries out the rank's protocol table
+
+    @property
+    def table(self) -> dict:
+        """The table the rank's driver carries out (a test may put a broken one here)."""
+        return self.driver.table  # type: ignore[return-value]
+
+    @table.setter
+    def table(self, table: dict) -> None:
+        self.driver.table = table
 
     def _init_books(self) -> None:
         self.tombstones: dict[str, float] = {}

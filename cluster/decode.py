@@ -213,14 +213,6 @@ class DecodeRank(RankBooks):
         no re-entrant feed)."""
         self.driver: Driver = Driver(table, self._do, observe=self._observe)
 
-    @property
-    def table(self) -> dict:
-        return self.driver.table  # type: ignore[return-value]
-
-    @table.setter
-    def table(self, table: dict) -> None:
-        self.driver.table = table
-
     def _feed(self, req: OwnedRequest, event: OwnerEvent) -> None:
         """Move the request by the owner's table and carry out the effects it lists."""
         self.driver.feed(req, event)

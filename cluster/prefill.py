@@ -146,14 +146,6 @@ class PrefillRank(RankBooks):
         effect produces waits for the rest of its row: no re-entrant feed)."""
         self.driver: Driver = Driver(table, self._do, observe=self._observe, settled=self._settled)
 
-    @property
-    def table(self) -> dict:
-        return self.driver.table  # type: ignore[return-value]
-
-    @table.setter
-    def table(self, table: dict) -> None:
-        self.driver.table = table
-
     def _feed(self, job: WriteJob, event: WriterEvent) -> None:
         """Move the job by the writer's table and carry out the effects it lists."""
         self.driver.feed(job, event)

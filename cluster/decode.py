@@ -42,7 +42,6 @@ from kvferry.engine.allocator import OutOfPages, PageAllocator, PageGrant
 from kvferry.engine.integrity import (
     CanaryTable,
     IntegrityError,
-    check_transferred_length,
     expected_canaries,
     page_checksums,
     request_id_hash,
@@ -58,6 +57,8 @@ from kvferry.engine.protocol.driver import Clock, Driver
 from kvferry.engine.protocol.owner import OwnerBook, OwnerDo, OwnerEvent, OwnerState
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Kind, Outcome, Release
+from kvferry.engine.verify import Notice as VerifyNotice
+from kvferry.engine.verify import Planned, check_canaries, check_notice, checksum_steps
 from kvferry.transfer.wire import Message
 
 from . import messages as m
@@ -450,64 +451,34 @@ class DecodeRank(RankBooks):
             self._feed(req, OwnerEvent.CORRUPT)
 
     def _verify(self, req: OwnedRequest) -> Iterator[None]:
-        """I5 for every writer's notice: the prompt's length, exactly the pages the prompt
-        needs (this request's pages and generations, in order) and the bytes those pages
-        hold for the writer's heads; then, unless integrity checks are off, the canaries
-        and the checksums of what landed, a slice of pages a step. Raises IntegrityError."""
+        """I5 for every writer's notice, by :mod:`kvferry.engine.verify`: the prompt's
+        length, exactly the pages the prompt needs (this request's pages and generations,
+        in order) and the bytes those pages hold for the writer's heads; then, unless
+        integrity checks are off, the canaries and the checksums of what landed, a slice
+        of pages a step. Raises IntegrityError."""
         need = pages_needed(req.prompt_len, 0, self.pool.page_size)
         mine = req.grants[:need]
         for w in req.writers:
-            notice = req.notices[w]
-            check_transferred_length(req.rid, req.prompt_len, notice.tokens)
-            if list(notice.pages) != [g.page for g in mine] or list(notice.generations) != [
-                g.generation for g in mine
-            ]:
-                raise IntegrityError(
-                    req.rid,
-                    f"writer rank {w} wrote {len(notice.pages)} pages "
-                    f"{list(notice.pages)[:8]} generations "
-                    f"{list(notice.generations)[:8]}; the prompt of "
-                    f"{req.prompt_len} tokens needs {need}: "
-                    f"{[(g.page, g.generation) for g in mine][:8]}",
-                )
+            n = req.notices[w]
             lo, hi = head_range(req.writers.index(w), len(req.writers), self.pool.kv_heads)
-            slice_bytes = self.pool.kv[0, :, :, lo:hi].numel() * self.pool.kv.element_size()
-            if notice.bytes != need * slice_bytes:
-                raise IntegrityError(
-                    req.rid,
-                    f"writer rank {w} posted {notice.bytes} bytes; "
-                    f"{need} pages of heads [{lo}, {hi}) hold "
-                    f"{need * slice_bytes}",
-                )
+            view = self.pool.kv[:, :, :, lo:hi]
+            slice_bytes = view[0].numel() * view.element_size()
+            planned = Planned(
+                req.rid,
+                req.prompt_len,
+                [g.page for g in mine],
+                [g.generation for g in mine],
+                need * slice_bytes,
+            )
+            notice = VerifyNotice(w, n.tokens, n.pages, n.generations, n.checksums, n.bytes)
+            check_notice(planned, notice)
             if not self.integrity:
                 continue
-            mismatched = self.canaries.mismatched(notice.pages, expected_canaries(req.rid, mine))
-            if mismatched:
-                raise IntegrityError(req.rid, f"canary mismatch on pages {mismatched[:8]}")
-            if len(notice.checksums) != len(notice.pages):
-                raise IntegrityError(
-                    req.rid,
-                    f"writer rank {w} sent {len(notice.checksums)} "
-                    f"checksums for {len(notice.pages)} pages",
-                )
-            view = self.pool.kv[:, :, :, lo:hi]
+            check_canaries(planned, self.canaries.rows(notice.pages))
             per_step = max(1, CHECKSUM_SLICE_BYTES // slice_bytes)
-            want = torch.tensor(notice.checksums, dtype=torch.int64)
-            bad: list[int] = []
-            for start in range(0, len(notice.pages), per_step):
-                pages = notice.pages[start : start + per_step]
-                got = page_checksums(view, pages).cpu()
-                bad += [
-                    pages[i]
-                    for i in (got != want[start : start + len(pages)]).nonzero().flatten().tolist()
-                ]
-                yield
-            if bad:
-                raise IntegrityError(
-                    req.rid,
-                    f"checksum mismatch on {len(bad)} of {need} pages "
-                    f"written by rank {w} (first: {bad[:4]})",
-                )
+            yield from checksum_steps(
+                planned, notice, functools.partial(page_checksums, view), per_step
+            )
 
     # -------------------------------------------------------------- decoding
     def step(self) -> bool:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
 from kvferry.cluster.processes import DRAIN_S, process_gone
-from kvferry.engine.integrity import page_checksums, request_id_hash
+from kvferry.engine.integrity import IntegrityError, page_checksums, request_id_hash
 from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol import writer as wc
 from kvferry.engine.protocol.driver import Driver
@@ -54,6 +55,8 @@ from kvferry.engine.protocol.owner import OwnerBook, OwnerDo, OwnerEvent, OwnerS
 from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
 from kvferry.engine.protocol.words import AbortSource
 from kvferry.engine.protocol.writer import WriterBook, WriterDo, WriterEvent, WriterState
+from kvferry.engine.verify import Notice as VerifyNotice
+from kvferry.engine.verify import Planned, check_all
 from kvferry.transfer import (
     Batch,
     BatchStatus,
@@ -1119,7 +1122,8 @@ class _WorkerSide:
         self._feed_owner(o, oc.on_abort(o.book, writers_told=True))
 
     def _verify(self, o: _Owned) -> None:
-        """I5: length, blocks and generations, canaries, bytes, checksums."""
+        """I5, by :mod:`kvferry.engine.verify` as a decode rank checks it: length, blocks
+        and generations, bytes, canaries, checksums."""
         assert self.regions is not None and self.canaries is not None
         n = o.notice
         err = ""
@@ -1127,29 +1131,28 @@ class _WorkerSide:
             pass
         elif n is None:
             err = "no notice"
-        elif n["tokens"] != o.tokens:
-            err = f"received {n['tokens']} positions of KV, expected {o.tokens}"
-        elif n["blocks"] != o.blocks or n["gens"] != o.gens:
-            err = f"the notice names blocks {n['blocks'][:8]} gens {n['gens'][:8]}, not the plan's"
-        elif n["bytes"] != len(o.blocks) * self.regions.block_bytes:
-            err = f"{n['bytes']} bytes posted, {len(o.blocks) * self.regions.block_bytes} planned"
-        elif self.settings.integrity:
-            h = request_id_hash(o.rid)
-            want = torch.tensor([[h, g, i] for i, g in enumerate(o.gens)], dtype=torch.int64)
-            bad = (self.canaries[torch.tensor(o.blocks)] != want).any(dim=1)
-            if bool(bad.any()):
-                wrong = [o.blocks[i] for i in bad.nonzero().flatten().tolist()]
-                err = f"canary mismatch on blocks {wrong[:8]}"
-            else:
-                got = page_checksums(
-                    self.regions.block_bytes_of(o.blocks), list(range(len(o.blocks)))
+        else:
+            regions, canaries = self.regions, self.canaries
+            planned = Planned(
+                o.rid, o.tokens, o.blocks, o.gens, len(o.blocks) * regions.block_bytes, "block"
+            )
+            notice = VerifyNotice(
+                WRITER, n["tokens"], n["blocks"], n["gens"], n["checksums"], n["bytes"]
+            )
+
+            def checksums_of(blocks: Sequence[int]) -> torch.Tensor:
+                return page_checksums(regions.block_bytes_of(blocks), list(range(len(blocks))))
+
+            integrity = self.settings.integrity
+            try:
+                check_all(
+                    planned,
+                    notice,
+                    canaries[torch.tensor(o.blocks)] if integrity else None,
+                    checksums_of if integrity else None,
                 )
-                diff = (got != torch.tensor(n["checksums"], dtype=torch.int64)).nonzero().flatten()
-                if diff.numel():
-                    err = (
-                        f"checksum mismatch on {diff.numel()} of {len(o.blocks)} blocks "
-                        f"(first: {[o.blocks[i] for i in diff.tolist()[:4]]})"
-                    )
+            except IntegrityError as exc:
+                err = exc.reason
         if err:
             o.error = f"integrity check failed: {err}"
             self._feed_owner(o, OwnerEvent.CORRUPT)

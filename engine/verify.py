@@ -1,0 +1,140 @@
+"""I5 on arrival, in one place: what a writer's completion notice must prove before an
+owner lets decode read the pages it names.
+
+Every host of the protocol (a decode rank, the vLLM connector) checks a notice the same
+way, in the same order, with the same words:
+
+1. the length: the writer wrote exactly the prompt's positions of KV;
+2. the pages: exactly the pages (and generations) the owner planned for the prompt, in
+   order: a page of another request, or of an earlier allocation, is refused here;
+3. the bytes: what the writer posted equals what those pages hold for its heads;
+4. the canaries: each page's side-table tag is this request's (id, generation, index);
+5. the checksums: the bytes that landed are the bytes the writer checksummed, a slice of
+   pages per step (:func:`checksum_steps`), so a long prompt's check never holds its
+   host for long.
+
+Each check raises :class:`~.integrity.IntegrityError` with the request id and the numbers;
+the host turns that into the protocol's CORRUPT and the request fails without a token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .integrity import IntegrityError, check_transferred_length, request_id_hash
+
+
+@dataclass(frozen=True)
+class Notice:
+    """What one writer's whole completion notice says it wrote."""
+
+    writer: int
+    tokens: int
+    pages: Sequence[int]
+    generations: Sequence[int]
+    checksums: Sequence[int]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What the owner planned for that writer: the prompt's pages and generations, in
+    order, and the bytes they hold for the writer's heads. ``unit``: what the host calls
+    a page in its messages ("page", or vLLM's "block")."""
+
+    rid: str
+    tokens: int
+    pages: Sequence[int]
+    generations: Sequence[int]
+    bytes: int
+    unit: str = "page"
+
+
+def check_notice(planned: Planned, notice: Notice) -> None:
+    """Checks 1-3 (length, pages and generations, bytes); IntegrityError on the first
+    that fails."""
+    check_transferred_length(planned.rid, planned.tokens, notice.tokens)
+    if list(notice.pages) != list(planned.pages) or list(notice.generations) != list(
+        planned.generations
+    ):
+        raise IntegrityError(
+            planned.rid,
+            f"writer rank {notice.writer} wrote {len(notice.pages)} {planned.unit}s "
+            f"{list(notice.pages)[:8]} generations {list(notice.generations)[:8]}; the "
+            f"prompt of {planned.tokens} tokens needs {len(planned.pages)}: "
+            f"{list(zip(planned.pages, planned.generations, strict=True))[:8]}",
+        )
+    if notice.bytes != planned.bytes:
+        raise IntegrityError(
+            planned.rid,
+            f"writer rank {notice.writer} posted {notice.bytes} bytes; the "
+            f"{len(planned.pages)} {planned.unit}s planned hold {planned.bytes}",
+        )
+
+
+def expected_canary_rows(rid: str, generations: Sequence[int]) -> torch.Tensor:
+    """``[n, 3]`` int64: the canary rows (request id hash, generation, index) the pages
+    of ``rid``'s allocation must carry, in page-list order."""
+    h = request_id_hash(rid)
+    return torch.tensor([[h, g, i] for i, g in enumerate(generations)], dtype=torch.int64)
+
+
+def check_canaries(planned: Planned, rows: torch.Tensor) -> None:
+    """Check 4: ``rows`` (``[n, 3]``, the side table's rows of the planned pages, in
+    order) equal the request's own; IntegrityError naming the pages that differ."""
+    bad = rows.to(torch.int64).cpu() != expected_canary_rows(planned.rid, planned.generations)
+    wrong = bad.any(dim=1).nonzero().flatten().tolist()
+    if wrong:
+        pages = [planned.pages[i] for i in wrong]
+        raise IntegrityError(planned.rid, f"canary mismatch on {planned.unit}s {pages[:8]}")
+
+
+def checksum_steps(
+    planned: Planned,
+    notice: Notice,
+    checksums_of: Callable[[Sequence[int]], torch.Tensor],
+    per_step: int,
+) -> Iterator[None]:
+    """Check 5, ``per_step`` pages a step (yields between steps): ``checksums_of(pages)``
+    gives the checksums of the landed bytes. IntegrityError, with the first pages that
+    differ, once every page was checked; also when the notice has no checksum per page."""
+    if len(notice.checksums) != len(notice.pages):
+        raise IntegrityError(
+            planned.rid,
+            f"writer rank {notice.writer} sent {len(notice.checksums)} checksums for "
+            f"{len(notice.pages)} {planned.unit}s",
+        )
+    want = torch.tensor(list(notice.checksums), dtype=torch.int64)
+    pages = list(notice.pages)
+    bad: list[int] = []
+    for start in range(0, len(pages), max(1, per_step)):
+        chunk = pages[start : start + max(1, per_step)]
+        got = checksums_of(chunk).cpu()
+        differ = (got != want[start : start + len(chunk)]).nonzero().flatten().tolist()
+        bad += [chunk[i] for i in differ]
+        yield
+    if bad:
+        raise IntegrityError(
+            planned.rid,
+            f"checksum mismatch on {len(bad)} of {len(pages)} {planned.unit}s "
+            f"written by rank {notice.writer} (first: {bad[:4]})",
+        )
+
+
+def check_all(
+    planned: Planned,
+    notice: Notice,
+    canary_rows: torch.Tensor | None,
+    checksums_of: Callable[[Sequence[int]], torch.Tensor] | None,
+) -> None:
+    """Checks 1-5 at once (the canary and checksum checks only when their inputs are
+    given: integrity checks on); for a host that verifies a short prompt in one go."""
+    check_notice(planned, notice)
+    if canary_rows is not None:
+        check_canaries(planned, canary_rows)
+    if checksums_of is not None:
+        for _ in checksum_steps(planned, notice, checksums_of, len(notice.pages) or 1):
+            pass

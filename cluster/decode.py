@@ -123,6 +123,7 @@ class OwnedRequest:
     # each writer's incarnation when the request was assigned: a notice or an ack from
     # another incarnation of that rank (restarted since) proves nothing for this request
     writer_incs: dict[int, int] = field(default_factory=dict)
+    router_inc: int = 0  # the router incarnation that assigned it (0: not known)
 
     def __post_init__(self) -> None:
         self.book = OwnerBook(self.rid, tuple(self.writers))
@@ -370,6 +371,7 @@ class DecodeRank(RankBooks):
         req.writer_incs = {
             w: self.rt.cards[w].incarnation for w in req.writers if w in self.rt.cards
         }
+        req.router_inc = msg.inc
         need = pages_needed(msg.prompt_len, msg.max_tokens, self.pool.page_size)
         try:
             req.grants = self.allocator.allocate(rid, need)
@@ -708,7 +710,15 @@ class DecodeRank(RankBooks):
         """A writer came back with a new incarnation: every request its old one was still
         writing fails (the old one is gone, its writes may be partial); their pages wait,
         as any abort's, for an ack (which the old one can no longer send) or the proof
-        that the old process is gone (``write_path_closed`` for the old incarnation)."""
+        that the old process is gone (``write_path_closed`` for the old incarnation).
+
+        The router came back: the requests its old incarnation assigned have no client
+        any more (nobody reads their tokens); each ends now, through the protocol (a
+        decoding one frees its pages at once, one still awaiting its writers goes the
+        abort's way), instead of decoding to its end into failed sends."""
+        if old.rank == self.router:
+            self._end_requests_of_router(old, new)
+            return
         for req in list(self.reqs.values()):
             if req.writer_incs.get(old.rank) != old.incarnation:
                 continue
@@ -880,6 +890,17 @@ class DecodeRank(RankBooks):
             transfer_ms=transfer_ms,
             prefill_ms=prefill_ms,
         )
+
+    def _end_requests_of_router(self, old, new) -> None:
+        reason = (
+            f"router rank {old.rank} restarted (incarnation {old.incarnation:#x} -> "
+            f"{new.incarnation:#x}): nobody waits for this request any more"
+        )
+        for req in list(self.reqs.values()):
+            if req.router_inc == old.incarnation:
+                log.warning("request %s: %s", req.rid, reason)
+                req.error = req.error or f"peer: {reason}"
+                self._abort(req, core.on_failure(req.book), AbortSource.PEER, reason)
 
     def fail_request(self, rid: str, reason: str) -> None:
         """An exception while handling ``rid`` here (see RankRuntime._request_failed): the

@@ -64,6 +64,7 @@ class WriteJob:
     rid: str
     book: WriterBook = field(init=False)
     owner_inc: int = 0
+    router_inc: int = 0  # the router incarnation that sent its PREFILL (0: not yet)
     tokens: np.ndarray | None = None  # int32 prompt tokens
     src_pages: list[int] = field(default_factory=list)
     dst_pages: list[int] | None = None
@@ -267,6 +268,7 @@ class PrefillRank(RankBooks):
             return
         if job.prompt_parts is None:
             job.book.owner, job.owner_inc = msg.owner, msg.owner_inc
+            job.router_inc = msg.inc
             job.prompt_parts = Reassembly(job.rid, "PREFILL", msg.total, TOKENS_PER_CHUNK)
         chunk = np.frombuffer(msg.tokens, dtype="<i4")
         if not job.prompt_parts.add(msg.offset, msg.total, chunk):  # type: ignore[arg-type]
@@ -488,6 +490,16 @@ class PrefillRank(RankBooks):
         """An owner came back with a new incarnation: the requests whose pages its old one
         allocated fail here (nothing more is posted; the source pages are freed once what
         is in flight has settled), since those pages are gone with it."""
+        if old.rank == self.router:  # its requests have no client any more: end them now
+            for job in list(self.jobs.values()):
+                if job.router_inc == old.incarnation:
+                    self._fail(
+                        job,
+                        AbortSource.PEER,
+                        f"router rank {old.rank} restarted (incarnation {old.incarnation:#x}"
+                        f" -> {new.incarnation:#x})",
+                    )
+            return
         for job in list(self.jobs.values()):
             if job.owner == old.rank and job.owner_inc == old.incarnation:
                 self._fail(

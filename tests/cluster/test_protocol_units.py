@@ -646,3 +646,57 @@ def test_every_release_says_which_proof_made_it_safe(table):
     released = [f for _, k, f in rt.sent if k == "RELEASED"]
     assert [(f["pages"], f["justification"]) for f in released] == [(3, "acked+process-gone")]
     assert is_justified(released[0]["justification"]) and owner.quarantines() == []
+
+
+# ---------------------------------------------------------------- a router that is gone
+@pytest.mark.parametrize("ends", [True, False], ids=["ends-them", "broken-decodes-on"])
+def test_a_restarted_router_s_requests_end_at_once_through_the_protocol(ends, monkeypatch):
+    """The router (rank 0, incarnation 1) dies and comes back as incarnation 2. A request
+    its old incarnation assigned is decoding here with nobody to read its tokens: it ends
+    when the rank adopts the new card (DONE failed, pages freed: every writer noticed),
+    not after max_tokens steps of failed sends. Broken mode: a rank that ignores the
+    router's restart keeps decoding it, and the test sees it."""
+    if not ends:
+        monkeypatch.setattr(DecodeRank, "_end_requests_of_router", lambda self, old, new: None)
+    owner, rt = _owner(integrity=False)
+    rt.cards.update({0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "decode")})
+    rt.deliver(m.NOTICE, src=1, **_assign_and_notice_fields(owner, rt, "r8", checksums=False))
+    rt.pump()
+    assert owner.busy() and owner.step()
+    rt.sent.clear()
+    old = rt.cards[0]
+    rt.cards[0] = dataclasses.replace(old, incarnation=2, pid=7)
+    owner._on_card_replaced(old, rt.cards[0])
+    if not ends:
+        assert owner.busy()  # the test catches the request decoding on
+        return
+    assert not owner.busy() and not owner.step()
+    done = next(f for _, k, f in rt.sent if k == "DONE")
+    assert done["outcome"] == "failed" and "router rank 0 restarted" in done["error"]
+    released = next(f for _, k, f in rt.sent if k == "RELEASED")
+    assert released["pages"] == 3 and released["justification"] == "noticed"
+    assert owner.allocator.counts()["free"] == 64
+
+
+def test_a_writer_stops_the_requests_of_a_restarted_router():
+    """The writer holds a plan-less request from router incarnation 1: the restart fails
+    it here (nothing was posted: it acks and frees at once)."""
+    writer, rt = _writer()
+    rt.cards.update({0: _card(0, "router"), 2: _card(2, "decode")})
+    rt.deliver(
+        m.PREFILL,
+        src=0,
+        rid="r4",
+        tokens=np.arange(20, dtype="<i4").tobytes(),
+        offset=0,
+        total=20,
+        owner=2,
+        owner_inc=1,
+    )
+    rt.pump()
+    assert "r4" in writer.jobs
+    old = rt.cards[0]
+    writer._on_card_replaced(old, dataclasses.replace(old, incarnation=2))
+    rt.pump()
+    assert "r4" not in writer.jobs and writer.allocator.counts()["owned"] == 0
+    assert "ABORT" in rt.kinds()

@@ -9,6 +9,10 @@ process with ``python -m kvferry.cluster.harness.workload`` (harness, not import
 per role group (:mod:`kvferry.cluster.domains`); ``kvferry store`` hosts the rendezvous store
 they meet through (:mod:`kvferry.cluster.store`).
 
+``kvferry secret`` prints a new cluster secret (64 hex digits) for ``--secret-file``:
+``kvferry secret > cluster.secret`` (the file is made readable by its owner only when
+the shell's umask allows; ``chmod 600`` it).
+
 ``kvferry check-capacity`` builds a KV pool of ``--pool-tokens`` tokens with the given
 shape, measures what was really allocated and compares it with ``--context-length``
 (I3): exit 0 and both numbers when it fits, exit 1 and a message when it does not.
@@ -95,12 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
         ("store", "host the rendezvous store a cluster's failure domains meet through"),
     ):
         sub.add_parser(name, add_help=False, help=what).set_defaults(func=_passthrough)
+    sec = sub.add_parser(
+        "secret", help="print a new cluster secret, for --secret-file (kvferry secret > FILE)"
+    )
+    sec.set_defaults(func=_secret)
     live = sub.add_parser(
         "cluster-capacity", help="every rank's measured pool capacity vs the context length"
     )
     live.add_argument("--url", default="http://127.0.0.1:8000", help="the router's URL")
     live.add_argument("--json", action="store_true", help="print the answer as one JSON line")
     live.add_argument("--timeout", type=float, default=10.0, help="seconds (default 10)")
+    live.add_argument(
+        "--api-key-file",
+        default=None,
+        help="the front door's API key (else KVFERRY_API_KEY), when it has one",
+    )
     live.set_defaults(func=_cluster_capacity)
     return parser
 
@@ -124,6 +137,11 @@ def _serve(args: argparse.Namespace) -> int:
         i = rest.index("--nproc")
         nproc = int(rest[i + 1])
         del rest[i : i + 2]
+    if not any(a == "--secret-file" or a.startswith("--secret-file=") for a in rest):
+        from kvferry.cluster.trust import with_secret
+
+        # one host (torchrun --standalone): a fresh secret for this cluster's ranks
+        os.environ.update(with_secret(dict(os.environ)))
     cmd = [
         sys.executable,
         "-m",
@@ -155,11 +173,28 @@ def _passthrough(args: argparse.Namespace) -> int:
     return int(module.main(args.rest))
 
 
+def _secret(args: argparse.Namespace) -> int:
+    from kvferry.cluster.trust import generate_secret
+
+    print(generate_secret())
+    return 0
+
+
 def _cluster_capacity(args: argparse.Namespace) -> int:
+    import os
     import urllib.request
 
+    from kvferry.cluster.trust import TrustError, api_key_from
+
     try:
-        with urllib.request.urlopen(f"{args.url}/capacity", timeout=args.timeout) as resp:
+        key = api_key_from(None, args.api_key_file, os.environ)
+    except TrustError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(f"{args.url}/capacity", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as resp:
             body = json.load(resp)
     except OSError as exc:
         print(f"error: cannot reach {args.url}/capacity: {exc}", file=sys.stderr)

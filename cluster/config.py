@@ -37,6 +37,12 @@ class ServeConfig:
     # front door
     host: str = "127.0.0.1"
     port: int = 8000
+    # trust and network (see cluster/trust.py and README, "Threat model")
+    secret_file: str | None = None  # the cluster secret's file (else KVFERRY_SECRET[_FILE])
+    api_key: str | None = field(default=None, repr=False)  # the front door's key
+    api_key_file: str | None = None
+    open_metrics: bool = False  # /metrics, /status, /capacity answer without the key
+    cluster_interface: str | None = None  # UCX_NET_DEVICES of every rank
     fault: list[str] = field(default_factory=list)  # fault hooks, e.g. "corrupt-page:rid-marker"
     # failure domains: each job (router, a prefill group, a decode rank) its own torchrun
     store: str | None = None  # HOST:PORT of the cluster's rendezvous store (kvferry.cluster.store)
@@ -207,8 +213,55 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="cluster rank of this job's first process (with --store; default 0)",
     )
     f = parser.add_argument_group("front door")
-    f.add_argument("--host", default=d.host)
+    f.add_argument(
+        "--host",
+        default=d.host,
+        help="address the front door listens on, and only there (default %(default)s)",
+    )
     f.add_argument("--port", type=int, default=d.port, help="front door port (default %(default)s)")
+    f.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health (401 "
+        "otherwise); a key on the command line shows in ps: prefer --api-key-file or "
+        "KVFERRY_API_KEY",
+    )
+    f.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="as --api-key, the key read from FILE",
+    )
+    f.add_argument(
+        "--open-metrics",
+        action="store_true",
+        help="with an API key, leave /metrics, /status and /capacity open (for scrapers "
+        "without the key)",
+    )
+    t = parser.add_argument_group(
+        "trust and network",
+        "every rank of a cluster holds one secret: control messages, rank cards and exit "
+        "records are authenticated with it, and the cards' addresses and memory keys "
+        "encrypted (README, 'Threat model')",
+    )
+    t.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="FILE",
+        help="the cluster secret, the same file on every node (`kvferry secret > FILE` "
+        "makes one); else KVFERRY_SECRET_FILE, else KVFERRY_SECRET (the secret itself). A "
+        "rank without one refuses to start; serve-local.sh and `kvferry serve --nproc` "
+        "make one for a cluster on one host",
+    )
+    t.add_argument(
+        "--cluster-interface",
+        default=None,
+        metavar="DEVICES",
+        help="the cluster network's devices, set as UCX_NET_DEVICES for every rank: an "
+        "interface for tcp (eth1), an HCA port for rdma (mlx5_0:1), or both, comma-separated; "
+        "UCX then uses and listens on those only (default: UCX_NET_DEVICES as set, else all)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -11,6 +11,11 @@ whatever is left, then the store. If the router's job ends, everything is stoppe
 
 On several hosts each runs the jobs of its own ranks (``--first-rank``, ``--nproc``) and
 node 0 hosts the store (``--host-store``); see ``scripts/serve-node.sh``.
+
+The store listens on the address of ``--store`` only (loopback for a cluster on one host).
+Every rank needs the cluster's secret (:mod:`.trust`): on one host (no ``--store``, or a
+loopback one) a fresh one is made for the cluster when none is given; on several hosts
+none is made, and this refuses to start without one.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from . import trust as trusts
 from .topology import Topology, TopologyError
 
 STOP_WAIT_S = 15.0
@@ -102,6 +108,20 @@ def topology_of(world: int, serve_args: list[str]) -> Topology:
     return Topology.for_world(world, known.prefill, known.tp)
 
 
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+
+def parse_host(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")
+
+
+def secret_file_of(serve_args: list[str]) -> str | None:
+    """The ``--secret-file`` among the serve options, if one is there."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--secret-file", default=None)
+    return p.parse_known_args(serve_args)[0].secret_file
+
+
 def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
     if proc.poll() is None:
         try:
@@ -144,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="host the store given by --store here (node 0 of several hosts)",
     )
     p.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="FILE",
+        help="the cluster secret, passed to every rank (else KVFERRY_SECRET_FILE or "
+        "KVFERRY_SECRET; on one host a fresh one is made when none is given)",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=3,
@@ -166,6 +193,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvferry domains: error: {exc}", file=sys.stderr)
         return 2
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.secret_file:
+        env[trusts.SECRET_FILE_ENV] = args.secret_file
+    one_host = world == args.nproc and (args.store is None or parse_host(args.store) in LOOPBACK)
+    try:
+        found = trusts.secret_from(secret_file_of(serve_args), env)
+    except trusts.TrustError as exc:
+        print(f"kvferry domains: error: {exc}", file=sys.stderr)
+        return 2
+    if found is None and not one_host:
+        print(
+            f"kvferry domains: error: a cluster on several hosts needs one secret on every "
+            f"node: {trusts.NO_SECRET.removeprefix('no cluster secret: ')}",
+            file=sys.stderr,
+        )
+        return 2
+    if found is None:
+        env = trusts.with_secret(env)  # one host: a fresh secret for this cluster's ranks
     store_proc = None
     store = args.store
     if store is None or args.host_store:
@@ -176,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
                 s.bind(("127.0.0.1", 0))
                 store = f"127.0.0.1:{s.getsockname()[1]}"
         host, _, port = store.rpartition(":")
-        listen = "0.0.0.0" if args.host_store else host
+        listen = host.strip("[]")  # there only: loopback on one host
         store_proc = subprocess.Popen(
             [sys.executable, "-m", "kvferry.cluster.store", "--host", listen, "--port", port],
-            env=env,
+            env={k: v for k, v in env.items() if k not in trusts.SECRET_VARIABLES},
             start_new_session=True,
         )
     procs: dict[Job, subprocess.Popen] = {}

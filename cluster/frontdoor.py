@@ -22,11 +22,17 @@ on the same event loop.
     GET /metrics   Prometheus text format
     GET /capacity  every rank's measured pool capacity and the context length (I3)
     GET /status    live requests, pages held per rank, quarantined requests
+
+With an API key (``--api-key``, ``--api-key-file`` or ``KVFERRY_API_KEY``) every route but
+/health answers 401 unless the request carries ``Authorization: Bearer <key>`` (OpenAI's
+convention), compared in constant time; ``--open-metrics`` leaves /metrics, /status and
+/capacity open to scrapers that carry no key.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -38,6 +44,7 @@ from kvferry.engine.protocol.words import AbortSource, Answer
 from kvferry.engine.tokenizer import StreamDecoder
 
 from .router import RoutedRequest, Router, Unavailable
+from .trust import digest_of
 
 log = logging.getLogger("kvferry.cluster")
 
@@ -121,10 +128,48 @@ async def _no_unexpected_errors(request: web.Request, handler) -> web.StreamResp
         )
 
 
+ALWAYS_OPEN = frozenset({"/health"})
+OPERATOR_ROUTES = frozenset({"/metrics", "/status", "/capacity"})  # open with --open-metrics
+
+
+def api_key_check(api_key: str, open_paths: frozenset[str]):
+    """Middleware: a request to a path outside ``open_paths`` without ``Authorization:
+    Bearer <api_key>`` is answered 401. The keys are compared as SHA-256 digests with
+    hmac.compare_digest, so the time taken says nothing of the key or its length."""
+    expected = digest_of(api_key)
+
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        if request.path not in open_paths:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                digest_of(given.strip()), expected
+            ):
+                why = "missing" if not given else "wrong"
+                return web.json_response(
+                    {
+                        "error": "unauthorized",
+                        "message": f"{why} API key: send the header 'Authorization: Bearer "
+                        "<key>' with the key this front door was started with",
+                    },
+                    status=401,
+                    headers={"WWW-Authenticate": 'Bearer realm="kvferry"'},
+                )
+        return await handler(request)
+
+    return check
+
+
 class FrontDoor:
-    def __init__(self, router: Router) -> None:
+    def __init__(
+        self, router: Router, api_key: str | None = None, open_metrics: bool = False
+    ) -> None:
         self.router = router
-        self.app = web.Application(client_max_size=MAX_BODY, middlewares=[_no_unexpected_errors])
+        middlewares = [_no_unexpected_errors]
+        if api_key:
+            open_paths = ALWAYS_OPEN | (OPERATOR_ROUTES if open_metrics else frozenset())
+            middlewares.insert(0, api_key_check(api_key, open_paths))
+        self.app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
         self.app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
@@ -257,6 +302,9 @@ class FrontDoor:
         return web.json_response(body, status=200 if body["ok"] else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
+        own = self.router.own_counts().get("dropped", {})  # the router's own, as rank 0's
+        for reason, count in own.items():
+            self.router.metrics.dropped_messages.labels("0", reason).set(count)
         data, content_type = self.router.metrics.render()
         return web.Response(body=data, headers={"Content-Type": content_type})
 

@@ -16,6 +16,12 @@ measured capacity against the context length (I3), publishes its card, reads eve
 else's, and serves until SIGTERM/SIGINT or a SHUTDOWN from the router. As a failure
 domain, each rank is forked by a launcher that publishes its exit (:mod:`.supervise`),
 and a restarted rank publishes a new card with a new incarnation.
+
+Every rank holds the cluster's secret (``--secret-file``, ``KVFERRY_SECRET_FILE`` or
+``KVFERRY_SECRET``; :mod:`.trust`) and refuses to start without one: its card, its
+launcher's exit record and every control message it sends are sealed with it.
+``--cluster-interface`` sets ``UCX_NET_DEVICES`` before the engine is built, and the front
+door checks ``--api-key`` when one is given.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from kvferry.engine.protocol.words import Kind
 from kvferry.transfer import TransferConfig, TransferEngine, TransferError
 
 from . import messages as m
+from . import trust as trusts
 from .config import ServeConfig, add_serve_arguments, config_from_args
 from .decode import DecodeRank
 from .faults import FaultPlan
@@ -49,7 +56,15 @@ from .hostid import this_host
 from .metrics import ClusterMetrics
 from .models import build_model, pool_config
 from .prefill import PrefillRank
-from .rendezvous import FAIL_PREFIX, RankCard, RendezvousError, gather, publish, publish_failure
+from .rendezvous import (
+    FAIL_PREFIX,
+    CardRefused,
+    RankCard,
+    RendezvousError,
+    gather,
+    publish,
+    publish_failure,
+)
 from .router import Router
 from .runtime import RankRuntime
 from .store import StoreAddressError, connect
@@ -92,7 +107,7 @@ def init_distributed() -> tuple[int, int, Any]:
     return dist.get_rank(), dist.get_world_size(), store
 
 
-def join_domain(cfg: ServeConfig) -> tuple[int, int, Any]:
+def join_domain(cfg: ServeConfig, trust: trusts.Trust) -> tuple[int, int, Any]:
     """This process's cluster rank, the cluster's size and the store, for a job run as a
     failure domain (``--store``): the rank is the job's first rank plus torchrun's rank
     within the job. Forks here: the parent stays behind as the rank's launcher
@@ -108,8 +123,25 @@ def join_domain(cfg: ServeConfig) -> tuple[int, int, Any]:
             f"--first-rank {cfg.first_rank}) fall outside a world of {cfg.world}"
         )
     rank = cfg.first_rank + job_rank
-    fork_rank(rank, cfg.store or "")
+    fork_rank(rank, cfg.store or "", trust)
     return rank, cfg.world, connect(cfg.store or "")
+
+
+def use_cluster_interface(devices: str | None, env=os.environ) -> str | None:
+    """``--cluster-interface``: UCX_NET_DEVICES for this rank's engine (UCX then uses and
+    listens on those devices only) and, when one of them is a network interface of this
+    host, GLOO_SOCKET_IFNAME for a single torchrun group's gloo. Returns a warning when
+    it replaces another UCX_NET_DEVICES."""
+    if not devices:
+        return None
+    before = env.get("UCX_NET_DEVICES")
+    env["UCX_NET_DEVICES"] = devices
+    interfaces = [d for d in devices.split(",") if d and ":" not in d]
+    if interfaces and os.path.isdir(f"/sys/class/net/{interfaces[0]}"):
+        env.setdefault("GLOO_SOCKET_IFNAME", interfaces[0])
+    if before and before != devices:
+        return f"--cluster-interface {devices} replaces UCX_NET_DEVICES={before}"
+    return None
 
 
 def freeze_long_lived_objects() -> None:
@@ -135,7 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     try:
-        rank, world, store = init_distributed() if cfg.store is None else join_domain(cfg)
+        # Before anything else: a rank without the cluster's secret never joins (and never
+        # reads or writes the store). The secret itself is never logged.
+        trust, secret_source = trusts.load(cfg.secret_file)
+        api_key = trusts.api_key_from(cfg.api_key, cfg.api_key_file, os.environ)
+    except trusts.TrustError as exc:
+        print(f"kvferry serve: error: {exc}", file=sys.stderr)
+        return 2
+    replaced = use_cluster_interface(cfg.cluster_interface)
+    try:
+        rank, world, store = init_distributed() if cfg.store is None else join_domain(cfg, trust)
     except (ValueError, StoreAddressError) as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
@@ -146,6 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     role = topology.role(rank)
     setup_logging(args.log_level, rank, role)
+    log.info(
+        "cluster secret from %s (fingerprint %s); front door %s",
+        secret_source,
+        trust.fingerprint,
+        "behind an API key" if api_key else "open (no API key)",
+    )
+    if replaced:
+        log.warning("%s", replaced)
     if cfg.unsafe_release_on_sever:
         log.error(
             "UNSAFE MODE: quarantined pages are released at the abort deadline once "
@@ -161,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         tuning = decode_tuning.active()  # a bad KVFERRY_DECODE_TUNING stops the start
     except ValueError as exc:
         log.error("refusing to start: %s", exc)
-        publish_failure(store, rank, str(exc))
+        publish_failure(store, rank, str(exc), trust)
         return 2
     if tuning != decode_tuning.DEFAULT:
         log.info("decode kernel tuning %s (%s)", tuning.name, decode_tuning.ENV)
@@ -175,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except TransferError as exc:  # e.g. --transports rdma without a device or verbs
         log.error("refusing to start: %s", exc)
-        publish_failure(store, rank, str(exc))
+        publish_failure(store, rank, str(exc), trust)
         return 3
     log.info("UCX: %s", {k: v for k, v in engine.describe().items() if k != "peers"})
     log.log(*engine.failure_horizon().log_record(cfg.abort_deadline_s))
@@ -196,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("pool: %s; serving context length %d", pool, context_length)
     except (CapacityError, ValueError) as exc:
         log.error("refusing to start: %s", exc)
-        publish_failure(store, rank, str(exc))
+        publish_failure(store, rank, str(exc), trust)
         engine.shutdown()
         return 3
     card = RankCard(
@@ -215,9 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     if cfg.store is not None:
         store.delete_key(f"{FAIL_PREFIX}{rank}")  # an earlier incarnation's refusal
-    publish(store, card)
+    publish(store, card, trust)
     try:
-        cards = gather(store, world, RENDEZVOUS_TIMEOUT_S)
+        cards = gather(store, world, RENDEZVOUS_TIMEOUT_S, trust=trust)
+    except CardRefused as exc:
+        log.error("rendezvous refused: %s", exc)
+        engine.shutdown()
+        return 3
     except RendezvousError as exc:
         log.error("rendezvous failed: %s", exc)
         engine.shutdown()
@@ -230,14 +283,16 @@ def main(argv: list[str] | None = None) -> int:
         card.pid,
         f", failure domain through the store at {cfg.store}" if cfg.store else "",
     )
-    runtime = RankRuntime(rank, engine, cards, faults, store=store if cfg.store else None)
+    runtime = RankRuntime(
+        rank, engine, cards, faults, store=store if cfg.store else None, trust=trust
+    )
     freeze_long_lived_objects()
     stop = StopFlag()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: stop.set(signal.Signals(s).name))
     try:
         if role is Role.ROUTER:
-            return asyncio.run(serve_router(runtime, topology, cards, cfg, stop))
+            return asyncio.run(serve_router(runtime, topology, cards, cfg, stop, api_key))
         assert pool is not None, "a prefill or decode rank has a pool"
         return serve_worker(runtime, role, topology, cfg, model, pool, segment, stop)
     finally:
@@ -277,6 +332,7 @@ def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int
             # with the messages an owner refused from a restarted writer's new incarnation
             dropped_stale=d["stale"] + getattr(worker, "dropped_other_incarnation", 0),
             dropped_malformed=d["malformed"],
+            dropped_unauthenticated=d["unauthenticated"],
             cards_epoch=runtime.cards_epoch,
             fenced=worker.fenced_writers(),
             quarantines=worker.quarantines(),
@@ -395,6 +451,7 @@ async def serve_router(
     cards: dict[int, RankCard],
     cfg: ServeConfig,
     stop: StopFlag,
+    api_key: str | None = None,
 ) -> int:
     from aiohttp import web
 
@@ -410,7 +467,7 @@ async def serve_router(
     )
     for row in router.capacity_table():
         metrics.capacity.labels(str(row["rank"]), row["role"]).set(row["capacity_tokens"])
-    door = FrontDoor(router)
+    door = FrontDoor(router, api_key=api_key, open_metrics=cfg.open_metrics)
     runner = web.AppRunner(door.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)

@@ -134,6 +134,8 @@ STATS = CODEC.kind(
     dropped_duplicate=Field(FieldType.INT),
     dropped_stale=Field(FieldType.INT),
     dropped_malformed=Field(FieldType.INT),
+    # messages without a valid MAC of the cluster's secret (never decoded, never acted on)
+    dropped_unauthenticated=Field(FieldType.INT, optional=True),
     # failure domains: the card epoch this rank has adopted, and the writer incarnations
     # ("rank:inc" in hex) whose ack or proof its quarantined pages still wait on
     cards_epoch=Field(FieldType.INT, optional=True),
@@ -200,6 +202,6 @@ def encode(msg: Message) -> bytes:
     return CODEC.encode(msg)
 
 
-def decode(data: bytes) -> Message:
+def decode(data: bytes | memoryview) -> Message:
     """Decode one control message; raises WireError (never anything else) on bad input."""
     return CODEC.decode(data)

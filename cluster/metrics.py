@@ -61,7 +61,8 @@ class ClusterMetrics:
         )
         self.dropped_messages = Gauge(
             "kvferry_dropped_messages",
-            "Control messages dropped (duplicate, stale, malformed)",
+            "Control messages dropped (duplicate, stale, malformed, unauthenticated: no "
+            "valid MAC of the cluster's secret)",
             ["rank", "reason"],
             registry=r,
         )

@@ -5,10 +5,17 @@ incarnation, pool segment descriptor and measured capacity. Every rank then read
 cards (bounded wait). A card is keyed by rank and carries the incarnation, so a restarted
 rank's new card replaces the old one and peers refuse the old descriptors (I3: the
 measured capacity travels with the card, so the router can check it and report it).
+
+What goes into the store is sealed with the cluster's secret (:mod:`.trust`): a card is
+encrypted whole (AES-GCM: its address and segment descriptor, with the memory keys, are
+no use to a store reader) and MAC'd under its store key, so a card written without the
+secret is refused (:class:`CardRefused`); exit records and start-up failures are MAC'd,
+so one written without the secret fences nothing and stops nothing.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -16,10 +23,12 @@ from dataclasses import asdict, dataclass
 import msgpack
 
 from .topology import Role
+from .trust import TAG_BYTES, Trust, Unauthenticated, process_trust
 
 log = logging.getLogger("kvferry.cluster")
 
 CARD_VERSION = 1
+SEALED_CARD = "kvf.card/sealed-v1"  # the store's form of a card (see seal_card)
 KEY_PREFIX = "kvferry/card/"
 FAIL_PREFIX = "kvferry/failed/"
 EPOCH_KEY = "kvferry/cards-epoch"  # bumped on every card published: peers re-read on change
@@ -30,6 +39,15 @@ EXIT_LOG_PREFIX = "kvferry/exit-log/"  # 1..count -> the same records, in publis
 
 class RendezvousError(RuntimeError):
     """A rank's card is missing, malformed or of another protocol version."""
+
+
+class CardRefused(RendezvousError):
+    """A card in the store that does not authenticate with this cluster's secret: written
+    by a process without it (or by a rank given another secret), or altered since."""
+
+
+class RecordRefused(RendezvousError):
+    """An exit or failure record in the store whose MAC does not verify."""
 
 
 @dataclass(frozen=True)
@@ -81,10 +99,44 @@ class RankCard:
         return cls(**obj)
 
 
-def publish(store, card: RankCard) -> None:
-    """Publish (or replace, for a restarted rank) ``card``, then bump the epoch so every
-    peer re-reads the cards (:func:`cards_epoch`)."""
-    store.set(f"{KEY_PREFIX}{card.rank}", card.pack())
+def card_key(rank: int) -> str:
+    return f"{KEY_PREFIX}{rank}"
+
+
+def seal_card(card: RankCard, trust: Trust) -> bytes:
+    """The store's form of ``card``: the whole card encrypted (AES-GCM, its store key as
+    associated data), then a MAC over that under the store key."""
+    key = card_key(card.rank)
+    body = msgpack.packb([SEALED_CARD, trust.encrypt(card.pack(), key.encode())])
+    return body + trust.card_tag(key, body)
+
+
+def open_card(data: bytes, trust: Trust, rank: int) -> RankCard:
+    """The card stored under ``rank``'s key; CardRefused unless it authenticates."""
+    key = card_key(rank)
+    data = bytes(data)
+    body, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
+    if len(data) <= TAG_BYTES or not hmac.compare_digest(trust.card_tag(key, body), tag):
+        raise CardRefused(
+            f"rank {rank}'s card in the store does not authenticate: written without this "
+            "cluster's secret (is every node given the same --secret-file?)"
+        )
+    try:
+        form, sealed = msgpack.unpackb(body, raw=False, max_bin_len=1 << 20)
+        if form != SEALED_CARD:
+            raise ValueError(form)
+        card = RankCard.unpack(trust.decrypt(sealed, key.encode()))
+    except (ValueError, TypeError, Unauthenticated) as exc:
+        raise CardRefused(f"rank {rank}'s card in the store does not open: {exc}") from None
+    if card.rank != rank:
+        raise RendezvousError(f"card under rank {rank} names rank {card.rank}")
+    return card
+
+
+def publish(store, card: RankCard, trust: Trust | None = None) -> None:
+    """Publish (or replace, for a restarted rank) ``card``, sealed (:func:`seal_card`),
+    then bump the epoch so every peer re-reads the cards (:func:`cards_epoch`)."""
+    store.set(card_key(card.rank), seal_card(card, trust or process_trust()))
     store.add(EPOCH_KEY, 1)
 
 
@@ -93,10 +145,26 @@ def cards_epoch(store) -> int:
     return int(store.add(EPOCH_KEY, 0))
 
 
-def read_cards(store, ranks: list[int]) -> dict[int, RankCard]:
-    """The current card of each of ``ranks`` (all published: see :func:`gather`)."""
-    raw = store.multi_get([f"{KEY_PREFIX}{r}" for r in ranks])
-    return {r: RankCard.unpack(bytes(data)) for r, data in zip(ranks, raw, strict=True)}
+def read_cards(
+    store,
+    ranks: list[int],
+    trust: Trust | None = None,
+    refused: list[CardRefused] | None = None,
+) -> dict[int, RankCard]:
+    """The current card of each of ``ranks`` (all published: see :func:`gather`). A card
+    that does not authenticate raises CardRefused, or, given ``refused``, is left out and
+    its refusal appended there."""
+    trust = trust or process_trust()
+    raw = store.multi_get([card_key(r) for r in ranks])
+    cards = {}
+    for r, data in zip(ranks, raw, strict=True):
+        try:
+            cards[r] = open_card(data, trust, r)
+        except CardRefused as exc:
+            if refused is None:
+                raise
+            refused.append(exc)
+    return cards
 
 
 @dataclass(frozen=True)
@@ -130,11 +198,28 @@ def exit_key(rank: int, incarnation: int) -> str:
     return f"{EXIT_PREFIX}{rank}/{incarnation:x}"
 
 
-def publish_exit(store, record: ExitRecord) -> None:
-    """The record under its (rank, incarnation) key, for a proof that asks of one writer,
-    and appended to the exit log, which a watcher of every rank reads in one round trip
-    while nothing new has exited (:class:`ExitLog`)."""
-    packed = record.pack()
+EXIT_MAC_LABEL = "kvferry/exit-record"
+
+
+def sign_exit(record: ExitRecord, trust: Trust) -> bytes:
+    return trust.sign_record(EXIT_MAC_LABEL, record.pack())
+
+
+def open_exit(value: bytes, trust: Trust) -> ExitRecord:
+    """The record in a stored value; RecordRefused unless its MAC verifies (a record
+    written without the cluster's secret is proof of nothing)."""
+    try:
+        data = trust.open_record(EXIT_MAC_LABEL, bytes(value))
+    except Unauthenticated as exc:
+        raise RecordRefused(f"exit record refused: {exc}") from None
+    return ExitRecord.unpack(data)
+
+
+def publish_exit(store, record: ExitRecord, trust: Trust | None = None) -> None:
+    """The record, MAC'd, under its (rank, incarnation) key, for a proof that asks of one
+    writer, and appended to the exit log, which a watcher of every rank reads in one round
+    trip while nothing new has exited (:class:`ExitLog`)."""
+    packed = sign_exit(record, trust or process_trust())
     store.set(exit_key(record.rank, record.incarnation), packed)
     slot = int(store.add(EXIT_COUNT_KEY, 1))
     store.set(f"{EXIT_LOG_PREFIX}{slot}", packed)
@@ -147,58 +232,91 @@ class ExitLog:
     router watching a thousand ranks asks the store once a tick, not once a rank."""
 
     seen: int = 0
+    refused: int = 0  # records whose MAC did not verify: skipped, counted, logged
 
-    def read_new(self, store) -> list[ExitRecord]:
+    def read_new(self, store, trust: Trust | None = None) -> list[ExitRecord]:
         """The records published since the last call, oldest first. A slot counted but
         not written yet (its launcher is between the two calls) ends the read; the next
-        call resumes there."""
+        call resumes there. A record that does not authenticate (or decode) is skipped,
+        counted in ``refused`` and logged: it fences nothing."""
+        trust = trust or process_trust()
         count = int(store.add(EXIT_COUNT_KEY, 0))
         out: list[ExitRecord] = []
         while self.seen < count:
             key = f"{EXIT_LOG_PREFIX}{self.seen + 1}"
             if not store.check([key]):
                 break
-            out.append(ExitRecord.unpack(bytes(store.get(key))))
             self.seen += 1
+            try:
+                out.append(open_exit(store.get(key), trust))
+            except RendezvousError as exc:
+                self.refused += 1
+                log.warning("%s in the store's exit log: %s; it fences nothing", key, exc)
         return out
 
 
-def exit_record(store, rank: int, incarnation: int) -> ExitRecord | None:
-    """The launcher's word that ``rank`` in ``incarnation`` exited, if it has said so."""
+def exit_record(
+    store, rank: int, incarnation: int, trust: Trust | None = None
+) -> ExitRecord | None:
+    """The launcher's word that ``rank`` in ``incarnation`` exited, if it has said so.
+    RecordRefused for a record that does not authenticate or names another rank or
+    incarnation than its key."""
     key = exit_key(rank, incarnation)
     if not store.check([key]):
         return None
-    return ExitRecord.unpack(bytes(store.get(key)))
+    record = open_exit(store.get(key), trust or process_trust())
+    if (record.rank, record.incarnation) != (rank, incarnation):
+        raise RecordRefused(
+            f"{key} holds the exit record of rank {record.rank} incarnation {record.incarnation:#x}"
+        )
+    return record
 
 
-def publish_failure(store, rank: int, reason: str) -> None:
-    """Tell the other ranks why this one will not start, so they fail fast with the reason."""
-    store.set(f"{FAIL_PREFIX}{rank}", reason.encode()[:4096])
+def publish_failure(store, rank: int, reason: str, trust: Trust | None = None) -> None:
+    """Tell the other ranks why this one will not start, so they fail fast with the reason
+    (MAC'd: a failure written without the secret stops nobody)."""
+    key = f"{FAIL_PREFIX}{rank}"
+    store.set(key, (trust or process_trust()).sign_record(key, reason.encode()[:4096]))
 
 
-def gather(store, world_size: int, timeout_s: float, poll_s: float = 0.1) -> dict[int, RankCard]:
+def read_failure(store, rank: int, trust: Trust) -> str | None:
+    """The reason rank ``rank`` published for not starting, if an authentic one is there."""
+    key = f"{FAIL_PREFIX}{rank}"
+    if not store.check([key]):
+        return None
+    try:
+        return trust.open_record(key, bytes(store.get(key))).decode(errors="replace")
+    except Unauthenticated as exc:
+        log.warning("ignoring a start-up failure of rank %d in the store: %s", rank, exc)
+        return None
+
+
+def gather(
+    store,
+    world_size: int,
+    timeout_s: float,
+    poll_s: float = 0.1,
+    trust: Trust | None = None,
+) -> dict[int, RankCard]:
     """Every rank's card. Raises RendezvousError naming the ranks that published a failure,
-    or, at the deadline, the ranks that published nothing."""
-    keys = [f"{KEY_PREFIX}{r}" for r in range(world_size)]
+    or, at the deadline, the ranks that published nothing; CardRefused for a card that
+    does not authenticate (another secret, or a stranger's)."""
+    trust = trust or process_trust()
+    keys = [card_key(r) for r in range(world_size)]
     deadline = time.monotonic() + timeout_s
     while True:
-        failed = [r for r in range(world_size) if store.check([f"{FAIL_PREFIX}{r}"])]
+        failed = {
+            r: reason
+            for r in range(world_size)
+            if (reason := read_failure(store, r, trust)) is not None
+        }
         if failed:
-            reasons = "; ".join(
-                f"rank {r}: {store.get(f'{FAIL_PREFIX}{r}').decode(errors='replace')}"
-                for r in failed
-            )
-            raise RendezvousError(f"rank(s) {failed} failed to start: {reasons}")
+            reasons = "; ".join(f"rank {r}: {reason}" for r, reason in failed.items())
+            raise RendezvousError(f"rank(s) {sorted(failed)} failed to start: {reasons}")
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if not missing:
             break
         if time.monotonic() > deadline:
             raise RendezvousError(f"ranks {missing} published no card within {timeout_s:.0f} s")
         time.sleep(poll_s)
-    cards = {}
-    for r, k in enumerate(keys):
-        card = RankCard.unpack(store.get(k))
-        if card.rank != r:
-            raise RendezvousError(f"card under rank {r} names rank {card.rank}")
-        cards[r] = card
-    return cards
+    return {r: open_card(store.get(k), trust, r) for r, k in enumerate(keys)}

@@ -579,6 +579,7 @@ class Router:
             "duplicate": msg.dropped_duplicate,
             "stale": msg.dropped_stale,
             "malformed": msg.dropped_malformed,
+            "unauthenticated": msg.dropped_unauthenticated or 0,
         }
         self.rank_stats[msg.src] = stats
         self.metrics.set_rank_stats(msg.src, self.cards[msg.src].role, stats)
@@ -776,4 +777,17 @@ class Router:
             "ranks": self.rank_stats,
             "abort_release": self.abort_release_summary(),
             "context_length": self.context_length,
+            "router": self.own_counts(),
+        }
+
+    def own_counts(self) -> dict:
+        """What the router's own runtime refused: messages dropped by reason, and cards
+        and exit records in the store that did not authenticate."""
+        c = getattr(self.rt, "counters", None)
+        if c is None:  # a stand-in runtime (tests)
+            return {}
+        return {
+            "dropped": self.rt.dropped(),
+            "cards_refused": c.cards_refused,
+            "exit_records_refused": c.exit_records_refused + self.rt.exit_log.refused,
         }

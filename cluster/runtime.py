@@ -13,6 +13,15 @@ rank publishes a new card, which :meth:`refresh_cards` adopts (the old one is ke
 for the proof its quarantined pages still wait on); a message of a retired incarnation is
 refused and counted as stale.
 
+Trusts only what proves the cluster's secret (:mod:`.trust`): every message it sends
+carries a MAC over the encoded message (sender, incarnation, sequence number and payload)
+bound to the destination's rank and incarnation, and a message that arrives without a
+valid one is dropped before it is decoded, counted (``dropped_unauthenticated``) and logged
+once per sender address, never acted on. A valid message seen before (a replay) is refused
+by the sequence checks: the dedup window, and below it a floor under which every sequence
+number of that incarnation counts as seen. Cards and exit records read from the store are
+authenticated the same way (:mod:`.rendezvous`); one that is not is refused and counted.
+
 Upholds I6 for the rank's own failures: an exception raised while handling a message, or in
 a timer, a deferred call or a batch callback that belongs to a request, is counted, logged
 with the request id and handed to ``on_request_error``, which ends that request through the
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import heapq
 import itertools
 import logging
@@ -51,15 +61,19 @@ from kvferry.transfer.wire import Message, MessageKind
 
 from . import messages
 from .faults import FaultHooks, FaultPlan
+from .processes import DRAIN_S, process_gone
 from .rendezvous import (
+    CardRefused,
     ExitLog,
     ExitRecord,
     RankCard,
+    RecordRefused,
     RendezvousError,
     cards_epoch,
     exit_record,
     read_cards,
 )
+from .trust import Trust, process_trust
 
 Handlers = Mapping[Kind, Callable[[Message], None]]
 
@@ -74,7 +88,7 @@ class Settles(Protocol):
 log = logging.getLogger("kvferry.cluster")
 
 DEDUP_WINDOW = 4096
-DRAIN_S = 0.2  # progress after a writer's death before its quarantined pages are released
+UNAUTHENTICATED_LOGGED = 256  # sender addresses whose unauthenticated messages were logged
 WATCH_POLL_S = 0.0005  # the longest sleep while a watched batch is pending
 
 
@@ -96,10 +110,13 @@ class ControlCounters:
     dropped_duplicate: int = 0
     dropped_stale: int = 0
     dropped_malformed: int = 0
+    dropped_unauthenticated: int = 0  # no valid MAC: not decoded, never acted on
     dropped_severed: int = 0
     dropped_unexpected: int = 0  # a kind this rank's role does not take
     severed: int = 0
     cards_replaced: int = 0  # peers that came back with a new incarnation
+    cards_refused: int = 0  # cards in the store that did not authenticate
+    exit_records_refused: int = 0  # exit records that did not authenticate: fenced nothing
 
 
 @dataclass(order=True)
@@ -114,16 +131,6 @@ class _Timer:
         self.cancelled = True
 
 
-def process_gone(pid: int) -> bool:
-    """True when ``pid`` has exited (a zombie has already dropped its mappings)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state in (b"Z", b"X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
-
-
 class RankRuntime:
     def __init__(
         self,
@@ -132,8 +139,14 @@ class RankRuntime:
         cards: dict[int, RankCard],
         faults: FaultHooks | None = None,
         store: Any = None,
+        trust: Trust | None = None,
     ) -> None:
         self.rank = rank
+        # The cluster's keys (launch.py always gives them; code that gives none, a test or
+        # a tool, gets the process's: the environment's secret or a random one).
+        self.trust = trust or process_trust()
+        self._open: Callable[[bytes], bytes | None] | None = None
+        self._unauthenticated_from: set[bytes] = set()
         # The cluster's rendezvous store when it runs as failure domains (cards of
         # restarted ranks, exit records of dead ones); None in a single torchrun group.
         self.store = store
@@ -149,6 +162,10 @@ class RankRuntime:
         self._peers: dict[int, Peer] = {}
         self._segments: dict[int, RemoteSegment] = {}
         self._seen: dict[int, OrderedDict[tuple[int, int], None]] = {}
+        # (rank, incarnation) -> the highest sequence number evicted from the dedup window:
+        # any number at or below it counts as seen, so a replay older than the window is
+        # refused too
+        self._seq_floor: dict[tuple[int, int], int] = {}
         self._severed: dict[int, int] = {}  # rank -> incarnation severed
         self._severed_peers: dict[int, Peer] = {}  # control-only endpoints to severed ranks
         self._gone_since: dict[tuple[int, int], float] = {}  # (rank, inc) -> seen gone
@@ -292,7 +309,11 @@ class RankRuntime:
         if (rank, incarnation) in self.exited:
             return True
         try:
-            record = exit_record(self.store, rank, incarnation)
+            record = exit_record(self.store, rank, incarnation, self.trust)
+        except RecordRefused as exc:
+            self.counters.exit_records_refused += 1
+            log.warning("rank %d: %s; rank %d is not taken as gone", self.rank, exc, rank)
+            return False
         except (RendezvousError, RuntimeError, OSError) as exc:
             log.warning("rank %d: cannot read rank %d's exit record: %s", self.rank, rank, exc)
             return False
@@ -306,7 +327,7 @@ class RankRuntime:
         if self.store is None:
             return []
         try:
-            fresh = self.exit_log.read_new(self.store)
+            fresh = self.exit_log.read_new(self.store, self.trust)
         except (RendezvousError, RuntimeError, OSError) as exc:
             log.warning("rank %d: cannot read the exit log: %s", self.rank, exc)
             return []
@@ -334,10 +355,21 @@ class RankRuntime:
             epoch = cards_epoch(self.store)
             if epoch == self.cards_epoch:
                 return []
-            fresh = read_cards(self.store, sorted(r for r in self.cards if r != self.rank))
+            refused: list[CardRefused] = []
+            fresh = read_cards(
+                self.store,
+                sorted(r for r in self.cards if r != self.rank),
+                self.trust,
+                refused=refused,
+            )
         except (RendezvousError, RuntimeError, OSError) as exc:
             log.warning("rank %d: cannot read the cards from the store: %s", self.rank, exc)
             return []
+        for refusal in refused:
+            self.counters.cards_refused += 1
+            log.warning(
+                "rank %d refused a card: %s; the peer's card in use is kept", self.rank, refusal
+            )
         self.cards_epoch = epoch
         replaced = []
         for rank, card in fresh.items():
@@ -368,8 +400,10 @@ class RankRuntime:
 
     # ------------------------------------------------------------------ sending
     def _fill(self, rank: int, kind: MessageKind, fields: dict) -> bytes:
+        """The message's bytes as they go on the wire: encoded, then sealed for ``rank``
+        in the incarnation of its card (see :mod:`.trust`)."""
         try:
-            return messages.encode(
+            encoded = messages.encode(
                 kind.make(
                     src=self.rank,
                     inc=self.incarnation,
@@ -380,6 +414,13 @@ class RankRuntime:
         except WireError as exc:
             self.counters.send_failures += 1
             raise LocalSendError(kind.name, rank, str(exc)) from None
+        card = self.cards.get(rank)
+        return self.trust.seal(rank, card.incarnation if card is not None else 0, encoded)
+
+    def seal_to_self(self, encoded: bytes) -> bytes:
+        """``encoded`` sealed for this rank, as a peer with the secret would send it (for
+        code that hands this rank a message itself: tests, tools)."""
+        return self.trust.seal(self.rank, self.incarnation, encoded)
 
     def send(self, rank: int, kind: MessageKind, **fields) -> Batch | None:
         """Post a control message to ``rank``; a failure on the way or at the peer is
@@ -487,9 +528,33 @@ class RankRuntime:
         role. A kind the role does not take is counted and logged, never raised."""
         self._handlers, self._role = dict(handlers), role
 
+    def _unauthenticated(self, sender_address: bytes, payload: bytes) -> None:
+        self.counters.dropped_unauthenticated += 1
+        if (
+            sender_address in self._unauthenticated_from
+            or len(self._unauthenticated_from) >= UNAUTHENTICATED_LOGGED
+        ):
+            return
+        self._unauthenticated_from.add(sender_address)
+        log.warning(
+            "rank %d dropped an unauthenticated control message (%d bytes) from the sender "
+            "address %s: no valid MAC of this cluster's secret (a stranger, a rank given "
+            "another secret, or a message sealed for an earlier incarnation of this rank); "
+            "logged once per sender, counted in dropped_unauthenticated",
+            self.rank,
+            len(payload),
+            hashlib.sha256(sender_address).hexdigest()[:16],
+        )
+
     def _on_payload(self, sender_address: bytes, payload: bytes) -> None:
+        if self._open is None:
+            self._open = self.trust.opener(self.rank, self.incarnation)
+        body = self._open(payload)
+        if body is None:
+            self._unauthenticated(sender_address, payload)
+            return
         try:
-            msg = messages.decode(payload)
+            msg = messages.decode(body)
         except WireError as exc:
             self.counters.dropped_malformed += 1
             log.warning("rank %d dropped a malformed control message: %s", self.rank, exc)
@@ -520,12 +585,14 @@ class RankRuntime:
             return
         seen = self._seen.setdefault(src, OrderedDict())
         key = (msg.inc, msg.seq)
-        if key in seen:
+        if key in seen or msg.seq <= self._seq_floor.get((src, msg.inc), 0):
             self.counters.dropped_duplicate += 1
             return
         seen[key] = None
         if len(seen) > DEDUP_WINDOW:
-            seen.popitem(last=False)
+            (inc, seq), _ = seen.popitem(last=False)
+            if seq > self._seq_floor.get((src, inc), 0):
+                self._seq_floor[(src, inc)] = seq
         self.counters.received += 1
         handler = self._handlers.get(Kind(msg.kind))
         if handler is None:
@@ -668,5 +735,6 @@ class RankRuntime:
             "duplicate": c.dropped_duplicate,
             "stale": c.dropped_stale,
             "malformed": c.dropped_malformed + self.engine.counters.malformed_messages,
+            "unauthenticated": c.dropped_unauthenticated,
             "severed": c.dropped_severed,
         }

@@ -1,7 +1,14 @@
 """The rendezvous store of a cluster run as failure domains: one small process holding a
 torch.distributed TCPStore, started before any rank and outliving every rank's job.
 
-    python -m kvferry.cluster.store --port 29400 [--host 0.0.0.0]
+    python -m kvferry.cluster.store --port 29400 [--host 10.0.0.1]
+
+It listens on ``--host`` and nowhere else (loopback by default, for a cluster on one host;
+node 0's cluster address for several): torch's TCPStore server listens on every interface
+whatever host it is given, so the listening socket is bound here and handed to it.
+What the ranks write there is sealed with the cluster's secret (:mod:`.rendezvous`), but a
+client that reaches the store can still delete or overwrite keys: only the network keeps
+strangers away from it.
 
 Ranks publish their cards there (:mod:`.rendezvous`), their launchers publish exit records,
 and a restarted rank's new card replaces its old one. It holds no request state: if it is
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 import threading
 from datetime import timedelta
@@ -44,6 +52,30 @@ def connect(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> TCPStore:
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
+def listen(host: str, port: int) -> tuple[TCPStore, socket.socket]:
+    """The store's server, listening on ``host``:``port`` only (port 0: a free one, read
+    ``.port``). The socket is returned with it and must live as long as the store."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(512)
+        store = TCPStore(
+            host,
+            sock.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    return store, sock
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="kvferry store",
@@ -54,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s store %(levelname)s: %(message)s")
     try:
-        store = TCPStore(args.host, args.port, is_master=True, wait_for_workers=False)
+        store, sock = listen(args.host, args.port)
     except Exception as exc:  # the port taken, the address not ours
         print(
             f"kvferry store: error: cannot listen on {args.host}:{args.port}: {exc}",
@@ -64,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: stop.set())
-    log.info("rendezvous store listening on %s:%d", args.host, store.port)
+    log.info("rendezvous store listening on %s:%d (there only)", args.host, store.port)
     stop.wait()
+    sock.close()
     log.info("rendezvous store stopping")
     return 0
 

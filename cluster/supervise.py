@@ -20,16 +20,19 @@ import sys
 import time
 
 from .hostid import this_host
-from .rendezvous import KEY_PREFIX, ExitRecord, RankCard, publish_exit
+from .rendezvous import ExitRecord, card_key, open_card, publish_exit
+from .trust import Trust, process_trust
 
 log = logging.getLogger("kvferry.cluster")
 
 CARD_WAIT_S = 5.0
 
 
-def fork_rank(rank: int, store_address: str) -> None:
+def fork_rank(rank: int, store_address: str, trust: Trust | None = None) -> None:
     """Return in the child (the rank); in the parent, wait for the child, publish its
-    exit and leave the process with the child's exit code (never returns)."""
+    exit (MAC'd with the cluster's ``trust``) and leave the process with the child's exit
+    code (never returns)."""
+    trust = trust or process_trust()
     child = os.fork()
     if child == 0:
         return
@@ -43,7 +46,7 @@ def fork_rank(rank: int, store_address: str) -> None:
             continue
     code = os.waitstatus_to_exitcode(status)
     try:
-        _publish(rank, child, code, store_address)
+        _publish(rank, child, code, store_address, trust)
     except Exception as exc:  # the store gone: nobody to tell, pages stay quarantined
         print(
             f"kvferry launcher: rank {rank} (pid {child}) exited with {code}; "
@@ -60,14 +63,14 @@ def _forward(child: int, sig: int, frame: object = None) -> None:
         pass
 
 
-def _publish(rank: int, pid: int, code: int, store_address: str) -> None:
+def _publish(rank: int, pid: int, code: int, store_address: str, trust: Trust) -> None:
     from .store import connect
 
     store = connect(store_address, timeout_s=CARD_WAIT_S)
-    key = f"{KEY_PREFIX}{rank}"
+    key = card_key(rank)
     if not store.check([key]):
         return  # it died before publishing a card: no peer knows of it
-    card = RankCard.unpack(bytes(store.get(key)))
+    card = open_card(store.get(key), trust, rank)  # a stranger's card: CardRefused
     if card.pid != pid:
         return  # the card is an earlier incarnation's: this one never published
     publish_exit(
@@ -80,6 +83,7 @@ def _publish(rank: int, pid: int, code: int, store_address: str) -> None:
             status=code,
             at=time.time(),
         ),
+        trust,
     )
     print(
         f"kvferry launcher: rank {rank} (pid {pid}, incarnation {card.incarnation:#x}) "

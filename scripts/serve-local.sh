@@ -17,9 +17,12 @@
 #                    answered 503 at once, and every rank has exited when this returns
 # Options after -- go to the ranks (see `kvferry serve --help`), e.g.
 #   scripts/serve-local.sh --nproc 4 -- --prefill 2 --tp 2 --context-length 8192
+#   scripts/serve-local.sh -- --api-key-file key.txt   # the front door wants Bearer <key>
+# The cluster secret: --secret-file FILE after --, or KVFERRY_SECRET_FILE / KVFERRY_SECRET;
+# when none is given, a fresh one is made for this cluster in RUN_DIR/secret (mode 600).
 # Prints the URL on stdout when healthy; exits non-zero, with the log's tail, if it is not.
 set -euo pipefail
-case "${1:-}" in -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+case "${1:-}" in -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 nproc=3; port=8000; run_dir=""; wait_s=120; stop=0; single=0; restarts=3; serve_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -68,6 +71,14 @@ if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
     exit 1
 fi
 log="$run_dir/cluster.log"
+# The cluster secret: given (a serve option or the environment), or made for this cluster.
+given_secret=0
+for a in "${serve_args[@]}"; do case "$a" in --secret-file|--secret-file=*) given_secret=1;; esac; done
+if [ -n "${KVFERRY_SECRET_FILE:-}" ] || [ -n "${KVFERRY_SECRET:-}" ]; then given_secret=1; fi
+if [ "$given_secret" = 0 ]; then
+    (umask 077; rm -f "$run_dir/secret"; kvferry secret >"$run_dir/secret")
+    export KVFERRY_SECRET_FILE="$run_dir/secret"
+fi
 if [ "$single" = 1 ]; then
     setsid python -m torch.distributed.run --standalone --nproc-per-node="$nproc" \
         -m kvferry.cluster.launch --port "$port" "${serve_args[@]}" >"$log" 2>&1 &

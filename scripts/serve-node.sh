@@ -12,14 +12,19 @@
 #   --world W              ranks in the whole cluster (default N x K)
 #   --first-rank F         this node's first rank (default R x K)
 #   --max-restarts M       restarts of a rank that died, per job (default 3)
+#   --secret-file FILE     the cluster secret, the same file on every node (make one with
+#                          `kvferry secret > FILE`, chmod 600, copy it to each node); needed
+#                          with more than one node unless KVFERRY_SECRET_FILE or
+#                          KVFERRY_SECRET is set
 #   --single-group         the older way: every rank of every node in one torchrun group
 #                          (static rendezvous at H:P), which stops as a whole on one death
 # Start the same command on every node; options after -- (the same on every node) go to the
-# ranks, e.g. `-- --transports tcp --host 0.0.0.0 --port 8000`. See `kvferry serve --help`.
+# ranks, e.g. `-- --transports rdma --cluster-interface mlx5_0:1,eth1 --host 10.0.0.1
+# --api-key-file key.txt`. See `kvferry serve --help` and README, "Threat model".
 set -euo pipefail
-case "${1:-}" in -h|--help|"") sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; [ -n "${1:-}" ] && exit 0 || exit 2;; esac
+case "${1:-}" in -h|--help|"") sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; [ -n "${1:-}" ] && exit 0 || exit 2;; esac
 nnodes=""; node_rank=""; endpoint=""; nproc=2; world=""; first=""; restarts=3; single=0
-rdzv_id=kvferry; serve_args=()
+rdzv_id=kvferry; serve_args=(); secret_file=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --nnodes) nnodes="$2"; shift 2;;
@@ -31,6 +36,7 @@ while [ $# -gt 0 ]; do
         --max-restarts) restarts="$2"; shift 2;;
         --single-group) single=1; shift;;
         --rdzv-id) rdzv_id="$2"; shift 2;;
+        --secret-file) secret_file="$2"; shift 2;;
         --) shift; serve_args=("$@"); break;;
         *) echo "serve-node.sh: unknown option $1 (see --help)" >&2; exit 2;;
     esac
@@ -38,6 +44,15 @@ done
 for v in nnodes node_rank endpoint; do
     [ -n "${!v}" ] || { echo "serve-node.sh: --${v//_/-} is required (see --help)" >&2; exit 2; }
 done
+if [ -n "$secret_file" ]; then
+    [ -r "$secret_file" ] || { echo "serve-node.sh: cannot read the secret file $secret_file" >&2; exit 2; }
+    export KVFERRY_SECRET_FILE="$(cd "$(dirname "$secret_file")" && pwd)/$(basename "$secret_file")"
+fi
+if [ "$nnodes" -gt 1 ] && [ -z "${KVFERRY_SECRET_FILE:-}" ] && [ -z "${KVFERRY_SECRET:-}" ] \
+    && ! printf '%s\n' "${serve_args[@]}" | grep -q -- '^--secret-file'; then
+    echo "serve-node.sh: a cluster of $nnodes nodes needs its secret on every node: --secret-file FILE (make one with \`kvferry secret > FILE\`, the same file on each node)" >&2
+    exit 2
+fi
 source "$(dirname "$0")/_env.sh"
 if [ "$single" = 1 ]; then
     exec python -m torch.distributed.run --nnodes="$nnodes" --node-rank="$node_rank" \

@@ -25,6 +25,11 @@ case's line gives the median over cycles, and the ratio line the median of the p
 ratios protocol/raw. Prints one JSON line per case (keys: bench, case, cycles, requests,
 inflight, bytes_per_request, gbps, gbps_per_cycle, p50_ms: the median request latency)
 and one with the ratio.
+
+Every rank runs with a cluster secret (each control message MAC'd). ``--compare-mac`` adds
+a third case to each cycle, ``protocol_unauthenticated``: the same ranks with a stand-in
+trust that seals and checks nothing (it exists in this bench only, to price the MAC), and
+a ``mac_cost`` line with the median per-cycle ratio protocol/protocol_unauthenticated.
 """
 
 from __future__ import annotations
@@ -46,6 +51,27 @@ from kvferry.engine.stepwise import PrefillByLayers
 
 LAYERS, KV_HEADS, PAGE_SIZE, HEAD_DIM = 8, 8, 16, 128
 WRITER, OWNER = 1, 2
+
+
+def _no_mac():
+    """BENCH ONLY: a trust that adds no tag and checks none, to price the MAC against."""
+    from ..trust import Trust
+
+    class NoMac(Trust):
+        def __init__(self) -> None:
+            pass
+
+        def seal(self, dst: int, dst_incarnation: int, data: bytes) -> bytes:
+            return data
+
+        def opener(self, dst: int, dst_incarnation: int):
+            return bytes
+
+    return NoMac()
+
+
+def _use_trust(rt, trust) -> None:
+    rt.trust, rt._open = trust, None  # the runtime derives its opener again at the next message
 
 
 class NullModel(PrefillByLayers):
@@ -136,6 +162,7 @@ def _child(
     warm: int,
     pool_pages: int,
     inflight: int,
+    secret: str,
 ) -> None:
     from kvferry.engine.pool import KVPool
     from kvferry.transfer import TransferConfig, TransferEngine
@@ -146,6 +173,7 @@ def _child(
     from ..rendezvous import RankCard
     from ..runtime import RankRuntime
     from ..topology import Role
+    from ..trust import Trust
 
     _pin(0 if role == "writer" else 1)
     engine = TransferEngine(
@@ -182,7 +210,8 @@ def _child(
         descriptor = cards[OWNER].segment
         assert descriptor is not None, "the owner publishes its pool segment"
         rseg = engine.open_segment(owner, descriptor)
-    rt = RankRuntime(rank, engine, cards)
+    trust = Trust(secret.encode())
+    rt = RankRuntime(rank, engine, cards, trust=trust)
     worker: PrefillRank | DecodeRank
     if role == "writer":
         worker = PrefillRank(rt, NullModel(), pool, seg, (0, KV_HEADS), router=0, integrity=False)
@@ -214,6 +243,7 @@ def _child(
             else:
                 _raw_owner(engine, received, total)
         else:
+            _use_trust(rt, _no_mac() if case == "protocol_unauthenticated" else trust)
             engine.set_message_handler(rt._on_payload)
             stop.clear()
             outbox.put("ready")
@@ -325,6 +355,23 @@ def _report(
             ),
             flush=True,
         )
+    if "protocol_unauthenticated" in rates:
+        costs = [
+            pr / ur
+            for pr, ur in zip(rates["protocol"], rates["protocol_unauthenticated"], strict=True)
+        ]
+        print(
+            json.dumps(
+                {
+                    "bench": "protocol_cost",
+                    "case": "mac_cost",
+                    "pages_per_request": pages,
+                    "protocol_over_unauthenticated": round(statistics.median(costs), 4),
+                    "per_cycle": [round(x, 4) for x in costs],
+                }
+            ),
+            flush=True,
+        )
     ratios = [pr / rr for pr, rr in zip(rates["protocol"], rates["raw"], strict=True)]
     print(
         json.dumps(
@@ -361,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         help="requests kept in flight (raw: write + notify pairs)",
     )
     p.add_argument("--cycles", type=int, default=7, help="raw/protocol alternations")
+    p.add_argument(
+        "--compare-mac",
+        action="store_true",
+        help="also run the protocol with no message MAC in each cycle, and print its cost",
+    )
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.pages.split(",")]
     pool_pages = (max(sizes) + 1) * args.inflight  # + the page decode writes into
@@ -371,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     from ..rendezvous import RankCard
     from ..runtime import RankRuntime
     from ..topology import Role
+    from ..trust import Trust, generate_secret
 
+    secret = generate_secret()  # the bench's own cluster secret, as a serving cluster has
     warm = 2 * args.inflight
     total = args.requests + warm
     ctx = mp.get_context("spawn")
@@ -379,7 +433,17 @@ def main(argv: list[str] | None = None) -> int:
     procs = [
         ctx.Process(
             target=_child,
-            args=(role, r, queues[r][0], queues[r][1], total, warm, pool_pages, args.inflight),
+            args=(
+                role,
+                r,
+                queues[r][0],
+                queues[r][1],
+                total,
+                warm,
+                pool_pages,
+                args.inflight,
+                secret,
+            ),
         )
         for role, r in (("writer", WRITER), ("owner", OWNER))
     ]
@@ -417,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     packed = {r: c.pack() for r, c in cards.items()}
     for r in (WRITER, OWNER):
         queues[r][0].put(packed)
-    rt = RankRuntime(0, engine, cards)
+    trust = Trust(secret.encode())
+    rt = RankRuntime(0, engine, cards, trust=trust)
     freeze_long_lived_objects()  # as the router does (launch.py)
 
     def phase(cmd: tuple[str, int]) -> None:
@@ -430,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     for pages in sizes:
         tokens = np.zeros(pages * PAGE_SIZE, dtype="<i4").tobytes()
         results: dict[str, list[tuple[float, list[float]]]] = {"raw": [], "protocol": []}
+        if args.compare_mac:
+            results["protocol_unauthenticated"] = []
         cpu: dict[str, dict[str, list[float]]] = {
             case: {"writer": [], "owner": [], "driver": []} for case in results
         }
@@ -443,17 +510,27 @@ def main(argv: list[str] | None = None) -> int:
             phase(("raw", pages))
             results["raw"].append(queues[WRITER][1].get(timeout=600))
             phase_cpu("raw", 0.0)
-            phase(("protocol", pages))
-            c0 = time.process_time()
-            results["protocol"].append(
-                _drive_protocol(
-                    rt, m, cards, tokens, total, warm, pages, args.inflight, f"{pages}p-{cycle}"
+            for case in [c for c in results if c != "raw"]:
+                phase((case, pages))
+                _use_trust(rt, _no_mac() if case == "protocol_unauthenticated" else trust)
+                c0 = time.process_time()
+                results[case].append(
+                    _drive_protocol(
+                        rt,
+                        m,
+                        cards,
+                        tokens,
+                        total,
+                        warm,
+                        pages,
+                        args.inflight,
+                        f"{pages}p-{cycle}-{case}",
+                    )
                 )
-            )
-            driver_s = time.process_time() - c0
-            for r in (WRITER, OWNER):
-                rt.send(r, m.SHUTDOWN)  # ends the phase's serving loop
-            phase_cpu("protocol", driver_s)
+                driver_s = time.process_time() - c0
+                for r in (WRITER, OWNER):
+                    rt.send(r, m.SHUTDOWN)  # ends the phase's serving loop
+                phase_cpu(case, driver_s)
         _report(results, cpu, pages, args)
     for r in (WRITER, OWNER):
         queues[r][0].put("stop")

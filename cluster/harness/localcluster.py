@@ -2,6 +2,12 @@
 the soak, the benchmarks and the integration tests start and talk to; or a two-node cluster
 on one machine (:func:`two_nodes`), its second node behind a link that can be taken down.
 Every wait is bounded.
+
+Every cluster started here runs with a cluster secret of its own, generated for it
+(``KVFERRY_SECRET`` in its processes' environment; the cluster's ``secret``), so the fault
+suite, the soak, the benchmarks and the demo run with authenticated control messages and
+store records. ``api_key``: the front door's key (off unless given); every call made
+through the cluster then carries it.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
 from kvferry.cluster import domains
+from kvferry.cluster import trust as trusts
 from kvferry.cluster.topology import Topology
 
 from . import netns
@@ -96,6 +103,12 @@ class LocalCluster:
     proc: subprocess.Popen
     url: str
     log: Path
+    secret: str | None = field(default=None, kw_only=True, repr=False)
+    api_key: str | None = field(default=None, kw_only=True, repr=False)
+
+    def headers(self) -> dict[str, str]:
+        """What every request to the front door carries: the API key, when it has one."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def call(
         self, method: str, path: str, body: dict | None = None, timeout: float = 60.0
@@ -103,7 +116,10 @@ class LocalCluster:
         """One HTTP call; HTTP errors come back as replies, network errors raise."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json", **self.headers()},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -121,7 +137,8 @@ class LocalCluster:
         )
 
     def metrics_text(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+        req = urllib.request.Request(self.url + "/metrics", headers=self.headers())
+        with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.read().decode()
 
     def metrics(self) -> dict[str, float]:
@@ -208,12 +225,17 @@ PORT_ATTEMPTS = 3
 
 
 def start(
-    nproc: int, args: list[str], log_dir: Path, startup_s: float = STARTUP_TIMEOUT_S
+    nproc: int,
+    args: list[str],
+    log_dir: Path,
+    startup_s: float = STARTUP_TIMEOUT_S,
+    api_key: str | None = None,
 ) -> LocalCluster:
     """Start ``nproc`` ranks with ``args`` and wait for /health; the log goes to ``log_dir``.
     The HTTP port is picked free but bound only later, by the router: if another process
-    took it meanwhile, the cluster is started again on another port."""
-    return _with_port_retries(lambda: _start_once(nproc, args, log_dir, startup_s))
+    took it meanwhile, the cluster is started again on another port. The cluster gets a
+    secret of its own and, given ``api_key``, a front door behind it."""
+    return _with_port_retries(lambda: _start_once(nproc, args, log_dir, startup_s, api_key))
 
 
 class PortTaken(RuntimeError):
@@ -229,15 +251,32 @@ def _with_port_retries(start_once: Callable[[], C]) -> C:
     return start_once()
 
 
-def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def cluster_env(secret: str, api_key: str | None) -> dict[str, str]:
+    """The environment of one cluster's processes: this one's, with the cluster's own
+    secret and API key (or none) in place of any this environment names."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (*trusts.SECRET_VARIABLES, trusts.API_KEY_ENV)
+    }
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env[trusts.SECRET_ENV] = secret
+    if api_key:
+        env[trusts.API_KEY_ENV] = api_key
+    return env
+
+
+def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
         cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
 
 
-def _start_once(nproc: int, args: list[str], log_dir: Path, startup_s: float) -> LocalCluster:
+def _start_once(
+    nproc: int, args: list[str], log_dir: Path, startup_s: float, api_key: str | None
+) -> LocalCluster:
     port = free_port()
+    secret = trusts.generate_secret()
     log = Path(log_dir) / f"cluster-{port}.log"
     cmd = [
         sys.executable,
@@ -251,7 +290,13 @@ def _start_once(nproc: int, args: list[str], log_dir: Path, startup_s: float) ->
         str(port),
         *args,
     ]
-    cluster = LocalCluster(_spawn(cmd, log), f"http://127.0.0.1:{port}", log)
+    cluster = LocalCluster(
+        _spawn(cmd, log, cluster_env(secret, api_key)),
+        f"http://127.0.0.1:{port}",
+        log,
+        secret=secret,
+        api_key=api_key,
+    )
     _wait_healthy(cluster, [(cluster.proc, log)], port, startup_s)
     return cluster
 
@@ -296,7 +341,12 @@ TWO_NODE_NET = "10.79"  # node 0's end of the link is in the root namespace: a /
 
 @contextlib.contextmanager
 def two_nodes(
-    nproc0: int, nproc1: int, args: list[str], log_dir: Path, startup_s: float = STARTUP_TIMEOUT_S
+    nproc0: int,
+    nproc1: int,
+    args: list[str],
+    log_dir: Path,
+    startup_s: float = STARTUP_TIMEOUT_S,
+    api_key: str | None = None,
 ) -> Iterator[TwoNodeCluster]:
     """A two-node cluster, as ``scripts/serve-node.sh`` starts one on two hosts: torchrun's
     static rendezvous through node 0, ``nproc0`` ranks on node 0 (the router first) and
@@ -305,7 +355,7 @@ def two_nodes(
     the namespace and the link removed on leaving, also on failure."""
     with netns.two_hosts("kf", netns.unused_subnet(TWO_NODE_NET), root_a=True) as (a, b):
         cluster = _with_port_retries(
-            lambda: _start_two_nodes(a, b, nproc0, nproc1, args, log_dir, startup_s)
+            lambda: _start_two_nodes(a, b, nproc0, nproc1, args, log_dir, startup_s, api_key)
         )
         try:
             yield cluster
@@ -321,8 +371,10 @@ def _start_two_nodes(
     args: list[str],
     log_dir: Path,
     startup_s: float,
+    api_key: str | None = None,
 ) -> TwoNodeCluster:
     port, master_port = free_port(), free_port()
+    secret = trusts.generate_secret()  # the same on both nodes, as serve-node.sh passes it
     logs = [Path(log_dir) / f"cluster-{port}-node{i}.log" for i in (0, 1)]
     procs = [
         _spawn(
@@ -348,6 +400,7 @@ def _start_two_nodes(
                 env={"UCX_NET_DEVICES": host.dev, "GLOO_SOCKET_IFNAME": host.dev},
             ),
             log,
+            cluster_env(secret, api_key),
         )
         for i, (host, nproc, log) in enumerate(zip((a, b), (nproc0, nproc1), logs, strict=True))
     ]
@@ -358,6 +411,8 @@ def _start_two_nodes(
         node1=procs[1],
         node1_log=logs[1],
         node1_host=b,
+        secret=secret,
+        api_key=api_key,
     )
     _wait_healthy(
         cluster,
@@ -428,11 +483,14 @@ def start_domains(
     tp: int = 1,
     max_restarts: int = 1,
     startup_s: float = STARTUP_TIMEOUT_S,
+    api_key: str | None = None,
 ) -> DomainCluster:
     """A local cluster of failure domains (see :class:`DomainCluster`), ``args`` going to
     every rank; waits for /health."""
     return _with_port_retries(
-        lambda: _start_domains_once(prefill, decode, tp, args, log_dir, max_restarts, startup_s)
+        lambda: _start_domains_once(
+            prefill, decode, tp, args, log_dir, max_restarts, startup_s, api_key
+        )
     )
 
 
@@ -444,6 +502,7 @@ def _start_domains_once(
     log_dir: Path,
     max_restarts: int,
     startup_s: float,
+    api_key: str | None = None,
 ) -> DomainCluster:
     return _start_domain_jobs(
         Topology(1 + prefill + decode, prefill, decode, tp),
@@ -453,6 +512,7 @@ def _start_domains_once(
         startup_s,
         store_host="127.0.0.1",
         place=lambda job, cmd: cmd,
+        api_key=api_key,
     )
 
 
@@ -464,13 +524,16 @@ def _start_domain_jobs(
     startup_s: float,
     store_host: str,
     place: Callable[[domains.Job, list[str]], list[str]],
+    api_key: str | None = None,
 ) -> DomainCluster:
-    """The store (listening on ``store_host``) and one job per role group, each job's
-    command as ``place`` wraps it (run on another host: in its namespaces)."""
+    """The store (listening on ``store_host``, and there only) and one job per role group,
+    each job's command as ``place`` wraps it (run on another host: in its namespaces)."""
     port, store_port = free_port(), free_port()
     log = Path(log_dir) / f"cluster-{port}.log"
     log.write_bytes(b"")
-    listen = "0.0.0.0" if store_host != "127.0.0.1" else store_host
+    listen = store_host
+    secret = trusts.generate_secret()
+    env = cluster_env(secret, api_key)
     store = _spawn_appending(
         [
             sys.executable,
@@ -482,6 +545,7 @@ def _start_domain_jobs(
             str(store_port),
         ],
         log,
+        {k: v for k, v in env.items() if k not in trusts.SECRET_VARIABLES},
     )
     role_args = ["--prefill", str(topology.prefill), "--port", str(port), *args]
     jobs: dict[str, subprocess.Popen] = {}
@@ -489,9 +553,15 @@ def _start_domain_jobs(
         cmd = domains.job_command(
             job, topology.world_size, f"{store_host}:{store_port}", role_args, max_restarts
         )
-        jobs[job.name] = _spawn_appending(place(job, cmd), log)
+        jobs[job.name] = _spawn_appending(place(job, cmd), log, env)
     cluster = DomainCluster(
-        jobs["router"], f"http://127.0.0.1:{port}", log, store_proc=store, jobs=jobs
+        jobs["router"],
+        f"http://127.0.0.1:{port}",
+        log,
+        store_proc=store,
+        jobs=jobs,
+        secret=secret,
+        api_key=api_key,
     )
     _wait_healthy(
         cluster,
@@ -503,9 +573,8 @@ def _start_domain_jobs(
     return cluster
 
 
-def _spawn_appending(cmd: list[str], log: Path) -> subprocess.Popen:
+def _spawn_appending(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     """As :func:`_spawn`, every process appending to one log (whole lines)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return subprocess.Popen(
         cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
     )

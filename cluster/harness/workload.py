@@ -8,6 +8,8 @@ foreign page that decode attended to. Some requests are sized over the context l
 (they must get 400), some are cancelled by their client mid-flight (the server aborts them).
 
 Prints a progress bar on stderr, then a table, then one JSON line (the last line).
+A front door behind an API key gets it with every request (``--api-key-file``, else
+``KVFERRY_API_KEY``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import secrets
@@ -24,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from kvferry.cluster.trust import api_key_from
 
 MARKER_RE = re.compile(r"@[0-9a-f]{5}@")
 
@@ -212,7 +217,9 @@ async def run(args: argparse.Namespace) -> dict:
         args.tag_every,
     )
     connector = aiohttp.TCPConnector(limit=args.concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    key = api_key_from(None, args.api_key_file, os.environ)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
         before = await fetch_metrics(session, args.url)
         sem = asyncio.Semaphore(args.concurrency)
         done = 0
@@ -321,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
         "fault tag (the cluster's --fault hooks match it); those are cancelled",
     )
     p.add_argument("--tag-every", type=int, default=0)
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="the front door's API key, when it has one (else KVFERRY_API_KEY)",
+    )
     p.add_argument(
         "--quiesce-timeout",
         type=float,

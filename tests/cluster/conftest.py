@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvferry.cluster.harness.localcluster import LocalCluster, start
+from kvferry.cluster.trust import SECRET_ENV, generate_secret
+
+# One secret for this test session and the processes it starts (a launcher test's rank
+# publishes what this process reads back); every local cluster still gets its own.
+os.environ.setdefault(SECRET_ENV, generate_secret())
 
 
 @pytest.fixture

@@ -306,33 +306,37 @@ def test_deferred_work_runs_after_the_messages_that_arrived_meanwhile():
         if msg.kind == "PREFILL":  # a long step; an ABORT arrives during it
             rt.defer(lambda: order.append("sequel"))
             engine.arriving.append(
-                m.encode(
-                    m.ABORT.make(
-                        src=1,
-                        inc=7,
-                        seq=2,
-                        rid="r",
-                        owner=2,
-                        writers=[1],
-                        source="client",
-                        reason="gone",
+                rt.seal_to_self(
+                    m.encode(
+                        m.ABORT.make(
+                            src=1,
+                            inc=7,
+                            seq=2,
+                            rid="r",
+                            owner=2,
+                            writers=[1],
+                            source="client",
+                            reason="gone",
+                        )
                     )
                 )
             )
 
     rt.set_handlers({k: on_message for k in Kind}, role="test")
     engine.arriving.append(
-        m.encode(
-            m.PREFILL.make(
-                src=1,
-                inc=7,
-                seq=1,
-                rid="r",
-                tokens=b"\0" * 64,
-                offset=0,
-                total=16,
-                owner=2,
-                owner_inc=7,
+        rt.seal_to_self(
+            m.encode(
+                m.PREFILL.make(
+                    src=1,
+                    inc=7,
+                    seq=1,
+                    rid="r",
+                    tokens=b"\0" * 64,
+                    offset=0,
+                    total=16,
+                    owner=2,
+                    owner_inc=7,
+                )
             )
         )
     )

@@ -170,7 +170,8 @@ def test_a_restarted_peer_card_is_adopted_and_its_old_incarnation_refused(store)
         dropped_duplicate=0, dropped_stale=0, dropped_malformed=0,
     )  # fmt: skip
     for inc, seq in ((7, 1), (9, 1)):
-        rt._on_payload(b"", m.encode(m.STATS.make(src=1, inc=inc, seq=seq, **stats)))
+        msg = m.STATS.make(src=1, inc=inc, seq=seq, **stats)
+        rt._on_payload(b"", rt.seal_to_self(m.encode(msg)))
     assert seen == [9] and rt.counters.dropped_stale == 1
     with pytest.raises(TransferError, match="allocated by incarnation 0x7"):
         rt.write(1, None, np.zeros((1, 3), dtype=np.int64), rid="r1", incarnation=7)

@@ -167,7 +167,9 @@ def test_an_exception_in_a_handler_ends_the_request_it_was_handling(ended):
         raise KeyError("no such page")
 
     rt.set_handlers({k: handler for k in Kind}, role="test")
-    engine.arriving.append(m.encode(m.ABORT_ACK.make(src=1, inc=7, seq=1, rid="req-9")))
+    engine.arriving.append(
+        rt.seal_to_self(m.encode(m.ABORT_ACK.make(src=1, inc=7, seq=1, rid="req-9")))
+    )
     rt.pump(0)
     assert rt.counters.request_errors == 1
     if not ended:

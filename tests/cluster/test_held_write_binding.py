@@ -251,7 +251,7 @@ def test_no_batch_of_a_job_goes_to_an_owner_incarnation_that_did_not_allocate_it
 
     def deliver(kind, src: int, **fields) -> None:
         msg = kind.make(src=src, inc=cards[src].incarnation, seq=next(seq), **fields)
-        rt._on_payload(b"", m.encode(msg))
+        rt._on_payload(b"", rt.seal_to_self(m.encode(msg)))
 
     tokens = np.arange(64, dtype="<i4")
     deliver(m.PLAN, 2, rid="A", offset=0, total=4, pages=[5, 6, 7, 8], generations=[1] * 4)

@@ -118,7 +118,7 @@ def protocol_core_imports(root: Path) -> list[str]:
             top = name.split(".")[0]
             if name == "kvferry.engine" or name.startswith("kvferry.engine."):
                 continue
-            if top in sys.stdlib_module_names and top not in IO_MODULES or top == "__future__":
+            if (top in sys.stdlib_module_names and top not in IO_MODULES) or top == "__future__":
                 continue
             found.append(f"{rel}:{line} imports {name}")
     return found

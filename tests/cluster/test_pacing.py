@@ -51,7 +51,10 @@ def test_a_decoding_owner_keeps_progressing_while_the_wire_is_busy(drains, monke
     rt = _runtime(engine)
     got: list[str] = []
     rt.set_handlers({k: lambda msg: got.append(msg.rid) for k in Kind}, role="test")
-    arrivals = [m.encode(m.ABORT_ACK.make(src=1, inc=7, seq=i + 1, rid=f"r{i}")) for i in range(20)]
+    arrivals = [
+        rt.seal_to_self(m.encode(m.ABORT_ACK.make(src=1, inc=7, seq=i + 1, rid=f"r{i}")))
+        for i in range(20)
+    ]
 
     def progress(timeout_s=0, stay_awake=False):  # one message per poll, as a busy socket
         if arrivals:

@@ -202,6 +202,10 @@ class Router:
         self.severed: dict[int, int] = {}
         self.rejoining: dict[int, Rejoin] = {}
         self.rejoined = 0  # ranks admitted again with a new incarnation
+        # Ranks that have not reported (STATS) to this router incarnation yet: until every
+        # live one has, nothing is admitted. A restarted router cannot know what a pool
+        # still holds for its old incarnation's requests before the rank says so.
+        self.awaiting_reports: set[int] = set(self.ledger.totals)
         self._capacity_changed = asyncio.Event()
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
@@ -230,7 +234,13 @@ class Router:
     def new_request_id(self) -> str:
         return f"req-{self._prefix}-{next(self._ids):06d}"
 
+    def waiting_for_reports(self) -> list[int]:
+        """The live ranks that have not reported to this router yet (admission waits)."""
+        return sorted(self.awaiting_reports - set(self.unhealthy))
+
     def _pick(self, prompt_len: int, need_decode: int) -> tuple[int, list[int]] | None:
+        if self.waiting_for_reports():
+            return None
         need_prefill = pages_needed(prompt_len, 0, self.page_size)
         decodes = [
             r
@@ -307,6 +317,12 @@ class Router:
                     for r in self.ledger.totals
                     if self.ledger.reusable(r) < self.ledger.totals[r]
                 }
+                if self.waiting_for_reports():
+                    raise Unavailable(
+                        rid,
+                        f"ranks {self.waiting_for_reports()} have not reported what their "
+                        f"pools hold to this router within {self.admission_wait_s:.1f} s",
+                    )
                 raise Unavailable(
                     rid,
                     f"no pool has room for {need} pages within "
@@ -588,6 +604,11 @@ class Router:
             self.ledger.inherit(msg.src, msg.owned + msg.quarantined)
             if self.ledger.inherited.get(msg.src, 0) < before:
                 self._capacity_changed.set()
+            if msg.src in self.awaiting_reports:
+                self.awaiting_reports.discard(msg.src)
+                self._capacity_changed.set()
+                if not self.waiting_for_reports():
+                    log.info("every live rank has reported: admitting requests")
         rejoin = self.rejoining.get(msg.src)
         if rejoin is not None:
             rejoin.heard = True  # only the new incarnation's messages get this far
@@ -764,6 +785,7 @@ class Router:
         return {
             "live_requests": live,
             "held_pages": self.ledger.outstanding(),
+            "awaiting_reports": self.waiting_for_reports(),
             "quarantined_requests": {r: sorted(s) for r, s in self.ledger.orphaned.items() if s},
             "unhealthy": self.unhealthy,
             "severed": sorted(self.severed),

@@ -415,7 +415,14 @@ def _card(rank: int, role: str) -> RankCard:
     )
 
 
-def _routed():
+STATS = dict(
+    free=64, owned=0, quarantined=0, capacity_tokens=1024, context_length=1024,
+    bytes_written=0, batches=0, integrity_failures=0, severed=0, allocations=0,
+    dropped_duplicate=0, dropped_stale=0, dropped_malformed=0,
+)  # fmt: skip
+
+
+def _routed(reported: bool = True, admission_wait_s: float = 1):
     cards = {0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "decode")}
     rt = RecordingRuntime(rank=0, cards=cards)
     router = Router(
@@ -424,9 +431,12 @@ def _routed():
         cards,
         context_length=1024,
         request_timeout_s=30,
-        admission_wait_s=1,
+        admission_wait_s=admission_wait_s,
         metrics=ClusterMetrics(),
     )
+    if reported:  # every rank reports: the router admits from now on
+        for r in (1, 2):
+            rt.deliver(m.STATS, src=r, **STATS)
     return router, rt
 
 
@@ -700,3 +710,39 @@ def test_a_writer_stops_the_requests_of_a_restarted_router():
     rt.pump()
     assert "r4" not in writer.jobs and writer.allocator.counts()["owned"] == 0
     assert "ABORT" in rt.kinds()
+
+
+# ---------------------------------------------------------------- a restarted router
+@pytest.mark.parametrize("gated", [True, False], ids=["waits-for-reports", "broken-admits-blind"])
+def test_a_router_admits_nothing_until_every_live_rank_has_reported(gated, monkeypatch):
+    """A restarted router knows nothing of what the pools hold for its old incarnation's
+    requests (here the decode rank still holds 60 of its 64 pages, quarantined). Until
+    every live rank has sent its STATS, nothing is admitted: a request waits, and gets 503
+    naming the silent ranks if none report in time. Once both report, a request that
+    fits in what is really free is placed; one that does not waits for room. Broken mode:
+    a router that admits before the reports places a 40-page request on the decode
+    rank's quarantined pages, and the test sees it."""
+    from kvferry.cluster.router import Unavailable
+
+    if not gated:
+        monkeypatch.setattr(Router, "waiting_for_reports", lambda self: [])
+
+    async def run():
+        router, rt = _routed(reported=False, admission_wait_s=0.05)
+        prompt = "x" * (40 * 16 - 8)  # 40 pages of prompt and answer at the decode rank
+        if not gated:
+            routed = await router.submit(prompt, 8)
+            assert routed.owner == 2  # the test catches the blind admission
+            return
+        with pytest.raises(Unavailable, match=r"ranks \[1, 2\] have not reported"):
+            await router.submit(prompt, 8)
+        assert router.status()["awaiting_reports"] == [1, 2]
+        rt.deliver(m.STATS, src=1, **STATS)
+        rt.deliver(m.STATS, src=2, **{**STATS, "free": 4, "quarantined": 60})
+        assert router.waiting_for_reports() == [] and router.ledger.free(2) == 4
+        with pytest.raises(Unavailable, match="no pool has room for 40 pages"):
+            await router.submit(prompt, 8)
+        small = await router.submit("tiny", 8)
+        assert small.owner == 2
+
+    asyncio.run(run())

@@ -234,6 +234,7 @@ def _source(v: Variant, divisibility: bool = True) -> Any:
             "BLOCK": triton_checksum.BLOCK,
             "STEPS": triton_checksum.CHUNK_STEPS,
             "BYTES": False,
+            "COMPOSE": False,
         }
     for name in consts:
         sig[name] = "constexpr"

@@ -596,7 +596,8 @@ def run_partition(cluster: TwoNodeCluster, sc: Scenario, unsafe: bool, index: in
         _logged(
             out,
             lambda: node1.wait_for(
-                rf"request {re.escape(rid)}: \d+ pages released \(severed[;)]", PARTITION_HOLD_S + 10
+                rf"request {re.escape(rid)}: \d+ pages released \(severed[;)]",
+                PARTITION_HOLD_S + 10,
             ),
         )
     _check_b_and_after(cluster, sc, out, pair, body_a, body_b, before, every_rank=True)

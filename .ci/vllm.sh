@@ -52,6 +52,7 @@ uvloop==0.23.0
 xgrammar==0.2.9
 msgpack==1.2.4
 cffi==2.1.1
+cryptography==50.0.2
 libucx-cu12==1.22.0
 setuptools==84.2.1
 wheel

@@ -171,6 +171,14 @@ def case_normal(model, prefill, unsafe: bool) -> dict[str, Any]:
         d.shutdown()
 
 
+def _planned(d, rid: str) -> bool:
+    """Every worker's owner of ``rid`` has sent its plan (the writer may write now)."""
+    from kvferry.engine.protocol.owner import OwnerState
+
+    owned = [w._worker.owned.get(rid) for w in d.workers]
+    return all(o is not None and o.book.state is not OwnerState.NEW for o in owned)
+
+
 def case_abort(model, prefill, unsafe: bool) -> dict[str, Any]:
     pa = prefill.ask("prefill", f"a-{unsafe}", PROMPT)
     pb = prefill.ask("prefill", f"b-{unsafe}", PROMPT)
@@ -179,6 +187,10 @@ def case_abort(model, prefill, unsafe: bool) -> dict[str, Any]:
     try:
         add(d, "d-a", pa)
         steps(d, lambda: d.status("d-a") == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        # and until the owner's plan is out (AWAITING): the writer may write A's blocks
+        # from then on. Before it (the handshake still pending), an abort closes at once,
+        # rightly, and the case below would not test the quarantine at all.
+        steps(d, lambda: _planned(d, "d-a"))
         a_blocks = d.blocks_of("d-a")
         free_held = d.free_blocks()
         for _ in range(5):

@@ -78,8 +78,9 @@ def check_notice(planned: Planned, notice: Notice) -> None:
 def expected_canary_rows(rid: str, generations: Sequence[int]) -> torch.Tensor:
     """``[n, 3]`` int64: the canary rows (request id hash, generation, index) the pages
     of ``rid``'s allocation must carry, in page-list order."""
-    h = request_id_hash(rid)
-    return torch.tensor([[h, g, i] for i, g in enumerate(generations)], dtype=torch.int64)
+    gens = torch.as_tensor(list(generations), dtype=torch.int64).reshape(-1)
+    rid_hash = torch.full_like(gens, request_id_hash(rid))
+    return torch.stack([rid_hash, gens, torch.arange(gens.numel(), dtype=torch.int64)], dim=1)
 
 
 def check_canaries(planned: Planned, rows: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvferry.cluster.harness.bench_checksum import median_seconds
 from kvferry.engine.reshard import KVShape, Order, PoolLayout, ReshardPlan, plan, rank_geometry
 
 HND, NHD = Order.HND, Order.NHD
@@ -100,16 +101,6 @@ class Request:
             src, dst = self.src_pools[w], self.dst_pools[o]
             for local, remote, n in rows:
                 dst[remote : remote + n] = src[local : local + n]
-
-
-def median_seconds(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def alternate(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:

@@ -59,8 +59,15 @@ echo "ucx-distro: transfer tests passed against UCX $(pkg-config --modversion uc
 
 # One cluster test over it too: a torchrun cluster (router, prefill, decode over shared
 # memory on loopback) serving concurrent requests, checked against the monolithic engine.
-"$PY" -m pip install -q "torch==2.13.0" "aiohttp>=3.9" "prometheus-client>=0.20" \
-    > "$LOG" 2>&1 || { tail -40 "$LOG"; exit 1; }
+# Its runtime dependencies come from pyproject.toml itself (torch pinned to the CPU build),
+# so a dependency added there cannot be missed here.
+mapfile -t DEPS < <("$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
+import sys, tomllib
+for dep in tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]:
+    print("torch==2.13.0" if dep.startswith("torch") else dep)
+PYEOF
+)
+"$PY" -m pip install -q "${DEPS[@]}" > "$LOG" 2>&1 || { tail -40 "$LOG"; exit 1; }
 UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}" "$PY" -m pytest -q -p no:cacheprovider \
     "tests/cluster/test_serving.py::test_disaggregated_equals_monolithic_p1"
 echo "ucx-distro: a cluster served over UCX $(pkg-config --modversion ucx)" >&2

@@ -55,7 +55,7 @@ from kvferry.cluster.rendezvous import (
     publish_failure,
 )
 from kvferry.cluster.runtime import DEDUP_WINDOW, RankRuntime
-from kvferry.cluster.trust import TAG_BYTES, Trust
+from kvferry.cluster.trust import MESSAGE_TAG_BYTES, TAG_BYTES, Trust
 from kvferry.engine.models import ReplayConfig, ReplayModel
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol.proof import Proof
@@ -143,13 +143,13 @@ def _forged(kind, src: int = 1, inc: int = 7, seq: int = 1, key: Trust | None = 
     encoded = m.encode(kind.make(src=src, inc=inc, seq=seq, **fields))
     if key is not None:
         return key.seal(2, 7, encoded)
-    return encoded + os.urandom(TAG_BYTES)
+    return encoded + os.urandom(MESSAGE_TAG_BYTES)
 
 
 def _unchecked(monkeypatch) -> None:
     """Broken mode: the receiver strips the tag without checking it."""
     monkeypatch.setattr(
-        Trust, "opener", lambda self, dst, inc: lambda payload: payload[:-TAG_BYTES]
+        Trust, "opener", lambda self, dst, inc: lambda payload: payload[:-MESSAGE_TAG_BYTES]
     )
 
 
@@ -168,7 +168,7 @@ def test_a_sealed_message_opens_only_at_its_destination_incarnation():
     trust, other = Trust.generate(), Trust.generate()
     data = m.encode(m.ABORT_ACK.make(src=1, inc=7, seq=1, rid="r"))
     sealed = trust.seal(2, 7, data)
-    assert len(sealed) == len(data) + TAG_BYTES
+    assert len(sealed) == len(data) + MESSAGE_TAG_BYTES
     assert bytes(trust.opener(2, 7)(sealed)) == data
     assert trust.opener(2, 8)(sealed) is None  # a restarted receiver: a replay to it
     assert trust.opener(3, 7)(sealed) is None  # another rank: recorded on its way to 2
@@ -208,7 +208,7 @@ def test_the_largest_control_message_fits_with_its_tag():
         m.NOTICE.make(**header, rid=rid, tokens=worst, offset=worst, total=worst, pages=big,
                       generations=big, checksums=big, bytes=worst, prefill_ms=1e300),
     ):  # fmt: skip
-        assert len(m.encode(msg)) + TAG_BYTES < MAX_PAYLOAD, msg.kind
+        assert len(m.encode(msg)) + MESSAGE_TAG_BYTES < MAX_PAYLOAD, msg.kind
 
 
 # ---------------------------------------------------------------- the store
@@ -327,7 +327,9 @@ def test_a_forged_message_is_dropped_counted_and_logged_once_per_sender(
         rt._on_payload(
             b"stranger-a", _forged(kind, seq=2, key=Trust.generate(), **FIELDS[kind.name])
         )
-        rt._on_payload(b"stranger-b", _forged(kind, seq=3, **FIELDS[kind.name])[:-TAG_BYTES])
+        rt._on_payload(
+            b"stranger-b", _forged(kind, seq=3, **FIELDS[kind.name])[:-MESSAGE_TAG_BYTES]
+        )
     if not checked:
         assert handled == [kind.name] * 2  # the test sees forged messages acted on
         return

@@ -7,9 +7,11 @@ of them (a PREFILL, PLAN, ASSIGN or NOTICE overtaken by its ABORT) never brings 
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvferry.engine.allocator import PageAllocator
 from kvferry.engine.pool import KVPool
-from kvferry.engine.protocol.driver import Clock, Driver
+from kvferry.engine.protocol.driver import Clock
 
 TOMBSTONE_S = 600.0
 
@@ -20,12 +22,12 @@ class RankBooks:
     allocator: PageAllocator
     pool: KVPool
     clock: Clock  # the time the rank's protocol code reads
-    driver: Driver  # carries out the rank's protocol table
+    driver: Any  # carries out the rank's protocol table (a Driver, or a WriterDriver)
 
     @property
     def table(self) -> dict:
         """The table the rank's driver carries out (a test may put a broken one here)."""
-        return self.driver.table  # type: ignore[return-value]
+        return self.driver.table
 
     @table.setter
     def table(self, table: dict) -> None:
@@ -35,6 +37,10 @@ class RankBooks:
         self.tombstones: dict[str, float] = {}
         self.integrity_failures = 0
         self.allocations = 0
+
+    def tombstone(self, rid: str, at: float) -> None:
+        """``rid`` ended here at ``at`` (the drivers' TOMBSTONE)."""
+        self.tombstones[rid] = at
 
     def sweep(self) -> None:
         cutoff = self.clock.now() - TOMBSTONE_S

@@ -357,7 +357,7 @@ def serve_worker(
     worker: PrefillRank | DecodeRank
     if role is Role.PREFILL:
         _, index = topology.group_of(runtime.rank)
-        worker = PrefillRank(
+        worker = PrefillRank.serving(
             runtime,
             model,
             pool,

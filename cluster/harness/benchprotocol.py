@@ -214,7 +214,9 @@ def _child(
     rt = RankRuntime(rank, engine, cards, trust=trust)
     worker: PrefillRank | DecodeRank
     if role == "writer":
-        worker = PrefillRank(rt, NullModel(), pool, seg, (0, KV_HEADS), router=0, integrity=False)
+        worker = PrefillRank.serving(
+            rt, NullModel(), pool, seg, (0, KV_HEADS), router=0, integrity=False
+        )
     else:
         worker = DecodeRank(
             rt,

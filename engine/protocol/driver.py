@@ -21,21 +21,17 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
+from .ports import Clock
 from .table import Move, step
+
+__all__ = ["Clock", "Driver"]
 
 S = TypeVar("S", bound=enum.Enum)  # the table's states
 E = TypeVar("E", bound=enum.Enum)  # its events
 D = TypeVar("D", bound=enum.Enum)  # its effects
 T = TypeVar("T")  # the subject: anything with a ``book`` whose ``state`` the table moves
-
-
-class Clock(Protocol):
-    """The time a host's protocol code reads (seconds, monotonic): the process's clock in
-    the service, the simulated one in the simulator, a hand-moved one in tests."""
-
-    def now(self) -> float: ...
 
 
 class Driver(Generic[S, E, D, T]):

@@ -61,6 +61,6 @@ def test_the_ranks_install_exactly_their_tables():
         transfer_timeout_s=1,
         abort_deadline_s=1,
     )
-    PrefillRank(writer_rt, model, KVPool(model.pool_config(16, 8)), None, (0, 2), 0)
+    PrefillRank.serving(writer_rt, model, KVPool(model.pool_config(16, 8)), None, (0, 2), 0)
     assert set(owner_rt.handlers) == OWNER_RECEIVES and owner_rt.role == "decode"
     assert set(writer_rt.handlers) == WRITER_RECEIVES and writer_rt.role == "prefill"

@@ -246,7 +246,7 @@ def test_no_batch_of_a_job_goes_to_an_owner_incarnation_that_did_not_allocate_it
     rt = RankRuntime(1, engine, dict(cards), store=store)  # type: ignore[arg-type]
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     pool = KVPool(model.pool_config(16, 64))
-    writer = PrefillRank(rt, model, pool, None, (0, 2), router=0, max_batch_bytes=1)  # type: ignore[arg-type]
+    writer = PrefillRank.serving(rt, model, pool, None, (0, 2), router=0, max_batch_bytes=1)  # type: ignore[arg-type]
     seq = iter(range(1, 100))
 
     def deliver(kind, src: int, **fields) -> None:

@@ -101,7 +101,7 @@ def _writer(tombstones_kept: bool = True) -> tuple[PrefillRank, RecordingRuntime
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     pool = KVPool(model.pool_config(16, 64))
     rt = RecordingRuntime(rank=1)
-    writer = PrefillRank(rt, model, pool, segment=None, head_range=(0, 2), router=0)
+    writer = PrefillRank.serving(rt, model, pool, segment=None, head_range=(0, 2), router=0)
     if not tombstones_kept:  # the broken mode: a writer that forgets aborted requests
         writer.tombstones = _Forgetful()
     return writer, rt
@@ -188,7 +188,7 @@ def test_an_abort_during_a_long_prefill_stops_it_between_layers(slice_s):
     the ABORT, and the test sees it."""
     model = _CountingLayers(ReplayConfig(layers=4, kv_heads=2, head_dim=32, max_positions=4096))
     rt = RecordingRuntime(rank=1)
-    writer = PrefillRank(
+    writer = PrefillRank.serving(
         rt,
         model,
         KVPool(model.pool_config(16, 64)),
@@ -222,7 +222,7 @@ def test_an_abort_during_a_long_prefill_stops_it_between_layers(slice_s):
 def test_a_prefill_that_yields_between_layers_still_runs_them_all_and_writes():
     model = _CountingLayers(ReplayConfig(layers=4, kv_heads=2, head_dim=32, max_positions=4096))
     rt = RecordingRuntime(rank=1)
-    PrefillRank(
+    PrefillRank.serving(
         rt,
         model,
         KVPool(model.pool_config(16, 64)),

@@ -64,16 +64,24 @@ def test_every_scenario_is_safe_at_the_small_scale(name):
 
 
 def test_the_real_tables_run_the_rank_code():
-    """The simulated ranks are the service's rank classes (their handlers and effects)."""
+    """The simulated ranks are the service's rank classes (their handlers and effects):
+    a simulated writer is the service's PrefillRank itself, with the writer driver,
+    over a simulated data path that keeps the service's notice and batch settling."""
     from kvferry.cluster.decode import DecodeRank
-    from kvferry.cluster.harness.simulate.ranks import SimDecodeRank, SimPrefillRank
+    from kvferry.cluster.harness.simulate.ranks import SimDecodeRank, SimWritePath
     from kvferry.cluster.prefill import PrefillRank
+    from kvferry.cluster.prefill_path import WritePath
+    from kvferry.engine.protocol.writer_driver import WriterDriver
 
-    assert issubclass(SimDecodeRank, DecodeRank) and issubclass(SimPrefillRank, PrefillRank)
+    assert issubclass(SimDecodeRank, DecodeRank)
     for name in ("_do", "_on_assign", "_on_notice", "_on_abort", "_on_ack", "_arm_retry"):
         assert getattr(SimDecodeRank, name) is getattr(DecodeRank, name)
-    for name in ("_do", "_feed", "_on_plan", "_on_abort", "_send_notice", "_on_written"):
-        assert getattr(SimPrefillRank, name) is getattr(PrefillRank, name)
+    w = World(small("steady")).writers
+    assert w and all(type(r) is PrefillRank for r in w.values())
+    assert all(type(r.driver) is WriterDriver for r in w.values())
+    assert all(type(r.path) is SimWritePath for r in w.values())
+    for name in ("_send_notice", "_on_written", "_post_next", "_plan_covers", "stop_posting"):
+        assert getattr(SimWritePath, name) is getattr(WritePath, name)
 
 
 @pytest.mark.parametrize("mode", ["unsafe", "release-on-sever"])

@@ -150,7 +150,9 @@ def prefills(tokens=(64, 256, 1024, 2048), rounds: int = 40) -> dict[str, Any]:
     _, model, pool = _cluster_parts()
     per_len: dict[int, list[float]] = {}
     stub: Any = _StubRuntime()
-    rank = PrefillRank(stub, model, pool, stub, (0, model.kv_heads), 0)  # no segment is read
+    rank = PrefillRank.serving(
+        stub, model, pool, stub, (0, model.kv_heads), 0
+    )  # no segment is read
     for n in tokens:
         times = []
         for r in range(rounds + 3):
@@ -158,7 +160,7 @@ def prefills(tokens=(64, 256, 1024, 2048), rounds: int = 40) -> dict[str, Any]:
             job.tokens = (np.arange(n) % 500).astype(np.int32)
             job.src_pages = [g.page for g in rank.allocator.allocate(job.rid, -(-n // 16))]
             t0 = time.perf_counter()
-            for _ in rank._prefill_steps(job):
+            for _ in rank.path._prefill_steps(job):  # type: ignore[attr-defined]
                 pass
             if r >= 3:
                 times.append(time.perf_counter() - t0)

@@ -1,31 +1,30 @@
 """The simulated ranks: the real decode and prefill ranks over a simulated runtime.
 
-:class:`SimDecodeRank` and :class:`SimPrefillRank` are the service's own
-:class:`~kvferry.cluster.decode.DecodeRank` and :class:`~kvferry.cluster.prefill.PrefillRank`:
-every message handler, every table step and every effect (``_do``) is the rank's own
-code, which turns inputs into events with the core's ``on_*`` functions and moves each
-request with the core's ``step``. What they run on, :class:`SimRuntime`, stands in for
+A simulated writer is the service's own :class:`~kvferry.cluster.prefill.PrefillRank`
+with its writer driver (:mod:`kvferry.engine.protocol.writer_driver`): every handler,
+table step and effect is the service's code; only its data path differs
+(:class:`SimWritePath`: the prompt arrives as a length, the prefill takes
+``prefill_s``, and each batch is a simulated write of the writer's share of its pages,
+sized by the real BatchSizer, settled and noticed by the service's own
+:class:`~kvferry.cluster.prefill_path.WritePath`).
+
+:class:`SimDecodeRank` is the service's :class:`~kvferry.cluster.decode.DecodeRank`, every
+message handler, table step and effect (``_do``) its own; the methods overridden here
+are the ones that touch what is not simulated (the model, the KV pool's bytes, the wall
+clock): ``__init__`` (no pool, model or canary table; the simulated clock as its clock
+port; each release reported to the world), ``_observe`` (the abort timed from when the
+rank began handling it; the decoding batch counted; a verified request's steps
+started), ``_verify_and_start`` (the I5 checks read page bytes: here they take
+``verify_s`` and pass, then decoding takes ``max_tokens`` steps of ``decode_step_s``,
+with TOKENS after the first step and at the end), ``_warn_if_stuck`` (the simulated
+clock).
+
+What they run on, :class:`SimRuntime`, stands in for
 :class:`~kvferry.cluster.runtime.RankRuntime`: sends and writes go through the simulated
 network, timers through the simulated clock. It keeps the runtime's own rules for what
 arrives (duplicates dropped, a severed rank's messages dropped except ABORT_ACK), for
 severing (no more sends but ABORT) and for proof (``write_path_closed``: a writer on this
 host whose process is gone, ``DRAIN_S`` after it was seen gone).
-
-The methods overridden here are the ones that touch what is not simulated (the model,
-the KV pool's bytes, the wall clock):
-
-- owner: ``__init__`` (no pool, model or canary table; the simulated clock as its clock
-  port; each release reported to the world), ``_observe`` (the abort timed from when the
-  rank began handling it; the decoding batch counted; a verified request's steps
-  started), ``_verify_and_start`` (the I5 checks read page bytes: here they take
-  ``verify_s`` and pass, then decoding takes ``max_tokens`` steps of ``decode_step_s``,
-  with TOKENS after the first step and at the end), ``_warn_if_stuck`` (the simulated
-  clock);
-- writer: ``__init__``, ``_on_prefill`` (the prompt arrives as a length, not tokens),
-  ``_start_prefill`` (the prefill takes prompt / ``prefill_tokens_per_s``),
-  ``_post_writes`` and ``_post_next`` (the same checks, batch sizing by the real
-  :class:`~kvferry.cluster.batching.BatchSizer` and one batch at a time, posted as
-  simulated writes of the writer's share of each page).
 """
 
 from __future__ import annotations
@@ -51,20 +50,13 @@ from kvferry.cluster.decode import (
     OwnedRequest,
 )
 from kvferry.cluster.faults import GO, Decision, PointDecision
-from kvferry.cluster.prefill import (
-    _COMPUTING,
-    PREFILL_SLICE_S,
-    WRITER_RECEIVES,
-    PrefillRank,
-    WriteJob,
-)
+from kvferry.cluster.prefill import PrefillRank, WriteJob
+from kvferry.cluster.prefill_path import COMPUTING, PREFILL_SLICE_S, WritePath
 from kvferry.cluster.runtime import DRAIN_S, ControlCounters
-from kvferry.engine.allocator import OutOfPages, PageAllocator
 from kvferry.engine.protocol import owner as owner_core
-from kvferry.engine.protocol import writer as writer_core
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
-from kvferry.engine.protocol.words import AbortSource, Kind
+from kvferry.engine.protocol.words import Kind
 from kvferry.engine.protocol.writer import WriterEvent
 from kvferry.transfer import BatchStatus, TransferError
 
@@ -609,67 +601,44 @@ class SimDecodeRank(DecodeRank):
 
 
 # ---------------------------------------------------------------------- the writer
-class SimPrefillRank(PrefillRank):
+class SimWritePath(WritePath):
+    """The writer's data path in the simulated world: the prompt arrives as a length,
+    the prefill takes ``times.prefill_s`` (occupying the rank, in slices, when the
+    service model is on), and each batch is a simulated write of this writer's share of
+    its pages. The plan's check, batch sizing (the real BatchSizer, one batch at a
+    time), the settling of batches and the notice are the service's own
+    (:class:`~kvferry.cluster.prefill_path.WritePath`)."""
+
     def __init__(
         self,
         runtime: SimRuntime,
         pool: SimPool,
         tp: int,
-        router: int,
         times: RankTimes,
         *,
         batch_target_s: float,
         max_batch_bytes: int,
     ) -> None:
-        # PrefillRank.__init__'s attributes, without a model, a KV pool or a segment.
-        self.rt = runtime  # type: ignore[assignment]
+        self.rt = runtime
         self.sim = runtime
-        self.model = None
-        self.pool = pool  # type: ignore[assignment]
-        self.segment = None  # type: ignore[assignment]
-        self.router = router
-        self.unsafe = False
-        self.integrity = False  # checksums are page data
-        self.clock = _WorldClock(runtime)
-        self._init_driver(writer_core.WRITER_TABLE)
-        self.allocator = PageAllocator(pool.num_pages)
-        self.jobs: dict[str, WriteJob] = {}
-        self._init_books()
-        self._row_bytes = pool.page_bytes // tp  # this writer's heads of one page
-        self.batches = BatchSizer(target_s=batch_target_s, max_bytes=max_batch_bytes)
+        self.pool = pool
         self.times = times
-        runtime.worker = self
-        self.handlers = {
-            Kind.PREFILL: self._on_prefill,
-            Kind.PLAN: self._on_plan,
-            Kind.ABORT: self._on_abort,
-        }
-        assert set(self.handlers) == WRITER_RECEIVES
-        runtime.set_handlers(self.handlers, role="prefill")
-        runtime.on_request_error = self.fail_request
+        self.clock = _WorldClock(runtime)
+        self.row_bytes = pool.page_bytes // tp  # this writer's heads of one page
+        self.batches = BatchSizer(target_s=batch_target_s, max_bytes=max_batch_bytes)
 
     @property
     def now(self) -> float:
         return self.sim.clock.now
 
-    def _on_prefill(self, msg: Any) -> None:
-        """PrefillRank._on_prefill with the prompt as its length (one chunk)."""
-        job = self._job(msg.rid)
-        if job is None or job.tokens is not None:
-            return
-        job.book.owner, job.owner_inc = msg.owner, msg.owner_inc
-        need = -(-msg.total // self.pool.page_size)
-        try:
-            grants = self.allocator.allocate(job.rid, need)
-        except OutOfPages as exc:
-            self._fail(job, AbortSource.PREFILL, f"prefill pool out of pages: {exc}")
-            return
-        self.allocations += 1
-        job.tokens = np.empty(msg.total, dtype=np.int32)
-        job.src_pages = [g.page for g in grants]
-        self._feed(job, WriterEvent.PROMPT)
+    def take_prompt(self, job: WriteJob, msg: Any) -> bool:
+        job.tokens = np.empty(msg.total, dtype=np.int32)  # one chunk: the prompt's length
+        return True
 
-    def _start_prefill(self, job: WriteJob) -> None:
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.pool.page_size)
+
+    def start_prefill(self, job: WriteJob) -> None:
         job.prefill_started = self.now
         assert job.tokens is not None
         seconds = self.times.prefill_s(len(job.tokens))
@@ -678,49 +647,50 @@ class SimPrefillRank(PrefillRank):
             seconds = self.sim.bg.compute(self.now, seconds, piece) - self.now
 
         def done() -> None:
-            if job.state not in _COMPUTING:
+            if job.state not in COMPUTING:
                 return  # aborted meanwhile: nothing more is computed
             job.prefill_ms = 1e3 * (self.now - job.prefill_started)
-            self._feed(job, WriterEvent.KV_READY)
+            self.driver.feed(job, WriterEvent.KV_READY)
 
         self.rt.call_later(seconds, done, rid=job.rid)
 
-    def _post_writes(self, job: WriteJob) -> None:
-        assert job.tokens is not None and job.dst_pages is not None
-        if len(job.dst_pages) < len(job.src_pages):
-            self._fail(
-                job,
-                AbortSource.PREFILL,
-                f"plan holds {len(job.dst_pages)} pages but the prompt of "
-                f"{len(job.tokens)} tokens needs {len(job.src_pages)}",
-            )
+    def post_writes(self, job: WriteJob) -> None:
+        if not self._plan_covers(job):
             return
         job.sent_pages = len(job.src_pages)
-        job.posted_bytes = job.sent_pages * self._row_bytes
+        job.posted_bytes = job.sent_pages * self.row_bytes
         job.queue = np.arange(job.sent_pages, dtype=np.int64)  # page indices to write
         self._post_next(job)
 
-    def _post_next(self, job: WriteJob) -> bool:
-        if not job.queued():
-            return True
-        assert job.queue is not None and job.dst_pages is not None
-        assert job.dst_generations is not None
-        rows = max(1, self.batches.batch_bytes(job.owner) // self._row_bytes)
-        chunk, job.queue = job.queue[:rows], job.queue[rows:]
-        nbytes, posted_at = len(chunk) * self._row_bytes, self.now
-        lo, hi = int(chunk[0]), int(chunk[-1]) + 1
-        try:
-            batch = self.sim.write(
-                job.owner, job.rid, job.dst_pages[lo:hi], job.dst_generations[lo], nbytes
-            )
-        except TransferError as exc:
-            self._fail(job, AbortSource.TRANSFER, f"write to rank {job.owner} refused: {exc}")
-            return False
-        writer_core.on_posted(job.book)
+    def _batch_bytes(self, rows: np.ndarray) -> int:
+        return len(rows) * self.row_bytes
 
-        def written(b: Any) -> None:
-            self.batches.settled(job.owner, nbytes, self.now - posted_at)
-            self._on_written(job, b)
+    def _post(self, job: WriteJob, rows: np.ndarray) -> Any:
+        assert job.dst_pages is not None and job.dst_generations is not None
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        return self.sim.write(
+            job.owner,
+            job.rid,
+            job.dst_pages[lo:hi],
+            job.dst_generations[lo],
+            self._batch_bytes(rows),
+        )
 
-        self.rt.watch(batch, written, rid=job.rid)
-        return True
+
+def sim_prefill_rank(
+    runtime: SimRuntime,
+    pool: SimPool,
+    tp: int,
+    router: int,
+    times: RankTimes,
+    *,
+    batch_target_s: float,
+    max_batch_bytes: int,
+) -> PrefillRank:
+    """The service's PrefillRank over the simulated runtime and :class:`SimWritePath`."""
+    path = SimWritePath(
+        runtime, pool, tp, times, batch_target_s=batch_target_s, max_batch_bytes=max_batch_bytes
+    )
+    rank = PrefillRank(runtime, path, pool, router=router, clock=path.clock)  # type: ignore[arg-type]
+    runtime.worker = rank
+    return rank

@@ -25,8 +25,8 @@ from .ranks import (
     SimDecodeRank,
     SimFaults,
     SimPool,
-    SimPrefillRank,
     SimRuntime,
+    sim_prefill_rank,
 )
 from .router import SimRouter
 from .scenarios import Scenario
@@ -118,7 +118,7 @@ class World:
         ppool = SimPool(wl.prefill_pages, wl.page_size, wl.page_bytes)
         bound = batch_bound(sc.net.bandwidth_gbps, sc.abort_deadline_s)
         self.writers = {
-            r: SimPrefillRank(
+            r: sim_prefill_rank(
                 self.runtimes[r],
                 ppool,
                 sc.tp,

@@ -1,0 +1,345 @@
+"""The prefill rank's data path: the prompt's KV computed into source pages, written
+one-sided into the owner's planned pages, and the notice sent after a flush.
+
+It is the writer driver's :class:`~kvferry.engine.protocol.ports.WriterDataPath` port:
+each call starts work, and what came of it goes back to the driver as an event
+(``KV_READY``, a batch settling, ``NOTICE_FLUSHED``, a failure). It moves no book itself,
+except the count of batches in flight the table's ``on_posted``/``on_settled`` keep.
+
+The fault layer's protocol points (``before-write``, ``mid-transfer``, ``after-write``,
+``prefill``, ``after-notice``) are asked here, on the path they interrupt.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvferry.engine.integrity import page_checksums
+from kvferry.engine.pool import KVPool, coalesce_runs
+from kvferry.engine.protocol import writer as core
+from kvferry.engine.protocol.ports import Clock
+from kvferry.engine.protocol.words import AbortSource
+from kvferry.engine.protocol.writer import WriterEvent, WriterState
+from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
+from kvferry.transfer.wire import Message
+
+from . import messages as m
+from .batching import BatchSizer
+from .chunks import PAGES_PER_CHUNK, TOKENS_PER_CHUNK, Reassembly, spans
+from .faults import Decision, PointDecision
+from .sliced import run_in_slices
+
+if TYPE_CHECKING:
+    from kvferry.engine.protocol.writer_driver import WriterDriver
+
+    from .prefill import WriteJob
+    from .runtime import RankRuntime
+
+log = logging.getLogger("kvferry.cluster")
+
+PREFILL_SLICE_S = 0.001  # longest a prefill computes before the loop polls again
+CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step
+
+_END = -1  # the prefill generator is exhausted
+COMPUTING = (WriterState.COMPUTING, WriterState.COMPUTING_PLANNED)
+
+
+class WritePath:
+    """What every writer's data path shares, the service's and the simulator's: the
+    plan's check, batch bookkeeping, the notice and the events they feed."""
+
+    rt: Any  # the rank's runtime (RankRuntime, or the simulator's)
+    clock: Clock
+    batches: BatchSizer
+    row_bytes: int  # bytes of one page this writer sends
+    driver: WriterDriver  # set by the rank that hosts this path
+
+    def bind(self, driver: WriterDriver) -> None:
+        self.driver = driver
+
+    # -------------------------------------------------------------- the port
+    def take_prompt(self, job: WriteJob, msg: Message) -> bool:
+        """Add a PREFILL chunk; True once the prompt is whole (``job.tokens`` set)."""
+        raise NotImplementedError
+
+    def pages_for(self, tokens: int) -> int:
+        """Source pages a prompt of ``tokens`` tokens takes."""
+        raise NotImplementedError
+
+    def start_prefill(self, job: WriteJob) -> None:
+        raise NotImplementedError
+
+    def post_writes(self, job: WriteJob) -> None:
+        raise NotImplementedError
+
+    def post_next(self, job: WriteJob) -> None:
+        self._post_next(job)
+
+    def send_notice(self, job: WriteJob) -> None:
+        self._send_notice(job)
+
+    def stop_posting(self, job: WriteJob) -> None:
+        if job.timer is not None:
+            job.timer.cancel()
+            job.timer = None
+        job.queue = None
+
+    def finished(self, job: WriteJob) -> None:
+        """The job reached DONE (its notice flushed)."""
+
+    # -------------------------------------------------------------- shared parts
+    def _plan_covers(self, job: WriteJob) -> bool:
+        """The owner's plan has a page for every source page; else the job fails."""
+        assert job.tokens is not None and job.dst_pages is not None
+        if len(job.dst_pages) >= len(job.src_pages):
+            return True
+        self.driver.fail(
+            job,
+            AbortSource.PREFILL,
+            f"plan holds {len(job.dst_pages)} pages but the prompt of "
+            f"{len(job.tokens)} tokens needs {len(job.src_pages)}",
+        )
+        return False
+
+    def _post(self, job: WriteJob, rows: np.ndarray) -> Any:
+        """Post ``rows`` of the job's queue as one batch; the batch."""
+        raise NotImplementedError
+
+    def _post_next(self, job: WriteJob) -> bool:
+        """Post the next bounded batch of this job (one at a time, so an abort stops
+        posting within one batch). False if posting failed (the job is failed)."""
+        if not job.queued():
+            return True
+        assert job.queue is not None
+        rows = max(1, self.batches.batch_bytes(job.owner) // self.row_bytes)
+        chunk, job.queue = job.queue[:rows], job.queue[rows:]
+        nbytes, posted_at = self._batch_bytes(chunk), self.clock.now()
+        try:
+            batch = self._post(job, chunk)
+        except TransferError as exc:
+            self.driver.fail(job, AbortSource.TRANSFER, f"write to rank {job.owner} refused: {exc}")
+            return False
+        core.on_posted(job.book)
+
+        def written(b: Batch) -> None:
+            self.batches.settled(job.owner, nbytes, self.clock.now() - posted_at)
+            self._on_written(job, b)
+
+        self.rt.watch(batch, written, rid=job.rid)
+        return True
+
+    def _batch_bytes(self, rows: np.ndarray) -> int:
+        return int(rows[:, 2].sum())
+
+    def _on_written(self, job: WriteJob, batch: Any) -> None:
+        ok = batch.status() is BatchStatus.COMPLETED
+        event = core.on_settled(job.book, ok, job.queued())
+        if not ok and job.state is WriterState.WRITING:
+            job.abort_source = AbortSource.TRANSFER
+            job.abort_reason = f"write to rank {job.owner} failed: {batch.error}"
+        self.driver.feed(job, event)
+
+    def _send_notice(self, job: WriteJob) -> None:
+        """The NOTICE, in chunks of ``PAGES_PER_CHUNK`` pages, each sent with ``notify``
+        (after a flush): any chunk that arrives proves every write landed."""
+        assert job.tokens is not None and job.dst_pages is not None
+        assert job.dst_generations is not None
+        sent = job.sent_pages
+        checksums = job.checksums[:sent]
+        notice = None
+        for lo, hi in spans(sent, PAGES_PER_CHUNK):
+            notice = self.rt.notify(
+                job.owner,
+                m.NOTICE,
+                rid=job.rid,
+                tokens=len(job.tokens),
+                offset=lo,
+                total=sent,
+                pages=job.dst_pages[lo:hi],
+                generations=job.dst_generations[lo:hi],
+                checksums=checksums[lo:hi],
+                bytes=job.posted_bytes,
+                prefill_ms=job.prefill_ms,
+            )
+            if notice is None:
+                self.driver.fail(
+                    job, AbortSource.TRANSFER, f"notice to rank {job.owner} could not be sent"
+                )
+                return
+        if notice is not None:
+            self.rt.watch(
+                notice, lambda b: self.driver.feed(job, WriterEvent.NOTICE_FLUSHED), rid=job.rid
+            )
+
+
+class PrefillPath(WritePath):
+    """The service's path: the model computes the KV of this writer's heads into its
+    pool, the transfer engine writes them into the owner's pool."""
+
+    def __init__(
+        self,
+        runtime: RankRuntime,
+        model: Any,
+        pool: KVPool,
+        segment: Segment | None,
+        head_range: tuple[int, int],
+        *,
+        clock: Clock,
+        integrity: bool = True,
+        prefill_slice_s: float = PREFILL_SLICE_S,
+        batches: BatchSizer,
+    ) -> None:
+        self.rt = runtime
+        self.model = model
+        self.pool = pool
+        self.segment = segment
+        self.heads = head_range
+        self.clock = clock
+        self.integrity = integrity
+        self.prefill_slice_s = prefill_slice_s
+        self.batches = batches
+        runs = coalesce_runs(pool.head_slice_runs(0, *head_range))
+        self._run_offsets = np.array([off for off, _ in runs], dtype=np.int64)
+        self._run_lengths = np.array([n for _, n in runs], dtype=np.int64)
+        self.row_bytes = int(self._run_lengths[0])
+
+    # -------------------------------------------------------------- faults
+    def at_point(self, job: WriteJob, point: str, then: Callable[[WriteJob], Any]) -> None:
+        """Ask the fault layer at ``point``; then go on (now, or after an injected pause,
+        unless the job moved on meanwhile)."""
+        state = job.state
+        decision: PointDecision = self.rt.faults.at_point(point, job.rid, job.tokens)
+        if decision.decision is Decision.GO:
+            then(job)
+        elif decision.decision is Decision.PAUSE:
+
+            def resume() -> None:
+                job.timer = None
+                if job.state is state:
+                    then(job)
+
+            job.timer = self.rt.call_later(decision.seconds, resume, rid=job.rid)
+        else:
+            source = (
+                AbortSource.PREFILL
+                if decision.decision is Decision.FAIL_PREFILL
+                else AbortSource.TRANSFER
+            )
+            self.driver.fail(job, source, f"injected fail-{source.value} at {point}")
+
+    def finished(self, job: WriteJob) -> None:
+        if self.rt.faults.enabled:
+            self.at_point(job, "after-notice", lambda j: None)  # the notice flushed
+
+    # -------------------------------------------------------------- the prompt
+    def take_prompt(self, job: WriteJob, msg: Message) -> bool:
+        if job.prompt_parts is None:
+            job.prompt_parts = Reassembly(job.rid, "PREFILL", msg.total, TOKENS_PER_CHUNK)
+        chunk = np.frombuffer(msg.tokens, dtype="<i4")
+        if not job.prompt_parts.add(msg.offset, msg.total, chunk):  # type: ignore[arg-type]
+            return False
+        job.tokens, job.prompt_parts = job.prompt_parts.joined_array(), None
+        return True
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.pool.page_size)
+
+    # -------------------------------------------------------------- prefill
+    def start_prefill(self, job: WriteJob) -> None:
+        job.prefill_started = self.clock.now()
+        # The prefill and the checksums run in slices (see .sliced): an ABORT that arrives
+        # during a long prefill waits for about one slice and one step (a layer, or a chunk
+        # of a long prompt's tokens), not the whole prefill; a fast one never yields.
+        run_in_slices(
+            self.rt,
+            job.rid,
+            self._prefill_steps(job),
+            self.prefill_slice_s,
+            wanted=lambda: job.state in COMPUTING,
+            then=lambda: self.driver.feed(job, WriterEvent.KV_READY),
+        )
+
+    def _prefill_steps(self, job: WriteJob) -> Iterator[None]:
+        """The prefill, one model step at a time (the model yields a layer's index once
+        that layer's KV is in the pages, None between chunks of a layer), stopping once
+        the last layer's KV is written (nothing after it is needed here); then the
+        checksums the owner will check what lands against (I5), a slice of pages a step."""
+        assert job.tokens is not None
+        layers = self.model.prefill_layers(
+            self.pool.kv,
+            torch.from_numpy(job.tokens.astype(np.int64)),
+            job.src_pages,
+            head_range=self.heads,
+        )
+        while True:
+            with torch.no_grad():
+                layer = next(layers, _END)
+            if layer is _END:
+                break
+            yield
+            if layer == 0 and self.rt.faults.enabled:
+                self.at_point(job, "prefill", lambda j: None)
+                if job.state not in COMPUTING:
+                    return
+            if layer is not None and layer + 1 >= self.model.layers:
+                break
+        job.prefill_ms = 1e3 * (self.clock.now() - job.prefill_started)
+        if not self.integrity:
+            return
+        lo, hi = self.heads
+        view = self.pool.kv[:, :, :, lo:hi]
+        per_step = max(1, CHECKSUM_SLICE_BYTES // (view[0].numel() * view.element_size()))
+        job.checksums = []
+        for start in range(0, len(job.src_pages), per_step):
+            job.checksums.extend(
+                page_checksums(view, job.src_pages[start : start + per_step]).tolist()
+            )
+            yield
+
+    # -------------------------------------------------------------- writing
+    def _triples(self, job: WriteJob) -> np.ndarray:
+        """``[pages x runs, 3]`` int64: (local offset, remote offset, length) of every run
+        of this writer's heads in the pages it sends."""
+        assert job.dst_pages is not None
+        pb = self.pool.page_bytes
+        src = np.asarray(job.src_pages[: job.sent_pages], dtype=np.int64)
+        dst = np.asarray(job.dst_pages[: len(src)], dtype=np.int64)
+        local = (src[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
+        remote = (dst[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
+        lengths = np.broadcast_to(self._run_lengths, (len(src), len(self._run_lengths))).reshape(-1)
+        return np.stack([local, remote, lengths], axis=1)
+
+    def post_writes(self, job: WriteJob) -> None:
+        self.at_point(job, "before-write", self._post_writes)
+
+    def _post_writes(self, job: WriteJob) -> None:
+        if not self._plan_covers(job):
+            return
+        assert job.tokens is not None
+        faults = self.rt.faults
+        faults.tamper_source(job.rid, job.tokens, self.pool, job.src_pages, self.heads)
+        job.sent_pages = faults.pages_to_write(job.rid, job.tokens, len(job.src_pages))
+        triples = self._triples(job)
+        job.posted_bytes = int(triples[:, 2].sum())
+        job.queue, held = faults.hold_in_flight(
+            self.rt, job.rid, job.tokens, job.owner, self.segment, triples
+        )
+        if held is not None:
+            core.on_posted(job.book)
+            self.rt.watch(held, lambda b: self._on_written(job, b), rid=job.rid)
+        if not self._post_next(job) or held is None:
+            return
+        # The action injected at mid-transfer (a pause needs nothing more: the held half
+        # is in flight and lands on its own).
+        self.at_point(job, "mid-transfer", lambda j: None)
+
+    def _post(self, job: WriteJob, rows: np.ndarray) -> Any:
+        return self.rt.write(job.owner, self.segment, rows, rid=job.rid, incarnation=job.owner_inc)
+
+    def send_notice(self, job: WriteJob) -> None:
+        self.at_point(job, "after-write", self._send_notice)

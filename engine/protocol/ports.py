@@ -1,0 +1,81 @@
+"""The ports a protocol driver carries out its effects through.
+
+A driver (:mod:`.writer_driver`, :mod:`.owner_driver`) knows what each effect of its table
+means; it does it by calling one of these small interfaces, which the host supplies: the
+service's ranks over UCX and a real KV pool, the simulator over a simulated wire, clock
+and data path, a test over fakes that record what was asked. A port does its work and
+reports what came of it as an event (``Events.feed``); it never moves a book itself.
+
+Subjects: the driver's records of one request, with at least ``rid`` and ``book`` (the
+table's book) and the words a failure is told with (``abort_source``, ``abort_reason``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .proof import Proof
+from .words import AbortSource, Release
+
+Subject = Any  # a host's record of one request; see the module's docstring
+
+
+class Clock(Protocol):
+    """The time a host's protocol code reads (seconds, monotonic): the process's clock in
+    the service, the simulated one in the simulator, a hand-moved one in tests."""
+
+    def now(self) -> float: ...
+
+
+class Tombstones(Protocol):
+    """Request ids that ended here (I2): a late message for one never revives it."""
+
+    def tombstone(self, rid: str, at: float) -> None: ...
+
+
+class Report(Protocol):
+    """What the router hears of a request's pages here (RELEASED)."""
+
+    def released(self, rid: str, pages: int, how: Release, justification: Proof) -> None: ...
+
+
+# ---------------------------------------------------------------------- the writer's ports
+class WriterWire(Protocol):
+    """The writer's control messages."""
+
+    def tell_abort(self, rid: str, owner: int, source: AbortSource, reason: str) -> None:
+        """ABORT to the router and to ``owner`` (-1: none known yet), with the reason."""
+        ...
+
+    def send_ack(self, rid: str, owner: int, flushed: Callable[[], None] | None) -> None:
+        """ABORT_ACK to ``owner`` with a flush first; ``flushed`` (when given) is called
+        once that flush completed, or at once when there is nothing to flush (no owner
+        known, or the message could not be posted)."""
+        ...
+
+
+class SourcePages(Protocol):
+    """The writer's own pool pages, which hold a request's computed KV."""
+
+    def free(self, rid: str) -> int:
+        """Free ``rid``'s source pages; how many there were (0: none allocated)."""
+        ...
+
+
+class WriterDataPath(Protocol):
+    """The prefill compute and the one-sided writes. Each call starts work whose end
+    comes back as an event (KV_READY, batches settling, NOTICE_FLUSHED, a failure)."""
+
+    def start_prefill(self, job: Subject) -> None: ...
+
+    def post_writes(self, job: Subject) -> None: ...
+
+    def post_next(self, job: Subject) -> None: ...
+
+    def send_notice(self, job: Subject) -> None: ...
+
+    def stop_posting(self, job: Subject) -> None:
+        """Nothing more of ``job`` is posted (its queue dropped, any pause cancelled);
+        what is in flight settles on its own."""
+        ...

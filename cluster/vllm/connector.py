@@ -344,7 +344,11 @@ class _SchedulerSide:
         if self.side is not None:
             self.side.close()
         self.side = SideChannel(
-            self.settings.side_channel_host, self.settings.side_channel_port, blob
+            self.settings.side_channel_host,
+            self.settings.side_channel_port,
+            blob,
+            self.settings.key,
+            timeout_s=self.settings.handshake_timeout_s,
         )
 
     def shutdown(self) -> None:
@@ -455,7 +459,7 @@ class _WorkerSide:
         self.tombstones: dict[str, float] = {}
         self.handshakes: dict[tuple[str, int], dict[str, Any]] = {}
         self.handshake_errors: dict[tuple[str, int], str] = {}
-        self.fetcher = Fetcher(settings.handshake_timeout_s)
+        self.fetcher = Fetcher(settings.handshake_timeout_s, settings.key)
         self.peers: dict[bytes, Peer] = {}
         self.remote_segments: dict[int, tuple[KVRegions, list[RemoteSegment]]] = {}
         self.finished_sending: set[str] = set()

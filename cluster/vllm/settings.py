@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
+
+from .sidechannel import HandshakeKey, load_key
+
+log = logging.getLogger("kvferry.vllm")
 
 
 @dataclass(frozen=True)
@@ -19,11 +25,30 @@ class Settings:
     max_batch_bytes: int = 8 << 20  # prefill: bytes per posted batch (an abort stops within one)
     integrity: bool = True  # decode: checksums and canaries (I5) before finished_recving
     unsafe: bool = False  # BROKEN MODE, for tests only: report loads before they land
+    # the handshake secret's file (else KVFERRY_SECRET_FILE, else KVFERRY_SECRET): a path,
+    # never the secret itself (`vllm serve` logs kv_transfer_config with its arguments)
+    secret_file: str | None = None
+
+    @cached_property
+    def key(self) -> HandshakeKey:
+        """The side channel's key. Loaded by :meth:`from_extra`, so that an engine without
+        a usable secret refuses to start rather than serve its addresses to anyone."""
+        key, source = load_key(self.secret_file)
+        log.info(
+            "kvferry connector: handshake secret from %s (fingerprint %s)", source, key.fingerprint
+        )
+        return key
 
     @classmethod
     def from_extra(cls, kv_transfer_config: Any) -> Settings:
         extra = dict(getattr(kv_transfer_config, "kv_connector_extra_config", None) or {})
         known = {f.name: f for f in fields(cls)}
+        if "secret" in extra:
+            raise ValueError(
+                "kvferry connector: kv_connector_extra_config takes secret_file (a path), not "
+                "the secret itself (`vllm serve` logs kv_transfer_config with its arguments); "
+                "or set KVFERRY_SECRET_FILE or KVFERRY_SECRET in vLLM's environment"
+            )
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(
@@ -41,4 +66,6 @@ class Settings:
                 values[name] = float(value)
             else:
                 values[name] = None if value in (None, "") else str(value)
-        return cls(**values)
+        settings = cls(**values)
+        settings.key  # noqa: B018 - no secret, no engine (TrustError names where to put one)
+        return settings

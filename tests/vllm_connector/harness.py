@@ -285,10 +285,25 @@ class Side:
 
 # ---------------------------------------------------------------------- the prefill process
 def prefill_main(
-    conn: Any, model: str, extra: dict[str, Any], tp: int, num_blocks: int, layout: str
+    conn: Any,
+    model: str,
+    extra: dict[str, Any],
+    tp: int,
+    num_blocks: int,
+    layout: str,
+    module: str = MODULE,
 ) -> None:
     """A prefill engine in its own process, commanded over ``conn``."""
-    side = Side(model, "kv_producer", "prefill", extra, tp=tp, num_blocks=num_blocks, layout=layout)
+    side = Side(
+        model,
+        "kv_producer",
+        "prefill",
+        extra,
+        tp=tp,
+        num_blocks=num_blocks,
+        layout=layout,
+        module=module,
+    )
     running, kill_at = True, None
     conn.send(("ready", os.getpid()))
     while True:
@@ -317,7 +332,9 @@ def prefill_main(
                 conn.send(True)
             elif cmd == "status":
                 holding = sorted(side.sched.connector._sched.holding)
-                conn.send({"free": side.free_blocks(), "holding": holding})
+                channel = side.sched.connector._sched.side
+                refused = sum(channel.refusals.values()) if channel is not None else 0
+                conn.send({"free": side.free_blocks(), "holding": holding, "refused": refused})
             elif cmd == "exit":
                 side.shutdown()
                 conn.send(True)

@@ -20,6 +20,8 @@ import harness as h
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from kvferry.cluster.trust import generate_secret
+
 DECODE_BLOCKS = 6  # one request of 64 tokens (4 blocks + its decode block) and the null block
 PROMPT = 64
 PREFILL_EXTRA = {"transports": "shm", "hold_timeout_s": 60.0}
@@ -35,12 +37,14 @@ TABLE: list[dict[str, Any]] = []
 class Prefill:
     """The prefill engine in another process."""
 
-    def __init__(self, model: str, extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, model: str, extra: dict[str, Any] | None = None, module: str = h.MODULE
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=h.prefill_main,
-            args=(child, model, {**PREFILL_EXTRA, **(extra or {})}, 2, 64, "LBNHC"),
+            args=(child, model, {**PREFILL_EXTRA, **(extra or {})}, 2, 64, "LBNHC", module),
             daemon=True,
         )
         self.proc.start()
@@ -321,6 +325,48 @@ def case_corrupt(model, prefill, unsafe: bool) -> dict[str, Any]:
         d.shutdown()
 
 
+def case_wrong_secret(model, tmp_path, caplog, broken: bool) -> dict[str, Any]:
+    """The decode holds another handshake secret than the prefill. Its own prefill, whose
+    hold timeout is short: no decode can reach it to say the load failed."""
+    module = "broken_handshake" if broken else h.MODULE
+    p = Prefill(model, {"hold_timeout_s": 5.0}, module=module)
+    other = tmp_path / "another-secret"
+    other.write_text(generate_secret() + "\n")
+    other.chmod(0o600)
+    extra = {**DECODE_EXTRA, "secret_file": str(other)}
+    d = h.Side(model, "kv_consumer", "decode", extra, tp=2, num_blocks=DECODE_BLOCKS, module=module)
+    try:
+        free0 = p.ask("status")["free"]
+        params = p.ask("prefill", "s-1", PROMPT)
+        add(d, "d-s", params)
+        steps(d, lambda: finished(d, "d-s"))
+        out = d.outputs["d-s"]
+        learned = sum(len(w._worker.handshakes) for w in d.workers)
+        steps(d, lambda: "s-1" not in p.ask("status")["holding"])
+        status = p.ask("status")
+        clear = any(
+            "d-s" in r.getMessage() and "refused this engine's proof" in r.getMessage()
+            for r in caplog.records
+        )
+        row = record(
+            "decode with another secret",
+            False,
+            failed=out.finish_reason == FinishReason.ERROR,
+            clear_error=clear,
+            addresses_learned=learned,
+            decoded="d-s" in d.first_read,
+            prefill_refused=status["refused"],
+            blocks_leaked=leaked(d),
+            prefill_blocks_leaked=free0 - status["free"],
+        )
+        if broken:
+            row["connector"] = "kvferry (broken: side channel open)"
+        return row
+    finally:
+        d.shutdown()
+        p.close()
+
+
 # ---------------------------------------------------------------------- the tests
 def test_normal(model, prefill):
     row = case_normal(model, prefill, unsafe=False)
@@ -376,6 +422,21 @@ def test_corrupted_bytes_fail_the_load(model, prefill):
 def test_corruption_broken_mode_caught(model, prefill):
     row = case_corrupt(model, prefill, unsafe=True)
     assert row["decoded"] and not row["failed"], row
+
+
+def test_another_secret_is_refused_at_the_handshake(model, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvferry.vllm")
+    row = case_wrong_secret(model, tmp_path, caplog, broken=False)
+    assert row["failed"] and row["clear_error"] and not row["decoded"], row
+    assert row["addresses_learned"] == 0 and row["prefill_refused"] == 2, row  # one per TP worker
+    assert row["blocks_leaked"] == 0 and row["prefill_blocks_leaked"] == 0, row
+
+
+def test_another_secret_broken_mode_caught(model, tmp_path, caplog):
+    """Both engines' side channels as they were: the decode with another secret gets the
+    prefill's addresses and loads."""
+    row = case_wrong_secret(model, tmp_path, caplog, broken=True)
+    assert row["addresses_learned"] > 0 and row["decoded"] and not row["failed"], row
 
 
 def test_zz_table():

@@ -239,13 +239,14 @@ class SideChannel:
         where = f"{peer} (a client of {self.host}:{self.port})"
         try:
             with conn:
+                conn.settimeout(self.timeout_s)  # each read then takes what is left of it
                 deadline = time.monotonic() + self.timeout_s
                 server_nonce = os.urandom(CHALLENGE_BYTES)
                 _send(conn, HELLO + server_nonce)
                 frame = _recv_frame(conn, deadline, self.timeout_s, MAX_PROOF_BYTES, where)
                 if len(frame) != CHALLENGE_BYTES + PROOF_BYTES:
-                    self._refused(peer, f"a proof frame of {len(frame)} bytes, not "
-                                  f"{CHALLENGE_BYTES + PROOF_BYTES}")  # fmt: skip
+                    want = CHALLENGE_BYTES + PROOF_BYTES
+                    self._refused(peer, f"a proof frame of {len(frame)} bytes, not {want}")
                     _send(conn, REFUSED)
                     return
                 client_nonce, proof = frame[:CHALLENGE_BYTES], frame[CHALLENGE_BYTES:]

@@ -53,8 +53,9 @@ from kvferry.engine.kernels.ownership import (
 )
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol import owner as core
-from kvferry.engine.protocol.driver import Clock, Driver
-from kvferry.engine.protocol.owner import OwnerBook, OwnerDo, OwnerEvent, OwnerState
+from kvferry.engine.protocol.driver import Clock
+from kvferry.engine.protocol.owner import OwnerBook, OwnerEvent, OwnerState
+from kvferry.engine.protocol.owner_driver import OwnerDriver, OwnerPorts, OwnerTimes
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Kind, Outcome, Release
 from kvferry.engine.verify import Notice as VerifyNotice
@@ -63,8 +64,9 @@ from kvferry.transfer.wire import Message
 
 from . import messages as m
 from .books import RankBooks
-from .chunks import PAGES_PER_CHUNK, Reassembly, spans
+from .chunks import PAGES_PER_CHUNK, Reassembly
 from .clock import MonotonicClock
+from .ports import RankOwnerWire
 from .runtime import RankRuntime
 from .sliced import run_in_slices
 from .topology import head_range
@@ -152,11 +154,9 @@ class OwnedRequest:
 
 
 TOKEN_FLUSH = 16
-TIMEOUT_TOKENS = 1 << 16  # the transfer timeout applies per this many prompt tokens
 VERIFY_SLICE_S = 0.005  # longest the checks run before the loop polls again
 CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step of the checks
 QUARANTINES_SHOWN = 64  # quarantined requests a STATS lists by name (/status)
-PROOF_CHECK_S = 0.05  # how often a fenced request looks for its proof
 
 
 class DecodeRank(RankBooks):
@@ -191,11 +191,11 @@ class DecodeRank(RankBooks):
         self.unsafe = unsafe
         self.max_batch = max_batch
         self.release_on_sever = release_on_sever
-        self._init_driver(core.owner_table(unsafe=unsafe, release_on_sever=release_on_sever))
         self.allocator = PageAllocator(pool.num_pages, unsafe=unsafe)
         self.canaries = CanaryTable(pool.num_pages)
         self.reqs: dict[str, OwnedRequest] = {}
         self._init_books()
+        self._init_driver(core.owner_table(unsafe=unsafe, release_on_sever=release_on_sever))
         self.handlers = {
             Kind.ASSIGN: self._on_assign,
             Kind.NOTICE: self._on_notice,
@@ -210,10 +210,21 @@ class DecodeRank(RankBooks):
 
     # -------------------------------------------------------------- the table
     def _init_driver(self, table: dict) -> None:
-        """The owner's table, carried out by the protocol's one driver (an event an
-        effect produces, a failed check or a proof found, waits for the rest of its row:
-        no re-entrant feed)."""
-        self.driver: Driver = Driver(table, self._do, observe=self._observe)
+        """The owner's table, carried out by the owner's driver over this rank's ports
+        (an event an effect produces, a failed check or a proof found, waits for the
+        rest of its row: no re-entrant feed)."""
+        ports = OwnerPorts(
+            wire=RankOwnerWire(self.rt, self.router),
+            pages=self,
+            facts=self,
+            data=self,
+            report=self,
+            tombstones=self,
+            timers=self.rt,
+            clock=self.clock,
+            times=OwnerTimes(self.transfer_timeout_s, self.abort_deadline_s),
+        )
+        self.driver = OwnerDriver(ports, table, observe=self._observe)
 
     def _feed(self, req: OwnedRequest, event: OwnerEvent) -> None:
         """Move the request by the owner's table and carry out the effects it lists."""
@@ -225,142 +236,43 @@ class DecodeRank(RankBooks):
         if event in _ABORTS and before not in _HELD:
             req.abort_started = req.abort_started or self.clock.now()
 
-    def _do(self, do: OwnerDo, req: OwnedRequest) -> None:
-        D = OwnerDo
-        rid = req.rid
-        if do is D.STAMP_CANARIES:
-            self.rt.faults.raise_at("owner-assign", f"prompt_len={req.prompt_len}")
-            self.canaries.stamp(req.pages, expected_canaries(rid, req.grants))
-        elif do is D.SEND_PLAN:
-            generations = [g.generation for g in req.grants]
-            for w in req.writers:
-                for lo, hi in spans(len(req.grants), PAGES_PER_CHUNK):
-                    self.rt.send(
-                        w,
-                        m.PLAN,
-                        rid=rid,
-                        offset=lo,
-                        total=len(req.grants),
-                        pages=req.pages[lo:hi],
-                        generations=generations[lo:hi],
-                    )
-        elif do is D.ARM_TRANSFER_TIMER:
-            req.timer = self.rt.call_later(
-                self.transfer_timeout_for(req.prompt_len),
-                lambda: self._transfer_timeout(req),
-                rid=rid,
-            )
-        elif do is D.CANCEL_TIMER:
-            if req.timer is not None:
-                req.timer.cancel()
-        elif do is D.VERIFY:
-            self._verify_and_start(req)
-        elif do is D.TOMBSTONE:
-            self.tombstones[rid] = self.clock.now()
-        elif do is D.REPORT_FAILED:
-            self._done(rid, Outcome.FAILED, req.error)
-        elif do is D.REPORT_FINISHED:
-            self._done(
-                rid,
-                Outcome.FINISHED,
-                None,
-                count=len(req.generated),
-                transfer_ms=req.transfer_ms,
-                prefill_ms=req.prefill_ms,
-            )
-        elif do is D.ABORT_WRITERS:
-            for w in req.writers:
-                self.rt.send(
-                    w,
-                    m.ABORT,
-                    rid=rid,
-                    owner=self.rt.rank,
-                    writers=list(req.writers),
-                    source=AbortSource.DECODE,
-                    reason="no decode pages",
-                )
-        elif do is D.REPORT_NOTHING_HELD:
-            self.rt.send(
-                self.router,
-                m.RELEASED,
-                rid=rid,
-                pages=0,
-                how=Release.FREED,
-                justification=Proof.NOTHING_POSTED,
-            )
-        elif do is D.FREE:
-            if req.abort_started:
-                log.info(
-                    "request %s aborted (%s) after every writer finished; pages freed",
-                    rid,
-                    req.abort_reason,
-                )
-            self._close(req, self.allocator.free(rid), req.book.free_reason())
-        elif do is D.QUARANTINE:
-            self.allocator.quarantine(rid)
-            log.info(
-                "request %s: %d pages quarantined on rank %d (aborted: %s) until writers %s "
-                "ack after their flush or are proven gone",
-                rid,
-                len(req.grants),
-                self.rt.rank,
-                req.abort_reason,
-                sorted(req.book.pending()),
-            )
-        elif do is D.ASK_ACKS:
-            for w in req.book.pending():
-                if self._restarted_since(req, w):
-                    continue  # the new incarnation cannot ack for the old one
-                self.rt.send(
-                    w,
-                    m.ABORT,
-                    rid=rid,
-                    owner=self.rt.rank,
-                    writers=req.writers,
-                    source=req.abort_source,
-                    reason=req.abort_reason,
-                )
-        elif do is D.ARM_RETRY:
-            self._arm_retry(req)
-        elif do is D.ARM_DEADLINE:
-            req.timer = self.rt.call_later(
-                self.abort_deadline_s, lambda: self._feed(req, core.on_deadline(req.book)), rid=rid
-            )
-        elif do is D.SEVER_PENDING:
-            self._sever(req)
-        elif do is D.CHECK_PROOF:
-            self._check_proof(req)
-        elif do is D.ARM_PROOF_CHECK:
-            self._warn_if_stuck(req)
-            self.rt.call_later(PROOF_CHECK_S, lambda: self._check_proof(req), rid=rid)
-        elif do is D.RELEASE_ACKED:
-            self._close(req, self.allocator.release(rid), Release.ACKED)
-        elif do is D.RELEASE_SEVERED:
-            self._close(req, self.allocator.release(rid), Release.SEVERED)
-        elif do is D.RELEASE_UNSAFE:
-            log.error(
-                "UNSAFE: request %s: releasing %d pages without proof that writers %s stopped",
-                rid,
-                len(req.grants),
-                req.book.pending(),
-            )
-            quarantined = bool(self.allocator.quarantined_pages_of(rid))
-            pages = self.allocator.release(rid) if quarantined else self.allocator.free(rid)
-            self._close(req, pages, Release.UNSAFE)
-        elif do is D.COUNT_INTEGRITY:
-            self.integrity_failures += 1
-            log.error(
-                "request %s: integrity check failed on rank %d: %s", rid, self.rt.rank, req.error
-            )
-        else:  # pragma: no cover - the enum is closed
-            raise AssertionError(f"request {rid}: no handler for {do}")
-
     def _abort(
         self, req: OwnedRequest, event: OwnerEvent, source: AbortSource, reason: str
     ) -> None:
-        if req.book.state not in (OwnerState.QUARANTINED, OwnerState.FENCED, OwnerState.CLOSED):
-            req.abort_source, req.abort_reason = source, reason
-        self._feed(req, event)
+        self.driver.abort(req, event, source, reason)
+
+    def transfer_timeout_for(self, prompt_len: int) -> float:
+        return self.driver.ports.times.transfer_timeout_for(prompt_len)
+
+    # -------------------------------------------------------------- pages (a port)
+    def stamp_canaries(self, req: OwnedRequest) -> None:
+        self.rt.faults.raise_at("owner-assign", f"prompt_len={req.prompt_len}")
+        self.canaries.stamp(req.pages, expected_canaries(req.rid, req.grants))
+
+    def free(self, rid: str) -> list[int]:
+        return self.allocator.free(rid)
+
+    def quarantine(self, req: OwnedRequest) -> None:
+        self.allocator.quarantine(req.rid)
+        log.info(
+            "request %s: %d pages quarantined on rank %d (aborted: %s) until writers %s "
+            "ack after their flush or are proven gone",
+            req.rid,
+            len(req.grants),
+            self.rt.rank,
+            req.abort_reason,
+            sorted(req.book.pending()),
+        )
+
+    def release(self, rid: str) -> list[int]:
+        return self.allocator.release(rid)
+
+    def quarantined(self, rid: str) -> bool:
+        return bool(self.allocator.quarantined_pages_of(rid))
+
+    # -------------------------------------------------------------- the data path (a port)
+    def verify(self, req: OwnedRequest) -> None:
+        self._verify_and_start(req)
 
     # -------------------------------------------------------------- messages
     def _on_assign(self, msg: Message) -> None:
@@ -383,12 +295,6 @@ class DecodeRank(RankBooks):
         req.planned_at = self.clock.now()
         self.reqs[rid] = req
         self._feed(req, core.on_assign(req.book, req.book.writers, granted=True))
-
-    def transfer_timeout_for(self, prompt_len: int) -> float:
-        """How long the owner waits for every writer's notice: ``transfer_timeout_s`` per
-        ``TIMEOUT_TOKENS`` prompt tokens (at least once), since the prefill, checksums and
-        copy of a long prompt take time in proportion to it."""
-        return self.transfer_timeout_s * max(1, -(-prompt_len // TIMEOUT_TOKENS))
 
     def _on_notice(self, msg: Message) -> None:
         req = self.reqs.get(msg.rid)
@@ -638,18 +544,6 @@ class DecodeRank(RankBooks):
                 self._feed(r, OwnerEvent.FINISHED)
 
     # -------------------------------------------------------------- abort
-    def _transfer_timeout(self, req: OwnedRequest) -> None:
-        if req.state is not OwnerState.AWAITING:
-            return
-        missing = sorted(set(req.writers) - set(req.notices))
-        reason = (
-            f"no completion notice from writer ranks {missing} within "
-            f"{self.transfer_timeout_for(req.prompt_len):.1f} s "
-            f"({self.transfer_timeout_s:.1f} s per {TIMEOUT_TOKENS} prompt tokens)"
-        )
-        req.error = f"transfer timeout: {reason}"
-        self._abort(req, core.on_failure(req.book), AbortSource.TRANSFER, reason)
-
     def _on_abort(self, msg: Message) -> None:
         req = self.reqs.get(msg.rid)
         if req is None:
@@ -681,7 +575,8 @@ class DecodeRank(RankBooks):
             f"writer rank {msg.src} acked an abort",
         )
 
-    def _restarted_since(self, req: OwnedRequest, writer: int) -> bool:
+    # -------------------------------------------------------------- writer facts (a port)
+    def restarted_since(self, req: OwnedRequest, writer: int) -> bool:
         """``writer`` has a new incarnation since ``req`` was assigned to it."""
         card = self.rt.cards.get(writer)
         recorded = req.writer_incs.get(writer)
@@ -764,80 +659,17 @@ class DecodeRank(RankBooks):
                 break
         return out
 
-    def _arm_retry(self, req: OwnedRequest) -> None:
-        """Ask every writer that has not acked again after a while, for as long as the
-        pages are held: a lost ABORT or ABORT_ACK costs a retry, not the deadline, and a
-        severed writer that comes back (a healed partition, a resumed process) still
-        learns to ack."""
-        pending = req.book.pending()
-        every = (
-            1.0
-            if any(self.rt.is_severed(w) for w in pending)
-            else max(0.05, self.abort_deadline_s / 8)
-        )
-        self.rt.call_later(every, lambda: self._retry(req), rid=req.rid)
-
-    def _retry(self, req: OwnedRequest) -> None:
-        """The retry timer; a quarantined request whose silent writers are all gone is
-        fenced at once (see ``core.on_retry``)."""
-        gone = (
-            self._proven_gone(req, req.book.pending())
-            if req.state is OwnerState.QUARANTINED
-            else {}
-        )
-        self._feed(req, core.on_retry(req.book, gone))
-
-    def _proven_gone(self, req: OwnedRequest, writers) -> dict[int, Proof]:
+    def proven_gone(self, req: OwnedRequest, writers) -> dict[int, Proof]:
         """Those of ``writers`` whose incarnation on ``req`` can no longer write, with the
         proof of each (I4: see ``RankRuntime.write_path_closed``)."""
         proofs = {w: self.rt.write_path_closed(w, req.writer_incs.get(w)) for w in writers}
         return {w: proof for w, proof in proofs.items() if proof is not None}
 
-    def _sever(self, req: OwnedRequest) -> None:
-        waited = self.clock.now() - req.abort_started
-        if waited < self.abort_deadline_s:  # fenced early: every silent writer is gone
-            why = f"gone {waited:.1f} s into the {self.abort_deadline_s:.1f} s abort deadline"
-        else:
-            why = f"no ABORT_ACK within {self.abort_deadline_s:.1f} s"
-        log.warning(
-            "request %s: writers %s %s; severing them", req.rid, sorted(req.book.fenced), why
-        )
-        for w in sorted(req.book.fenced):
-            if self._restarted_since(req, w):
-                continue  # that incarnation is gone already: its proof is its exit
-            reason = f"request {req.rid}: {why}"
-            self.rt.sever(w, reason)
-            self.rt.send(
-                self.router,
-                m.SEVERED,
-                peer_rank=w,
-                incarnation=self.rt.cards[w].incarnation,
-                reason=reason,
-            )
+    def is_severed(self, writer: int) -> bool:
+        return self.rt.is_severed(writer)
 
-    def _check_proof(self, req: OwnedRequest) -> None:
-        """Release once no write from any severed writer can land (I4): each one either
-        acked after all (its ack follows its flush) or its process is gone. Until then the
-        pages stay quarantined, counted as used and visible in /metrics."""
-        if req.state is not OwnerState.FENCED:
-            return
-        self._feed(req, core.on_proof_check(req.book, self._proven_gone(req, req.book.fenced)))
-
-    def _warn_if_stuck(self, req: OwnedRequest) -> None:
-        waited = self.clock.now() - req.abort_started
-        if waited > self.abort_deadline_s * 10 and not req.warned:
-            req.warned = True
-            log.error(
-                "request %s: %d pages stay quarantined: severed writers %s neither "
-                "acked nor are known to be gone after %.1f s",
-                req.rid,
-                len(req.grants),
-                sorted(req.book.fenced - req.book.acked),
-                waited,
-            )
-
-    # -------------------------------------------------------------- release
-    def _close(self, req: OwnedRequest, pages: list[int], how: Release) -> None:
+    # -------------------------------------------------------------- the report (a port)
+    def closed(self, req: OwnedRequest, pages: list[int], how: Release) -> None:
         if req.timer is not None:
             req.timer.cancel()
         self.reqs.pop(req.rid, None)
@@ -871,24 +703,43 @@ class DecodeRank(RankBooks):
             released_ns=released_ns,
         )
 
-    def _done(
-        self,
-        rid: str,
-        outcome: Outcome,
-        error: str | None,
-        count: int | None = None,
-        transfer_ms: float | None = None,
-        prefill_ms: float | None = None,
-    ) -> None:
+    def done(self, req: OwnedRequest, outcome: Outcome) -> None:
+        finished = outcome is Outcome.FINISHED
         self.rt.send(
             self.router,
             m.DONE,
-            rid=rid,
+            rid=req.rid,
             outcome=outcome,
-            error=error,
-            count=count,
-            transfer_ms=transfer_ms,
-            prefill_ms=prefill_ms,
+            error=None if finished else req.error,
+            count=len(req.generated) if finished else None,
+            transfer_ms=req.transfer_ms if finished else None,
+            prefill_ms=req.prefill_ms if finished else None,
+        )
+
+    def nothing_held(self, rid: str) -> None:
+        self.rt.send(
+            self.router,
+            m.RELEASED,
+            rid=rid,
+            pages=0,
+            how=Release.FREED,
+            justification=Proof.NOTHING_POSTED,
+        )
+
+    def integrity_failure(self, req: OwnedRequest) -> None:
+        self.integrity_failures += 1
+        log.error(
+            "request %s: integrity check failed on rank %d: %s", req.rid, self.rt.rank, req.error
+        )
+
+    def stuck(self, req: OwnedRequest, waited_s: float) -> None:
+        log.error(
+            "request %s: %d pages stay quarantined: severed writers %s neither "
+            "acked nor are known to be gone after %.1f s",
+            req.rid,
+            len(req.grants),
+            sorted(req.book.fenced - req.book.acked),
+            waited_s,
         )
 
     def _end_requests_of_router(self, old, new) -> None:

@@ -8,6 +8,7 @@ control messages to the router and to the peer ranks, and the rank's own pool pa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,9 @@ from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Release
 
 from . import messages as m
+from .chunks import PAGES_PER_CHUNK, spans
+
+log = logging.getLogger("kvferry.cluster")
 
 
 class RouterReport:
@@ -69,3 +73,52 @@ class AllocatorSource:
 
     def free(self, rid: str) -> int:
         return len(self.allocator.free(rid)) if self.allocator.pages_of(rid) else 0
+
+
+class RankOwnerWire:
+    """An owner's control messages over the rank's runtime."""
+
+    def __init__(self, runtime: Any, router: int) -> None:
+        self.rt = runtime
+        self.router = router
+
+    def send_plan(self, req: Any) -> None:
+        generations = [g.generation for g in req.grants]
+        for w in req.writers:
+            for lo, hi in spans(len(req.grants), PAGES_PER_CHUNK):
+                self.rt.send(
+                    w,
+                    m.PLAN,
+                    rid=req.rid,
+                    offset=lo,
+                    total=len(req.grants),
+                    pages=req.pages[lo:hi],
+                    generations=generations[lo:hi],
+                )
+
+    def tell_abort(
+        self, rid: str, to: list[int], writers: list[int], source: AbortSource, reason: str
+    ) -> None:
+        for w in to:
+            self.rt.send(
+                w,
+                m.ABORT,
+                rid=rid,
+                owner=self.rt.rank,
+                writers=writers,
+                source=source,
+                reason=reason,
+            )
+
+    def sever(self, rid: str, fenced: list[int], writers: list[int], why: str) -> None:
+        log.warning("request %s: writers %s %s; severing them", rid, fenced, why)
+        for w in writers:
+            reason = f"request {rid}: {why}"
+            self.rt.sever(w, reason)
+            self.rt.send(
+                self.router,
+                m.SEVERED,
+                peer_rank=w,
+                incarnation=self.rt.cards[w].incarnation,
+                reason=reason,
+            )

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .proof import Proof
-from .words import AbortSource, Release
+from .words import AbortSource, Outcome, Release
 
 Subject = Any  # a host's record of one request; see the module's docstring
 
@@ -78,4 +78,92 @@ class WriterDataPath(Protocol):
     def stop_posting(self, job: Subject) -> None:
         """Nothing more of ``job`` is posted (its queue dropped, any pause cancelled);
         what is in flight settles on its own."""
+        ...
+
+
+# ---------------------------------------------------------------------- the owner's ports
+class Timers(Protocol):
+    """One-shot timers on the host's loop; the handle has ``cancel()``."""
+
+    def call_later(self, delay_s: float, fn: Callable[[], None], rid: str | None = None) -> Any: ...
+
+
+class OwnerWire(Protocol):
+    """The owner's control messages."""
+
+    def send_plan(self, req: Subject) -> None:
+        """PLAN (the request's pages and their generations) to every writer."""
+        ...
+
+    def tell_abort(
+        self, rid: str, to: list[int], writers: list[int], source: AbortSource, reason: str
+    ) -> None:
+        """ABORT to each rank of ``to``, naming all the request's ``writers``."""
+        ...
+
+    def sever(self, rid: str, fenced: list[int], writers: list[int], why: str) -> None:
+        """``rid``'s deadline fenced ``fenced``: no more plans to the incarnations of
+        ``writers`` (those not restarted since), and the router is told (SEVERED)."""
+        ...
+
+
+class OwnerPages(Protocol):
+    """The owner's pool pages for a request (its allocator and canary tags)."""
+
+    def stamp_canaries(self, req: Subject) -> None: ...
+
+    def free(self, rid: str) -> list[int]: ...
+
+    def quarantine(self, req: Subject) -> None:
+        """Move ``req``'s pages to quarantine: counted as used, never allocated."""
+        ...
+
+    def release(self, rid: str) -> list[int]:
+        """Release ``rid``'s quarantined pages (freed with a new generation)."""
+        ...
+
+    def quarantined(self, rid: str) -> bool: ...
+
+
+class WriterFacts(Protocol):
+    """What the owner's host knows of a request's writers beyond their messages."""
+
+    def restarted_since(self, req: Subject, writer: int) -> bool:
+        """``writer`` has a new incarnation since ``req`` was assigned to it."""
+        ...
+
+    def proven_gone(self, req: Subject, writers: Any) -> dict[int, Proof]:
+        """Those of ``writers`` whose incarnation on ``req`` can no longer write, each with
+        its proof (:func:`.proof.gone_proof` over the host's facts)."""
+        ...
+
+    def is_severed(self, writer: int) -> bool: ...
+
+
+class OwnerDataPath(Protocol):
+    """The I5 checks and decoding: ``verify`` ends in VERIFIED or CORRUPT, fed back."""
+
+    def verify(self, req: Subject) -> None: ...
+
+
+class OwnerReport(Protocol):
+    """What the router hears from the owner, and what the host keeps of its requests."""
+
+    def done(self, req: Subject, outcome: Outcome) -> None:
+        """DONE (failed with ``req.error``, or finished with its figures) to the router."""
+        ...
+
+    def nothing_held(self, rid: str) -> None:
+        """RELEASED(0 pages): the router's reservation here ends."""
+        ...
+
+    def closed(self, req: Subject, pages: list[int], how: Release) -> None:
+        """``req`` released ``pages`` (``how``, with its book's proof): RELEASED to the
+        router, the request forgotten here and tombstoned."""
+        ...
+
+    def integrity_failure(self, req: Subject) -> None: ...
+
+    def stuck(self, req: Subject, waited_s: float) -> None:
+        """A fenced request still found no proof long past its deadline (said once)."""
         ...

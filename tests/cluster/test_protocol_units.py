@@ -22,6 +22,7 @@ from kvferry.engine.integrity import page_checksums
 from kvferry.engine.models import ReplayConfig, ReplayModel
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol.owner import OwnerBook
+from kvferry.engine.protocol.owner_driver import OwnerDriver
 from kvferry.engine.protocol.words import Kind
 
 
@@ -380,7 +381,7 @@ def test_the_owner_asks_writers_again_only_after_the_routers_abort_had_time(retr
     router alone, with no retry) keeps the pages quarantined until the deadline, and the
     test sees it."""
     if not retries:
-        monkeypatch.setattr(DecodeRank, "_arm_retry", lambda self, req: None)
+        monkeypatch.setattr(OwnerDriver, "arm_retry", lambda self, req: None)
     owner, rt = _owner()
     rt.deliver(m.ASSIGN, src=0, rid="r6", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
     rt.sent.clear()
@@ -607,10 +608,10 @@ def test_the_transfer_timeout_grows_with_the_prompt(scaled, monkeypatch):
     the owner waits 16 x the base timeout for it (per 65,536 tokens), and the base for a
     short one. Broken mode (one flat timeout) times the long prompt out, and the test sees
     it."""
-    from kvferry.cluster import decode
+    from kvferry.engine.protocol import owner_driver
 
     if not scaled:
-        monkeypatch.setattr(decode, "TIMEOUT_TOKENS", 1 << 40)
+        monkeypatch.setattr(owner_driver, "TIMEOUT_TOKENS", 1 << 40)
     owner, _ = _owner()
     assert owner.transfer_timeout_for(40) == owner.transfer_timeout_s
     long_wait = owner.transfer_timeout_for(1 << 20)

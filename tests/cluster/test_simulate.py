@@ -71,12 +71,15 @@ def test_the_real_tables_run_the_rank_code():
     from kvferry.cluster.harness.simulate.ranks import SimDecodeRank, SimWritePath
     from kvferry.cluster.prefill import PrefillRank
     from kvferry.cluster.prefill_path import WritePath
+    from kvferry.engine.protocol.owner_driver import OwnerDriver
     from kvferry.engine.protocol.writer_driver import WriterDriver
 
     assert issubclass(SimDecodeRank, DecodeRank)
-    for name in ("_do", "_on_assign", "_on_notice", "_on_abort", "_on_ack", "_arm_retry"):
+    for name in ("_init_driver", "_on_assign", "_on_notice", "_on_abort", "_on_ack", "_abort"):
         assert getattr(SimDecodeRank, name) is getattr(DecodeRank, name)
-    w = World(small("steady")).writers
+    world = World(small("steady"))
+    assert all(type(r.driver) is OwnerDriver for r in world.owners.values())
+    w = world.writers
     assert w and all(type(r) is PrefillRank for r in w.values())
     assert all(type(r.driver) is WriterDriver for r in w.values())
     assert all(type(r.path) is SimWritePath for r in w.values())

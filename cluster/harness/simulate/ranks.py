@@ -8,16 +8,16 @@ table step and effect is the service's code; only its data path differs
 sized by the real BatchSizer, settled and noticed by the service's own
 :class:`~kvferry.cluster.prefill_path.WritePath`).
 
-:class:`SimDecodeRank` is the service's :class:`~kvferry.cluster.decode.DecodeRank`, every
-message handler, table step and effect (``_do``) its own; the methods overridden here
-are the ones that touch what is not simulated (the model, the KV pool's bytes, the wall
-clock): ``__init__`` (no pool, model or canary table; the simulated clock as its clock
-port; each release reported to the world), ``_observe`` (the abort timed from when the
-rank began handling it; the decoding batch counted; a verified request's steps
-started), ``_verify_and_start`` (the I5 checks read page bytes: here they take
-``verify_s`` and pass, then decoding takes ``max_tokens`` steps of ``decode_step_s``,
-with TOKENS after the first step and at the end), ``_warn_if_stuck`` (the simulated
-clock).
+:class:`SimDecodeRank` is the service's :class:`~kvferry.cluster.decode.DecodeRank`,
+every message handler and table step its own and its effects the owner driver's; the
+methods overridden here are the ones that touch what is not simulated (the model, the KV
+pool's bytes, the wall clock): ``__init__`` (no pool, model or canary table; the
+simulated clock as its clock port; each release reported to the world), ``_observe``
+(the abort timed from when the rank began handling it; the decoding batch counted; a
+verified request's steps started), ``_verify_and_start`` (the I5 checks read page bytes:
+here they take ``verify_s`` and pass, then decoding takes ``max_tokens`` steps of
+``decode_step_s``, with TOKENS after the first step and at the end), ``stuck`` (counted,
+not logged).
 
 What they run on, :class:`SimRuntime`, stands in for
 :class:`~kvferry.cluster.runtime.RankRuntime`: sends and writes go through the simulated
@@ -594,10 +594,8 @@ class SimDecodeRank(DecodeRank):
         self.rt.send(self.router, m.TOKENS, rid=req.rid, offset=1, tokens=[0] * rest)
         self._feed(req, OwnerEvent.FINISHED)
 
-    def _warn_if_stuck(self, req: OwnedRequest) -> None:
-        if not req.warned and self.now - req.abort_started > self.abort_deadline_s * 10:
-            req.warned = True
-            self.sim.world.count("stuck_warnings")
+    def stuck(self, req: OwnedRequest, waited_s: float) -> None:
+        self.sim.world.count("stuck_warnings")
 
 
 # ---------------------------------------------------------------------- the writer

@@ -2,8 +2,9 @@
 
 Every (state, event) pair of both tables has an entry; a hypothesis state machine drives
 each table with arbitrary inputs in arbitrary order (notices, acks, aborts, timeouts,
-failures, severed writers, processes gone) while carrying out the effects against the real
-page allocator, and checks I2 and I4 after every step. Each walk is also run against a
+failures, severed writers, processes gone) through the real drivers (the owner's and the
+writer's, the code the ranks run), whose ports here are fakes over the real page
+allocator that check I2 and I4 at each effect and after every step. Each walk is also run against a
 broken table (the one the ``--unsafe`` switch runs, and a writer that acks with writes in
 flight) and must catch it.
 """
@@ -24,11 +25,13 @@ from hypothesis.stateful import (
 from kvferry.engine.allocator import PageAllocator
 from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol import writer as wc
-from kvferry.engine.protocol.driver import Driver
 from kvferry.engine.protocol.owner import OwnerDo, OwnerEvent, OwnerState
+from kvferry.engine.protocol.owner_driver import OwnerDriver, OwnerPorts, OwnerTimes
 from kvferry.engine.protocol.proof import Proof, is_justified
 from kvferry.engine.protocol.table import Move, replace, terminal
+from kvferry.engine.protocol.words import AbortSource
 from kvferry.engine.protocol.writer import WriterDo, WriterEvent, WriterState
+from kvferry.engine.protocol.writer_driver import WriterDriver, WriterPorts
 
 WALK = settings(
     max_examples=200,
@@ -40,6 +43,30 @@ WALK = settings(
 )
 HUNT = settings(WALK, max_examples=1000)  # a broken table must be found, every run
 RELEASES = {OwnerDo.FREE, OwnerDo.RELEASE_ACKED, OwnerDo.RELEASE_SEVERED, OwnerDo.RELEASE_UNSAFE}
+
+
+class _Quiet:
+    """A port whose every call does nothing (messages nobody in a walk reads)."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
+class _Handle:
+    def cancel(self) -> None:
+        pass
+
+
+class _Timers:
+    """Timers that never fire: a walk feeds the events they would (deadline, retry)."""
+
+    def call_later(self, delay_s, fn, rid=None) -> _Handle:
+        return _Handle()
+
+
+class _Clock:
+    def now(self) -> float:
+        return 0.0
 
 
 @pytest.mark.parametrize(
@@ -169,11 +196,22 @@ def owner_walk(table):
             self.feed(oc.on_proof_check(self.book, dict.fromkeys(self.gone, Proof.PROCESS_GONE)))
 
         def feed(self, event: OwnerEvent) -> None:
-            """Through the protocol's one driver, whose ``perform`` is this walk's fake
-            pages and proofs; ``observe`` checks I2 on every move."""
+            """Through the owner's real driver, over this walk's fake ports (its pages
+            check I4 at each release); ``observe`` checks I2 on every move."""
             assert self.book is not None
             if not hasattr(self, "driver"):
-                self.driver = Driver(table, self.perform, observe=self.observe)
+                ports = OwnerPorts(
+                    wire=_Quiet(),
+                    pages=self,
+                    facts=self,
+                    data=_Quiet(),
+                    report=self,
+                    tombstones=self,
+                    timers=_Timers(),
+                    clock=_Clock(),
+                    times=OwnerTimes(transfer_timeout_s=5.0, abort_deadline_s=5.0),
+                )
+                self.driver = OwnerDriver(ports, table, observe=self.observe)
             self.moving = event
             self.driver.feed(self, event)
 
@@ -182,33 +220,79 @@ def owner_walk(table):
             if before is OwnerState.CLOSED:
                 assert move.to is OwnerState.CLOSED, "I2: CLOSED has no way out"
 
-        def perform(self, do: OwnerDo, subject) -> None:
+        # the subject's fields the driver reads
+        rid, prompt_len, timer, warned, abort_started = "r", 16, None, False, 0.0
+        abort_source, abort_reason, error = AbortSource.CLIENT, "walk", ""
+        notices: dict = {}  # noqa: RUF012 - never written
+
+        @property
+        def writers(self) -> tuple[int, ...]:
             assert self.book is not None
-            if do is OwnerDo.TOMBSTONE:
-                self.tombstoned = True
-            elif do is OwnerDo.QUARANTINE:
-                self.alloc.quarantine("r")
-            elif do in RELEASES:
-                landing = [
-                    w
-                    for w in self.book.writers
-                    if w not in self.book.noticed
-                    and w not in self.book.acked
-                    and w not in self.gone
-                ]
-                where = f"{self.before.name} --{self.moving.name}--> {do.name}"
-                if landing:
-                    self.released_while_landing.append(
-                        f"{where} with writers {landing} still able to write"
-                    )
-                if not is_justified(self.book.justification()):
-                    self.released_while_landing.append(
-                        f"{where}: released with justification {self.book.justification()!r}"
-                    )
-                if self.alloc.quarantined_pages_of("r"):
-                    self.alloc.release("r")
-                else:
-                    self.alloc.free("r")
+            return self.book.writers
+
+        # the pages port: every release checked against the ground truth of I4
+        def _released(self, how: str) -> list[int]:
+            assert self.book is not None
+            landing = [
+                w
+                for w in self.book.writers
+                if w not in self.book.noticed and w not in self.book.acked and w not in self.gone
+            ]
+            where = f"{self.before.name} --{self.moving.name}--> {how}"
+            if landing:
+                self.released_while_landing.append(
+                    f"{where} with writers {landing} still able to write"
+                )
+            if not is_justified(self.book.justification()):
+                self.released_while_landing.append(
+                    f"{where}: released with justification {self.book.justification()!r}"
+                )
+            return []
+
+        def stamp_canaries(self, req) -> None:
+            pass
+
+        def free(self, rid: str) -> list[int]:
+            self._released("free")
+            return self.alloc.free(rid)
+
+        def release(self, rid: str) -> list[int]:
+            self._released("release")
+            return self.alloc.release(rid)
+
+        def quarantine(self, req) -> None:
+            self.alloc.quarantine(req.rid)
+
+        def quarantined(self, rid: str) -> bool:
+            return bool(self.alloc.quarantined_pages_of(rid))
+
+        # the writer facts port, the report port and tombstones
+        def restarted_since(self, req, writer: int) -> bool:
+            return False
+
+        def proven_gone(self, req, writers) -> dict:
+            return {w: Proof.PROCESS_GONE for w in writers if w in self.gone}
+
+        def is_severed(self, writer: int) -> bool:
+            return False
+
+        def tombstone(self, rid: str, at: float) -> None:
+            self.tombstoned = True
+
+        def done(self, req, outcome) -> None:
+            pass
+
+        def nothing_held(self, rid: str) -> None:
+            pass
+
+        def closed(self, req, pages: list[int], how) -> None:
+            pass
+
+        def integrity_failure(self, req) -> None:
+            pass
+
+        def stuck(self, req, waited_s: float) -> None:
+            pass
 
         @invariant()
         def i4_no_release_while_a_write_may_land(self) -> None:
@@ -337,10 +421,19 @@ def writer_walk(table):
             self.feed(event)
 
         def feed(self, event: WriterEvent) -> None:
-            """Through the protocol's one driver, whose ``perform`` is this walk's fake
-            batches and pages; ``observe`` checks I2 on every move."""
+            """Through the writer's real driver, over this walk's fake ports (its data
+            path, wire and source pages check I4, writer side); ``observe`` checks I2 on
+            every move."""
             if not hasattr(self, "driver"):
-                self.driver = Driver(table, self.perform, observe=self.observe)
+                ports = WriterPorts(
+                    data=self,
+                    wire=self,
+                    source=self,
+                    report=_Quiet(),
+                    tombstones=self,
+                    clock=_Clock(),
+                )
+                self.driver = WriterDriver(ports, table, observe=self.observe)
             self.driver.feed(self, event)
 
         def observe(self, subject, event: WriterEvent, before: WriterState, move) -> None:
@@ -348,27 +441,49 @@ def writer_walk(table):
             if before in (WriterState.DONE, WriterState.ABORTED):
                 assert move.to is before, "I2: DONE and ABORTED have no way out"
 
-        def perform(self, do: WriterDo, subject) -> None:
-            where = self.where
-            if do in (WriterDo.POST_WRITES, WriterDo.POST_NEXT):
-                if self.stopped:
-                    self.problems.append(f"{where} {do.name} after an abort")
-                if do is WriterDo.POST_WRITES:
-                    self.queued = 2
-                wc.on_posted(self.book)
-                self.queued = max(0, self.queued - 1)
-            elif do is WriterDo.STOP_POSTING:
-                self.stopped, self.queued = True, 0
-            elif do is WriterDo.TOMBSTONE:
-                self.stopped = True
-            elif do in (WriterDo.SEND_ACK, WriterDo.ACK_NOW) and self.book.in_flight:
+        # the subject's fields the driver reads
+        rid, abort_source, abort_reason = "r", AbortSource.CLIENT, "walk"
+
+        # the data path port
+        def start_prefill(self, job) -> None:
+            pass
+
+        def _post(self, what: str) -> None:
+            if self.stopped:
+                self.problems.append(f"{self.where} {what} after an abort")
+            wc.on_posted(self.book)
+            self.queued = max(0, self.queued - 1)
+
+        def post_writes(self, job) -> None:
+            self.queued = 2
+            self._post("POST_WRITES")
+
+        def post_next(self, job) -> None:
+            self._post("POST_NEXT")
+
+        def send_notice(self, job) -> None:
+            pass
+
+        def stop_posting(self, job) -> None:
+            self.stopped, self.queued = True, 0
+
+        # the wire, the source pages and tombstones
+        def tell_abort(self, rid, owner, source, reason) -> None:
+            pass
+
+        def send_ack(self, rid, owner, flushed) -> None:
+            if self.book.in_flight:
                 self.problems.append(
-                    f"{where} {do.name} with {self.book.in_flight} batches in flight"
+                    f"{self.where} an ack with {self.book.in_flight} batches in flight"
                 )
-            elif do is WriterDo.FREE_SOURCE:
-                if self.event not in self.flushes or self.book.in_flight:
-                    self.problems.append(f"{where} FREE_SOURCE before a flush")
-                self.alloc.free("r") if self.alloc.pages_of("r") else None
+
+        def free(self, rid: str) -> int:
+            if self.event not in self.flushes or self.book.in_flight:
+                self.problems.append(f"{self.where} FREE_SOURCE before a flush")
+            return len(self.alloc.free(rid)) if self.alloc.pages_of(rid) else 0
+
+        def tombstone(self, rid: str, at: float) -> None:
+            self.stopped = True
 
         @invariant()
         def i4_writer_side(self) -> None:

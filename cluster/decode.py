@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,16 +40,7 @@ import torch
 from kvferry.engine.admission import pages_needed
 from kvferry.engine.allocator import OutOfPages, PageAllocator, PageGrant
 from kvferry.engine.integrity import (
-    CanaryTable,
-    IntegrityError,
-    expected_canaries,
-    page_checksums,
     request_id_hash,
-)
-from kvferry.engine.kernels.ownership import (
-    PageOwnership,
-    check_ownership_reference,
-    describe_kinds,
 )
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol import owner as core
@@ -58,18 +49,15 @@ from kvferry.engine.protocol.owner import OwnerBook, OwnerEvent, OwnerState
 from kvferry.engine.protocol.owner_driver import OwnerDriver, OwnerPorts, OwnerTimes
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Kind, Outcome, Release
-from kvferry.engine.verify import Notice as VerifyNotice
-from kvferry.engine.verify import Planned, check_canaries, check_notice, checksum_steps
 from kvferry.transfer.wire import Message
 
 from . import messages as m
 from .books import RankBooks
 from .chunks import PAGES_PER_CHUNK, Reassembly
 from .clock import MonotonicClock
+from .decode_path import DecodePath, ReadPath
 from .ports import RankOwnerWire
 from .runtime import RankRuntime
-from .sliced import run_in_slices
-from .topology import head_range
 
 log = logging.getLogger("kvferry.cluster")
 
@@ -153,49 +141,53 @@ class OwnedRequest:
         return request_id_hash(self.rid)
 
 
-TOKEN_FLUSH = 16
-VERIFY_SLICE_S = 0.005  # longest the checks run before the loop polls again
-CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step of the checks
 QUARANTINES_SHOWN = 64  # quarantined requests a STATS lists by name (/status)
 
 
 class DecodeRank(RankBooks):
+    """Messages in, the owner's events out: the table's effects are the owner driver's
+    (:mod:`kvferry.engine.protocol.owner_driver`), carried out through this rank's ports
+    (its pages, what it knows of writers, its report to the router) and its data path
+    (:mod:`.decode_path`: I5 on arrival and the decode steps, which return verdicts and
+    tokens as events)."""
+
     def __init__(
         self,
         runtime: RankRuntime,
-        model,
-        pool: KVPool,
+        path: ReadPath,
+        pool: Any,
         router: int,
         *,
         transfer_timeout_s: float,
         abort_deadline_s: float,
-        integrity: bool = True,
         unsafe: bool = False,
         release_on_sever: bool = False,
         max_batch: int = 64,
         clock: Clock | None = None,
+        allocator: PageAllocator | None = None,
     ) -> None:
         self.rt = runtime
+        self.path = path
         self.clock = clock or MonotonicClock()
         # told of every release (rank's request, pages, how, ms since the abort): a report
         # port (the simulator's world counts them)
         self.on_release: Callable[[OwnedRequest, int, Release, float | None], None] = (
             lambda req, pages, how, abort_ms: None
         )
-        self.model = model
-        self.pool = pool
+        # told of a request fenced long past its deadline with no proof yet (after the log)
+        self.on_stuck: Callable[[OwnedRequest, float], None] = lambda req, waited_s: None
+        self.pool = pool  # its page count and geometry (the path owns its data)
         self.router = router
         self.transfer_timeout_s = transfer_timeout_s
         self.abort_deadline_s = abort_deadline_s
-        self.integrity = integrity and not unsafe  # checksums and canaries
         self.unsafe = unsafe
         self.max_batch = max_batch
         self.release_on_sever = release_on_sever
-        self.allocator = PageAllocator(pool.num_pages, unsafe=unsafe)
-        self.canaries = CanaryTable(pool.num_pages)
+        self.allocator = allocator or PageAllocator(pool.num_pages, unsafe=unsafe)
         self.reqs: dict[str, OwnedRequest] = {}
         self._init_books()
         self._init_driver(core.owner_table(unsafe=unsafe, release_on_sever=release_on_sever))
+        path.bind(self.driver)
         self.handlers = {
             Kind.ASSIGN: self._on_assign,
             Kind.NOTICE: self._on_notice,
@@ -208,6 +200,41 @@ class DecodeRank(RankBooks):
         runtime.on_card_replaced = self._on_card_replaced
         self.dropped_other_incarnation = 0
 
+    @classmethod
+    def serving(
+        cls,
+        runtime: RankRuntime,
+        model,
+        pool: KVPool,
+        router: int,
+        *,
+        transfer_timeout_s: float,
+        abort_deadline_s: float,
+        integrity: bool = True,
+        unsafe: bool = False,
+        release_on_sever: bool = False,
+        max_batch: int = 64,
+        clock: Clock | None = None,
+    ) -> DecodeRank:
+        """The service's decode rank: ``model`` decodes over ``pool``, whose pages the
+        rank's writers fill and whose canaries and checksums it checks (I5)."""
+        clock = clock or MonotonicClock()
+        path = DecodePath(
+            runtime, model, pool, router, clock=clock, integrity=integrity, unsafe=unsafe
+        )
+        return cls(
+            runtime,
+            path,
+            pool,
+            router,
+            transfer_timeout_s=transfer_timeout_s,
+            abort_deadline_s=abort_deadline_s,
+            unsafe=unsafe,
+            release_on_sever=release_on_sever,
+            max_batch=max_batch,
+            clock=clock,
+        )
+
     # -------------------------------------------------------------- the table
     def _init_driver(self, table: dict) -> None:
         """The owner's table, carried out by the owner's driver over this rank's ports
@@ -217,7 +244,7 @@ class DecodeRank(RankBooks):
             wire=RankOwnerWire(self.rt, self.router),
             pages=self,
             facts=self,
-            data=self,
+            data=self.path,
             report=self,
             tombstones=self,
             timers=self.rt,
@@ -234,7 +261,8 @@ class DecodeRank(RankBooks):
         """The abort's clock starts at its first sign (its pages' release is timed on
         it)."""
         if event in _ABORTS and before not in _HELD:
-            req.abort_started = req.abort_started or self.clock.now()
+            req.abort_started = req.abort_started or self.path.event_time()
+        self.path.moved(req, before)
 
     def _abort(
         self, req: OwnedRequest, event: OwnerEvent, source: AbortSource, reason: str
@@ -246,8 +274,7 @@ class DecodeRank(RankBooks):
 
     # -------------------------------------------------------------- pages (a port)
     def stamp_canaries(self, req: OwnedRequest) -> None:
-        self.rt.faults.raise_at("owner-assign", f"prompt_len={req.prompt_len}")
-        self.canaries.stamp(req.pages, expected_canaries(req.rid, req.grants))
+        self.path.stamp(req)
 
     def free(self, rid: str) -> list[int]:
         return self.allocator.free(rid)
@@ -269,10 +296,6 @@ class DecodeRank(RankBooks):
 
     def quarantined(self, rid: str) -> bool:
         return bool(self.allocator.quarantined_pages_of(rid))
-
-    # -------------------------------------------------------------- the data path (a port)
-    def verify(self, req: OwnedRequest) -> None:
-        self._verify_and_start(req)
 
     # -------------------------------------------------------------- messages
     def _on_assign(self, msg: Message) -> None:
@@ -331,63 +354,6 @@ class DecodeRank(RankBooks):
                 whole = True
         self._feed(req, core.on_notice(req.book, msg.src, whole))
 
-    def _verify_and_start(self, req: OwnedRequest) -> None:
-        """Verify (I5) in slices (a long prompt's checksums take seconds; see .sliced),
-        then decode. An ABORT that arrives meanwhile frees the pages (every writer
-        noticed) and the rest of the checks never run."""
-        req.transfer_ms = 1e3 * (self.clock.now() - req.planned_at)
-        times = [n.prefill_ms for n in req.notices.values() if n.prefill_ms is not None]
-        req.prefill_ms = max(times) if times else None
-        self.rt.faults.raise_at("owner-notice", f"prompt_len={req.prompt_len}")
-        if self.unsafe:
-            self._feed(req, OwnerEvent.VERIFIED)
-            return
-        run_in_slices(
-            self.rt,
-            req.rid,
-            self._verify_steps(req),
-            VERIFY_SLICE_S,
-            wanted=lambda: req.state is OwnerState.VERIFYING,
-            then=lambda: self._feed(req, OwnerEvent.VERIFIED),
-        )
-
-    def _verify_steps(self, req: OwnedRequest) -> Iterator[None]:
-        try:
-            yield from self._verify(req)
-        except IntegrityError as exc:
-            req.error = f"integrity: {exc}"
-            self._feed(req, OwnerEvent.CORRUPT)
-
-    def _verify(self, req: OwnedRequest) -> Iterator[None]:
-        """I5 for every writer's notice, by :mod:`kvferry.engine.verify`: the prompt's
-        length, exactly the pages the prompt needs (this request's pages and generations,
-        in order) and the bytes those pages hold for the writer's heads; then, unless
-        integrity checks are off, the canaries and the checksums of what landed, a slice
-        of pages a step. Raises IntegrityError."""
-        need = pages_needed(req.prompt_len, 0, self.pool.page_size)
-        mine = req.grants[:need]
-        for w in req.writers:
-            n = req.notices[w]
-            lo, hi = head_range(req.writers.index(w), len(req.writers), self.pool.kv_heads)
-            view = self.pool.kv[:, :, :, lo:hi]
-            slice_bytes = view[0].numel() * view.element_size()
-            planned = Planned(
-                req.rid,
-                req.prompt_len,
-                [g.page for g in mine],
-                [g.generation for g in mine],
-                need * slice_bytes,
-            )
-            notice = VerifyNotice(w, n.tokens, n.pages, n.generations, n.checksums, n.bytes)
-            check_notice(planned, notice)
-            if not self.integrity:
-                continue
-            check_canaries(planned, self.canaries.rows(notice.pages))
-            per_step = max(1, CHECKSUM_SLICE_BYTES // slice_bytes)
-            yield from checksum_steps(
-                planned, notice, functools.partial(page_checksums, view), per_step
-            )
-
     # -------------------------------------------------------------- decoding
     def step(self) -> bool:
         """One decode step for up to ``max_batch`` decoding requests; False if none. An
@@ -397,7 +363,7 @@ class DecodeRank(RankBooks):
         if not batch:
             return False
         try:
-            self._step(batch)
+            self.path.step(batch)
         except Exception as exc:
             reason = f"decode step on rank {self.rt.rank} failed: {type(exc).__name__}: {exc}"
             log.error("requests %s: %s", [r.rid for r in batch], reason, exc_info=exc)
@@ -409,139 +375,6 @@ class DecodeRank(RankBooks):
                         functools.partial(self.fail_request, r.rid, reason),
                     )
         return True
-
-    def _page_table(self, batch: list[OwnedRequest]) -> torch.Tensor:
-        """``[batch, width]`` int32: each request's pages, padded (never read past its
-        sequence)."""
-        width = max(len(r.grants) for r in batch)
-        table = np.empty((len(batch), width), dtype=np.int32)
-        for i, r in enumerate(batch):
-            pages = r.page_row
-            table[i, : len(pages)] = pages
-            table[i, len(pages) :] = pages[0]
-        return torch.from_numpy(table)
-
-    def _still_owned(
-        self,
-        batch: list[OwnedRequest],
-        table: torch.Tensor,
-        *,
-        written_only: bool = False,
-        checked: PageOwnership | None = None,
-    ) -> list[int]:
-        """The indices in ``batch`` of the requests whose every page about to be read
-        (prompt and answer so far, and the position this step writes) still carries their
-        canary; each other one fails with the I5 error, before this step gives it a token.
-
-        By default the torch reference checks every such page now, before the step (the
-        CPU path). On CUDA the decode kernel checks the pages as it reads them: before the
-        step only the page each request's step writes is checked here (``written_only``:
-        one canary row per request, so no step writes a token into a page that is not
-        its request's), and after it ``checked`` holds the flags the kernel raised, read
-        here (one sync) and acted on the same way."""
-        from kvferry.engine.kernels import ownership as kinds
-
-        if checked is None:
-            gens = torch.zeros(table.shape, dtype=torch.int64)
-            for i, r in enumerate(batch):
-                gens[i, : len(r.grants)] = r.generation_row
-            rids = torch.tensor([r.rid_hash for r in batch], dtype=torch.int64)
-            checked = PageOwnership.create(self.canaries.table, rids, gens)
-            seq_lens = torch.tensor([r.prompt_len + len(r.generated) for r in batch])
-            num_pages = self.pool.num_pages
-            if not written_only:
-                check_ownership_reference(table, seq_lens, self.pool.page_size, num_pages, checked)
-            else:
-                width = table.shape[1]
-                index = (seq_lens - 1) // self.pool.page_size  # the logical page written
-                col = index.clamp(max=width - 1)
-                rows = torch.arange(len(batch))
-                page = table[rows, col].to(torch.int64)
-                outside = (page < 0) | (page >= num_pages)
-                canary = checked.canaries[page.clamp(0, num_pages - 1)]
-                bits = (
-                    torch.where(canary[:, 0] != rids, kinds.FOREIGN_REQUEST, 0)
-                    | torch.where(canary[:, 1] != gens[rows, col], kinds.STALE_GENERATION, 0)
-                    | torch.where(canary[:, 2] != index, kinds.WRONG_INDEX, 0)
-                )
-                bits = torch.where(outside, kinds.OUT_OF_POOL, bits)
-                bits = torch.where(index >= width, kinds.BEYOND_TABLE, bits)
-                checked.errors |= bits.to(torch.int32)
-                first_page = index.clamp(max=width)  # as the reference: the width when beyond
-                checked.first_bad.copy_(torch.where(bits != 0, first_page, checked.first_bad))
-        failures = checked.failures()
-        bad = {b for b, _, _ in failures}
-        for b, bits_set, first in failures:
-            r = batch[b]
-            page_id = r.pages[first] if first < len(r.pages) else "-"
-            exc = IntegrityError(
-                r.rid,
-                f"page ownership check at decode step "
-                f"{len(r.generated)}: {describe_kinds(bits_set)} (logical "
-                f"page {first}, page {page_id})",
-            )
-            r.error = f"integrity: {exc}"
-            self._feed(r, OwnerEvent.CORRUPT)  # every writer noticed: nothing more can land
-        return [i for i in range(len(batch)) if i not in bad]
-
-    def _step(self, batch: list[OwnedRequest]) -> None:
-        """One decode step. With integrity checks on, every page a request reads is
-        checked against its canary: on the CPU by the torch reference before the step; when
-        the pool's attention runs the kernels (CUDA) inside the step, in the same kernel
-        pass that reads the pages (``ownership=`` through the model to the dispatcher),
-        the flags read after the step and each flagged request failed without its token."""
-        from kvferry.engine.kernels import dispatch
-
-        device = self.pool.kv.device
-        table = self._page_table(batch)
-        fused = self.integrity and dispatch.use_triton(self.pool.kv)
-        if self.integrity:
-            keep = (
-                self._still_owned(batch, table, written_only=True)
-                if fused
-                else self._still_owned(batch, table)
-            )
-            if len(keep) < len(batch):
-                if not keep:
-                    return
-                batch, table = [batch[i] for i in keep], table[keep]
-        step_args: dict[str, Any] = {}
-        if fused:
-            gens = torch.zeros(table.shape, dtype=torch.int64)
-            for i, r in enumerate(batch):
-                gens[i, : len(r.grants)] = r.generation_row
-            rids = torch.tensor([r.rid_hash for r in batch], dtype=torch.int64)
-            step_args["ownership"] = PageOwnership.create(self.canaries.on(device), rids, gens)
-        positions = torch.tensor([r.prompt_len - 1 + len(r.generated) for r in batch])
-        inputs = torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch])
-        prompt_lens = torch.tensor([r.prompt_len for r in batch])
-        if self.rt.faults.enabled:
-            self.rt.faults.before_decode_step([f"prompt_len={r.prompt_len}" for r in batch])
-        with torch.no_grad():
-            out = self.model.decode_step(
-                self.pool.kv, table.to(device), positions, inputs, prompt_lens, **step_args
-            ).tolist()
-        if fused:  # the kernel's flags: a flagged request fails and gets no token
-            keep = self._still_owned(batch, table, checked=step_args["ownership"])
-            if len(keep) < len(batch):
-                batch, out = [batch[i] for i in keep], [out[i] for i in keep]
-        for r, tok in zip(batch, out, strict=True):
-            r.generated.append(int(tok))
-            r.unsent.append(int(tok))
-            finished = len(r.generated) >= r.max_tokens or (
-                self.model.stop_token is not None and tok == self.model.stop_token
-            )
-            if finished or len(r.unsent) >= TOKEN_FLUSH or len(r.generated) == 1:
-                self.rt.send(
-                    self.router,
-                    m.TOKENS,
-                    rid=r.rid,
-                    offset=len(r.generated) - len(r.unsent),
-                    tokens=r.unsent,
-                )
-                r.unsent = []
-            if finished:
-                self._feed(r, OwnerEvent.FINISHED)
 
     # -------------------------------------------------------------- abort
     def _on_abort(self, msg: Message) -> None:
@@ -741,6 +574,7 @@ class DecodeRank(RankBooks):
             sorted(req.book.fenced - req.book.acked),
             waited_s,
         )
+        self.on_stuck(req, waited_s)
 
     def _end_requests_of_router(self, old, new) -> None:
         reason = (

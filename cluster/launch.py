@@ -10,6 +10,8 @@ cluster's rendezvous store (:mod:`.store`), each job restarted on its own:
     torchrun --nproc-per-node 1 --max-restarts 3 -m kvferry.cluster.launch \
         --store 127.0.0.1:29400 --world 4 --first-rank 1 [serve options]   # one job
 
+or with ``--store etcd://HOST:PORT,...`` an etcd cluster instead of the store process.
+
 Rank 0 is the router and front door, then prefill ranks, then decode ranks (see
 :mod:`.topology`). Each rank builds its transfer engine and pool, checks the pool's
 measured capacity against the context length (I3), publishes its card, reads everyone
@@ -67,7 +69,7 @@ from .rendezvous import (
 )
 from .router import Router
 from .runtime import RankRuntime
-from .store import StoreAddressError, connect
+from .store import StoreAddressError, StoreError, spec_of
 from .supervise import fork_rank
 from .topology import Role, Topology, head_range
 from .wakeup import EngineWaker
@@ -123,8 +125,9 @@ def join_domain(cfg: ServeConfig, trust: trusts.Trust) -> tuple[int, int, Any]:
             f"--first-rank {cfg.first_rank}) fall outside a world of {cfg.world}"
         )
     rank = cfg.first_rank + job_rank
-    fork_rank(rank, cfg.store or "", trust)
-    return rank, cfg.world, connect(cfg.store or "")
+    spec = spec_of(cfg)  # a bad --store stops the start before the fork
+    fork_rank(rank, spec, trust)
+    return rank, cfg.world, spec.connect()
 
 
 def use_cluster_interface(devices: str | None, env=os.environ) -> str | None:
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     replaced = use_cluster_interface(cfg.cluster_interface)
     try:
         rank, world, store = init_distributed() if cfg.store is None else join_domain(cfg, trust)
-    except (ValueError, StoreAddressError) as exc:
+    except (ValueError, StoreAddressError, StoreError) as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -370,7 +373,7 @@ def serve_worker(
             integrity=cfg.integrity,
         )
     else:
-        worker = DecodeRank(
+        worker = DecodeRank.serving(
             runtime,
             model,
             pool,

@@ -218,7 +218,7 @@ def _child(
             rt, NullModel(), pool, seg, (0, KV_HEADS), router=0, integrity=False
         )
     else:
-        worker = DecodeRank(
+        worker = DecodeRank.serving(
             rt,
             NullModel(),
             pool,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_protocol_units import _assign_and_notice_fields, _owner
 
-import kvferry.cluster.decode as decode_mod
+import kvferry.cluster.decode_path as decode_mod
 import kvferry.engine.replay as replay_mod
 from kvferry.cluster import messages as m
 from kvferry.engine.integrity import Canary, request_id_hash
@@ -58,11 +58,11 @@ def test_the_step_picks_the_fused_check_on_cuda_and_the_reference_elsewhere(
     if on_cuda:
         assert recorded["reference"] == [] and recorded["attention"]
         assert all(o is not None for o in recorded["attention"])
-        assert recorded["attention"][0].canaries.data_ptr() == owner.canaries.table.data_ptr()
+        assert recorded["attention"][0].canaries.data_ptr() == owner.path.canaries.table.data_ptr()
     else:
         assert len(recorded["reference"]) == 1 and recorded["attention"] == [None]
     # a page read (not the one written) loses its owner: the next step fails the request
-    owner.canaries.stamp([pages[1]], [Canary(request_id_hash("another"), gens[1], 1)])
+    owner.path.canaries.stamp([pages[1]], [Canary(request_id_hash("another"), gens[1], 1)])
     rt.sent.clear()
     recorded["attention"].clear()
     owner.step()
@@ -85,7 +85,7 @@ def test_on_cuda_the_page_a_step_writes_is_checked_before_the_step(recorded, mon
     pages, gens = _decoding(owner, rt)
     # compared as bits: the pool is torch.empty, and its garbage may hold NaNs
     before = owner.pool.kv[pages[2]].clone().view(torch.uint8)
-    owner.canaries.stamp([pages[2]], [Canary(request_id_hash("another"), gens[2], 2)])
+    owner.path.canaries.stamp([pages[2]], [Canary(request_id_hash("another"), gens[2], 2)])
     rt.sent.clear()
     recorded["attention"].clear()
     owner.step()

@@ -53,7 +53,7 @@ def test_the_ranks_install_exactly_their_tables():
 
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     owner_rt, writer_rt = _Installed(), _Installed()
-    DecodeRank(
+    DecodeRank.serving(
         owner_rt,
         model,
         KVPool(model.pool_config(16, 8)),

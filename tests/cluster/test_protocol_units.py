@@ -12,6 +12,7 @@ import pytest
 
 from kvferry.cluster import messages as m
 from kvferry.cluster.decode import DecodeRank, OwnerState
+from kvferry.cluster.decode_path import DecodePath
 from kvferry.cluster.faults import FaultPlan
 from kvferry.cluster.metrics import ClusterMetrics
 from kvferry.cluster.prefill import PrefillRank
@@ -310,7 +311,7 @@ def _owner(
     """Decode rank 2 over ``rt`` (default: a TimedRuntime of its own)."""
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     rt = rt or TimedRuntime(rank=2)
-    owner = DecodeRank(
+    owner = DecodeRank.serving(
         rt,
         model,
         KVPool(model.pool_config(16, 64)),
@@ -551,7 +552,7 @@ def test_a_page_that_loses_its_owner_mid_decode_fails_the_request_at_the_next_st
 
     if not checked:
         monkeypatch.setattr(
-            DecodeRank, "_still_owned", lambda self, batch, table: list(range(len(batch)))
+            DecodePath, "_still_owned", lambda self, batch, table: list(range(len(batch)))
         )
     owner, rt = _owner(integrity=True)
     notice = _assign_and_notice_fields(owner, rt, "r11", checksums=True)
@@ -559,7 +560,7 @@ def test_a_page_that_loses_its_owner_mid_decode_fails_the_request_at_the_next_st
     rt.deliver(m.NOTICE, src=1, **notice)
     rt.pump()
     assert owner.busy() and owner.step()  # verified, decoding
-    owner.canaries.stamp([pages[1]], [Canary(request_id_hash("another"), gens[1], 1)])
+    owner.path.canaries.stamp([pages[1]], [Canary(request_id_hash("another"), gens[1], 1)])
     rt.sent.clear()
     owner.step()
     if not checked:

@@ -64,25 +64,23 @@ def test_every_scenario_is_safe_at_the_small_scale(name):
 
 
 def test_the_real_tables_run_the_rank_code():
-    """The simulated ranks are the service's rank classes (their handlers and effects):
-    a simulated writer is the service's PrefillRank itself, with the writer driver,
-    over a simulated data path that keeps the service's notice and batch settling."""
+    """The simulated ranks are the service's rank classes themselves (their handlers,
+    their drivers' effects), over simulated data paths that keep the service's notice,
+    batch settling and I5 verdict feeding."""
     from kvferry.cluster.decode import DecodeRank
-    from kvferry.cluster.harness.simulate.ranks import SimDecodeRank, SimWritePath
+    from kvferry.cluster.harness.simulate.ranks import SimReadPath, SimWritePath
     from kvferry.cluster.prefill import PrefillRank
     from kvferry.cluster.prefill_path import WritePath
     from kvferry.engine.protocol.owner_driver import OwnerDriver
     from kvferry.engine.protocol.writer_driver import WriterDriver
 
-    assert issubclass(SimDecodeRank, DecodeRank)
-    for name in ("_init_driver", "_on_assign", "_on_notice", "_on_abort", "_on_ack", "_abort"):
-        assert getattr(SimDecodeRank, name) is getattr(DecodeRank, name)
     world = World(small("steady"))
+    assert world.owners and all(type(r) is DecodeRank for r in world.owners.values())
     assert all(type(r.driver) is OwnerDriver for r in world.owners.values())
-    w = world.writers
-    assert w and all(type(r) is PrefillRank for r in w.values())
-    assert all(type(r.driver) is WriterDriver for r in w.values())
-    assert all(type(r.path) is SimWritePath for r in w.values())
+    assert all(type(r.path) is SimReadPath for r in world.owners.values())
+    assert world.writers and all(type(r) is PrefillRank for r in world.writers.values())
+    assert all(type(r.driver) is WriterDriver for r in world.writers.values())
+    assert all(type(r.path) is SimWritePath for r in world.writers.values())
     for name in ("_send_notice", "_on_written", "_post_next", "_plan_covers", "stop_posting"):
         assert getattr(SimWritePath, name) is getattr(WritePath, name)
 

@@ -350,7 +350,7 @@ def _quarantined_owner(trust: Trust) -> tuple[DecodeRank, RankRuntime, _Engine]:
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     engine = _Engine()
     rt = RankRuntime(2, engine, _cards(), trust=trust)
-    owner = DecodeRank(
+    owner = DecodeRank.serving(
         rt, model, KVPool(model.pool_config(16, 64)), router=0, transfer_timeout_s=30,
         abort_deadline_s=30, integrity=False,
     )  # fmt: skip

@@ -111,7 +111,7 @@ def decode_steps(batches=(1, 2, 4, 8, 16, 32), rounds: int = 60) -> dict[str, An
     cfg, model, pool = _cluster_parts()
     per_batch: dict[int, list[float]] = {}
     for n in batches:
-        rank = DecodeRank(
+        rank = DecodeRank.serving(
             _StubRuntime(),  # type: ignore[arg-type]
             model,
             pool,
@@ -123,7 +123,7 @@ def decode_steps(batches=(1, 2, 4, 8, 16, 32), rounds: int = 60) -> dict[str, An
             rid = f"cal-{n}-{i}"
             req = OwnedRequest(rid, 256, 10_000, [1], 7)
             req.grants = rank.allocator.allocate(rid, (256 + 256) // cfg.page_size)
-            rank.canaries.stamp(req.pages, expected_canaries(rid, req.grants))
+            rank.path.canaries.stamp(req.pages, expected_canaries(rid, req.grants))  # type: ignore[attr-defined]
             model.prefill(pool.kv, list(range(256)), req.pages[: 256 // cfg.page_size])
             req.book.state = OwnerState.DECODING
             rank.reqs[rid] = req

@@ -42,18 +42,12 @@ import numpy as np
 
 from kvferry.cluster import messages as m
 from kvferry.cluster.batching import BatchSizer
-from kvferry.cluster.decode import (
-    CHECKSUM_SLICE_BYTES,
-    OWNER_RECEIVES,
-    VERIFY_SLICE_S,
-    DecodeRank,
-    OwnedRequest,
-)
+from kvferry.cluster.decode import DecodeRank, OwnedRequest
+from kvferry.cluster.decode_path import CHECKSUM_SLICE_BYTES, VERIFY_SLICE_S, ReadPath
 from kvferry.cluster.faults import GO, Decision, PointDecision
 from kvferry.cluster.prefill import PrefillRank, WriteJob
 from kvferry.cluster.prefill_path import COMPUTING, PREFILL_SLICE_S, WritePath
 from kvferry.cluster.runtime import DRAIN_S, ControlCounters
-from kvferry.engine.protocol import owner as owner_core
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
 from kvferry.engine.protocol.words import Kind
@@ -184,13 +178,6 @@ class SimFaults:
         return GO
 
     def forget(self, rid: str) -> None:
-        return None
-
-
-class _NoCanaries:
-    """The canary table is page data (checked by the I5 checks the simulator skips)."""
-
-    def stamp(self, pages: Any, canaries: Any) -> None:
         return None
 
 
@@ -488,74 +475,48 @@ class _WorldClock:
         return self._clock.now
 
 
-class SimDecodeRank(DecodeRank):
+class SimReadPath(ReadPath):
+    """The owner's data path in the simulated world: the I5 checks take ``verify_s``
+    (occupying the rank, in slices, when the service model is on) and pass, then the
+    request decodes ``max_tokens`` steps of ``decode_step_s`` (the batch the rank steps
+    counted), with TOKENS after the first step and at the end. An abort's clock starts
+    when the rank began handling it (the service model)."""
+
     def __init__(
-        self,
-        runtime: SimRuntime,
-        pool: SimPool,
-        router: int,
-        times: RankTimes,
-        *,
-        transfer_timeout_s: float,
-        abort_deadline_s: float,
-        unsafe: bool = False,
-        release_on_sever: bool = False,
+        self, runtime: SimRuntime, pool: SimPool, router: int, times: RankTimes, *, unsafe: bool
     ) -> None:
-        # DecodeRank.__init__'s attributes, without a model, a KV pool or a canary table.
-        self.rt = runtime  # type: ignore[assignment]
+        self.rt = runtime
         self.sim = runtime
-        self.model = None
-        self.pool = pool  # type: ignore[assignment]
+        self.pool = pool
         self.router = router
-        self.transfer_timeout_s = transfer_timeout_s
-        self.abort_deadline_s = abort_deadline_s
-        self.integrity = not unsafe
-        self.unsafe = unsafe
-        self.max_batch = 64
-        self.release_on_sever = release_on_sever
-        self.clock = _WorldClock(runtime)
-        self._init_driver(owner_core.owner_table(unsafe=unsafe, release_on_sever=release_on_sever))
-        world = runtime.world
-        self.allocator = WatchedAllocator(
-            pool.num_pages, unsafe=unsafe, truth=world.truth, rank=runtime.rank, clock=world.clock
-        )
-        self.canaries = _NoCanaries()  # type: ignore[assignment]
-        self.reqs: dict[str, OwnedRequest] = {}
-        self._init_books()
         self.times = times
+        self.unsafe = unsafe
+        self.clock = _WorldClock(runtime)
         self._decoding = 0  # requests in DECODING: the batch the rank steps
-        runtime.worker = self
-        self.handlers = {
-            Kind.ASSIGN: self._on_assign,
-            Kind.NOTICE: self._on_notice,
-            Kind.ABORT: self._on_abort,
-            Kind.ABORT_ACK: self._on_ack,
-        }
-        assert set(self.handlers) == OWNER_RECEIVES
-        runtime.set_handlers(self.handlers, role="decode")
-        runtime.on_request_error = self.fail_request
-        self.on_release = functools.partial(world.on_owner_release, runtime.rank)
 
     @property
     def now(self) -> float:
         return self.sim.clock.now
 
-    def _observe(self, req: OwnedRequest, event: OwnerEvent, before: OwnerState, move) -> None:
-        """DecodeRank._observe, with the abort timed from when this rank began handling
-        it (the service model) and the decoding batch the rank steps counted."""
-        if event in _ABORTS and before not in _HELD:
-            req.abort_started = req.abort_started or self.sim.began()
-        after = req.book.state
-        if (before is OwnerState.DECODING) != (after is OwnerState.DECODING):
-            self._decoding += 1 if after is OwnerState.DECODING else -1
-            if self.sim.svc is not None:
-                n = self._decoding
-                self.sim.bg.stepping(self.now, self.times.decode_step(n) if n else None)
-            if after is OwnerState.DECODING:  # verified: the first step's token comes next
-                step = self.times.decode_step(self._decoding)
-                self.rt.call_later(step, lambda: self._first_token(req))
+    def stamp(self, req: OwnedRequest) -> None:
+        pass  # no page bytes: the world's truth tracks every page's writer instead
 
-    def _verify_and_start(self, req: OwnedRequest) -> None:
+    def event_time(self) -> float:
+        return self.sim.began()
+
+    def moved(self, req: OwnedRequest, before: OwnerState) -> None:
+        after = req.book.state
+        if (before is OwnerState.DECODING) == (after is OwnerState.DECODING):
+            return
+        self._decoding += 1 if after is OwnerState.DECODING else -1
+        if self.sim.svc is not None:
+            n = self._decoding
+            self.sim.bg.stepping(self.now, self.times.decode_step(n) if n else None)
+        if after is OwnerState.DECODING:  # verified: the first step's token comes next
+            step = self.times.decode_step(self._decoding)
+            self.rt.call_later(step, lambda: self._first_token(req))
+
+    def verify(self, req: OwnedRequest) -> None:
         req.transfer_ms = 1e3 * (self.now - req.planned_at)
         times = [n.prefill_ms for n in req.notices.values() if n.prefill_ms is not None]
         req.prefill_ms = max(times) if times else None
@@ -572,7 +533,7 @@ class SimDecodeRank(DecodeRank):
     def _verified(self, req: OwnedRequest) -> None:
         if req.state is not OwnerState.VERIFYING:
             return  # aborted meanwhile: the rest of the checks never run
-        self._feed(req, OwnerEvent.VERIFIED)  # DECODING: _observe starts the steps
+        self.driver.feed(req, OwnerEvent.VERIFIED)  # DECODING: moved() starts the steps
 
     def _first_token(self, req: OwnedRequest) -> None:
         if req.state is not OwnerState.DECODING:
@@ -581,7 +542,7 @@ class SimDecodeRank(DecodeRank):
         self.rt.send(self.router, m.TOKENS, rid=req.rid, offset=0, tokens=[0])
         rest = req.max_tokens - 1
         if rest <= 0:
-            self._feed(req, OwnerEvent.FINISHED)
+            self.driver.feed(req, OwnerEvent.FINISHED)
             return
         step = self.times.decode_step(self._decoding)
         self.rt.call_later(rest * step, lambda: self._last_tokens(req))
@@ -592,10 +553,44 @@ class SimDecodeRank(DecodeRank):
         rest = req.max_tokens - len(req.generated)
         req.generated.extend([0] * rest)
         self.rt.send(self.router, m.TOKENS, rid=req.rid, offset=1, tokens=[0] * rest)
-        self._feed(req, OwnerEvent.FINISHED)
+        self.driver.feed(req, OwnerEvent.FINISHED)
 
-    def stuck(self, req: OwnedRequest, waited_s: float) -> None:
-        self.sim.world.count("stuck_warnings")
+
+def sim_decode_rank(
+    runtime: SimRuntime,
+    pool: SimPool,
+    router: int,
+    times: RankTimes,
+    *,
+    transfer_timeout_s: float,
+    abort_deadline_s: float,
+    unsafe: bool = False,
+    release_on_sever: bool = False,
+) -> DecodeRank:
+    """The service's owner over the simulated runtime and :class:`SimReadPath`: the
+    world's allocator (which checks every page against the truth) and its report of
+    every release."""
+    world = runtime.world
+    path = SimReadPath(runtime, pool, router, times, unsafe=unsafe)
+    allocator = WatchedAllocator(
+        pool.num_pages, unsafe=unsafe, truth=world.truth, rank=runtime.rank, clock=world.clock
+    )
+    rank = DecodeRank(
+        runtime,  # type: ignore[arg-type]
+        path,
+        pool,
+        router,
+        transfer_timeout_s=transfer_timeout_s,
+        abort_deadline_s=abort_deadline_s,
+        unsafe=unsafe,
+        release_on_sever=release_on_sever,
+        clock=path.clock,
+        allocator=allocator,
+    )
+    rank.on_release = functools.partial(world.on_owner_release, runtime.rank)
+    rank.on_stuck = lambda req, waited_s: world.count("stuck_warnings")
+    runtime.worker = rank
+    return rank
 
 
 # ---------------------------------------------------------------------- the writer

@@ -22,10 +22,10 @@ from .network import Layout, Network
 from .ranks import (
     SimBatch,
     SimCard,
-    SimDecodeRank,
     SimFaults,
     SimPool,
     SimRuntime,
+    sim_decode_rank,
     sim_prefill_rank,
 )
 from .router import SimRouter
@@ -103,7 +103,7 @@ class World:
         )
         pool = SimPool(wl.decode_pages, wl.page_size, wl.page_bytes)
         self.owners = {
-            r: SimDecodeRank(
+            r: sim_decode_rank(
                 self.runtimes[r],
                 pool,
                 0,

@@ -1,0 +1,302 @@
+"""The decode rank's data path: I5 on a request's arrival, and the decode steps.
+
+It is the owner driver's :class:`~kvferry.engine.protocol.ports.OwnerDataPath` port and
+the part of the decode rank that reads pages: it checks what landed (length, planned
+pages and generations, bytes, canaries and checksums, in slices), stamps each allocated
+page's canary, and runs the model's decode steps with the ownership check; what comes of
+each (VERIFIED, CORRUPT, FINISHED) goes back to the driver as an event, and tokens go to
+the router. It moves no book itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvferry.engine.admission import pages_needed
+from kvferry.engine.integrity import (
+    CanaryTable,
+    IntegrityError,
+    expected_canaries,
+    page_checksums,
+)
+from kvferry.engine.kernels.ownership import (
+    PageOwnership,
+    check_ownership_reference,
+    describe_kinds,
+)
+from kvferry.engine.pool import KVPool
+from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
+from kvferry.engine.protocol.ports import Clock
+from kvferry.engine.verify import Notice as VerifyNotice
+from kvferry.engine.verify import Planned, check_canaries, check_notice, checksum_steps
+
+from . import messages as m
+from .sliced import run_in_slices
+from .topology import head_range
+
+if TYPE_CHECKING:
+    from kvferry.engine.protocol.owner_driver import OwnerDriver
+
+    from .decode import OwnedRequest
+
+log = logging.getLogger("kvferry.cluster")
+
+TOKEN_FLUSH = 16
+VERIFY_SLICE_S = 0.005  # longest the checks run before the loop polls again
+CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step of the checks
+
+
+class ReadPath:
+    """What every owner's data path offers its rank, the service's and the simulator's."""
+
+    rt: Any  # the rank's runtime (RankRuntime, or the simulator's)
+    clock: Clock
+    driver: OwnerDriver  # set by the rank that hosts this path
+
+    def bind(self, driver: OwnerDriver) -> None:
+        self.driver = driver
+
+    def stamp(self, req: OwnedRequest) -> None:
+        """Write the request's canary into each of its allocated pages' tags."""
+        raise NotImplementedError
+
+    def verify(self, req: OwnedRequest) -> None:
+        """I5 on arrival; ends in VERIFIED or CORRUPT, fed to the driver."""
+        raise NotImplementedError
+
+    def step(self, batch: list[OwnedRequest]) -> None:
+        """One decode step for ``batch`` (all DECODING)."""
+        raise NotImplementedError
+
+    def event_time(self) -> float:
+        """When the event being handled began (an abort's clock starts there)."""
+        return self.clock.now()
+
+    def moved(self, req: OwnedRequest, before: OwnerState) -> None:
+        """``req`` moved by the table from ``before`` (a path may start work on it)."""
+
+
+class DecodePath(ReadPath):
+    """The service's path: ``model`` decodes over ``pool``'s pages, checked against the
+    canary table (I5) before and during each step."""
+
+    def __init__(
+        self,
+        runtime: Any,
+        model: Any,
+        pool: KVPool,
+        router: int,
+        *,
+        clock: Clock,
+        integrity: bool = True,
+        unsafe: bool = False,
+    ) -> None:
+        self.rt = runtime
+        self.model = model
+        self.pool = pool
+        self.router = router
+        self.clock = clock
+        self.integrity = integrity and not unsafe  # checksums and canaries
+        self.unsafe = unsafe  # the broken mode: no checks at all
+        self.canaries = CanaryTable(pool.num_pages)
+
+    def stamp(self, req: OwnedRequest) -> None:
+        self.rt.faults.raise_at("owner-assign", f"prompt_len={req.prompt_len}")
+        self.canaries.stamp(req.pages, expected_canaries(req.rid, req.grants))
+
+    def verify(self, req: OwnedRequest) -> None:
+        """Verify (I5) in slices (a long prompt's checksums take seconds; see .sliced),
+        then decode. An ABORT that arrives meanwhile frees the pages (every writer
+        noticed) and the rest of the checks never run."""
+        req.transfer_ms = 1e3 * (self.clock.now() - req.planned_at)
+        times = [n.prefill_ms for n in req.notices.values() if n.prefill_ms is not None]
+        req.prefill_ms = max(times) if times else None
+        self.rt.faults.raise_at("owner-notice", f"prompt_len={req.prompt_len}")
+        if self.unsafe:
+            self.driver.feed(req, OwnerEvent.VERIFIED)
+            return
+        run_in_slices(
+            self.rt,
+            req.rid,
+            self._verify_steps(req),
+            VERIFY_SLICE_S,
+            wanted=lambda: req.state is OwnerState.VERIFYING,
+            then=lambda: self.driver.feed(req, OwnerEvent.VERIFIED),
+        )
+
+    def _verify_steps(self, req: OwnedRequest) -> Iterator[None]:
+        try:
+            yield from self._verify(req)
+        except IntegrityError as exc:
+            req.error = f"integrity: {exc}"
+            self.driver.feed(req, OwnerEvent.CORRUPT)
+
+    def _verify(self, req: OwnedRequest) -> Iterator[None]:
+        """I5 for every writer's notice, by :mod:`kvferry.engine.verify`: the prompt's
+        length, exactly the pages the prompt needs (this request's pages and generations,
+        in order) and the bytes those pages hold for the writer's heads; then, unless
+        integrity checks are off, the canaries and the checksums of what landed, a slice
+        of pages a step. Raises IntegrityError."""
+        need = pages_needed(req.prompt_len, 0, self.pool.page_size)
+        mine = req.grants[:need]
+        for w in req.writers:
+            n = req.notices[w]
+            lo, hi = head_range(req.writers.index(w), len(req.writers), self.pool.kv_heads)
+            view = self.pool.kv[:, :, :, lo:hi]
+            slice_bytes = view[0].numel() * view.element_size()
+            planned = Planned(
+                req.rid,
+                req.prompt_len,
+                [g.page for g in mine],
+                [g.generation for g in mine],
+                need * slice_bytes,
+            )
+            notice = VerifyNotice(w, n.tokens, n.pages, n.generations, n.checksums, n.bytes)
+            check_notice(planned, notice)
+            if not self.integrity:
+                continue
+            check_canaries(planned, self.canaries.rows(notice.pages))
+            per_step = max(1, CHECKSUM_SLICE_BYTES // slice_bytes)
+            yield from checksum_steps(
+                planned, notice, functools.partial(page_checksums, view), per_step
+            )
+
+    # -------------------------------------------------------------- decoding
+    def _page_table(self, batch: list[OwnedRequest]) -> torch.Tensor:
+        """``[batch, width]`` int32: each request's pages, padded (never read past its
+        sequence)."""
+        width = max(len(r.grants) for r in batch)
+        table = np.empty((len(batch), width), dtype=np.int32)
+        for i, r in enumerate(batch):
+            pages = r.page_row
+            table[i, : len(pages)] = pages
+            table[i, len(pages) :] = pages[0]
+        return torch.from_numpy(table)
+
+    def _still_owned(
+        self,
+        batch: list[OwnedRequest],
+        table: torch.Tensor,
+        *,
+        written_only: bool = False,
+        checked: PageOwnership | None = None,
+    ) -> list[int]:
+        """The indices in ``batch`` of the requests whose every page about to be read
+        (prompt and answer so far, and the position this step writes) still carries their
+        canary; each other one fails with the I5 error, before this step gives it a token.
+
+        By default the torch reference checks every such page now, before the step (the
+        CPU path). On CUDA the decode kernel checks the pages as it reads them: before the
+        step only the page each request's step writes is checked here (``written_only``:
+        one canary row per request, so no step writes a token into a page that is not
+        its request's), and after it ``checked`` holds the flags the kernel raised, read
+        here (one sync) and acted on the same way."""
+        from kvferry.engine.kernels import ownership as kinds
+
+        if checked is None:
+            gens = torch.zeros(table.shape, dtype=torch.int64)
+            for i, r in enumerate(batch):
+                gens[i, : len(r.grants)] = r.generation_row
+            rids = torch.tensor([r.rid_hash for r in batch], dtype=torch.int64)
+            checked = PageOwnership.create(self.canaries.table, rids, gens)
+            seq_lens = torch.tensor([r.prompt_len + len(r.generated) for r in batch])
+            num_pages = self.pool.num_pages
+            if not written_only:
+                check_ownership_reference(table, seq_lens, self.pool.page_size, num_pages, checked)
+            else:
+                width = table.shape[1]
+                index = (seq_lens - 1) // self.pool.page_size  # the logical page written
+                col = index.clamp(max=width - 1)
+                rows = torch.arange(len(batch))
+                page = table[rows, col].to(torch.int64)
+                outside = (page < 0) | (page >= num_pages)
+                canary = checked.canaries[page.clamp(0, num_pages - 1)]
+                bits = (
+                    torch.where(canary[:, 0] != rids, kinds.FOREIGN_REQUEST, 0)
+                    | torch.where(canary[:, 1] != gens[rows, col], kinds.STALE_GENERATION, 0)
+                    | torch.where(canary[:, 2] != index, kinds.WRONG_INDEX, 0)
+                )
+                bits = torch.where(outside, kinds.OUT_OF_POOL, bits)
+                bits = torch.where(index >= width, kinds.BEYOND_TABLE, bits)
+                checked.errors |= bits.to(torch.int32)
+                first_page = index.clamp(max=width)  # as the reference: the width when beyond
+                checked.first_bad.copy_(torch.where(bits != 0, first_page, checked.first_bad))
+        failures = checked.failures()
+        bad = {b for b, _, _ in failures}
+        for b, bits_set, first in failures:
+            r = batch[b]
+            page_id = r.pages[first] if first < len(r.pages) else "-"
+            exc = IntegrityError(
+                r.rid,
+                f"page ownership check at decode step "
+                f"{len(r.generated)}: {describe_kinds(bits_set)} (logical "
+                f"page {first}, page {page_id})",
+            )
+            r.error = f"integrity: {exc}"
+            self.driver.feed(r, OwnerEvent.CORRUPT)  # every writer noticed: nothing more can land
+        return [i for i in range(len(batch)) if i not in bad]
+
+    def step(self, batch: list[OwnedRequest]) -> None:
+        """One decode step. With integrity checks on, every page a request reads is
+        checked against its canary: on the CPU by the torch reference before the step; when
+        the pool's attention runs the kernels (CUDA) inside the step, in the same kernel
+        pass that reads the pages (``ownership=`` through the model to the dispatcher),
+        the flags read after the step and each flagged request failed without its token."""
+        from kvferry.engine.kernels import dispatch
+
+        device = self.pool.kv.device
+        table = self._page_table(batch)
+        fused = self.integrity and dispatch.use_triton(self.pool.kv)
+        if self.integrity:
+            keep = (
+                self._still_owned(batch, table, written_only=True)
+                if fused
+                else self._still_owned(batch, table)
+            )
+            if len(keep) < len(batch):
+                if not keep:
+                    return
+                batch, table = [batch[i] for i in keep], table[keep]
+        step_args: dict[str, Any] = {}
+        if fused:
+            gens = torch.zeros(table.shape, dtype=torch.int64)
+            for i, r in enumerate(batch):
+                gens[i, : len(r.grants)] = r.generation_row
+            rids = torch.tensor([r.rid_hash for r in batch], dtype=torch.int64)
+            step_args["ownership"] = PageOwnership.create(self.canaries.on(device), rids, gens)
+        positions = torch.tensor([r.prompt_len - 1 + len(r.generated) for r in batch])
+        inputs = torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch])
+        prompt_lens = torch.tensor([r.prompt_len for r in batch])
+        if self.rt.faults.enabled:
+            self.rt.faults.before_decode_step([f"prompt_len={r.prompt_len}" for r in batch])
+        with torch.no_grad():
+            out = self.model.decode_step(
+                self.pool.kv, table.to(device), positions, inputs, prompt_lens, **step_args
+            ).tolist()
+        if fused:  # the kernel's flags: a flagged request fails and gets no token
+            keep = self._still_owned(batch, table, checked=step_args["ownership"])
+            if len(keep) < len(batch):
+                batch, out = [batch[i] for i in keep], [out[i] for i in keep]
+        for r, tok in zip(batch, out, strict=True):
+            r.generated.append(int(tok))
+            r.unsent.append(int(tok))
+            finished = len(r.generated) >= r.max_tokens or (
+                self.model.stop_token is not None and tok == self.model.stop_token
+            )
+            if finished or len(r.unsent) >= TOKEN_FLUSH or len(r.generated) == 1:
+                self.rt.send(
+                    self.router,
+                    m.TOKENS,
+                    rid=r.rid,
+                    offset=len(r.generated) - len(r.unsent),
+                    tokens=r.unsent,
+                )
+                r.unsent = []
+            if finished:
+                self.driver.feed(r, OwnerEvent.FINISHED)

@@ -45,7 +45,12 @@ class ServeConfig:
     cluster_interface: str | None = None  # UCX_NET_DEVICES of every rank
     fault: list[str] = field(default_factory=list)  # fault hooks, e.g. "corrupt-page:rid-marker"
     # failure domains: each job (router, a prefill group, a decode rank) its own torchrun
-    store: str | None = None  # HOST:PORT of the cluster's rendezvous store (kvferry.cluster.store)
+    store: str | None = None  # the rendezvous store: HOST:PORT (a TCPStore) or etcd://...
+    store_ca: str | None = None  # etcd: TLS, the members' CA
+    store_cert: str | None = None  # etcd: TLS, this client's certificate and key
+    store_key: str | None = None
+    store_user: str | None = None  # etcd: authentication, a user and its password's file
+    store_password_file: str | None = None
     world: int | None = None  # ranks in the whole cluster (torchrun's world is one job's)
     first_rank: int = 0  # the cluster rank of this job's first process
 
@@ -196,9 +201,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--store",
         default=None,
-        metavar="HOST:PORT",
-        help="the cluster's rendezvous store (python -m kvferry.cluster.store); without it "
-        "every rank is one torchrun group that stops as a whole",
+        metavar="HOST:PORT|etcd://HOST:PORT,...[/PREFIX]",
+        help="the cluster's rendezvous store: a TCPStore (python -m kvferry.cluster.store) or "
+        "an etcd cluster (3.4+; every key under PREFIX/, default kvferry: one prefix per "
+        "cluster); without it every rank is one torchrun group that stops as a whole",
+    )
+    g.add_argument(
+        "--store-ca", default=None, metavar="FILE", help="etcd over TLS: the members' CA"
+    )
+    g.add_argument(
+        "--store-cert",
+        default=None,
+        metavar="FILE",
+        help="etcd over TLS: this client's certificate (for --client-cert-auth; no "
+        "CommonName: etcd's JSON gateway refuses one that has it)",
+    )
+    g.add_argument(
+        "--store-key", default=None, metavar="FILE", help="etcd over TLS: that certificate's key"
+    )
+    g.add_argument(
+        "--store-user", default=None, metavar="NAME", help="etcd authentication: the user"
+    )
+    g.add_argument(
+        "--store-password-file",
+        default=None,
+        metavar="FILE",
+        help="etcd authentication: the user's password, the file's first line",
     )
     g.add_argument(
         "--world",

@@ -10,7 +10,8 @@ SIGTERM or SIGINT the router's job is stopped first (it tells every rank to stop
 whatever is left, then the store. If the router's job ends, everything is stopped.
 
 On several hosts each runs the jobs of its own ranks (``--first-rank``, ``--nproc``) and
-node 0 hosts the store (``--host-store``); see ``scripts/serve-node.sh``.
+node 0 hosts the store (``--host-store``); see ``scripts/serve-node.sh``. With ``--store
+etcd://HOST:PORT,...`` the ranks meet on that etcd cluster and no store process is started.
 
 The store listens on the address of ``--store`` only (loopback for a cluster on one host).
 Every rank needs the cluster's secret (:mod:`.trust`): on one host (no ``--store``, or a
@@ -29,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from . import trust as trusts
+from .store import StoreAddressError, StoreKind, parse_store
 from .topology import Topology, TopologyError
 
 STOP_WAIT_S = 15.0
@@ -155,13 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--store",
         default=None,
-        metavar="HOST:PORT",
-        help="the cluster's rendezvous store (default: hosted here on a free port)",
+        metavar="HOST:PORT|etcd://HOST:PORT,...[/PREFIX]",
+        help="the cluster's rendezvous store (default: a TCPStore hosted here on a free "
+        "port); an etcd cluster is run by its operator, and its TLS and authentication go "
+        "to the ranks as serve options (--store-ca, --store-user, ...: kvferry serve --help)",
     )
     p.add_argument(
         "--host-store",
         action="store_true",
-        help="host the store given by --store here (node 0 of several hosts)",
+        help="host the TCPStore given by --store here (node 0 of several hosts)",
     )
     p.add_argument(
         "--secret-file",
@@ -192,10 +196,26 @@ def main(argv: list[str] | None = None) -> int:
     except (TopologyError, DomainPlanError) as exc:
         print(f"kvferry domains: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        spec = parse_store(args.store) if args.store is not None else None
+    except StoreAddressError as exc:
+        print(f"kvferry domains: error: {exc}", file=sys.stderr)
+        return 2
+    etcd = spec is not None and spec.kind is StoreKind.ETCD
+    if etcd and args.host_store:
+        print(
+            "kvferry domains: error: --host-store hosts a TCPStore; an etcd store is run by "
+            "its operator (--store etcd://... alone)",
+            file=sys.stderr,
+        )
+        return 2
+    # torch's TCPStore client logs a C++ warning with a backtrace at every failed call:
+    # a lost store is logged by kvferry itself, once and then every 30 s (store.py)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if args.secret_file:
         env[trusts.SECRET_FILE_ENV] = args.secret_file
-    one_host = world == args.nproc and (args.store is None or parse_host(args.store) in LOOPBACK)
+    one_host = world == args.nproc and (spec is None or spec.loopback())
     try:
         found = trusts.secret_from(secret_file_of(serve_args), env)
     except trusts.TrustError as exc:
@@ -212,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         env = trusts.with_secret(env)  # one host: a fresh secret for this cluster's ranks
     store_proc = None
     store = args.store
-    if store is None or args.host_store:
+    if not etcd and (store is None or args.host_store):
         if store is None:
             import socket
 

@@ -726,8 +726,10 @@ class Router:
         record new in the store's exit log), admit rejoined ones."""
         if self.rt.store is None:
             return
-        self.rt.refresh_cards()
-        self.rt.poll_exits()  # one store round trip unless someone exited
+        feed = getattr(self.rt.store, "feed", None)  # etcd: a watch on the records
+        if feed is None or feed.due():
+            self.rt.refresh_cards()
+            self.rt.poll_exits()  # one store round trip unless someone exited
         for rank in self.ledger.totals:
             if rank in self.rejoining or self.unhealthy.get(rank, "").startswith("exited"):
                 continue
@@ -738,6 +740,12 @@ class Router:
                     f"exited (pid {card.pid} on {card.host}, incarnation {card.incarnation:#x})",
                 )
         self._admit_rejoined()
+
+    def store_problem(self) -> str | None:
+        """Why the rendezvous store does not answer (``unreachable since 3.1 s: ...``), or
+        None: it answers, or there is none (one torchrun group)."""
+        problem = getattr(self.rt.store, "problem", None)
+        return problem() if problem is not None else None
 
     def check_heartbeats(self) -> None:
         self.check_liveness()
@@ -788,6 +796,7 @@ class Router:
             "awaiting_reports": self.waiting_for_reports(),
             "quarantined_requests": {r: sorted(s) for r, s in self.ledger.orphaned.items() if s},
             "unhealthy": self.unhealthy,
+            "store": self.store_problem() or "ok",
             "severed": sorted(self.severed),
             "rejoining": {r: f"{j.new_incarnation:#x}" for r, j in self.rejoining.items()},
             "rejoined": self.rejoined,

@@ -73,6 +73,7 @@ from .rendezvous import (
     exit_record,
     read_cards,
 )
+from .store import StoreError
 from .trust import Trust, process_trust
 
 Handlers = Mapping[Kind, Callable[[Message], None]]
@@ -314,6 +315,8 @@ class RankRuntime:
             self.counters.exit_records_refused += 1
             log.warning("rank %d: %s; rank %d is not taken as gone", self.rank, exc, rank)
             return False
+        except StoreError:  # the store's loss: logged once by the store's guard
+            return False
         except (RendezvousError, RuntimeError, OSError) as exc:
             log.warning("rank %d: cannot read rank %d's exit record: %s", self.rank, rank, exc)
             return False
@@ -328,6 +331,8 @@ class RankRuntime:
             return []
         try:
             fresh = self.exit_log.read_new(self.store, self.trust)
+        except StoreError:  # the store's loss: logged once by the store's guard
+            return []
         except (RendezvousError, RuntimeError, OSError) as exc:
             log.warning("rank %d: cannot read the exit log: %s", self.rank, exc)
             return []
@@ -362,6 +367,8 @@ class RankRuntime:
                 self.trust,
                 refused=refused,
             )
+        except StoreError:  # the store's loss: logged once by the store's guard
+            return []
         except (RendezvousError, RuntimeError, OSError) as exc:
             log.warning("rank %d: cannot read the cards from the store: %s", self.rank, exc)
             return []

@@ -18,20 +18,25 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from .hostid import this_host
 from .rendezvous import ExitRecord, card_key, open_card, publish_exit
 from .trust import Trust, process_trust
+
+if TYPE_CHECKING:
+    from .store import StoreSpec
 
 log = logging.getLogger("kvferry.cluster")
 
 CARD_WAIT_S = 5.0
 
 
-def fork_rank(rank: int, store_address: str, trust: Trust | None = None) -> None:
+def fork_rank(rank: int, store_address: str | StoreSpec, trust: Trust | None = None) -> None:
     """Return in the child (the rank); in the parent, wait for the child, publish its
-    exit (MAC'd with the cluster's ``trust``) and leave the process with the child's exit
-    code (never returns)."""
+    exit (MAC'd with the cluster's ``trust``) in the store at ``store_address``
+    (``HOST:PORT``, or a parsed ``--store`` with its TLS and authentication) and leave the
+    process with the child's exit code (never returns)."""
     trust = trust or process_trust()
     child = os.fork()
     if child == 0:
@@ -63,7 +68,7 @@ def _forward(child: int, sig: int, frame: object = None) -> None:
         pass
 
 
-def _publish(rank: int, pid: int, code: int, store_address: str, trust: Trust) -> None:
+def _publish(rank: int, pid: int, code: int, store_address: str | StoreSpec, trust: Trust) -> None:
     from .store import connect
 
     store = connect(store_address, timeout_s=CARD_WAIT_S)

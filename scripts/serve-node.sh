@@ -3,11 +3,15 @@
 # torchrun job per role group on this node, meeting the other nodes' jobs through the
 # rendezvous store that node 0 hosts. Ranks follow node order, so the router is on node 0.
 #
-#   scripts/serve-node.sh --nnodes N --node-rank R --rdzv-endpoint HOST:PORT [--nproc K] [-- SERVE OPTIONS...]
+#   scripts/serve-node.sh --nnodes N --node-rank R (--rdzv-endpoint HOST:PORT | --store etcd://...) [--nproc K] [-- SERVE OPTIONS...]
 #
 #   --nnodes N             nodes in the cluster
 #   --node-rank R          this node's index (0..N-1); node 0 runs the router and the store
 #   --rdzv-endpoint H:P    the store's address on node 0, reachable from every node
+#   --store etcd://H:P,... an etcd cluster as the store instead (3.4+, run by its operator;
+#                          /PREFIX after the hosts keeps clusters apart); its TLS and user
+#                          go after -- (--store-ca, --store-cert, --store-key, --store-user,
+#                          --store-password-file); no --rdzv-endpoint needed
 #   --nproc K              ranks on this node (default 2)
 #   --world W              ranks in the whole cluster (default N x K)
 #   --first-rank F         this node's first rank (default R x K)
@@ -22,14 +26,15 @@
 # ranks, e.g. `-- --transports rdma --cluster-interface mlx5_0:1,eth1 --host 10.0.0.1
 # --api-key-file key.txt`. See `kvferry serve --help` and README, "Threat model".
 set -euo pipefail
-case "${1:-}" in -h|--help|"") sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; [ -n "${1:-}" ] && exit 0 || exit 2;; esac
+case "${1:-}" in -h|--help|"") sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; [ -n "${1:-}" ] && exit 0 || exit 2;; esac
 nnodes=""; node_rank=""; endpoint=""; nproc=2; world=""; first=""; restarts=3; single=0
-rdzv_id=kvferry; serve_args=(); secret_file=""
+rdzv_id=kvferry; serve_args=(); secret_file=""; store=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --nnodes) nnodes="$2"; shift 2;;
         --node-rank) node_rank="$2"; shift 2;;
         --rdzv-endpoint) endpoint="$2"; shift 2;;
+        --store) store="$2"; shift 2;;
         --nproc) nproc="$2"; shift 2;;
         --world) world="$2"; shift 2;;
         --first-rank) first="$2"; shift 2;;
@@ -41,6 +46,11 @@ while [ $# -gt 0 ]; do
         *) echo "serve-node.sh: unknown option $1 (see --help)" >&2; exit 2;;
     esac
 done
+case "$store" in
+    ""|etcd://*) ;;
+    *) echo "serve-node.sh: --store takes etcd://HOST:PORT,... (a TCPStore is --rdzv-endpoint)" >&2; exit 2;;
+esac
+[ -n "$store" ] && [ "$single" = 0 ] && endpoint="${endpoint:-$store}"
 for v in nnodes node_rank endpoint; do
     [ -n "${!v}" ] || { echo "serve-node.sh: --${v//_/-} is required (see --help)" >&2; exit 2; }
 done
@@ -62,6 +72,6 @@ if [ "$single" = 1 ]; then
 fi
 world="${world:-$((nnodes * nproc))}"
 first="${first:-$((node_rank * nproc))}"
-host_store=(); [ "$node_rank" = 0 ] && host_store=(--host-store)
+host_store=(); [ "$node_rank" = 0 ] && [ -z "$store" ] && host_store=(--host-store)
 exec python -m kvferry.cluster.domains --nproc "$nproc" --world "$world" --first-rank "$first" \
-    --store "$endpoint" "${host_store[@]}" --max-restarts "$restarts" -- "${serve_args[@]}"
+    --store "${store:-$endpoint}" "${host_store[@]}" --max-restarts "$restarts" -- "${serve_args[@]}"

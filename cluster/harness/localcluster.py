@@ -484,12 +484,14 @@ def start_domains(
     max_restarts: int = 1,
     startup_s: float = STARTUP_TIMEOUT_S,
     api_key: str | None = None,
+    store: str | None = None,
 ) -> DomainCluster:
     """A local cluster of failure domains (see :class:`DomainCluster`), ``args`` going to
-    every rank; waits for /health."""
+    every rank; waits for /health. ``store``: a store already running (``etcd://...``,
+    its TLS and user among ``args``) instead of a TCPStore process of the cluster's own."""
     return _with_port_retries(
         lambda: _start_domains_once(
-            prefill, decode, tp, args, log_dir, max_restarts, startup_s, api_key
+            prefill, decode, tp, args, log_dir, max_restarts, startup_s, api_key, store
         )
     )
 
@@ -503,6 +505,7 @@ def _start_domains_once(
     max_restarts: int,
     startup_s: float,
     api_key: str | None = None,
+    store: str | None = None,
 ) -> DomainCluster:
     return _start_domain_jobs(
         Topology(1 + prefill + decode, prefill, decode, tp),
@@ -513,6 +516,7 @@ def _start_domains_once(
         store_host="127.0.0.1",
         place=lambda job, cmd: cmd,
         api_key=api_key,
+        store=store,
     )
 
 
@@ -525,47 +529,50 @@ def _start_domain_jobs(
     store_host: str,
     place: Callable[[domains.Job, list[str]], list[str]],
     api_key: str | None = None,
+    store: str | None = None,
 ) -> DomainCluster:
-    """The store (listening on ``store_host``, and there only) and one job per role group,
-    each job's command as ``place`` wraps it (run on another host: in its namespaces)."""
+    """The store (listening on ``store_host``, and there only; or ``store``, running
+    already) and one job per role group, each job's command as ``place`` wraps it (run on
+    another host: in its namespaces)."""
     port, store_port = free_port(), free_port()
     log = Path(log_dir) / f"cluster-{port}.log"
     log.write_bytes(b"")
     listen = store_host
     secret = trusts.generate_secret()
     env = cluster_env(secret, api_key)
-    store = _spawn_appending(
-        [
-            sys.executable,
-            "-m",
-            "kvferry.cluster.store",
-            "--host",
-            listen,
-            "--port",
-            str(store_port),
-        ],
-        log,
-        {k: v for k, v in env.items() if k not in trusts.SECRET_VARIABLES},
-    )
+    store_proc = None
+    if store is None:
+        store = f"{store_host}:{store_port}"
+        store_proc = _spawn_appending(
+            [
+                sys.executable,
+                "-m",
+                "kvferry.cluster.store",
+                "--host",
+                listen,
+                "--port",
+                str(store_port),
+            ],
+            log,
+            {k: v for k, v in env.items() if k not in trusts.SECRET_VARIABLES},
+        )
     role_args = ["--prefill", str(topology.prefill), "--port", str(port), *args]
     jobs: dict[str, subprocess.Popen] = {}
     for job in domains.plan_jobs(topology):
-        cmd = domains.job_command(
-            job, topology.world_size, f"{store_host}:{store_port}", role_args, max_restarts
-        )
+        cmd = domains.job_command(job, topology.world_size, store, role_args, max_restarts)
         jobs[job.name] = _spawn_appending(place(job, cmd), log, env)
     cluster = DomainCluster(
         jobs["router"],
         f"http://127.0.0.1:{port}",
         log,
-        store_proc=store,
+        store_proc=store_proc,
         jobs=jobs,
         secret=secret,
         api_key=api_key,
     )
     _wait_healthy(
         cluster,
-        [(p, log) for p in [store, *jobs.values()]],
+        [(p, log) for p in [*([store_proc] if store_proc else []), *jobs.values()]],
         port,
         startup_s,
         taken=(f"cannot listen on {listen}:{store_port}", "Address already in use"),

@@ -70,8 +70,17 @@ class Unauthenticated(ValueError):
     """A tag that does not verify, or a sealed field that does not decrypt."""
 
 
-def _derive(secret: bytes, label: bytes, length: int = 32) -> bytes:
+def derive(secret: bytes, label: bytes, length: int = 32) -> bytes:
+    """A key of ``length`` bytes for one purpose (``label``) from the cluster secret (HKDF
+    over SHA-256 with kvferry's salt): each use has its own key, so a tag or a seal made
+    for one purpose (a control message, the vLLM side channel's proof) is never accepted
+    for another. The one derivation every holder of the secret uses."""
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=_SALT, info=label).derive(secret)
+
+
+def _derive(secret: bytes, label: bytes, length: int = 32) -> bytes:
+    """This module's keys (:class:`Trust`), by :func:`derive`."""
+    return derive(secret, label, length)
 
 
 class Trust:

@@ -45,7 +45,7 @@ from kvferry.cluster.trust import (
     Trust,
     TrustError,
     Unauthenticated,
-    _derive,
+    derive,
     generate_secret,
     secret_from,
 )
@@ -85,8 +85,8 @@ class HandshakeKey:
 
     def __init__(self, secret: bytes) -> None:
         self.fingerprint = Trust(secret).fingerprint  # and the secret's length checked
-        self._proof_key = _derive(secret, _PROOF_LABEL)
-        self._answer = AESGCM(_derive(secret, _ANSWER_LABEL))
+        self._proof_key = derive(secret, _PROOF_LABEL)
+        self._answer = AESGCM(derive(secret, _ANSWER_LABEL))
 
     def __repr__(self) -> str:
         return f"HandshakeKey(fingerprint={self.fingerprint})"

@@ -28,13 +28,15 @@ import numpy as np
 from kvferry.engine.admission import AdmissionRejected, admit, pages_needed
 from kvferry.engine.lifecycle import Request, RequestState
 from kvferry.engine.protocol.proof import is_justified
-from kvferry.engine.protocol.words import AbortSource, Answer, Kind, Outcome
+from kvferry.engine.protocol.routing import Ledger, Routed, RouterCore, RouterPorts
+from kvferry.engine.protocol.words import AbortSource, Answer, Kind
 from kvferry.engine.tokenizer import decode as detokenize
 from kvferry.engine.tokenizer import encode as tokenize
 from kvferry.transfer.wire import Message
 
 from . import messages as m
 from .chunks import TOKENS_PER_CHUNK, spans
+from .clock import MonotonicClock
 from .metrics import ClusterMetrics
 from .rendezvous import RankCard
 from .runtime import RankRuntime
@@ -44,7 +46,6 @@ log = logging.getLogger("kvferry.cluster")
 
 S = RequestState
 HEARTBEAT_TIMEOUT_S = 5.0
-TOKENS_GRACE_S = 1.0
 ABORT_RELEASE_WINDOW = 2000  # the owners' latest abort-to-release times kept for /status
 
 
@@ -78,26 +79,14 @@ class Unavailable(Exception):
 
 
 @dataclass
-class RoutedRequest:
-    req: Request
-    owner: int
-    writers: list[int]
-    submitted_at: float
+class RoutedRequest(Routed):
+    """A routed request as the HTTP front door sees it: its answer's events (tokens,
+    done) for the response, and the figures /metrics shows."""
+
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token_at: float | None = None
-    outcome: Answer | None = None  # OK, ABORTED or FAILED, once answered
-    error: str | None = None
-    abort_source: AbortSource | None = None  # who ended it, when it did not complete
     transfer_ms: float | None = None
     prefill_ms: float | None = None
-    deadline_timer: asyncio.TimerHandle | None = None
-    expected_count: int | None = None  # from DONE(finished)
-    early: dict[int, list[int]] = field(default_factory=dict)  # chunks ahead of a gap
-    aborted_ns: int | None = None  # when this router fanned the abort out (monotonic)
-
-    @property
-    def rid(self) -> str:
-        return self.req.request_id
 
     @property
     def text(self) -> str:
@@ -115,52 +104,6 @@ class Rejoin:
     epoch: int  # the card epoch at which the router saw the new card
     since: float
     heard: bool = False
-
-
-class Ledger:
-    """Pages reserved per rank, per request, until the rank reports them released."""
-
-    def __init__(self, totals: dict[int, int]) -> None:
-        self.totals = dict(totals)
-        self.held: dict[int, dict[str, int]] = {r: {} for r in totals}
-        self.orphaned: dict[int, set[str]] = {r: set() for r in totals}  # held by terminal requests
-        # Pages a rank holds for requests this router never admitted: an earlier router's,
-        # when this one is a restart. Taken from the rank's first STATS, then only lowered
-        # as it reports them released (see inherit).
-        self.inherited: dict[int, int] = {}
-
-    def free(self, rank: int) -> int:
-        return self.totals[rank] - sum(self.held[rank].values()) - self.inherited.get(rank, 0)
-
-    def inherit(self, rank: int, used: int) -> None:
-        """``used``: pages the rank reports owned or quarantined. Whatever of it this
-        router holds no reservation for belongs to requests it never knew."""
-        unknown = max(0, used - sum(self.held[rank].values()))
-        self.inherited[rank] = min(self.inherited.get(rank, unknown), unknown)
-
-    def reusable(self, rank: int) -> int:
-        """Pages that will be free once every live request ends: all but quarantined ones."""
-        return (
-            self.totals[rank]
-            - sum(self.held[rank][rid] for rid in self.orphaned[rank])
-            - self.inherited.get(rank, 0)
-        )
-
-    def reserve(self, rank: int, rid: str, pages: int) -> None:
-        self.held[rank][rid] = pages
-
-    def end(self, rid: str, ranks: list[int]) -> None:
-        """The request is terminal: what it still holds counts as quarantined."""
-        for r in ranks:
-            if rid in self.held[r]:
-                self.orphaned[r].add(rid)
-
-    def release(self, rank: int, rid: str) -> bool:
-        self.orphaned[rank].discard(rid)
-        return self.held[rank].pop(rid, None) is not None
-
-    def outstanding(self) -> dict[int, int]:
-        return {r: sum(h.values()) for r, h in self.held.items()}
 
 
 class Router:
@@ -190,10 +133,20 @@ class Router:
         self.admission_wait_s = admission_wait_s
         self.metrics = metrics
         self.page_size = cards[topology.decode_ranks[0]].page_size
-        self.ledger = Ledger(
-            {r: c.num_pages for r, c in cards.items() if c.role is not Role.ROUTER}
+        self._capacity_changed = asyncio.Event()
+        self.core: RouterCore[RoutedRequest] = RouterCore(
+            RouterPorts(
+                wire=self,
+                client=self,
+                timers=self,
+                clock=MonotonicClock(),
+                capacity_changed=self._capacity_changed.set,
+                aborted=lambda routed, source: self.metrics.aborts.labels(source).inc(),
+            ),
+            Ledger({r: c.num_pages for r, c in cards.items() if c.role is not Role.ROUTER}),
         )
-        self.requests: dict[str, RoutedRequest] = {}
+        self.ledger = self.core.ledger
+        self.requests: dict[str, RoutedRequest] = self.core.requests
         self.rank_stats: dict[int, dict] = {}
         self.last_seen: dict[int, float] = {r: time.monotonic() for r in self.ledger.totals}
         self.unhealthy: dict[int, str] = {}
@@ -206,12 +159,11 @@ class Router:
         # live one has, nothing is admitted. A restarted router cannot know what a pool
         # still holds for its old incarnation's requests before the rank says so.
         self.awaiting_reports: set[int] = set(self.ledger.totals)
-        self._capacity_changed = asyncio.Event()
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
         self._rr = itertools.count()
         self.abort_release_ms: deque[tuple[str, float]] = deque(maxlen=ABORT_RELEASE_WINDOW)
-        # From this router's ABORT to the owner's release (see _time_abort).
+        # From this router's ABORT to the owner's release (RouterCore.on_released).
         self.abort_from_router_ms: deque[float] = deque(maxlen=ABORT_RELEASE_WINDOW)
         metrics.context_length.set(self.context_length)
         self.handlers = {
@@ -342,7 +294,7 @@ class Router:
         for w in writers:
             self.ledger.reserve(w, rid, pages_needed(len(tokens), 0, self.page_size))
         req.transition(S.PREFILLING)
-        routed.deadline_timer = asyncio.get_running_loop().call_later(
+        routed.deadline = asyncio.get_running_loop().call_later(
             self.request_timeout_s,
             lambda: self.abort(
                 rid, AbortSource.DEADLINE, f"no answer within {self.request_timeout_s:.1f} s"
@@ -398,36 +350,34 @@ class Router:
             last_token=tokens[-1],
         )
 
-    # ------------------------------------------------------------------ outcomes
-    def _finish(self, routed: RoutedRequest, outcome: Answer, error: str | None) -> None:
-        req = routed.req
-        if not req.live:
-            return
-        target = {Answer.OK: S.FINISHED, Answer.ABORTED: S.ABORTED, Answer.FAILED: S.FAILED}[
-            outcome
-        ]
-        if target is S.FINISHED and req.state is S.PREFILLING:
-            req.transition(S.DECODING)
-        req.transition(target, error or "")
-        routed.outcome, routed.error = outcome, error
-        if routed.deadline_timer is not None:
-            routed.deadline_timer.cancel()
-        self.ledger.end(routed.rid, [routed.owner, *routed.writers])
+    # ------------------------------------------------------------------ the core's ports
+    def send_abort(
+        self, rank: int, rid: str, owner: int, writers: list[int], source: AbortSource, reason: str
+    ) -> None:
+        self.rt.send(
+            rank, m.ABORT, rid=rid, owner=owner, writers=writers, source=source, reason=reason
+        )
+
+    def call_later(self, delay_s: float, fn) -> asyncio.TimerHandle:
+        return asyncio.get_running_loop().call_later(delay_s, fn)
+
+    def tokens(self, routed: RoutedRequest, chunk: list[int]) -> None:
+        routed.req.output_tokens.extend(chunk)
+        routed.events.put_nowait(("tokens", chunk))
+
+    def done(self, routed: RoutedRequest, outcome: Answer, error: str | None) -> None:
         self.metrics.requests.labels(outcome).inc()
         routed.events.put_nowait(("done", outcome, error))
         if outcome is not Answer.OK:
             log.warning("request %s %s: %s", routed.rid, outcome, error)
-        self._forget_if_released(routed)
+
+    # ------------------------------------------------------------------ outcomes
+    def _finish(self, routed: RoutedRequest, outcome: Answer, error: str | None) -> None:
+        self.core.finish(routed, outcome, error)
 
     def abort(self, rid: str, source: AbortSource, reason: str) -> None:
         """Abort a live request: fan ABORT out to its owner and every writer (step 2)."""
-        routed = self.requests.get(rid)
-        if routed is None or not routed.req.live:
-            return
-        self.metrics.aborts.labels(source).inc()
-        routed.abort_source = source
-        self._fan_out_abort(routed, source, reason)
-        self._finish(routed, AbortSource(source).answer, f"{source}: {reason}")
+        self.core.abort(rid, source, reason)
 
     def shutdown(self, reason: str) -> int:
         """Before the router stops: every live request ends now with an error (HTTP 503),
@@ -463,131 +413,39 @@ class Router:
         if msg.abort_ms is not None:
             self.abort_release_ms.append((msg.how, msg.abort_ms))
             self.metrics.abort_release.observe(msg.abort_ms / 1e3)
-        if self.ledger.release(msg.src, msg.rid):
-            self._capacity_changed.set()
         routed = self.requests.get(msg.rid)
-        if routed is not None:
-            if msg.src == routed.owner and routed.aborted_ns is not None:
-                self._time_abort(routed, msg)
-            self._forget_if_released(routed)
-
-    def _live(self, msg: Message) -> RoutedRequest | None:
-        """The live request a TOKENS, DONE or ABORT is about (I2: none once terminal)."""
-        routed = self.requests.get(msg.rid)
-        return routed if routed is not None and routed.req.live else None
+        released_at = None
+        if routed is not None and msg.released_ns:
+            # the owner's clock is this one when it runs on this host (one CLOCK_MONOTONIC);
+            # else the release is timed until RELEASED arrived here (an upper bound)
+            if self.cards[routed.owner].host == self.cards[self.rt.rank].host:
+                released_at = msg.released_ns / 1e9
+        ms = self.core.on_released(msg.src, msg.rid, released_at)
+        if ms is not None:
+            self.abort_from_router_ms.append(ms)
+            self.metrics.abort_from_router.observe(ms / 1e3)
 
     def _on_tokens(self, msg: Message) -> None:
-        routed = self._live(msg)
+        routed = self.core.live(msg.rid)
         if routed is None:
             return
         if routed.first_token_at is None:
             routed.first_token_at = time.monotonic()
             self.metrics.ttft.observe(routed.first_token_at - routed.submitted_at)
-            if routed.req.state is S.PREFILLING:
-                routed.req.transition(S.DECODING)
-        self._place_tokens(routed, msg.offset, list(msg.tokens))
+        self.core.on_tokens(msg.rid, msg.offset, list(msg.tokens))
 
     def _on_done(self, msg: Message) -> None:
-        routed = self._live(msg)
+        routed = self.core.live(msg.rid)
         if routed is None:
             return
         if msg.transfer_ms is not None:
             routed.transfer_ms = msg.transfer_ms
             self.metrics.transfer_latency.observe(msg.transfer_ms / 1e3)
         routed.prefill_ms = msg.prefill_ms
-        if msg.outcome is Outcome.FINISHED:
-            routed.expected_count = msg.count
-            if not self._complete_if_whole(routed):
-                # Messages on one endpoint may overtake each other: wait a moment for
-                # the missing tokens, then fail rather than answer short (I6).
-                asyncio.get_running_loop().call_later(
-                    TOKENS_GRACE_S,
-                    lambda: self._finish(
-                        routed,
-                        Answer.FAILED,
-                        f"decode reported {msg.count} tokens, "
-                        f"{len(routed.req.output_tokens)} arrived in order",
-                    ),
-                )
-        else:
-            # The owner runs the abort protocol with the writers itself.
-            self._finish(
-                routed,
-                Answer.FAILED if msg.outcome is Outcome.FAILED else Answer.ABORTED,
-                msg.error,
-            )
+        self.core.on_done(msg.rid, msg.outcome, msg.count, msg.error)
 
     def _on_abort(self, msg: Message) -> None:
-        routed = self._live(msg)
-        if routed is None:
-            return
-        self.metrics.aborts.labels(msg.source).inc()
-        routed.abort_source = msg.source
-        self._finish(routed, Answer.FAILED, f"{msg.source}: {msg.reason}")
-        self._fan_out_abort(routed, msg.source, msg.reason, skip=msg.src)
-
-    def _fan_out_abort(
-        self, routed: RoutedRequest, source: AbortSource, reason: str, skip: int | None = None
-    ) -> None:
-        """ABORT to every writer, then the owner (writers must stop, flush and ack; the
-        owner only waits for their acks), except ``skip``, the rank it came from."""
-        if routed.aborted_ns is None:
-            routed.aborted_ns = time.monotonic_ns()
-        for rank in [*routed.writers, routed.owner]:
-            if rank != skip:
-                self.rt.send(
-                    rank,
-                    m.ABORT,
-                    rid=routed.rid,
-                    owner=routed.owner,
-                    writers=routed.writers,
-                    source=source,
-                    reason=reason,
-                )
-
-    def _time_abort(self, routed: RoutedRequest, released: Message) -> None:
-        """From this router's ABORT to the owner's release: on the owner's clock when it
-        runs on this host (one CLOCK_MONOTONIC), else until RELEASED arrived here (an
-        upper bound). The owner's own figure starts when it learned of the abort; this
-        one also counts the way there, and what the owner was busy with meanwhile."""
-        same_host = self.cards[routed.owner].host == self.cards[self.rt.rank].host
-        end_ns = released.released_ns if same_host and released.released_ns else time.monotonic_ns()
-        ms = max(0.0, (end_ns - (routed.aborted_ns or end_ns)) / 1e6)
-        self.abort_from_router_ms.append(ms)
-        self.metrics.abort_from_router.observe(ms / 1e3)
-
-    def _place_tokens(self, routed: RoutedRequest, offset: int, tokens: list[int]) -> None:
-        """Put a chunk where it belongs: chunks may arrive out of order, and only the
-        contiguous answer so far is streamed or counted."""
-        out = routed.req.output_tokens
-        if offset < len(out) or offset in routed.early:
-            return  # already placed (a duplicate)
-        routed.early[offset] = tokens
-        while len(out) in routed.early:
-            chunk = routed.early.pop(len(out))
-            out.extend(chunk)
-            routed.events.put_nowait(("tokens", chunk))
-        self._complete_if_whole(routed)
-
-    def _complete_if_whole(self, routed: RoutedRequest) -> bool:
-        """After DONE(finished): ok once exactly ``count`` tokens stand in order."""
-        count = routed.expected_count
-        if count is None:
-            return False
-        got = len(routed.req.output_tokens)
-        if got == count and not routed.early:
-            self._finish(routed, Answer.OK, None)
-            return True
-        if got > count or any(off + len(c) > count for off, c in routed.early.items()):
-            self._finish(routed, Answer.FAILED, f"decode reported {count} tokens, more arrived")
-            return True
-        return False
-
-    def _forget_if_released(self, routed: RoutedRequest) -> None:
-        if routed.req.live:
-            return
-        if all(routed.rid not in self.ledger.held[r] for r in [routed.owner, *routed.writers]):
-            self.requests.pop(routed.rid, None)
+        self.core.on_abort(msg.src, msg.rid, msg.source, msg.reason)
 
     def _on_stats(self, msg: Message) -> None:
         stats = dict(msg.fields)
@@ -643,13 +501,7 @@ class Router:
             return
         self.unhealthy[rank] = reason
         log.error("rank %d marked unhealthy: %s", rank, reason)
-        for routed in list(self.requests.values()):
-            if not routed.req.live:
-                continue
-            if rank == routed.owner or (
-                rank in routed.writers and routed.req.state is not S.DECODING
-            ):
-                self.abort(routed.rid, AbortSource.PEER, f"rank {rank} lost: {reason}")
+        self.core.rank_lost(rank, reason)
 
     # ------------------------------------------------------------------ failure domains
     def _on_rank_exited(self, rank: int, reason: str) -> None:
@@ -661,13 +513,7 @@ class Router:
         self.unhealthy.pop(rank, None)
         self._on_rank_lost(rank, reason)
         self.unhealthy[rank] = reason
-        self.ledger.inherited[rank] = 0
-        for rid in list(self.ledger.held[rank]):
-            self.ledger.release(rank, rid)
-            routed = self.requests.get(rid)
-            if routed is not None:
-                self._forget_if_released(routed)
-        self._capacity_changed.set()
+        self.core.rank_gone(rank)
 
     def _on_card_replaced(self, old: RankCard, new: RankCard) -> None:
         """``old.rank`` came back as ``new``: whatever its old incarnation held is gone,

@@ -14,12 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from . import writer as core  # its on_* called through the module: a test may replace one
 from .driver import Driver
 from .ports import Clock, Report, SourcePages, Subject, Tombstones, WriterDataPath, WriterWire
 from .proof import Proof
 from .table import Move
 from .words import Release
-from .writer import WRITER_TABLE, WriterDo, WriterEvent, WriterState, on_failure
+from .writer import WRITER_TABLE, WriterDo, WriterEvent, WriterState
 
 
 @dataclass
@@ -70,7 +71,7 @@ class WriterDriver:
     def fail(self, job: Subject, source: object, reason: str) -> None:
         """``job`` fails here for ``reason``: the table's FAIL or FAIL_IDLE."""
         job.abort_source, job.abort_reason = source, reason
-        self.feed(job, on_failure(job.book))
+        self.feed(job, core.on_failure(job.book))
 
     def perform(self, do: WriterDo, job: Subject) -> None:
         """One effect of a row, through the ports."""

@@ -9,6 +9,9 @@
   library (none of its process, file, socket or clock modules) and ``kvferry.engine``.
 - The vLLM connector is a host of the protocol, not a rank: ``cluster/vllm/`` imports no
   ``kvferry.cluster.runtime``.
+- The service's ranks and router are hosted, never rewritten: no class under
+  ``cluster/harness/`` or ``tests/`` subclasses ``DecodeRank``, ``PrefillRank``, ``Router``
+  or the router's core (a simulator or a test supplies ports and data paths instead).
 
 Each check also runs on a small synthetic tree holding one violating import of each kind,
 which it must report (the broken mode).
@@ -128,6 +131,30 @@ def connector_imports_runtime(root: Path) -> list[str]:
     return violations(root, "cluster/vllm", ("kvferry.cluster.runtime",))
 
 
+SERVICE_CLASSES = frozenset({"DecodeRank", "PrefillRank", "Router", "RouterCore"})
+
+
+def service_subclasses(root: Path) -> list[str]:
+    """``path:line class X(Base)`` for each class under ``cluster/harness/`` or ``tests/``
+    whose bases name one of the service's rank or router classes."""
+    found = []
+    for folder in ("cluster/harness", "tests"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                for base in node.bases:
+                    name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+                    if name in SERVICE_CLASSES:
+                        rel = path.relative_to(root)
+                        found.append(f"{rel}:{node.lineno} class {node.name}({name})")
+    return found
+
+
+def test_nothing_outside_the_service_subclasses_its_ranks_or_router():
+    assert service_subclasses(ROOT) == []
+
+
 def test_the_protocol_core_imports_only_the_standard_library_and_the_engine():
     assert protocol_core_imports(ROOT) == []
 
@@ -200,6 +227,7 @@ def tree(tmp_path):
     assert engine_imports_cluster(tmp_path) == []
     assert protocol_core_imports(tmp_path) == []
     assert connector_imports_runtime(tmp_path) == []
+    assert service_subclasses(tmp_path) == []
     return tmp_path
 
 
@@ -282,3 +310,21 @@ def test_broken_mode_connector_importing_the_runtime_is_reported(tree, source):
     write(tree, "cluster/vllm/connector.py", source)
     found = connector_imports_runtime(tree)
     assert found and all(f.startswith("cluster/vllm/connector.py:1 ") for f in found), found
+
+
+@pytest.mark.parametrize(
+    "rel,source",
+    [
+        ("cluster/harness/simulate/ranks.py", "class SimDecodeRank(DecodeRank):\n    pass\n"),
+        (
+            "cluster/harness/sim.py",
+            "from kvferry.cluster import prefill\nclass W(prefill.PrefillRank): ...\n",
+        ),
+        ("tests/cluster/test_x.py", "class R(Router):\n    pass\n"),
+        ("cluster/harness/simulate/router.py", "class SimRouter(object, RouterCore):\n    pass\n"),
+    ],
+)
+def test_broken_mode_a_harness_subclassing_a_rank_is_reported(tree, rel, source):
+    write(tree, rel, source)
+    found = service_subclasses(tree)
+    assert len(found) == 1 and found[0].startswith(rel), found

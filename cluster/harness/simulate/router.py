@@ -1,23 +1,21 @@
-"""The simulated router: admission, placement, the abort fan-out and the client's answer,
-as :class:`kvferry.cluster.router.Router` does them, on the simulated clock.
+"""The simulated router: admission and placement on the simulated clock, around the same
+router core the service's router hosts (:class:`kvferry.engine.protocol.routing.RouterCore`:
+the ledger, the abort fan-out, the client's answer, forgetting on release, what a lost
+rank aborts).
 
-The real router is an asyncio server; this one keeps its rules and its books:
+What is the simulator's own:
 
 - admission (I1) with the real :func:`~kvferry.engine.admission.admit` against the largest
   healthy pool; a request that fits but finds no room waits ``admission_wait_s`` for a
   release, then is refused (503), as ``Router.submit`` does;
-- placement as ``Router._pick``: the decode rank with the most free pages (ties turn round
-  robin), the prefill group whose fullest member has the most free pages; pages reserved
-  in the real :class:`~kvferry.cluster.router.Ledger` (a reservation ends only on that
-  rank's RELEASED, so quarantined pages count as used). One owner per request: the real
-  router places every request's pages on one decode rank, with ``tp`` writers;
-- the abort fan-out to every writer, then the owner; a rank's own ABORT fanned out to the
-  others; SEVERED and a send that failed mark the rank unhealthy for good and abort what
-  it can still harm (``Router._on_rank_lost``); a rank silent for ``HEARTBEAT_TIMEOUT_S``
-  is not routed to until it is heard again (its STATS are not simulated: the simulator
-  knows when a rank stops and starts sending them);
-- the answer: ok once DONE(finished) and every token arrived (``TOKENS_GRACE_S`` for late
-  ones), else failed, aborted (the client's or the deadline's), unavailable, rejected.
+- placement as ``Router._pick``, vectorised over thousands of ranks: the decode rank with
+  the most free pages (ties turn round robin), the prefill group whose fullest member has
+  the most free pages; pages reserved in the core's ledger (a reservation ends only on that
+  rank's RELEASED, so quarantined pages count as used);
+- health: SEVERED and a send that failed mark the rank unhealthy for good (the core then
+  aborts what it can still harm); a rank silent for ``HEARTBEAT_TIMEOUT_S`` is not routed
+  to until it is heard again (its STATS are not simulated: the simulator knows when a rank
+  stops and starts sending them).
 
 Waiting requests retry in arrival order after each release; the first that still does
 not fit ends the round (the real router wakes every waiter; with the sizes here the
@@ -28,17 +26,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvferry.cluster import messages as m
 from kvferry.cluster.launch import STATS_INTERVAL_S
-from kvferry.cluster.router import HEARTBEAT_TIMEOUT_S, TOKENS_GRACE_S, Ledger
+from kvferry.cluster.router import HEARTBEAT_TIMEOUT_S
 from kvferry.engine.admission import AdmissionRejected, admit, pages_needed
 from kvferry.engine.lifecycle import Request, RequestState
-from kvferry.engine.protocol.words import AbortSource, Answer, Kind, Outcome
+from kvferry.engine.protocol.routing import Ledger, Routed, RouterCore, RouterPorts
+from kvferry.engine.protocol.words import AbortSource, Answer, Kind
 
 from .ranks import SimRuntime
 
@@ -70,24 +69,6 @@ class FastLedger(Ledger):
         ok = super().release(rank, rid)
         self._changed(rank, self.totals[rank] - self.used[rank])
         return ok
-
-
-@dataclass
-class Routed:
-    req: Request
-    owner: int
-    writers: list[int]
-    submitted_at: float
-    outcome: Answer | None = None
-    deadline: Any = None
-    expected_count: int | None = None
-    tokens: int = 0
-    early: dict[int, int] = field(default_factory=dict)
-    aborted_at: float | None = None
-
-    @property
-    def rid(self) -> str:
-        return self.req.request_id
 
 
 @dataclass
@@ -130,7 +111,17 @@ class SimRouter:
         totals = {r: world.decode_pages for r in self.decode_ranks}
         totals.update({r: world.prefill_pages for g in self.groups for r in g})
         self.ledger = FastLedger(totals, self._free_changed)
-        self.requests: dict[str, Routed] = {}
+        self.core: RouterCore[Routed] = RouterCore(
+            RouterPorts(
+                wire=self,
+                client=self,
+                timers=self,
+                clock=self,
+                capacity_changed=self._capacity_changed,
+            ),
+            self.ledger,
+        )
+        self.requests: dict[str, Routed] = self.core.requests
         self.answers: dict[str, Answer] = {}
         self.unhealthy: dict[int, str] = {}
         self.severed: set[int] = set()
@@ -276,27 +267,30 @@ class SimRouter:
         )
         return True
 
+    # ------------------------------------------------------------------ the core's ports
+    def now(self) -> float:
+        return self.clock.now
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> Any:
+        return self.clock.after(delay_s, fn)
+
+    def send_abort(
+        self, rank: int, rid: str, owner: int, writers: list[int], source: AbortSource, reason: str
+    ) -> None:
+        self.rt.send(
+            rank, m.ABORT, rid=rid, owner=owner, writers=writers, source=source, reason=reason
+        )
+
+    def tokens(self, routed: Routed, chunk: list[int]) -> None:
+        pass  # the simulator counts tokens (the core's ``placed``), it keeps none
+
+    def done(self, routed: Routed, outcome: Answer, error: str | None) -> None:
+        self._answer(routed.rid, outcome)
+
     # ------------------------------------------------------------------ outcomes
     def _answer(self, rid: str, outcome: Answer) -> None:
         self.answers[rid] = outcome
         self.world.on_answer(rid, outcome)
-
-    def _finish(self, routed: Routed, outcome: Answer) -> None:
-        req = routed.req
-        if not req.live:
-            return
-        target = {Answer.OK: S.FINISHED, Answer.ABORTED: S.ABORTED, Answer.FAILED: S.FAILED}[
-            outcome
-        ]
-        if target is S.FINISHED and req.state is S.PREFILLING:
-            req.transition(S.DECODING)
-        req.transition(target)
-        routed.outcome = outcome
-        if routed.deadline is not None:
-            routed.deadline.cancel()
-        self.ledger.end(routed.rid, [routed.owner, *routed.writers])
-        self._answer(routed.rid, outcome)
-        self._forget_if_released(routed)
 
     def client_abort(self, rid: str) -> None:
         """The client went away: a waiting request just stops waiting."""
@@ -309,28 +303,7 @@ class SimRouter:
         self.abort(rid, AbortSource.CLIENT, "client went away")
 
     def abort(self, rid: str, source: AbortSource, reason: str) -> None:
-        routed = self.requests.get(rid)
-        if routed is None or not routed.req.live:
-            return
-        self._fan_out_abort(routed, source, reason)
-        self._finish(routed, AbortSource(source).answer)
-
-    def _fan_out_abort(
-        self, routed: Routed, source: AbortSource, reason: str, skip: int | None = None
-    ) -> None:
-        if routed.aborted_at is None:
-            routed.aborted_at = self.clock.now
-        for rank in [*routed.writers, routed.owner]:
-            if rank != skip:
-                self.rt.send(
-                    rank,
-                    m.ABORT,
-                    rid=routed.rid,
-                    owner=routed.owner,
-                    writers=routed.writers,
-                    source=source,
-                    reason=reason,
-                )
+        self.core.abort(rid, source, reason)
 
     # ------------------------------------------------------------------ messages
     def _on_severed_msg(self, msg: Any) -> None:
@@ -342,81 +315,26 @@ class SimRouter:
         self._on_rank_lost(rank, f"severed by rank {msg.src}")
 
     def _on_released(self, msg: Any) -> None:
-        if self.ledger.release(msg.src, msg.rid):
-            self._capacity_changed()
-        routed = self.requests.get(msg.rid)
-        if routed is not None:
-            if msg.src == routed.owner and routed.aborted_at is not None:
-                end = msg.released_ns / 1e9 if msg.released_ns else self.clock.now
-                self.abort_from_router_ms.append(max(0.0, 1e3 * (end - routed.aborted_at)))
-            self._forget_if_released(routed)
-
-    def _live(self, msg: Any) -> Routed | None:
-        routed = self.requests.get(msg.rid)
-        return routed if routed is not None and routed.req.live else None
+        released_at = msg.released_ns / 1e9 if msg.released_ns else None
+        ms = self.core.on_released(msg.src, msg.rid, released_at)
+        if ms is not None:
+            self.abort_from_router_ms.append(ms)
 
     def _on_tokens(self, msg: Any) -> None:
-        routed = self._live(msg)
-        if routed is None:
-            return
-        if routed.req.state is S.PREFILLING:
-            routed.req.transition(S.DECODING)
-        if msg.offset < routed.tokens or msg.offset in routed.early:
-            return
-        routed.early[msg.offset] = len(msg.tokens)
-        while routed.tokens in routed.early:
-            routed.tokens += routed.early.pop(routed.tokens)
-        self._complete_if_whole(routed)
+        self.core.on_tokens(msg.rid, msg.offset, msg.tokens)
 
     def _on_done(self, msg: Any) -> None:
-        routed = self._live(msg)
-        if routed is None:
-            return
-        if msg.outcome is Outcome.FINISHED:
-            routed.expected_count = msg.count
-            if not self._complete_if_whole(routed):
-                self.clock.after(TOKENS_GRACE_S, self._finish, routed, Answer.FAILED)
-        else:
-            self._finish(routed, Answer.FAILED if msg.outcome is Outcome.FAILED else Answer.ABORTED)
-
-    def _complete_if_whole(self, routed: Routed) -> bool:
-        count = routed.expected_count
-        if count is None:
-            return False
-        if routed.tokens == count and not routed.early:
-            self._finish(routed, Answer.OK)
-            return True
-        if routed.tokens > count:
-            self._finish(routed, Answer.FAILED)
-            return True
-        return False
+        self.core.on_done(msg.rid, msg.outcome, msg.count, msg.error)
 
     def _on_abort(self, msg: Any) -> None:
-        routed = self._live(msg)
-        if routed is None:
-            return
-        self._finish(routed, Answer.FAILED)
-        self._fan_out_abort(routed, msg.source, msg.reason, skip=msg.src)
-
-    def _forget_if_released(self, routed: Routed) -> None:
-        if routed.req.live:
-            return
-        held = self.ledger.held
-        if all(routed.rid not in held[r] for r in [routed.owner, *routed.writers]):
-            self.requests.pop(routed.rid, None)
+        self.core.on_abort(msg.src, msg.rid, msg.source, msg.reason)
 
     # ------------------------------------------------------------------ lost ranks
     def _on_rank_lost(self, rank: int, reason: str) -> None:
         if rank in self.unhealthy:
             return
         self._mark(rank, reason)
-        for routed in list(self.requests.values()):
-            if not routed.req.live:
-                continue
-            if rank == routed.owner or (
-                rank in routed.writers and routed.req.state is not S.DECODING
-            ):
-                self.abort(routed.rid, AbortSource.PEER, f"rank {rank} lost: {reason}")
+        self.core.rank_lost(rank, reason)
 
     def silent(self, rank: int, since: float) -> None:
         """``rank`` stopped sending STATS at ``since``: unhealthy once the heartbeat times

@@ -464,7 +464,9 @@ class DomainCluster(LocalCluster):
 
     def stop(self) -> None:
         """The router first: its SHUTDOWN stops every rank, whose jobs then end with
-        status 0 (not restarted); a job still running after that is stopped."""
+        status 0 (not restarted); a job still running after that is stopped. Last, any
+        rank process of this cluster that outlived its job (torchrun runs its workers in
+        sessions of their own, which a SIGKILL of the job does not reach) is killed."""
         _stop_group(self.proc)
         deadline = time.monotonic() + 10
         for proc in (self.jobs or {}).values():
@@ -473,6 +475,31 @@ class DomainCluster(LocalCluster):
             _stop_group(proc)
         if self.store_proc is not None:
             _stop_group(self.store_proc)
+        kill_leftover_ranks(self.port)
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1].split("/")[0])
+
+
+def kill_leftover_ranks(port: int) -> list[int]:
+    """SIGKILL every ``kvferry.cluster.launch`` process serving the cluster whose front
+    door is ``port`` (its command line says ``--port PORT``); returns their pids."""
+    wanted = [b"kvferry.cluster.launch", b"--port\x00" + str(port).encode() + b"\x00"]
+    killed = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read() + b"\x00"
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if all(w in cmdline for w in wanted):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+    return killed
 
 
 def start_domains(

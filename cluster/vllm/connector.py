@@ -5,11 +5,15 @@ write can land in it any more.
 One class, :class:`KvferryConnector`, in each of vLLM's processes: role SCHEDULER in the
 engine core (it must not block: it stages block ids and keeps the books of what vLLM
 holds), role WORKER in each TP worker (it owns a kvferry ``TransferEngine`` and runs the
-protocol). The protocol is kvferry's own, not a copy: each decode worker runs the owner
-machine (:mod:`kvferry.engine.protocol.owner`) for every request it receives, each
-prefill worker the writer machine (:mod:`kvferry.engine.protocol.writer`) for every
-request it sends, both fed with their ``on_*`` functions and moved with ``step``; this
-module only carries out the effects their tables list.
+protocol).
+
+The protocol is kvferry's own, not a copy: each decode worker hosts the owner's driver
+(:class:`~kvferry.engine.protocol.owner_driver.OwnerDriver`, :mod:`.owner_host`) and each
+prefill worker the writer's (:class:`~kvferry.engine.protocol.writer_driver.WriterDriver`,
+:mod:`.writer_host`), the same code the service's ranks run, over ports of vLLM's: the
+blocks vLLM holds until ``finished_recving``/``finished_sending``, the worker's transfer
+engine as the wire (:mod:`.link`), and timers fired from the connector's own polls
+(:mod:`.loop`). This module turns vLLM's calls into theirs.
 
 Decode TP worker ``r`` is the owner of its share of a request's blocks and prefill TP
 worker ``r`` is its one writer (equal TP sizes; a different TP size is refused at the
@@ -30,9 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,40 +48,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 )
 from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
-from kvferry.cluster.processes import DRAIN_S, process_gone
-from kvferry.engine.integrity import IntegrityError, page_checksums, request_id_hash
-from kvferry.engine.protocol import owner as oc
-from kvferry.engine.protocol import writer as wc
-from kvferry.engine.protocol.driver import Driver
-from kvferry.engine.protocol.owner import OwnerBook, OwnerDo, OwnerEvent, OwnerState
-from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
-from kvferry.engine.protocol.words import AbortSource
-from kvferry.engine.protocol.writer import WriterBook, WriterDo, WriterEvent, WriterState
-from kvferry.engine.verify import Notice as VerifyNotice
-from kvferry.engine.verify import Planned, check_all
-from kvferry.transfer import (
-    Batch,
-    BatchStatus,
-    Peer,
-    RemoteSegment,
-    SegmentDescriptor,
-    TransferConfig,
-    TransferEngine,
-    TransferError,
-    decode_address,
-)
+from kvferry.cluster.clock import MonotonicClock
+from kvferry.transfer import TransferConfig, TransferEngine, decode_address
 
 from . import wire
 from .layout import KVRegions, LayoutError
+from .link import Link
+from .loop import PollTimers, Tombstones
 from .metrics import KvferryPromMetrics, KvferryStats
+from .owner_host import OwnerHost
 from .settings import Settings
-from .sidechannel import Fetcher, SideChannel
+from .sidechannel import SideChannel
+from .writer_host import WriterHost
 
 log = logging.getLogger("kvferry.vllm")
-
-WRITER = 0  # an owner's one writer: the prefill worker of its TP rank
-PROOF_CHECK_S = 0.05
-TOMBSTONE_S = 600.0
 
 
 class HandshakeError(RuntimeError):
@@ -367,65 +349,11 @@ def _remote(params: dict[str, Any]) -> dict[str, Any]:
 
 
 # ====================================================================== worker side
-@dataclass
-class _Job:
-    """A request at a prefill worker: the writer book and its data path."""
-
-    rid: str
-    book: WriterBook = field(init=False)
-    src: list[int] | None = None  # vLLM holds these blocks until finished_sending
-    tokens: int = 0
-    checksums: list[int] = field(default_factory=list)
-    peer: Peer | None = None
-    orid: str = ""
-    plan: dict[str, Any] | None = None
-    dst: KVRegions | None = None
-    rsegs: list[RemoteSegment] = field(default_factory=list)
-    queue: list[tuple[int, Any]] = field(default_factory=list)
-    inflight: list[tuple[Batch, Any]] = field(default_factory=list)
-    posted_bytes: int = 0
-    batches_posted: int = 0
-    hold_until: float = 0.0
-    reason: str = ""
-    source: AbortSource = AbortSource.PREFILL
-
-    def __post_init__(self) -> None:
-        self.book = WriterBook(self.rid)
-
-
-@dataclass
-class _Owned:
-    """A request at a decode worker: the owner book and its data path."""
-
-    rid: str
-    remote: dict[str, Any]
-    blocks: list[int]
-    tokens: int
-    book: OwnerBook = field(init=False)
-    gens: list[int] = field(default_factory=list)
-    peer: Peer | None = None
-    peer_pid: int = -1
-    peer_local: bool = False
-    notice: dict[str, Any] | None = None
-    failed: bool = False
-    error: str = ""
-    scheduler_aborted: bool = False
-    reported: bool = False
-    refused: bool = False
-    abort_writers_pending: bool = False
-    started: float = field(default_factory=time.monotonic)
-    timer_at: float | None = None
-    retry_at: float | None = None
-    deadline_at: float | None = None
-    proof_at: float | None = None
-    gone_since: float | None = None
-    abort_source: AbortSource = AbortSource.INTERNAL
-
-    def __post_init__(self) -> None:
-        self.book = OwnerBook(self.rid, (WRITER,))
-
-
 class _WorkerSide:
+    """One TP worker: its transfer engine, vLLM's KV buffers registered with it, and the
+    two hosts of the protocol (the owner's for loads, the writer's for sends) fed from
+    what the scheduler says and what arrives, and polled from vLLM's calls."""
+
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: Settings) -> None:
         self.settings = settings
         self.vllm_config = vllm_config
@@ -433,14 +361,6 @@ class _WorkerSide:
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.tp_rank, self.tp_size = _tp(vllm_config)
         self.layout = str(getattr(vllm_config.cache_config, "kv_cache_layout", None) or "?")
-        # the protocol's one driver per side (an event an effect produces waits for the
-        # rest of its row)
-        self.owner_driver: Driver = Driver(
-            oc.owner_table(unsafe=settings.unsafe), self._do_owner, settled=self._owner_settled
-        )
-        self.writer_driver: Driver = Driver(
-            wc.WRITER_TABLE, self._do_writer, settled=self._writer_settled
-        )
         if settings.unsafe:
             log.error("kvferry connector in UNSAFE mode: loads reported before they land")
         self.engine = TransferEngine(
@@ -449,33 +369,46 @@ class _WorkerSide:
                 name=f"kvferry-{self.engine_id}-tp{self.tp_rank}",
             )
         )
-        self.me = decode_address(self.engine.address)
-        self.regions: KVRegions | None = None
-        self.segments: list[Any] = []
-        self.gens: torch.Tensor | None = None  # per block: bumped at each plan into it
-        self.canaries: torch.Tensor | None = None  # per block: (rid hash, gen, index)
-        self.jobs: dict[str, _Job] = {}
-        self.owned: dict[str, _Owned] = {}
-        self.tombstones: dict[str, float] = {}
-        self.handshakes: dict[tuple[str, int], dict[str, Any]] = {}
-        self.handshake_errors: dict[tuple[str, int], str] = {}
-        self.fetcher = Fetcher(settings.handshake_timeout_s, settings.key)
-        self.peers: dict[bytes, Peer] = {}
-        self.remote_segments: dict[int, tuple[KVRegions, list[RemoteSegment]]] = {}
-        self.finished_sending: set[str] = set()
-        self.finished_recving: set[str] = set()
-        self.failed_recving: set[str] = set()
-        self.load_errors: set[int] = set()
+        self.link = Link(self.engine)
+        self.clock = MonotonicClock()
         self.stats = KvferryStats()
-        self._pending_aborts: list[_Owned] = []  # ABORT_WRITERS waiting for a handshake
+        self.tombstones = Tombstones(self.clock)
+        self.regions: KVRegions | None = None
+        self.owner = OwnerHost(
+            settings,
+            self.link,
+            self.stats,
+            self.tombstones,
+            PollTimers(self.clock, on_error=self._owner_timer_failed),
+            self.clock,
+            self.tp_rank,
+            self.tp_size,
+            decode_address(self.engine.address),
+        )
+        self.writer = WriterHost(
+            settings,
+            self.link,
+            self.stats,
+            self.tombstones,
+            PollTimers(self.clock, on_error=self._writer_timer_failed),
+            self.clock,
+            self.tp_rank,
+            self.tp_size,
+        )
+
+    def _owner_timer_failed(self, rid: str | None, exc: Exception) -> None:
+        self.owner.fail_request(rid, exc)
+
+    def _writer_timer_failed(self, rid: str | None, exc: Exception) -> None:
+        self.writer.fail_request(rid, exc)
 
     # ------------------------------------------------------------ registration
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = int(self.kv_cache_config.num_blocks)
         self.regions = KVRegions.from_kv_caches(kv_caches, num_blocks, self.layout)
-        self.segments = [self.engine.register(b.tensor) for b in self.regions.buffers]
-        self.gens = torch.zeros(num_blocks, dtype=torch.int64)
-        self.canaries = torch.full((num_blocks, 3), -1, dtype=torch.int64)
+        segments = [self.engine.register(b.tensor) for b in self.regions.buffers]
+        self.owner.attach(self.regions, segments)
+        self.writer.attach(self.regions, segments)
         log.info(
             "kvferry worker tp%d/%d: %d layers in %d buffers (%s), %d bytes per block",
             self.tp_rank,
@@ -499,39 +432,38 @@ class _WorkerSide:
 
     # ------------------------------------------------------------ the scheduler's word
     def take_meta(self, meta: KvferryMetadata) -> None:
-        now = time.monotonic()
         for rid, spec in meta.send.items():
-            self._on_send(rid, spec, now)
+            self.writer.on_send(rid, spec)
         for rid, spec in meta.recv.items():
-            self._on_recv(rid, spec)
+            self.owner.on_recv(rid, spec)
         for rid, reason in meta.abort.items():
-            self._on_scheduler_abort(rid, reason)
+            self.owner.on_scheduler_abort(rid, reason)
         for rid, remote in meta.refuse.items():
-            self._on_refuse(rid, remote)
+            self.owner.on_refuse(rid, remote)
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         self.poll()
-        for rid in finished_req_ids:
-            o = self.owned.get(rid)
-            if o is not None and o.book.state is OwnerState.DECODING:
-                self._feed_owner(o, OwnerEvent.FINISHED)
-        out = (self.finished_sending, self.finished_recving, self.failed_recving)
-        self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
+        self.owner.finished(finished_req_ids)
+        o, w = self.owner, self.writer
+        out = (w.finished_sending, o.finished_recving, o.failed_recving)
+        w.finished_sending, o.finished_recving, o.failed_recving = set(), set(), set()
         return out
 
     def take_load_errors(self) -> set[int]:
-        out, self.load_errors = self.load_errors, set()
+        out, self.owner.load_errors = self.owner.load_errors, set()
         return out
 
     def take_stats(self) -> KvferryStats | None:
         if self.stats.is_empty():
             return None
-        out, self.stats = self.stats, KvferryStats()
+        out = KvferryStats(data=self.stats.data)
+        self.stats.reset()  # a new dict: the hosts keep adding to this object
         return out
 
     # ------------------------------------------------------------ the loop
     def poll(self) -> None:
-        """Progress the engine, act on messages, settled batches, handshakes and timers."""
+        """Progress the engine; act on messages, settled batches, handshakes, writers'
+        exits and due timers (the protocol's timers are checked here, nowhere else)."""
         self.engine.progress(0)
         for msg in self.engine.take_messages():
             try:
@@ -541,628 +473,31 @@ class _WorkerSide:
                 log.warning(
                     "kvferry: dropped a malformed message from %s: %s", msg.sender_name, exc
                 )
-        for job in list(self.jobs.values()):
-            self._settle(job)
-        for key, hs, err in self.fetcher.take():
-            if hs is None:
-                self.handshake_errors[key] = err
-            else:
-                self.handshakes[key] = hs
-        if self._pending_aborts:
-            waiting, self._pending_aborts = self._pending_aborts, []
-            for o in waiting:
-                self._abort_writers(o)
-        now = time.monotonic()
-        for o in list(self.owned.values()):
-            self._owner_tick(o, now)
-        for job in list(self.jobs.values()):
-            if job.book.state is WriterState.KV_READY and now >= job.hold_until:
-                self._fail_job(
-                    job,
-                    AbortSource.TRANSFER,
-                    f"no plan from a decode within {self.settings.hold_timeout_s} s",
-                )
-        if len(self.tombstones) > 4096:
-            cut = now - TOMBSTONE_S
-            self.tombstones = {r: t for r, t in self.tombstones.items() if t > cut}
+        self.writer.settle()
+        self.owner.poll()
+        self.owner.timers.fire_due()
+        self.writer.timers.fire_due()
+        self.tombstones.sweep()
 
     def _on_message(self, msg: Any) -> None:
         m = wire.decode(msg.payload)
         kind = m["k"]
         if kind == wire.PLAN:
-            self._on_plan(msg, m)
+            self.writer.on_plan(msg, m)
         elif kind == wire.ABORT:
-            o = self._owned_from(msg, m)
+            o = self.owner.load_from(msg, m)
             if o is not None:  # a writer's own abort, to us as its owner
-                self._on_writer_abort_owner(o, m)
+                self.owner.on_writer_abort(o, m)
             else:
-                self._on_owner_abort(msg, m)
-        elif kind == wire.NOTICE:
-            self._on_notice(msg, m)
-        elif kind == wire.ABORT_ACK:
-            self._on_ack(msg, m)
-
-    # ============================================================ the writer (prefill)
-    def _job(self, rid: str) -> _Job | None:
-        if rid in self.tombstones:
-            return None
-        job = self.jobs.get(rid)
-        if job is None:
-            job = self.jobs[rid] = _Job(rid)
-        return job
-
-    def _feed_writer(self, job: _Job, event: WriterEvent) -> None:
-        self.writer_driver.feed(job, event)
-
-    def _writer_settled(self, job: _Job, move: Any) -> None:
-        if job.book.state in (WriterState.DONE, WriterState.ABORTED):
-            self.jobs.pop(job.rid, None)
-
-    def _do_writer(self, do: WriterDo, job: _Job) -> None:
-        D = WriterDo
-        if do is D.START_PREFILL:
-            # vLLM computed the KV already: checksum the source blocks, then KV_READY.
-            assert self.regions is not None and job.src is not None
-            data = self.regions.block_bytes_of(job.src)
-            job.checksums = page_checksums(data, list(range(len(job.src)))).tolist()
-            self._feed_writer(job, WriterEvent.KV_READY)
-        elif do is D.POST_WRITES:
-            self._post_writes(job)
-        elif do is D.POST_NEXT:
-            self._post_next(job)
-        elif do is D.SEND_NOTICE:
-            self._send_notice(job)
-        elif do is D.STOP_POSTING:
-            job.queue = []
-        elif do is D.TOMBSTONE:
-            self.tombstones[job.rid] = time.monotonic()
-        elif do is D.TELL_ABORT:
-            log.error(
-                "request %s: prefill worker tp%d failed: %s", job.rid, self.tp_rank, job.reason
-            )
-            self.stats.abort(job.source.value)
-            if job.peer is not None:
-                self._send(
-                    job.peer,
-                    wire.encode(
-                        wire.ABORT,
-                        rid=job.rid,
-                        orid=job.orid,
-                        source=job.source.value,
-                        reason=job.reason,
-                    ),
-                )
-        elif do is D.SEND_ACK:
-            ack = self._notify(job.peer, wire.encode(wire.ABORT_ACK, rid=job.rid, orid=job.orid))
-            if ack is None:
-                self._feed_writer(job, WriterEvent.ACK_FLUSHED)
+                self.writer.on_owner_abort(msg, m)
+        elif kind in (wire.NOTICE, wire.ABORT_ACK):
+            o = self.owner.load_from(msg, m)
+            if o is None:
+                return
+            if kind == wire.NOTICE:
+                self.owner.on_notice(o, m)
             else:
-                job.inflight.append(
-                    (ack, lambda b: self._feed_writer(job, WriterEvent.ACK_FLUSHED))
-                )
-        elif do is D.ACK_NOW:
-            self._notify(job.peer, wire.encode(wire.ABORT_ACK, rid=job.rid, orid=job.orid))
-        elif do is D.FREE_SOURCE:
-            if job.src is not None:
-                self.finished_sending.add(job.rid)
-        elif do is D.REPORT_NOTHING_HELD:
-            pass  # vLLM is told when (if ever) the scheduler hands this request over
-        else:  # pragma: no cover - the enum is closed
-            raise AssertionError(do)
-
-    def _on_send(self, rid: str, spec: dict[str, Any], now: float) -> None:
-        job = self._job(rid)
-        if job is None:  # aborted before the scheduler handed it over: nothing was posted
-            self.finished_sending.add(rid)
-            return
-        job.src, job.tokens = list(spec["blocks"]), int(spec["tokens"])
-        job.hold_until = now + self.settings.hold_timeout_s
-        self._feed_writer(job, WriterEvent.PROMPT)
-
-    def _peer(self, address: bytes) -> Peer:
-        peer = self.peers.get(address)
-        if peer is None or not self.engine.peer_alive(peer):
-            peer = self.peers[address] = self.engine.connect(address)
-        return peer
-
-    def _on_plan(self, msg: Any, m: dict[str, Any]) -> None:
-        rid = m["rid"]
-        peer = self._peer(msg.sender_address)
-        job = self._job(rid)
-        if job is None:  # ended here (and flushed): fail the load, and ack at once
-            self._send(
-                peer,
-                wire.encode(
-                    wire.ABORT,
-                    rid=rid,
-                    orid=m["orid"],
-                    source=AbortSource.PREFILL.value,
-                    reason=f"request {rid} already ended at prefill worker tp{self.tp_rank}",
-                ),
-            )
-            self._notify(peer, wire.encode(wire.ABORT_ACK, rid=rid, orid=m["orid"]))
-            return
-        job.peer, job.orid, job.plan = peer, m["orid"], m
-        if m["tp_size"] != self.tp_size or m["tp_rank"] != self.tp_rank:
-            self._fail_job(
-                job,
-                AbortSource.TRANSFER,
-                f"plan from decode TP {m['tp_rank']}/{m['tp_size']} at prefill TP "
-                f"{self.tp_rank}/{self.tp_size}: heterogeneous TP is not supported",
-            )
-            return
-        try:
-            key = msg.sender_incarnation
-            if key not in self.remote_segments:
-                regions = KVRegions.from_wire(m["regions"])
-                rsegs = [
-                    self.engine.open_segment(peer, SegmentDescriptor.unpack(bytes(d)))
-                    for d in m["descs"]
-                ]
-                self.remote_segments[key] = (regions, rsegs)
-            job.dst, job.rsegs = self.remote_segments[key]
-        except (TransferError, LayoutError, ValueError, KeyError) as exc:
-            self._fail_job(job, AbortSource.TRANSFER, f"plan unusable: {exc}")
-            return
-        self._feed_writer(job, WriterEvent.PLAN)
-
-    def _post_writes(self, job: _Job) -> None:
-        assert job.plan is not None and job.src is not None and job.dst is not None
-        assert self.regions is not None
-        dst = job.plan["blocks"]
-        if len(dst) > len(job.src) or not dst:
-            self._fail_job(
-                job,
-                AbortSource.PREFILL,
-                f"plan holds {len(dst)} blocks; the prompt's KV fills {len(job.src)}",
-            )
-            return
-        if (self.regions.layout, self.regions.signature()) != (job.dst.layout, job.dst.signature()):
-            self._fail_job(
-                job,
-                AbortSource.TRANSFER,
-                f"KV layouts differ: prefill {self.regions.layout} "
-                f"{self.regions.signature()[:1]} vs decode {job.dst.layout} "
-                f"{job.dst.signature()[:1]}",
-            )
-            return
-        src = job.src[len(job.src) - len(dst) :]
-        per = max(1, self.settings.max_batch_bytes // max(1, self.regions.block_bytes))
-        job.queue = []
-        for lo in range(0, len(dst), per):
-            for i in range(len(self.regions.buffers)):
-                job.queue.append(
-                    (i, self.regions.triples(i, src[lo : lo + per], job.dst, dst[lo : lo + per]))
-                )
-        job.posted_bytes = len(dst) * self.regions.block_bytes
-        job.checksums = job.checksums[len(job.src) - len(dst) :]
-        self._post_next(job)
-
-    def _post_next(self, job: _Job) -> None:
-        if not job.queue:
-            return
-        (i, triples), job.queue = job.queue[0], job.queue[1:]
-        assert job.peer is not None
-        try:
-            batch = self.engine.write(job.peer, self.segments[i], job.rsegs[i], triples)
-        except TransferError as exc:
-            self._fail_job(job, AbortSource.TRANSFER, f"write refused: {exc}")
-            return
-        wc.on_posted(job.book)
-        job.batches_posted += 1
-        self.stats.add(bytes=int(triples[:, 2].sum()))
-        job.inflight.append((batch, lambda b: self._written(job, b)))
-
-    def _written(self, job: _Job, batch: Batch) -> None:
-        ok = batch.peek() is BatchStatus.COMPLETED
-        if not ok and job.book.state is WriterState.WRITING:
-            job.source, job.reason = AbortSource.TRANSFER, f"write failed: {batch.error}"
-        self._feed_writer(job, wc.on_settled(job.book, ok, bool(job.queue)))
-
-    def _settle(self, job: _Job) -> None:
-        """Run the continuation of every batch of ``job`` that settled."""
-        current, job.inflight = job.inflight, []
-        kept = []
-        for batch, then in current:
-            if self.engine.poll(batch) is BatchStatus.PENDING:
-                kept.append((batch, then))
-            else:
-                then(batch)
-        job.inflight = kept + job.inflight
-
-    def _send_notice(self, job: _Job) -> None:
-        assert job.plan is not None
-        payload = wire.encode(
-            wire.NOTICE,
-            rid=job.rid,
-            orid=job.orid,
-            tokens=job.tokens,
-            blocks=list(job.plan["blocks"]),
-            gens=list(job.plan["gens"]),
-            checksums=[int(c) for c in job.checksums],
-            bytes=job.posted_bytes,
-        )
-        notice = self._notify(job.peer, payload)
-        if notice is None:
-            self._fail_job(job, AbortSource.TRANSFER, "the notice could not be sent")
-            return
-        self.stats.add(pages=len(job.plan["blocks"]))
-        job.inflight.append((notice, lambda b: self._feed_writer(job, WriterEvent.NOTICE_FLUSHED)))
-
-    def _fail_job(self, job: _Job, source: AbortSource, reason: str) -> None:
-        job.source, job.reason = source, reason
-        self._feed_writer(job, wc.on_failure(job.book))
-
-    def _on_owner_abort(self, msg: Any, m: dict[str, Any]) -> None:
-        """An ABORT from the owner (decode) for one of our jobs."""
-        rid = m["rid"]
-        job = self.jobs.get(rid)
-        if job is None and rid in self.tombstones:
-            # Ended here already (and flushed): ack again, nothing is in flight.
-            peer = self._peer(msg.sender_address)
-            self._notify(peer, wire.encode(wire.ABORT_ACK, rid=rid, orid=m["orid"]))
-            return
-        if job is None:
-            job = self.jobs[rid] = _Job(rid)
-        if job.peer is None:
-            job.peer, job.orid = self._peer(msg.sender_address), m["orid"]
-        self.stats.abort(m["source"])
-        self._feed_writer(job, wc.on_abort(job.book))
-
-    def _send(self, peer: Peer | None, payload: bytes) -> Batch | None:
-        if peer is None:
-            return None
-        try:
-            return self.engine.send(peer, payload)
-        except TransferError as exc:
-            log.warning("kvferry: message to %s not sent: %s", peer.name, exc)
-            return None
-
-    def _notify(self, peer: Peer | None, payload: bytes) -> Batch | None:
-        if peer is None:
-            return None
-        try:
-            return self.engine.notify(peer, payload)
-        except TransferError as exc:
-            log.warning("kvferry: notice to %s not sent: %s", peer.name, exc)
-            return None
-
-    # ============================================================ the owner (decode)
-    def _feed_owner(self, o: _Owned, event: OwnerEvent) -> None:
-        self.owner_driver.feed(o, event)
-
-    def _owner_settled(self, o: _Owned, move: Any) -> None:
-        if o.book.state is OwnerState.CLOSED:
-            self.owned.pop(o.rid, None)
-
-    def _report(self, o: _Owned) -> None:
-        """Hand the request back to vLLM (its blocks are vLLM's to free or read now)."""
-        if o.reported:
-            return
-        o.reported = True
-        self.finished_recving.add(o.rid)
-        if o.failed and not o.scheduler_aborted:
-            self.failed_recving.add(o.rid)
-            self.load_errors.update(o.blocks)
-            log.error("request %s: KV load failed: %s", o.rid, o.error)
-        self.stats.add(transfer_ms=1e3 * (time.monotonic() - o.started))
-
-    def _do_owner(self, do: OwnerDo, o: _Owned) -> None:
-        D = OwnerDo
-        now = time.monotonic()
-        if do is D.STAMP_CANARIES:
-            assert self.gens is not None and self.canaries is not None
-            idx = torch.tensor(o.blocks, dtype=torch.int64)
-            self.gens[idx] += 1
-            o.gens = self.gens[idx].tolist()
-            h = request_id_hash(o.rid)
-            self.canaries[idx] = torch.tensor(
-                [[h, g, i] for i, g in enumerate(o.gens)], dtype=torch.int64
-            )
-        elif do is D.SEND_PLAN:
-            assert self.regions is not None
-            payload = wire.encode(
-                wire.PLAN,
-                rid=o.remote["rid"],
-                orid=o.rid,
-                blocks=o.blocks,
-                gens=o.gens,
-                tokens=o.tokens,
-                regions=self.regions.to_wire(),
-                descs=[s.descriptor().pack() for s in self.segments],
-                tp_rank=self.tp_rank,
-                tp_size=self.tp_size,
-            )
-            if self._send(o.peer, payload) is None:
-                o.failed, o.error = True, "the plan could not be sent"
-            if self.settings.unsafe:  # BROKEN MODE: the load is reported before it lands
-                self._report(o)
-        elif do is D.ARM_TRANSFER_TIMER:
-            o.timer_at = now + self.settings.transfer_timeout_s
-        elif do is D.CANCEL_TIMER:
-            o.timer_at = None
-        elif do is D.VERIFY:
-            self._verify(o)
-        elif do is D.TOMBSTONE:
-            self.tombstones[o.rid] = now
-        elif do is D.REPORT_FAILED:
-            o.failed = True
-        elif do is D.REPORT_FINISHED:
-            pass
-        elif do is D.ABORT_WRITERS:
-            o.abort_writers_pending = True
-            self._abort_writers(o)
-        elif do is D.REPORT_NOTHING_HELD:
-            self._report(o)
-        elif do is D.FREE:
-            self._report(o)
-        elif do is D.QUARANTINE:
-            self.stats.add(quarantined_blocks=len(o.blocks))
-        elif do is D.ASK_ACKS:
-            self._send(
-                o.peer,
-                wire.encode(
-                    wire.ABORT,
-                    rid=o.remote["rid"],
-                    orid=o.rid,
-                    source=o.abort_source.value,
-                    reason=o.error or "aborted",
-                ),
-            )
-        elif do is D.ARM_RETRY:
-            o.retry_at = now + self.settings.ack_retry_s
-        elif do is D.ARM_DEADLINE:
-            o.deadline_at = now + self.settings.abort_deadline_s
-        elif do is D.SEVER_PENDING:
-            o.retry_at = o.retry_at if o.book.state is OwnerState.FENCED else None
-            if o.peer is not None:
-                self.engine.close(o.peer, force=True)
-                self.peers.pop(o.peer.address, None)
-            self.stats.add(severed_peers=1)
-            log.warning(
-                "request %s: prefill worker severed (pid %d): %s", o.rid, o.peer_pid, o.error
-            )
-        elif do is D.CHECK_PROOF:
-            self._check_proof(o, now)
-        elif do is D.ARM_PROOF_CHECK:
-            o.proof_at = now + PROOF_CHECK_S
-        elif do in (D.RELEASE_ACKED, D.RELEASE_SEVERED):
-            log.info("request %s: %d blocks released (%s)", o.rid, len(o.blocks), do.name)
-            self._report(o)
-        elif do is D.RELEASE_UNSAFE:
-            log.error("UNSAFE: request %s: blocks released without proof", o.rid)
-            self._report(o)
-        elif do is D.COUNT_INTEGRITY:
-            self.stats.add(checksum_failures=1)
-        else:  # pragma: no cover - the enum is closed
-            raise AssertionError(do)
-
-    def _writer_gone(self, o: _Owned, now: float) -> Proof | None:
-        """The proof that the writer is gone, by the protocol's rule
-        (:func:`kvferry.engine.protocol.gone_proof`): its process exited on this host and
-        the drain passed. A prefill on another host is never proven gone here (no exit
-        records reach a connector), so its pages wait for its ack."""
-        if not o.peer_local or o.peer_pid < 0 or not process_gone(o.peer_pid):
-            o.gone_since = None
-            return None
-        o.gone_since = o.gone_since or now
-        facts = GoneFacts(
-            same_host=True, process_gone=True, gone_for_s=now - o.gone_since, drain_s=DRAIN_S
-        )
-        return gone_proof(facts)
-
-    def _check_proof(self, o: _Owned, now: float) -> None:
-        if o.book.state is not OwnerState.FENCED:
-            return
-        proof = self._writer_gone(o, now)
-        self._feed_owner(o, oc.on_proof_check(o.book, {WRITER: proof} if proof else {}))
-
-    def _owner_tick(self, o: _Owned, now: float) -> None:
-        state = o.book.state
-        if state is OwnerState.NEW:
-            self._try_assign(o)
-            return
-        pid_gone = o.peer_local and o.peer_pid >= 0 and process_gone(o.peer_pid)
-        if state is OwnerState.AWAITING:
-            if pid_gone:
-                o.abort_source = AbortSource.PEER
-                o.error = (
-                    f"prefill worker tp{self.tp_rank} of engine {o.remote['engine']} "
-                    f"(pid {o.peer_pid}) exited before its notice"
-                )
-                self.stats.abort(AbortSource.PEER.value)
-                self._feed_owner(o, oc.on_failure(o.book))
-            elif o.timer_at is not None and now >= o.timer_at:
-                o.timer_at = None
-                o.abort_source = AbortSource.TRANSFER
-                o.error = (
-                    f"no notice within the {self.settings.transfer_timeout_s} s transfer timeout"
-                )
-                self.stats.abort(AbortSource.TRANSFER.value)
-                self._feed_owner(o, oc.on_failure(o.book))
-            return
-        if state is OwnerState.QUARANTINED:
-            if pid_gone:  # its ack can never come: fence it now, release on proof
-                self._feed_owner(o, oc.on_deadline(o.book))
-            elif o.deadline_at is not None and now >= o.deadline_at:
-                o.deadline_at = None
-                self._feed_owner(o, oc.on_deadline(o.book))
-            elif o.retry_at is not None and now >= o.retry_at:
-                self._feed_owner(o, OwnerEvent.RETRY)
-            return
-        if state is OwnerState.FENCED:
-            if o.proof_at is not None and now >= o.proof_at:
-                o.proof_at = None
-                self._check_proof(o, now)
-
-    def _on_recv(self, rid: str, spec: dict[str, Any]) -> None:
-        if rid in self.owned or rid in self.tombstones:
-            return
-        remote = {k: spec[k] for k in ("engine", "host", "port", "rid", "tp_size")}
-        o = self.owned[rid] = _Owned(rid, remote, list(spec["blocks"]), int(spec["tokens"]))
-        self.fetcher.ask((remote["host"], remote["port"]))
-        self._try_assign(o)
-
-    def _worker_card(self, remote: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-        key = (remote["host"], remote["port"])
-        if key in self.handshake_errors:
-            return None, f"handshake with {key[0]}:{key[1]} failed: {self.handshake_errors[key]}"
-        hs = self.handshakes.get(key)
-        if hs is None:
-            return None, ""
-        if hs["tp_size"] != self.tp_size:
-            return None, (
-                f"heterogeneous TP refused at handshake: prefill engine {hs['engine_id']} has "
-                f"TP size {hs['tp_size']}, this decode engine {self.tp_size}"
-            )
-        card = hs["workers"].get(self.tp_rank)
-        if card is None:
-            return None, f"prefill engine {hs['engine_id']} has no TP rank {self.tp_rank}"
-        assert self.regions is not None
-        if card["layout"] != self.regions.layout or card["signature"] != self.regions.signature():
-            return None, (
-                f"KV layouts refused at handshake: prefill {card['layout']} vs decode "
-                f"{self.regions.layout} (per-block runs differ)"
-            )
-        return card, ""
-
-    def _try_assign(self, o: _Owned) -> None:
-        card, err = self._worker_card(o.remote)
-        if card is None and not err:
-            return  # the handshake is on its way
-        if card is None:
-            o.error = err
-            log.error("request %s: %s", o.rid, err)
-            self._feed_owner(o, oc.on_assign(o.book, (WRITER,), granted=False))
-            return
-        o.peer = self._peer(bytes(card["address"]))
-        info = decode_address(bytes(card["address"]))
-        o.peer_pid = int(card["pid"])
-        o.peer_local = (info.host, info.boot_id, info.pidns) == (
-            self.me.host,
-            self.me.boot_id,
-            self.me.pidns,
-        )
-        self._feed_owner(o, oc.on_assign(o.book, (WRITER,), granted=True))
-
-    def _abort_writers(self, o: _Owned) -> None:
-        key = (o.remote["host"], o.remote["port"])
-        hs = self.handshakes.get(key)
-        if hs is None:
-            if key not in self.handshake_errors:
-                self.fetcher.ask(key)
-                self._pending_aborts.append(o)
-            return
-        ranks = [self.tp_rank]
-        if self.tp_rank == 0:  # ranks this decode has no worker for
-            ranks += [r for r in hs["workers"] if r >= self.tp_size]
-        for r in ranks:
-            w = hs["workers"].get(r)
-            if w is None:
-                continue
-            self._send(
-                self._peer(bytes(w["address"])),
-                wire.encode(
-                    wire.ABORT,
-                    rid=o.remote["rid"],
-                    orid=o.rid,
-                    source=AbortSource.DECODE.value,
-                    reason=o.error or "rejected at the decode",
-                ),
-            )
-        o.abort_writers_pending = False
-
-    def _on_refuse(self, rid: str, remote: dict[str, Any]) -> None:
-        """Never allocated here: the owner refuses, and the prefill is told to free."""
-        if rid in self.owned or rid in self.tombstones or not remote.get("rid"):
-            return
-        o = _Owned(rid, remote, [], 0)
-        o.error = "rejected at the decode before allocation"
-        o.reported = True  # vLLM holds nothing for it: no report
-        self.stats.abort(AbortSource.DECODE.value)
-        self._feed_owner(o, oc.on_assign(o.book, (WRITER,), granted=False))
-
-    def _on_scheduler_abort(self, rid: str, reason: str) -> None:
-        o = self.owned.get(rid)
-        if o is None:
-            return
-        o.scheduler_aborted = True
-        o.abort_source = AbortSource.CLIENT
-        o.error = o.error or reason
-        self.stats.abort(AbortSource.CLIENT.value)
-        # Before the plan (NEW) nothing can land: the table closes it and tells the writer.
-        self._feed_owner(o, oc.on_abort(o.book, writers_told=False))
-
-    def _owned_from(self, msg: Any, m: dict[str, Any]) -> _Owned | None:
-        o = self.owned.get(m["orid"])
-        if o is None or o.peer is None:
-            return None
-        if msg.sender_incarnation != o.peer.incarnation:
-            self.stats.count("stale_messages")
-            return None
-        return o
-
-    def _on_notice(self, msg: Any, m: dict[str, Any]) -> None:
-        o = self._owned_from(msg, m)
-        if o is None:
-            return
-        if o.book.state is OwnerState.AWAITING:
-            o.notice = m
-        self._feed_owner(o, oc.on_notice(o.book, WRITER, whole=True))
-
-    def _on_ack(self, msg: Any, m: dict[str, Any]) -> None:
-        o = self._owned_from(msg, m)
-        if o is None:
-            return
-        if o.book.state in (OwnerState.AWAITING, OwnerState.VERIFYING):
-            o.failed = True  # the writer ended the request on its side
-            o.error = o.error or "the prefill worker acked an abort this decode did not send"
-        self._feed_owner(o, oc.on_ack(o.book, WRITER, severed=o.book.state is OwnerState.FENCED))
-
-    def _on_writer_abort_owner(self, o: _Owned, m: dict[str, Any]) -> None:
-        o.failed = True
-        o.abort_source = AbortSource.PREFILL
-        o.error = f"prefill worker aborted ({m['source']}): {m['reason']}"
-        self._feed_owner(o, oc.on_abort(o.book, writers_told=True))
-
-    def _verify(self, o: _Owned) -> None:
-        """I5, by :mod:`kvferry.engine.verify` as a decode rank checks it: length, blocks
-        and generations, bytes, canaries, checksums."""
-        assert self.regions is not None and self.canaries is not None
-        n = o.notice
-        err = ""
-        if self.settings.unsafe:
-            pass
-        elif n is None:
-            err = "no notice"
-        else:
-            regions, canaries = self.regions, self.canaries
-            planned = Planned(
-                o.rid, o.tokens, o.blocks, o.gens, len(o.blocks) * regions.block_bytes, "block"
-            )
-            notice = VerifyNotice(
-                WRITER, n["tokens"], n["blocks"], n["gens"], n["checksums"], n["bytes"]
-            )
-
-            def checksums_of(blocks: Sequence[int]) -> torch.Tensor:
-                return page_checksums(regions.block_bytes_of(blocks), list(range(len(blocks))))
-
-            integrity = self.settings.integrity
-            try:
-                check_all(
-                    planned,
-                    notice,
-                    canaries[torch.tensor(o.blocks)] if integrity else None,
-                    checksums_of if integrity else None,
-                )
-            except IntegrityError as exc:
-                err = exc.reason
-        if err:
-            o.error = f"integrity check failed: {err}"
-            self._feed_owner(o, OwnerEvent.CORRUPT)
-        else:
-            self._feed_owner(o, OwnerEvent.VERIFIED)
-            self._report(o)
+                self.owner.on_ack(o)
 
     def shutdown(self) -> None:
         try:

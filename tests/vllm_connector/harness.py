@@ -304,7 +304,7 @@ def prefill_main(
         layout=layout,
         module=module,
     )
-    running, kill_at = True, None
+    running, kill_at, pause_at = True, None, None
     conn.send(("ready", os.getpid()))
     while True:
         if conn.poll(0 if running else 0.01):
@@ -322,7 +322,7 @@ def prefill_main(
             elif cmd == "corrupt":  # flip bytes of a request's source blocks, after checksums
                 rid = args[0]
                 for w, reg in zip(side.workers, side.regions, strict=True):
-                    src = w._worker.jobs[rid].src
+                    src = w._worker.writer.jobs[rid].src
                     data = reg.block_bytes_of(src)
                     data[:, 5] ^= 0xFF
                     reg.write_block_bytes(src, data)
@@ -330,11 +330,22 @@ def prefill_main(
             elif cmd == "kill_after_batches":
                 kill_at = args
                 conn.send(True)
+            elif cmd == "pause_after_batches":  # hold still once a job posted this many
+                pause_at = args
+                conn.send(True)
             elif cmd == "status":
                 holding = sorted(side.sched.connector._sched.holding)
                 channel = side.sched.connector._sched.side
                 refused = sum(channel.refusals.values()) if channel is not None else 0
-                conn.send({"free": side.free_blocks(), "holding": holding, "refused": refused})
+                conn.send(
+                    {
+                        "free": side.free_blocks(),
+                        "holding": holding,
+                        "refused": refused,
+                        "running": running,
+                        "jobs": _jobs(side),
+                    }
+                )
             elif cmd == "exit":
                 side.shutdown()
                 conn.send(True)
@@ -343,7 +354,24 @@ def prefill_main(
             side.step(fill=True)
             if kill_at is not None:
                 rid, k = kill_at
-                jobs = [w._worker.jobs.get(rid) for w in side.workers]
+                jobs = [w._worker.writer.jobs.get(rid) for w in side.workers]
                 if any(j is not None and j.batches_posted >= k for j in jobs):
                     os.kill(os.getpid(), signal.SIGKILL)
+            if pause_at is not None:
+                rid, k = pause_at
+                jobs = [w._worker.writer.jobs.get(rid) for w in side.workers]
+                if any(j is not None and j.batches_posted >= k for j in jobs):
+                    running, pause_at = False, None
             time.sleep(0.0005)
+
+
+def _jobs(side: Side) -> dict[str, list[list[Any]]]:
+    """Each worker's live jobs: rid -> [state, batches in flight, batches queued] per
+    worker that has one."""
+    out: dict[str, list[list[Any]]] = {}
+    for w in side.workers:
+        for rid, job in w._worker.writer.jobs.items():
+            out.setdefault(rid, []).append(
+                [job.book.state.value, job.book.in_flight, len(job.queue)]
+            )
+    return out

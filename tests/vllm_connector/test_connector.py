@@ -9,6 +9,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 from kvferry.cluster.trust import generate_secret
+from kvferry.transfer import TransferError
 
 DECODE_BLOCKS = 6  # one request of 64 tokens (4 blocks + its decode block) and the null block
 PROMPT = 64
@@ -179,7 +181,7 @@ def _planned(d, rid: str) -> bool:
     """Every worker's owner of ``rid`` has sent its plan (the writer may write now)."""
     from kvferry.engine.protocol.owner import OwnerState
 
-    owned = [w._worker.owned.get(rid) for w in d.workers]
+    owned = [w._worker.owner.loads.get(rid) for w in d.workers]
     return all(o is not None and o.book.state is not OwnerState.NEW for o in owned)
 
 
@@ -225,6 +227,65 @@ def case_abort(model, prefill, unsafe: bool) -> dict[str, Any]:
             blocks_leaked=leaked(d),
             time_to_release_s=round(release_s, 3),
         )
+    finally:
+        prefill.ask("run", True)
+        d.shutdown()
+
+
+HOLD_S = 1.0  # the in-flight case: how long the writer holds still after the abort
+
+
+def case_abort_in_flight(model, prefill, broken: bool) -> dict[str, Any]:
+    """Abort a load while its writer has a write posted and unsettled (the prefill holds
+    still right after posting its first batch): the decode must hold the blocks (not
+    report the request in finished_recving) until the writer drained, flushed and acked.
+    ``prefill`` posts one block per batch. Broken: QUARANTINE gives the blocks back."""
+    tag = "qb" if broken else "q"
+    pa = prefill.ask("prefill", f"{tag}-a", PROMPT)
+    pb = prefill.ask("prefill", f"{tag}-b", PROMPT)
+    prefill.ask("pause_after_batches", f"{tag}-a", 1)
+    module = "broken_quarantine" if broken else h.MODULE
+    d = h.Side(
+        model, "kv_consumer", "decode", DECODE_EXTRA, tp=2, num_blocks=DECODE_BLOCKS, module=module
+    )
+    try:
+        add(d, "d-qa", pa)
+        steps(d, lambda: not prefill.ask("status")["running"])  # a batch of A's is posted
+        jobs = prefill.ask("status")["jobs"].get(f"{tag}-a", [])
+        in_flight = any(state == "writing" and n > 0 for state, n, _ in jobs)
+        a_blocks = d.blocks_of("d-qa")
+        free_held = d.free_blocks()
+        d.sched.finish_requests("d-qa", RequestStatus.FINISHED_ABORTED)
+        add(d, "d-qb", pb)  # waits for A's blocks: the pool holds one request
+        released_early = False
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < HOLD_S:  # asks again every 0.2 s; deadline at 3 s
+            d.step()
+            time.sleep(0.005)
+            released_early |= (
+                d.free_blocks() > free_held or d.status("d-qb") != RequestStatus.WAITING
+            )
+        prefill.ask("run", True)
+        t_run = time.monotonic()
+        steps(d, lambda: d.status("d-qb") != RequestStatus.WAITING)
+        release_s = time.monotonic() - t_run
+        b_blocks = d.blocks_of("d-qb")
+        steps(d, lambda: finished(d, "d-qb"))
+        good = own_bytes(d, "d-qb", f"{tag}-b")
+        steps(d, lambda: not {f"{tag}-a", f"{tag}-b"} & set(prefill.ask("status")["holding"]))
+        row = record(
+            "abort with a write in flight",
+            False,
+            write_in_flight_at_abort=in_flight,
+            released_before_ack=released_early,
+            b_got_a_blocks=bool(set(a_blocks) & set(b_blocks)),
+            foreign_bytes_read=int(not good),
+            blocks_leaked=leaked(d),
+            time_to_release_s=round(release_s, 3),
+        )
+        if broken:
+            row["connector"] = "kvferry (broken: quarantine frees)"
+        return row
     finally:
         prefill.ask("run", True)
         d.shutdown()
@@ -304,6 +365,53 @@ def case_reject(model, prefill, unsafe: bool, module: str = h.MODULE) -> dict[st
         d.shutdown()
 
 
+def case_prefill_gone_before_plan(model, caplog, broken: bool) -> dict[str, Any]:
+    """The decode knows the prefill (a first load went through), then the prefill is
+    killed and a load of it arrives: connecting to its worker fails (its shared-memory
+    segment is gone). That load must fail through the protocol, logged with its id; the
+    engine goes on. Broken: the connect is outside any catch, as it was."""
+    module = "broken_connect" if broken else h.MODULE
+    p = Prefill(model)
+    d = h.Side(
+        model, "kv_consumer", "decode", DECODE_EXTRA, tp=2, num_blocks=DECODE_BLOCKS, module=module
+    )
+    try:
+        add(d, "d-g1", p.ask("prefill", "g-1", PROMPT))
+        steps(d, lambda: finished(d, "d-g1"))
+        params = p.ask("prefill", "g-2", PROMPT)
+        os.kill(p.pid, signal.SIGKILL)
+        p.proc.join(10)
+        add(d, "d-g2", params)
+        escaped, transfer_error = "", False
+        try:
+            steps(d, lambda: finished(d, "d-g2"))
+        except TimeoutError:
+            raise
+        except Exception as exc:  # out of vLLM's step: the engine would be dead
+            escaped, transfer_error = f"{type(exc).__name__}: {exc}", isinstance(exc, TransferError)
+        out = d.outputs.get("d-g2")
+        clear = any(
+            "d-g2" in r.getMessage() and "cannot connect to prefill worker" in r.getMessage()
+            for r in caplog.records
+        )
+        row = record(
+            "prefill gone before the plan",
+            False,
+            escaped=escaped,
+            escaped_transfer_error=transfer_error,
+            failed=out is not None and out.finish_reason == FinishReason.ERROR,
+            clear_error=clear,
+            decoded="d-g2" in d.first_read,
+            blocks_leaked=None if escaped else leaked(d),
+        )
+        if broken:
+            row["connector"] = "kvferry (broken: connect uncaught)"
+        return row
+    finally:
+        d.shutdown()
+        p.close()
+
+
 def case_corrupt(model, prefill, unsafe: bool) -> dict[str, Any]:
     params = prefill.ask("prefill", f"x-{unsafe}", PROMPT)
     prefill.ask("corrupt", f"x-{unsafe}")
@@ -341,7 +449,7 @@ def case_wrong_secret(model, tmp_path, caplog, broken: bool) -> dict[str, Any]:
         add(d, "d-s", params)
         steps(d, lambda: finished(d, "d-s"))
         out = d.outputs["d-s"]
-        learned = sum(len(w._worker.handshakes) for w in d.workers)
+        learned = sum(len(w._worker.owner.handshakes) for w in d.workers)
         steps(d, lambda: "s-1" not in p.ask("status")["holding"])
         status = p.ask("status")
         clear = any(
@@ -388,6 +496,43 @@ def test_abort_waits_for_every_ack(model, prefill):
 def test_abort_broken_mode_caught(model, prefill):
     row = case_abort(model, prefill, unsafe=True)
     assert row["released_before_ack"] and row["foreign_bytes_read"] == 1, row
+
+
+@pytest.fixture(scope="module")
+def small_batches(model):
+    """A prefill that posts one block per batch: an abort finds writes in flight."""
+    p = Prefill(model, {"max_batch_bytes": 4096})
+    yield p
+    p.close()
+
+
+def test_abort_with_a_write_in_flight_holds_the_blocks(model, small_batches):
+    row = case_abort_in_flight(model, small_batches, broken=False)
+    assert row["write_in_flight_at_abort"], row  # else the case tests nothing
+    assert not row["released_before_ack"], row
+    assert row["foreign_bytes_read"] == 0 and row["blocks_leaked"] == 0, row
+
+
+def test_abort_with_a_write_in_flight_broken_mode_caught(model, small_batches):
+    """The broken connector (tests/vllm_connector/broken_quarantine.py) gives quarantined
+    blocks back at once."""
+    row = case_abort_in_flight(model, small_batches, broken=True)
+    assert row["write_in_flight_at_abort"], row
+    assert row["released_before_ack"], row
+
+
+def test_prefill_gone_before_the_plan_fails_the_load(model, caplog):
+    caplog.set_level(logging.INFO, logger="kvferry.vllm")
+    row = case_prefill_gone_before_plan(model, caplog, broken=False)
+    assert not row["escaped"] and row["failed"] and row["clear_error"], row
+    assert not row["decoded"] and row["blocks_leaked"] == 0, row
+
+
+def test_prefill_gone_broken_mode_caught(model, caplog):
+    """The broken connector (tests/vllm_connector/broken_connect.py) connects outside any
+    catch: the transfer error escapes vLLM's step."""
+    row = case_prefill_gone_before_plan(model, caplog, broken=True)
+    assert row["escaped"] and row["escaped_transfer_error"], row
 
 
 def test_prefill_killed_mid_transfer(model, caplog):

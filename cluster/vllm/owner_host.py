@@ -1,0 +1,663 @@
+"""The decode worker's side of the protocol: the owner's driver over vLLM's ports.
+
+A decode worker owns its TP rank's share of the blocks vLLM allocated for a request that
+waits for remote KV (``WAITING_FOR_REMOTE_KVS``); the prefill worker of the same TP rank
+is its one writer. vLLM keeps those blocks until the connector reports the request in
+``finished_recving``: for a verified load it then reads them, for any other it frees
+them. That report is the one thing the owner's pages port can do with them, so:
+
+- FREE and RELEASE_* report the request in ``finished_recving`` (a failed load also in
+  ``failed_recving``, its blocks in ``get_block_ids_with_load_errors()``: I6);
+- QUARANTINE holds the blocks: the request is not reported, whatever else happens, until
+  a release (I4: its writer acked after its flush, or its process is proven gone);
+- a verified load (VERIFIED, I5) is reported as loaded, and vLLM decodes it.
+
+What each effect of the owner's table means, and the owner's timers, are
+:class:`~kvferry.engine.protocol.owner_driver.OwnerDriver`'s, as for the service's decode
+rank; this module turns what reaches the worker (the scheduler's loads, aborts and
+refusals, the writer's NOTICE, ABORT and ABORT_ACK, the writer's process exiting) into the
+table's events and supplies the ports.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvferry.cluster.processes import DRAIN_S, process_gone
+from kvferry.engine.integrity import IntegrityError, page_checksums, request_id_hash
+from kvferry.engine.protocol import owner as oc
+from kvferry.engine.protocol.owner import OwnerBook, OwnerEvent, OwnerState
+from kvferry.engine.protocol.owner_driver import (
+    SEVERED_RETRY_S,
+    OwnerDriver,
+    OwnerPorts,
+    OwnerTimes,
+)
+from kvferry.engine.protocol.ports import Clock
+from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
+from kvferry.engine.protocol.words import AbortSource, Outcome, Release
+from kvferry.engine.verify import Notice as VerifyNotice
+from kvferry.engine.verify import Planned, check_all
+from kvferry.transfer import AddressInfo, Peer, TransferError, decode_address
+
+from . import wire
+from .layout import KVRegions
+from .link import Link
+from .loop import PollTimers, Tombstones
+from .metrics import KvferryStats
+from .settings import Settings
+from .sidechannel import Fetcher
+
+log = logging.getLogger("kvferry.vllm")
+
+WRITER = 0  # an owner's one writer: the prefill worker of its TP rank
+_ABORTS = frozenset(
+    {
+        OwnerEvent.ABORT,
+        OwnerEvent.ABORT_TOLD,
+        OwnerEvent.ABORT_FLUSHED,
+        OwnerEvent.FAIL,
+        OwnerEvent.FAIL_FLUSHED,
+    }
+)
+_HELD = (OwnerState.QUARANTINED, OwnerState.FENCED, OwnerState.CLOSED)  # abort timed already
+
+
+class QuarantineBreach(RuntimeError):
+    """Quarantined blocks were about to go back to vLLM without a release (I4)."""
+
+
+@dataclass(frozen=True)
+class ConnectorTimes(OwnerTimes):
+    """The owner's deadlines, and the connector's own retry period (``ack_retry_s``)
+    where the service derives it from the abort deadline."""
+
+    ack_retry_s: float = 1.0
+
+    def retry_every(self, a_writer_severed: bool) -> float:
+        return SEVERED_RETRY_S if a_writer_severed else self.ack_retry_s
+
+
+@dataclass
+class Load:
+    """A request at a decode worker: the owner's book and what its ports need."""
+
+    rid: str
+    remote: dict[str, Any]  # engine, host, port, rid (the prefill's), tp_size
+    blocks: list[int]
+    tokens: int
+    book: OwnerBook = field(init=False)
+    gens: list[int] = field(default_factory=list)
+    peer: Peer | None = None  # the writer's endpoint, once assigned
+    peer_pid: int = -1
+    peer_local: bool = False
+    notices: dict[int, dict[str, Any]] = field(default_factory=dict)  # whole, by writer
+    failed: bool = False  # REPORT_FAILED, or the writer ended it: failed_recving
+    error: str = ""  # why it failed
+    scheduler_aborted: bool = False  # vLLM ended it: no load error to report
+    vllm_holds: bool = True  # False: refused before vLLM allocated any block
+    handed_back: bool = False  # reported in finished_recving
+    quarantined: bool = False
+    started: float = field(default_factory=time.monotonic)
+    timer: Any = None  # the driver's transfer timeout, then its abort deadline
+    abort_started: float = 0.0
+    abort_source: AbortSource = AbortSource.INTERNAL  # ASK_ACKS's words
+    abort_reason: str = ""
+    warned: bool = False
+    gone_since: float | None = None  # when the writer's process was first seen gone
+
+    def __post_init__(self) -> None:
+        self.book = OwnerBook(self.rid, (WRITER,))
+
+    @property
+    def writers(self) -> tuple[int, ...]:
+        return self.book.writers
+
+    @property
+    def prompt_len(self) -> int:
+        return self.tokens
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The prefill engine's side channel."""
+        return (self.remote["host"], self.remote["port"])
+
+
+class OwnerWire:
+    """The owner's messages to its writer, over the worker's link."""
+
+    def __init__(self, host: OwnerHost) -> None:
+        self.host = host
+
+    def send_plan(self, o: Load) -> None:
+        """PLAN to the writer; a plan that cannot be sent fails the load (the writer may
+        have got part of it: the abort's way, so its blocks wait for its ack or exit)."""
+        h = self.host
+        assert h.regions is not None
+        payload = wire.encode(
+            wire.PLAN,
+            rid=o.remote["rid"],
+            orid=o.rid,
+            blocks=o.blocks,
+            gens=o.gens,
+            tokens=o.tokens,
+            regions=h.regions.to_wire(),
+            descs=[s.descriptor().pack() for s in h.segments],
+            tp_rank=h.tp_rank,
+            tp_size=h.tp_size,
+        )
+        if h.link.send(o.peer, payload, o.rid) is None:
+            reason = f"the plan could not be sent to prefill worker tp{h.tp_rank}"
+            o.error = o.error or reason
+            h.driver.abort(o, oc.on_failure(o.book), AbortSource.TRANSFER, reason)
+        if h.settings.unsafe:  # BROKEN MODE: the load is reported before it lands
+            h.hand_back(o)
+
+    def tell_abort(
+        self, rid: str, to: list[int], writers: list[int], source: AbortSource, reason: str
+    ) -> None:
+        """ABORT to the writer. One never planned (refused, or aborted before its plan)
+        is found through the prefill's handshake, as are the prefill's workers this
+        decode has none for (they hold the prompt's blocks too)."""
+        h = self.host
+        o = h.loads.get(rid)
+        if o is None or not to:
+            return
+        if o.peer is None:
+            h.abort_writers(o, source, o.error or reason)
+            return
+        payload = wire.encode(
+            wire.ABORT, rid=o.remote["rid"], orid=rid, source=source.value, reason=reason
+        )
+        # by address: after a sever the next ask connects again (the writer may be back)
+        h.link.send_to(o.peer.address, payload, rid)
+
+    def sever(self, rid: str, fenced: list[int], writers: list[int], why: str) -> None:
+        """Close the endpoint to the silent writer (no more plans on it) and count it.
+        Not a proof: the blocks stay held until its ack or its exit."""
+        h = self.host
+        o = h.loads.get(rid)
+        if o is None or not writers:
+            return
+        if o.peer is not None:
+            h.link.sever(o.peer)
+        h.stats.add(severed_peers=len(writers))
+        log.warning(
+            "request %s: prefill worker tp%d severed (pid %d): %s", rid, h.tp_rank, o.peer_pid, why
+        )
+
+
+class VerifyPath:
+    """The owner's data path: I5 on the notice's arrival, by :mod:`kvferry.engine.verify`
+    as a decode rank checks it (length, blocks and generations, bytes, canaries,
+    checksums); VERIFIED or CORRUPT back to the driver. Decoding is vLLM's."""
+
+    def __init__(self, host: OwnerHost) -> None:
+        self.host = host
+
+    def verify(self, o: Load) -> None:
+        h = self.host
+        assert h.regions is not None and h.canaries is not None
+        n = o.notices.get(WRITER)
+        err = ""
+        if h.settings.unsafe:
+            pass
+        elif n is None:
+            err = "no notice"
+        else:
+            regions, canaries = h.regions, h.canaries
+            planned = Planned(
+                o.rid, o.tokens, o.blocks, o.gens, len(o.blocks) * regions.block_bytes, "block"
+            )
+            notice = VerifyNotice(
+                WRITER, n["tokens"], n["blocks"], n["gens"], n["checksums"], n["bytes"]
+            )
+
+            def checksums_of(blocks: Sequence[int]) -> torch.Tensor:
+                return page_checksums(regions.block_bytes_of(blocks), list(range(len(blocks))))
+
+            integrity = h.settings.integrity
+            try:
+                check_all(
+                    planned,
+                    notice,
+                    canaries[torch.tensor(o.blocks)] if integrity else None,
+                    checksums_of if integrity else None,
+                )
+            except IntegrityError as exc:
+                err = exc.reason
+        if err:
+            o.error = f"integrity check failed: {err}"
+            h.driver.feed(o, OwnerEvent.CORRUPT)
+        else:
+            h.driver.feed(o, OwnerEvent.VERIFIED)
+
+
+class OwnerHost:
+    """A decode worker's loads: what arrives becomes the owner's events, fed to its
+    driver; this object is the driver's pages, writer facts and report ports."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        link: Link,
+        stats: KvferryStats,
+        tombstones: Tombstones,
+        timers: PollTimers,
+        clock: Clock,
+        tp_rank: int,
+        tp_size: int,
+        me: AddressInfo,
+    ) -> None:
+        self.settings = settings
+        self.link = link
+        self.stats = stats
+        self.tombstones = tombstones
+        self.timers = timers
+        self.clock = clock
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.me = me
+        self.loads: dict[str, Load] = {}
+        self.handshakes: dict[tuple[str, int], dict[str, Any]] = {}
+        self.handshake_errors: dict[tuple[str, int], str] = {}
+        self.fetcher = Fetcher(settings.handshake_timeout_s, settings.key)
+        self._pending_aborts: list[tuple[Load, AbortSource, str]] = []  # for a handshake
+        self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
+        self.load_errors: set[int] = set()
+        self.regions: KVRegions | None = None
+        self.segments: list[Any] = []
+        self.gens: torch.Tensor | None = None  # per block: bumped at each plan into it
+        self.canaries: torch.Tensor | None = None  # per block: (rid hash, gen, index)
+        ports = OwnerPorts(
+            wire=OwnerWire(self),
+            pages=self,
+            facts=self,
+            data=VerifyPath(self),
+            report=self,
+            tombstones=tombstones,
+            timers=timers,
+            clock=clock,
+            times=ConnectorTimes(
+                settings.transfer_timeout_s, settings.abort_deadline_s, settings.ack_retry_s
+            ),
+        )
+        self.driver = OwnerDriver(
+            ports,
+            oc.owner_table(unsafe=settings.unsafe),
+            observe=self._observe,
+            settled=self._settled,
+        )
+
+    def attach(self, regions: KVRegions, segments: list[Any]) -> None:
+        """vLLM's KV buffers, registered with the transfer engine."""
+        self.regions, self.segments = regions, segments
+        self.gens = torch.zeros(regions.num_blocks, dtype=torch.int64)
+        self.canaries = torch.full((regions.num_blocks, 3), -1, dtype=torch.int64)
+
+    # ------------------------------------------------------------ the driver's hooks
+    def _observe(self, o: Load, event: OwnerEvent, before: OwnerState, move: Any) -> None:
+        """An abort's first sign starts its clock and is counted by its source."""
+        if event in _ABORTS and before not in _HELD and not move.ignored:
+            o.abort_started = o.abort_started or self.clock.now()
+            self.stats.abort(o.abort_source.value)
+
+    def _settled(self, o: Load, move: Any) -> None:
+        if move.ignored:
+            return
+        if o.book.state is OwnerState.DECODING:  # verified (I5): vLLM reads the blocks
+            self.hand_back(o)
+        elif o.book.state is OwnerState.CLOSED and self.loads.get(o.rid) is o:
+            del self.loads[o.rid]
+
+    def hand_back(self, o: Load) -> None:
+        """Report ``o`` in ``finished_recving`` (once): vLLM reads its blocks if the load
+        was verified, else frees them; a failed load is also in ``failed_recving`` and
+        its blocks are load errors (I6). Never while its blocks are quarantined."""
+        if o.handed_back or not o.vllm_holds:
+            return
+        if o.quarantined:
+            raise QuarantineBreach(
+                f"request {o.rid}: {len(o.blocks)} quarantined blocks would go back to vLLM "
+                f"in state {o.book.state.value} without a release (writer acked: "
+                f"{sorted(o.book.acked)}, proven gone: {sorted(o.book.gone)})"
+            )
+        o.handed_back = True
+        self.finished_recving.add(o.rid)
+        if o.failed and not o.scheduler_aborted:
+            self.failed_recving.add(o.rid)
+            self.load_errors.update(o.blocks)
+            log.error("request %s: KV load failed: %s", o.rid, o.error)
+        self.stats.add(transfer_ms=1e3 * (time.monotonic() - o.started))
+
+    def fail_request(self, rid: str | None, exc: Exception) -> None:
+        """An exception in one of ``rid``'s timers: the load fails through the protocol
+        (its blocks go the abort's way)."""
+        reason = f"internal error: {type(exc).__name__}: {exc}"
+        log.error("request %s: decode worker tp%d: %s", rid, self.tp_rank, reason, exc_info=exc)
+        o = self.loads.get(rid) if rid is not None else None
+        if o is None:
+            return
+        o.error = o.error or reason
+        if o.book.state is OwnerState.NEW:
+            self.driver.feed(o, oc.on_assign(o.book, (WRITER,), granted=False))
+        else:
+            self.driver.abort(o, oc.on_failure(o.book), AbortSource.INTERNAL, reason)
+
+    # ------------------------------------------------------------ pages (a port)
+    def stamp_canaries(self, o: Load) -> None:
+        assert self.gens is not None and self.canaries is not None
+        idx = torch.tensor(o.blocks, dtype=torch.int64)
+        self.gens[idx] += 1
+        o.gens = self.gens[idx].tolist()
+        h = request_id_hash(o.rid)
+        self.canaries[idx] = torch.tensor(
+            [[h, g, i] for i, g in enumerate(o.gens)], dtype=torch.int64
+        )
+
+    def free(self, rid: str) -> list[int]:
+        """The blocks go back to vLLM (every writer noticed or acked, or none was ever
+        planned): reported in ``finished_recving``, once."""
+        o = self.loads.get(rid)
+        if o is None or not o.vllm_holds:
+            return []
+        self.hand_back(o)
+        return list(o.blocks)
+
+    def quarantine(self, o: Load) -> None:
+        """Hold the blocks: the request is not reported to vLLM, which keeps them
+        allocated (counted as used) until :meth:`release`."""
+        o.quarantined = True
+        self.stats.add(quarantined_blocks=len(o.blocks))
+        log.info(
+            "request %s: %d blocks quarantined on decode worker tp%d (aborted: %s) until the "
+            "prefill worker acks after its flush or is proven gone",
+            o.rid,
+            len(o.blocks),
+            self.tp_rank,
+            o.abort_reason,
+        )
+
+    def release(self, rid: str) -> list[int]:
+        o = self.loads.get(rid)
+        if o is None:
+            return []
+        o.quarantined = False
+        self.hand_back(o)
+        return list(o.blocks)
+
+    def quarantined(self, rid: str) -> bool:
+        o = self.loads.get(rid)
+        return o is not None and o.quarantined
+
+    # ------------------------------------------------------------ writer facts (a port)
+    def restarted_since(self, o: Load, writer: int) -> bool:
+        """Never: a restarted prefill worker is another process with another transfer
+        address and incarnation, reached by no load planned before; a message of it is
+        refused by incarnation (:meth:`load_from`), and the old one's proof is its exit."""
+        return False
+
+    def proven_gone(self, o: Load, writers: Iterable[int]) -> dict[int, Proof]:
+        """The writer's proof of its end by the protocol's one rule
+        (:func:`kvferry.engine.protocol.proof.gone_proof`): its process exited on this
+        host and the drain passed. A prefill on another host is never proven gone here
+        (no exit records reach a connector): its blocks wait for its ack."""
+        if WRITER not in set(writers):
+            return {}
+        if not o.peer_local or o.peer_pid < 0 or not process_gone(o.peer_pid):
+            o.gone_since = None
+            return {}
+        now = self.clock.now()
+        o.gone_since = o.gone_since or now
+        facts = GoneFacts(
+            same_host=True, process_gone=True, gone_for_s=now - o.gone_since, drain_s=DRAIN_S
+        )
+        proof = gone_proof(facts)
+        return {WRITER: proof} if proof is not None else {}
+
+    def is_severed(self, writer: int) -> bool:
+        """Never said: writer 0 is a different prefill worker in each load, so a sever is
+        no fact about a writer number here; a severed load's asks keep the configured
+        ``ack_retry_s`` (each connects again)."""
+        return False
+
+    # ------------------------------------------------------------ the report (a port)
+    def done(self, o: Load, outcome: Outcome) -> None:
+        """DONE(failed): the load is marked failed, so its report to vLLM carries
+        ``failed_recving`` and the blocks' load errors. DONE(finished) has nothing to
+        add: vLLM finished the request and answered its client itself."""
+        if outcome is Outcome.FAILED:
+            o.failed = True
+
+    def nothing_held(self, rid: str) -> None:
+        """No plan went out, so no write can land in the blocks vLLM allocated for it
+        (if any): they go back to vLLM now."""
+        o = self.loads.get(rid)
+        if o is not None:
+            self.hand_back(o)
+
+    def closed(self, o: Load, pages: list[int], how: Release) -> None:
+        """RELEASED: logged with the proof; the load's timer is cancelled (it is
+        forgotten once the move settles, its id tombstoned by the table)."""
+        if o.timer is not None:
+            o.timer.cancel()
+        why = o.book.justification()
+        if o.abort_started:
+            log.info(
+                "request %s: %d blocks released (%s; proof: %s) %.1f ms after the abort (%s)",
+                o.rid,
+                len(pages),
+                how.value,
+                why,
+                1e3 * (self.clock.now() - o.abort_started),
+                o.abort_reason or "writer finished",
+            )
+        else:
+            log.debug("request %s: %d blocks freed (%s; proof: %s)", o.rid, len(pages), how, why)
+
+    def integrity_failure(self, o: Load) -> None:
+        self.stats.add(checksum_failures=1)
+        log.error("request %s: decode worker tp%d: %s", o.rid, self.tp_rank, o.error)
+
+    def stuck(self, o: Load, waited_s: float) -> None:
+        log.error(
+            "request %s: %d blocks stay quarantined: prefill worker tp%d (pid %d) neither "
+            "acked nor is known to be gone after %.1f s",
+            o.rid,
+            len(o.blocks),
+            self.tp_rank,
+            o.peer_pid,
+            waited_s,
+        )
+
+    # ------------------------------------------------------------ events in
+    def on_recv(self, rid: str, spec: dict[str, Any]) -> None:
+        """The scheduler allocated blocks for a remote prefill's KV: a new load."""
+        if rid in self.loads or rid in self.tombstones:
+            return
+        remote = {k: spec[k] for k in ("engine", "host", "port", "rid", "tp_size")}
+        o = self.loads[rid] = Load(rid, remote, list(spec["blocks"]), int(spec["tokens"]))
+        self.fetcher.ask(o.key)
+        self._try_assign(o)
+
+    def on_refuse(self, rid: str, remote: dict[str, Any]) -> None:
+        """Never allocated here: the owner refuses, and the prefill is told to free."""
+        if rid in self.loads or rid in self.tombstones or not remote.get("rid"):
+            return
+        o = self.loads[rid] = Load(rid, remote, [], 0)
+        o.error = "rejected at the decode before allocation"
+        o.vllm_holds = False
+        self.stats.abort(AbortSource.DECODE.value)
+        self.driver.feed(o, oc.on_assign(o.book, (WRITER,), granted=False))
+
+    def on_scheduler_abort(self, rid: str, reason: str) -> None:
+        o = self.loads.get(rid)
+        if o is None:
+            return
+        o.scheduler_aborted = True
+        o.error = o.error or reason
+        # Before the plan (NEW) nothing can land: the table closes it and tells the writer.
+        self.driver.abort(o, oc.on_abort(o.book, writers_told=False), AbortSource.CLIENT, reason)
+
+    def load_from(self, msg: Any, m: dict[str, Any]) -> Load | None:
+        """The load a writer's message is for, if it comes from that load's writer
+        incarnation (another is counted and dropped: its word proves nothing here)."""
+        o = self.loads.get(m["orid"])
+        if o is None or o.peer is None:
+            return None
+        if msg.sender_incarnation != o.peer.incarnation:
+            self.stats.count("stale_messages")
+            return None
+        return o
+
+    def on_notice(self, o: Load, m: dict[str, Any]) -> None:
+        if o.book.state is OwnerState.AWAITING:
+            o.notices[WRITER] = m
+        self.driver.feed(o, oc.on_notice(o.book, WRITER, whole=True))
+
+    def on_ack(self, o: Load) -> None:
+        if o.book.state in (OwnerState.AWAITING, OwnerState.VERIFYING):
+            o.failed = True  # the writer ended the request on its side
+            o.error = o.error or "the prefill worker acked an abort this decode did not send"
+        self.driver.abort(
+            o,
+            oc.on_ack(o.book, WRITER, severed=o.book.state is OwnerState.FENCED),
+            AbortSource.WRITER,
+            "the prefill worker acked an abort",
+        )
+
+    def on_writer_abort(self, o: Load, m: dict[str, Any]) -> None:
+        """The writer failed the request (its ABORT, to us as its owner)."""
+        reason = f"prefill worker aborted ({m['source']}): {m['reason']}"
+        o.failed = True
+        o.error = o.error or reason
+        self.driver.abort(o, oc.on_abort(o.book, writers_told=True), AbortSource.PREFILL, reason)
+
+    def finished(self, rids: Iterable[str]) -> None:
+        """vLLM finished these requests: a decoding load's end (FINISHED)."""
+        for rid in rids:
+            o = self.loads.get(rid)
+            if o is not None and o.book.state is OwnerState.DECODING:
+                self.driver.feed(o, OwnerEvent.FINISHED)
+
+    # ------------------------------------------------------------ the poll
+    def poll(self) -> None:
+        """Handshakes that arrived (loads waiting for one are assigned, aborts waiting
+        for one are sent), and writers whose process exited before their notice."""
+        arrived = False
+        for key, hs, err in self.fetcher.take():
+            arrived = True
+            if hs is None:
+                self.handshake_errors[key] = err
+            else:
+                self.handshakes[key] = hs
+        if arrived:
+            for o in [o for o in self.loads.values() if o.book.state is OwnerState.NEW]:
+                self._try_assign(o)
+            waiting, self._pending_aborts = self._pending_aborts, []
+            for o, source, reason in waiting:
+                self.abort_writers(o, source, reason)
+        self._watch_writers()
+
+    def _watch_writers(self) -> None:
+        """A writer on this host whose process exited before its notice fails its load
+        (the abort's way: its blocks wait for the proof that it is gone)."""
+        for o in list(self.loads.values()):
+            if o.book.state is not OwnerState.AWAITING or not o.peer_local or o.peer_pid < 0:
+                continue
+            if not process_gone(o.peer_pid):
+                continue
+            o.gone_since = o.gone_since or self.clock.now()
+            reason = (
+                f"prefill worker tp{self.tp_rank} of engine {o.remote['engine']} "
+                f"(pid {o.peer_pid}) exited before its notice"
+            )
+            o.error = o.error or reason
+            self.driver.abort(o, oc.on_failure(o.book), AbortSource.PEER, reason)
+
+    # ------------------------------------------------------------ assignment
+    def _worker_card(self, remote: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        key = (remote["host"], remote["port"])
+        if key in self.handshake_errors:
+            return None, f"handshake with {key[0]}:{key[1]} failed: {self.handshake_errors[key]}"
+        hs = self.handshakes.get(key)
+        if hs is None:
+            return None, ""
+        if hs["tp_size"] != self.tp_size:
+            return None, (
+                f"heterogeneous TP refused at handshake: prefill engine {hs['engine_id']} has "
+                f"TP size {hs['tp_size']}, this decode engine {self.tp_size}"
+            )
+        card = hs["workers"].get(self.tp_rank)
+        if card is None:
+            return None, f"prefill engine {hs['engine_id']} has no TP rank {self.tp_rank}"
+        assert self.regions is not None
+        if card["layout"] != self.regions.layout or card["signature"] != self.regions.signature():
+            return None, (
+                f"KV layouts refused at handshake: prefill {card['layout']} vs decode "
+                f"{self.regions.layout} (per-block runs differ)"
+            )
+        return card, ""
+
+    def _refuse(self, o: Load, error: str) -> None:
+        """The load cannot be planned: it fails with nothing planned (REFUSED), its
+        blocks go back to vLLM as a failed load, the prefill is told."""
+        o.error = error
+        log.error("request %s: %s", o.rid, error)
+        self.driver.feed(o, oc.on_assign(o.book, (WRITER,), granted=False))
+
+    def _try_assign(self, o: Load) -> None:
+        card, err = self._worker_card(o.remote)
+        if card is None and not err:
+            return  # the handshake is on its way
+        if card is None:
+            self._refuse(o, err)
+            return
+        address = bytes(card["address"])
+        try:
+            o.peer = self.link.peer(address)
+        except TransferError as exc:
+            # e.g. the prefill was killed after its handshake: its shared-memory segment
+            # is gone (UcsShmemSegmentError). Nothing was planned, so nothing can land.
+            self.stats.abort(AbortSource.PEER.value)
+            self._refuse(
+                o,
+                f"cannot connect to prefill worker tp{self.tp_rank} of engine "
+                f"{o.remote['engine']} (pid {card['pid']}): {type(exc).__name__}: {exc}",
+            )
+            return
+        info = decode_address(address)
+        o.peer_pid = int(card["pid"])
+        o.peer_local = (info.host, info.boot_id, info.pidns) == (
+            self.me.host,
+            self.me.boot_id,
+            self.me.pidns,
+        )
+        self.driver.feed(o, oc.on_assign(o.book, (WRITER,), granted=True))
+
+    def abort_writers(self, o: Load, source: AbortSource, reason: str) -> None:
+        """ABORT to the prefill workers of a load that was never planned: the one of this
+        TP rank, and (from TP rank 0) those this decode has no worker for. Waits for the
+        prefill's handshake if it is on its way."""
+        hs = self.handshakes.get(o.key)
+        if hs is None:
+            if o.key not in self.handshake_errors:
+                self.fetcher.ask(o.key)
+                self._pending_aborts.append((o, source, reason))
+            return
+        ranks = [self.tp_rank]
+        if self.tp_rank == 0:  # ranks this decode has no worker for
+            ranks += [r for r in hs["workers"] if r >= self.tp_size]
+        payload = wire.encode(
+            wire.ABORT, rid=o.remote["rid"], orid=o.rid, source=source.value, reason=reason
+        )
+        for r in ranks:
+            w = hs["workers"].get(r)
+            if w is not None:
+                self.link.send_to(bytes(w["address"]), payload, o.rid)

@@ -19,7 +19,6 @@ import asyncio
 import itertools
 import logging
 import secrets
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ import numpy as np
 
 from kvferry.engine.admission import AdmissionRejected, admit, pages_needed
 from kvferry.engine.lifecycle import Request, RequestState
+from kvferry.engine.protocol.ports import Clock
 from kvferry.engine.protocol.proof import is_justified
 from kvferry.engine.protocol.routing import Ledger, Routed, RouterCore, RouterPorts
 from kvferry.engine.protocol.words import AbortSource, Answer, Kind
@@ -121,8 +121,10 @@ class Router:
         request_timeout_s: float,
         admission_wait_s: float,
         metrics: ClusterMetrics,
+        clock: Clock | None = None,
     ) -> None:
         self.rt = runtime
+        self.clock = clock or MonotonicClock()  # the time the router's rules read
         self.topology = topology
         self.cards = cards
         self.context_length = min(
@@ -139,7 +141,7 @@ class Router:
                 wire=self,
                 client=self,
                 timers=self,
-                clock=MonotonicClock(),
+                clock=self.clock,
                 capacity_changed=self._capacity_changed.set,
                 aborted=lambda routed, source: self.metrics.aborts.labels(source).inc(),
             ),
@@ -148,7 +150,7 @@ class Router:
         self.ledger = self.core.ledger
         self.requests: dict[str, RoutedRequest] = self.core.requests
         self.rank_stats: dict[int, dict] = {}
-        self.last_seen: dict[int, float] = {r: time.monotonic() for r in self.ledger.totals}
+        self.last_seen: dict[int, float] = {r: self.clock.now() for r in self.ledger.totals}
         self.unhealthy: dict[int, str] = {}
         # Ranks an owner severed, with the incarnation severed: never routed to again
         # (a severed rank rejoins only with a new incarnation), whatever its heartbeat.
@@ -258,9 +260,9 @@ class Router:
             self.metrics.requests.labels(Answer.UNAVAILABLE).inc()
             raise
         need = pages_needed(len(tokens), max_tokens, self.page_size)
-        deadline = time.monotonic() + self.admission_wait_s
+        deadline = self.clock.now() + self.admission_wait_s
         while (placement := self._pick(len(tokens), need)) is None:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.clock.now()
             if remaining <= 0:
                 self.metrics.requests.labels(Answer.UNAVAILABLE).inc()
                 free = {r: self.ledger.free(r) for r in self.ledger.totals}
@@ -288,7 +290,7 @@ class Router:
                 pass
         owner, writers = placement
         req.transition(S.ADMITTED)
-        routed = RoutedRequest(req, owner, writers, time.monotonic())
+        routed = RoutedRequest(req, owner, writers, self.clock.now())
         self.requests[rid] = routed
         self.ledger.reserve(owner, rid, need)
         for w in writers:
@@ -392,7 +394,7 @@ class Router:
         """``handler``, after noting that its sender is alive (the heartbeat)."""
 
         def heard(msg: Message) -> None:
-            self.last_seen[msg.src] = time.monotonic()
+            self.last_seen[msg.src] = self.clock.now()
             handler(msg)
 
         return heard
@@ -430,7 +432,7 @@ class Router:
         if routed is None:
             return
         if routed.first_token_at is None:
-            routed.first_token_at = time.monotonic()
+            routed.first_token_at = self.clock.now()
             self.metrics.ttft.observe(routed.first_token_at - routed.submitted_at)
         self.core.on_tokens(msg.rid, msg.offset, list(msg.tokens))
 
@@ -524,13 +526,13 @@ class Router:
         )
         self.severed.pop(rank, None)
         self.rejoining[rank] = Rejoin(
-            old.incarnation, new.incarnation, self.rt.cards_epoch, time.monotonic()
+            old.incarnation, new.incarnation, self.rt.cards_epoch, self.clock.now()
         )
         self.unhealthy[rank] = (
             f"rejoining as incarnation {new.incarnation:#x}: until no rank waits on "
             f"incarnation {old.incarnation:#x}"
         )
-        self.last_seen[rank] = time.monotonic()
+        self.last_seen[rank] = self.clock.now()
 
     def _admit_rejoined(self) -> None:
         for rank, rejoin in list(self.rejoining.items()):
@@ -562,7 +564,7 @@ class Router:
                 rank,
                 card.incarnation,
                 card.pid,
-                time.monotonic() - rejoin.since,
+                self.clock.now() - rejoin.since,
                 rejoin.old_incarnation,
             )
 
@@ -595,7 +597,7 @@ class Router:
 
     def check_heartbeats(self) -> None:
         self.check_liveness()
-        now = time.monotonic()
+        now = self.clock.now()
         for rank, seen in self.last_seen.items():
             if now - seen > HEARTBEAT_TIMEOUT_S and rank not in self.unhealthy:
                 self.unhealthy[rank] = f"no heartbeat for {now - seen:.1f} s"

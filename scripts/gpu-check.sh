@@ -52,7 +52,7 @@ export TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
 unset TRITON_INTERPRET
 status=0
 cd "$SHIM"  # kvferry from the shim, not from a folder of the same name
-timeout --signal=INT --kill-after=10 290 "$PY" -m kvferry.cluster.harness.gpu_check "$@" || status=$?
+timeout --signal=INT --kill-after=10 290 "$PY" -m kvferry.engine.tools.gpu_check "$@" || status=$?
 if [ "$status" = 124 ]; then
     echo "gpu-check: stopped at the 290 s limit" >&2
 fi

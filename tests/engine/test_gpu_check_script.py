@@ -31,8 +31,8 @@ def test_without_a_gpu_it_says_so_and_fails():
     assert proc.stdout == ""
 
 
-def test_the_harness_module_runs_through_the_script_without_an_install():
-    """scripts/gpu-check.sh runs kvferry.cluster.harness.gpu_check with transfer/, engine/
+def test_the_tool_module_runs_through_the_script_without_an_install():
+    """scripts/gpu-check.sh runs kvferry.engine.tools.gpu_check with transfer/, engine/
     and cluster/ exposed as kvferry.* by its shim (no install on the device machine)."""
     proc = subprocess.run(
         [str(SCRIPT), "--help-python"],
@@ -49,7 +49,7 @@ def test_the_page_transfer_moves_host_pages_between_two_processes(monkeypatch):
     """The transfer measurement's own path on host memory (as the dry run drives it): a
     target process, pages scattered into its pool, each batch flushed and noticed, the
     bytes checked there."""
-    from kvferry.cluster.harness import gpu_check
+    from kvferry.engine.tools import gpu_check
 
     monkeypatch.setattr(gpu_check, "DEV", "cpu")
     monkeypatch.setattr(gpu_check, "RESULTS", [])
@@ -80,7 +80,7 @@ def test_the_tuning_sweep_runs_whole_on_cpu():
     proc = _script("--tune", "--dry-run", "--no-transfer")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    from kvferry.cluster.harness.gpu_tune import DRY_RUN_TUNINGS, SMALL_CASES
+    from kvferry.engine.tools.gpu_tune import DRY_RUN_TUNINGS, SMALL_CASES
 
     timed = {(r["case"], r["tuning"]) for r in rows if r["kind"] == "tune"}
     cases = {f"{b}x{c}" for b, c in SMALL_CASES}
@@ -116,7 +116,7 @@ def test_the_jit_registers_are_set_beside_the_sm_90_compile():
         pytest.skip("no cuobjdump in the Triton wheel or on PATH: registers unknown")
     code = """
 import json, types
-from kvferry.cluster.harness import gpu_check as gc
+from kvferry.engine.tools import gpu_check as gc
 from kvferry.engine.kernels import aot
 from kvferry.engine.kernels.tuning import DEFAULT
 want = aot.compile_variant(aot.Variant("decode", "bf16", 128, 4, False)).registers

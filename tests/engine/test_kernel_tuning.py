@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvferry.cluster.harness.gpu_tune import best_overall
 from kvferry.engine.kernels import tuning
 from kvferry.engine.kernels.tuning import DEFAULT, MAX_SPLITS, DecodeTuning
+from kvferry.engine.tools.gpu_tune import best_overall
 
 
 @st.composite

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from kvferry.cluster.harness import bench_transfer as bt
+from kvferry.transfer.tools import bench_transfer as bt
 
 
 def _args() -> argparse.Namespace:

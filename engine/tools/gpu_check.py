@@ -25,7 +25,7 @@ move through CUDA IPC memory handles (CuPy's runtime API), flushed (stream synch
 and noticed through the engine the same way. A dry run moves host memory through the UCX
 path. Needs kvferry's native module (``transfer/_ucp.abi3.so``) and its libucx wheel.
 
-Run as ``python -m kvferry.cluster.harness.gpu_check`` (``scripts/gpu-check.sh``).
+Run as ``python -m kvferry.engine.tools.gpu_check`` (``scripts/gpu-check.sh``).
 
 Exit status: 0 when every check passed, 1 when one failed, 2 without a CUDA device.
 """
@@ -695,7 +695,7 @@ def _transfer_run(
         "transports": "shm",
         "timeout_s": 120.0,
     }
-    cmd = [sys.executable, "-m", "kvferry.cluster.harness.gpu_check", "--transfer-target"]
+    cmd = [sys.executable, "-m", "kvferry.engine.tools.gpu_check", "--transfer-target"]
     proc = subprocess.Popen(
         [*cmd, json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -1015,6 +1015,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # through the imported module, so that gpu_tune shares its globals (device, results)
-    from kvferry.cluster.harness import gpu_check
+    from kvferry.engine.tools import gpu_check
 
     sys.exit(gpu_check.main())

@@ -188,7 +188,7 @@ class Bench:
         cmd = [
             sys.executable,
             "-m",
-            "kvferry.cluster.harness.bench_transfer",
+            "kvferry.transfer.tools.bench_transfer",
             "--role",
             "target",
             "--transport",

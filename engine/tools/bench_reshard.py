@@ -16,7 +16,7 @@ layers, 8 KV heads, head dim 128, bf16: 1 GiB of KV), per pair of pool layouts:
   is >= 0.9).
 
 The first line gives the host's load: the figures are noisy on a shared machine.
-Run with ``python -m kvferry.cluster.harness.bench_reshard``.
+Run with ``python -m kvferry.engine.tools.bench_reshard``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvferry.cluster.harness.bench_checksum import median_seconds
 from kvferry.engine.reshard import KVShape, Order, PoolLayout, ReshardPlan, plan, rank_geometry
+from kvferry.engine.tools.bench_checksum import median_seconds
 
 HND, NHD = Order.HND, Order.NHD
 MLA_DIM = 576  # DeepSeek-style latent: 512 + 64 rope dims, one replicated "head"

@@ -60,17 +60,6 @@ from .truth import WatchedAllocator
 if TYPE_CHECKING:
     from .world import World
 
-_ABORTS = frozenset(
-    {
-        OwnerEvent.ABORT,
-        OwnerEvent.ABORT_TOLD,
-        OwnerEvent.ABORT_FLUSHED,
-        OwnerEvent.FAIL,
-        OwnerEvent.FAIL_FLUSHED,
-    }
-)
-_HELD = (OwnerState.QUARANTINED, OwnerState.FENCED, OwnerState.CLOSED)
-
 
 # ---------------------------------------------------------------------- messages
 class SimMessage:

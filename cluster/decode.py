@@ -208,32 +208,20 @@ class DecodeRank(RankBooks):
         pool: KVPool,
         router: int,
         *,
-        transfer_timeout_s: float,
-        abort_deadline_s: float,
         integrity: bool = True,
-        unsafe: bool = False,
-        release_on_sever: bool = False,
-        max_batch: int = 64,
         clock: Clock | None = None,
+        **options: Any,
     ) -> DecodeRank:
         """The service's decode rank: ``model`` decodes over ``pool``, whose pages the
-        rank's writers fill and whose canaries and checksums it checks (I5)."""
+        rank's writers fill and whose canaries and checksums it checks (I5, unless
+        ``integrity`` is off); ``options`` are the rank's own (deadlines, the broken
+        modes, the batch)."""
         clock = clock or MonotonicClock()
+        unsafe = bool(options.get("unsafe", False))
         path = DecodePath(
             runtime, model, pool, router, clock=clock, integrity=integrity, unsafe=unsafe
         )
-        return cls(
-            runtime,
-            path,
-            pool,
-            router,
-            transfer_timeout_s=transfer_timeout_s,
-            abort_deadline_s=abort_deadline_s,
-            unsafe=unsafe,
-            release_on_sever=release_on_sever,
-            max_batch=max_batch,
-            clock=clock,
-        )
+        return cls(runtime, path, pool, router, clock=clock, **options)
 
     # -------------------------------------------------------------- the table
     def _init_driver(self, table: dict) -> None:

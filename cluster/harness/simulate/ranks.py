@@ -546,20 +546,13 @@ class SimReadPath(ReadPath):
 
 
 def sim_decode_rank(
-    runtime: SimRuntime,
-    pool: SimPool,
-    router: int,
-    times: RankTimes,
-    *,
-    transfer_timeout_s: float,
-    abort_deadline_s: float,
-    unsafe: bool = False,
-    release_on_sever: bool = False,
+    runtime: SimRuntime, pool: SimPool, router: int, times: RankTimes, **options: Any
 ) -> DecodeRank:
     """The service's owner over the simulated runtime and :class:`SimReadPath`: the
     world's allocator (which checks every page against the truth) and its report of
-    every release."""
+    every release. ``options`` are DecodeRank's own (deadlines, the broken modes)."""
     world = runtime.world
+    unsafe = bool(options.get("unsafe", False))
     path = SimReadPath(runtime, pool, router, times, unsafe=unsafe)
     allocator = WatchedAllocator(
         pool.num_pages, unsafe=unsafe, truth=world.truth, rank=runtime.rank, clock=world.clock
@@ -569,12 +562,9 @@ def sim_decode_rank(
         path,
         pool,
         router,
-        transfer_timeout_s=transfer_timeout_s,
-        abort_deadline_s=abort_deadline_s,
-        unsafe=unsafe,
-        release_on_sever=release_on_sever,
         clock=path.clock,
         allocator=allocator,
+        **options,
     )
     rank.on_release = functools.partial(world.on_owner_release, runtime.rank)
     rank.on_stuck = lambda req, waited_s: world.count("stuck_warnings")

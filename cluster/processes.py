@@ -8,14 +8,42 @@ runtime, the vLLM connector) gathers its facts here.
 
 from __future__ import annotations
 
+import os
+import select
+
 DRAIN_S = 0.2  # progress after a writer's death before its quarantined pages are released
 
 
-def process_gone(pid: int) -> bool:
-    """True when ``pid`` has exited (a zombie has already dropped its mappings)."""
+def main_thread_exited(pid: int) -> bool:
+    """``pid``'s main thread is a zombie or gone. Not the proof a process is gone: see
+    :func:`process_gone` (kept for that contrast, and for hosts without pidfds)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[1].split()[0]
         return state in (b"Z", b"X")
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return True
+
+
+def process_gone(pid: int) -> bool:
+    """``pid``'s whole process has exited on this host: every thread, not only its main
+    one. A killed process's main thread is a zombie while its other threads are still
+    exiting with its memory mapped (milliseconds, or hundreds of them on a loaded host:
+    a transport's progress thread can still complete a write then). A pidfd polls
+    readable only once the last thread exited; where there are no pidfds, /proc's task
+    list must hold only the zombie."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True  # reaped already
+    except (OSError, AttributeError):
+        if not main_thread_exited(pid):
+            return False
+        try:
+            return len(os.listdir(f"/proc/{pid}/task")) <= 1
+        except FileNotFoundError:
+            return True
+    try:
+        return bool(select.select([fd], [], [], 0)[0])
+    finally:
+        os.close(fd)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvferry.cluster.processes import DRAIN_S
+from kvferry.cluster.processes import DRAIN_S, process_gone
 from kvferry.engine.integrity import IntegrityError, page_checksums, request_id_hash
 from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol.owner import OwnerBook, OwnerEvent, OwnerState
@@ -47,7 +47,6 @@ from kvferry.engine.verify import Planned, check_all
 from kvferry.transfer import AddressInfo, Peer, TransferError, decode_address
 
 from . import wire
-from .exits import writer_exited
 from .layout import KVRegions
 from .link import Link
 from .loop import PollTimers, Tombstones
@@ -407,12 +406,12 @@ class OwnerHost:
     def proven_gone(self, o: Load, writers: Iterable[int]) -> dict[int, Proof]:
         """The writer's proof of its end by the protocol's one rule
         (:func:`kvferry.engine.protocol.proof.gone_proof`): its process exited on this
-        host (every thread of it: :func:`.exits.writer_exited`) and the drain passed. A
-        prefill on another host is never proven gone here (no exit records reach a
+        host (every thread of it: :func:`kvferry.cluster.processes.process_gone`) and the
+        drain passed. A prefill on another host is never proven gone here (no exit records reach a
         connector): its blocks wait for its ack."""
         if WRITER not in set(writers):
             return {}
-        if not o.peer_local or o.peer_pid < 0 or not writer_exited(o.peer_pid):
+        if not o.peer_local or o.peer_pid < 0 or not process_gone(o.peer_pid):
             o.gone_since = None
             return {}
         now = self.clock.now()
@@ -573,7 +572,7 @@ class OwnerHost:
         for o in list(self.loads.values()):
             if o.book.state is not OwnerState.AWAITING or not o.peer_local or o.peer_pid < 0:
                 continue
-            if not writer_exited(o.peer_pid):
+            if not process_gone(o.peer_pid):
                 continue
             o.gone_since = o.gone_since or self.clock.now()
             reason = (

@@ -1,10 +1,10 @@
-"""The connector's fact that a writer's process is gone (kvferry.cluster.vllm.exits): the
-whole process, every thread of it. No vLLM needed.
+"""The fact that a writer's process is gone (kvferry.cluster.processes.process_gone), which
+the rank runtime and the vLLM connector both read: the whole process, every thread of it.
+No vLLM needed.
 
 The case: a process whose main thread has exited (a zombie in /proc) while another of its
 threads still runs, as a killed multithreaded prefill is for a while on a loaded host.
-Broken mode: the main thread's state alone (``kvferry.cluster.processes.process_gone``)
-calls that process gone.
+Broken mode: the main thread's state alone (``main_thread_exited``) calls that process gone.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import time
 
 import pytest
 
-from kvferry.cluster.processes import process_gone
-from kvferry.cluster.vllm.exits import writer_exited
+from kvferry.cluster.processes import main_thread_exited, process_gone
 
 SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(platform.machine())  # exit(2): one thread
 LEADER_GONE = f"""
@@ -56,25 +55,25 @@ def leader_gone():
 
 def test_a_process_with_a_live_thread_has_not_exited(leader_gone):
     assert leader_gone.poll() is None  # waitpid: not exited
-    assert not writer_exited(leader_gone.pid)
+    assert not process_gone(leader_gone.pid)
     leader_gone.kill()
     t0 = time.monotonic()
-    while not writer_exited(leader_gone.pid):
+    while not process_gone(leader_gone.pid):
         assert time.monotonic() - t0 < 10.0, "killed, yet not seen exited"
         time.sleep(0.01)
     leader_gone.wait(10)
-    assert writer_exited(leader_gone.pid)  # reaped
+    assert process_gone(leader_gone.pid)  # reaped
 
 
 def test_broken_mode_the_main_threads_state_calls_it_gone(leader_gone):
     assert leader_gone.poll() is None
-    assert process_gone(leader_gone.pid)
+    assert main_thread_exited(leader_gone.pid)
 
 
 def test_a_running_process_has_not_exited():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert not writer_exited(proc.pid)
+        assert not process_gone(proc.pid)
     finally:
         proc.kill()
         proc.wait(10)

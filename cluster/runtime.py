@@ -59,7 +59,7 @@ from kvferry.transfer import (
 )
 from kvferry.transfer.wire import Message, MessageKind
 
-from . import messages
+from . import messages, receive
 from .faults import FaultHooks, FaultPlan
 from .processes import DRAIN_S, process_gone
 from .rendezvous import (
@@ -575,7 +575,10 @@ class RankRuntime:
             and self.refresh_cards()
         ):
             card = self.cards.get(src)  # a peer restarted: the first word of its new self
-        if card is None or msg.inc != card.incarnation:
+        why = receive.refusal(
+            msg.kind, msg.inc, card.incarnation if card else None, self.is_severed(src)
+        )
+        if why is receive.Refusal.STALE:
             self.counters.dropped_stale += 1
             log.info(
                 "rank %d dropped %s from rank %s: incarnation %#x is not the current one",
@@ -585,9 +588,7 @@ class RankRuntime:
                 msg.inc,
             )
             return
-        if self.is_severed(src) and msg.kind != "ABORT_ACK":
-            # A severed writer's late ABORT_ACK still counts: it follows that writer's
-            # flush, so it is the proof the owner is waiting for.
+        if why is receive.Refusal.SEVERED:
             self.counters.dropped_severed += 1
             return
         seen = self._seen.setdefault(src, OrderedDict())

@@ -253,6 +253,7 @@ class Codec:
     protocol: str
     version: int
     max_bytes: int = 1 << 20
+    max_items: int = 1 << 16  # the longest list a decoded message may hold
     kinds: dict[str, MessageKind] = field(default_factory=dict)
 
     def kind(self, kind_name: str, /, **fields: Field) -> MessageKind:
@@ -300,7 +301,7 @@ class Codec:
                 strict_map_key=True,
                 max_bin_len=self.max_bytes,
                 max_str_len=self.max_bytes,
-                max_array_len=1 << 16,
+                max_array_len=self.max_items,
                 max_map_len=256,
                 max_ext_len=0,
             )

@@ -2,9 +2,17 @@
 
 PLAN (decode worker -> prefill worker: where to write), NOTICE (prefill -> decode, sent
 with ``notify``: after the flush of every write), ABORT (either way), ABORT_ACK (prefill
--> decode, with ``notify``: after the flush). msgpack maps with a kind, checked field by
-field on receipt: a malformed message raises :class:`MalformedMessage` and is counted
-and dropped, never acted on.
+-> decode, with ``notify``: after the flush). One codec for the whole project: the
+transfer engine's typed codec (:class:`kvferry.transfer.wire.Codec`, the one the ranks'
+``kvf.cluster`` messages use), whose kinds are the protocol core's words
+(:class:`kvferry.engine.protocol.words.Kind`) and whose abort sources decode to
+:class:`~kvferry.engine.protocol.words.AbortSource`. Every field is checked on receipt:
+a malformed message raises :class:`MalformedMessage` and is counted and dropped, never
+acted on.
+
+PLAN's ``regions`` (how the decode worker's KV buffers are laid out) and ``descs`` (its
+segments' packed descriptors) are nested values the typed fields do not describe: each
+travels as one msgpack blob, unpacked and checked here.
 """
 
 from __future__ import annotations
@@ -13,65 +21,85 @@ from typing import Any
 
 import msgpack
 
-VERSION = 1
-PLAN, NOTICE, ABORT, ABORT_ACK = "PLAN", "NOTICE", "ABORT", "ABORT_ACK"
+from kvferry.engine.protocol.words import AbortSource, Kind
+from kvferry.transfer.errors import WireError
+from kvferry.transfer.wire import Codec, Field, FieldType
 
-_INT_LIST = "int-list"
-_FIELDS: dict[str, dict[str, Any]] = {
-    PLAN: {
-        "rid": str,
-        "orid": str,
-        "blocks": _INT_LIST,
-        "gens": _INT_LIST,
-        "tokens": int,
-        "regions": dict,
-        "descs": list,
-        "tp_rank": int,
-        "tp_size": int,
-    },
-    NOTICE: {
-        "rid": str,
-        "orid": str,
-        "tokens": int,
-        "blocks": _INT_LIST,
-        "gens": _INT_LIST,
-        "checksums": _INT_LIST,
-        "bytes": int,
-    },
-    ABORT: {"rid": str, "orid": str, "source": str, "reason": str},
-    ABORT_ACK: {"rid": str, "orid": str},
-}
-MAX_LIST = 1 << 20
+MAX_LIST = 1 << 20  # blocks in one request (a million-token prompt at block size 1)
+MAX_REQUEST_ID = 256
+MAX_BLOB = 16 << 20  # regions, descriptors
+
+CODEC = Codec("kvf.vllm", version=2, max_bytes=64 << 20, max_items=MAX_LIST)
+PLAN, NOTICE, ABORT, ABORT_ACK = Kind.PLAN, Kind.NOTICE, Kind.ABORT, Kind.ABORT_ACK
+
+_RID = Field(FieldType.STR, max_len=MAX_REQUEST_ID)
+_INTS = Field(FieldType.INT_LIST, max_len=MAX_LIST)
+_IDS = dict(rid=_RID, orid=_RID)  # the receiver's request id, and the sender's own
+
+CODEC.kind(
+    PLAN,
+    **_IDS,
+    blocks=_INTS,
+    gens=_INTS,
+    tokens=Field(FieldType.INT),
+    regions=Field(FieldType.BYTES, max_len=MAX_BLOB),
+    descs=Field(FieldType.BYTES, max_len=MAX_BLOB),
+    tp_rank=Field(FieldType.INT),
+    tp_size=Field(FieldType.INT),
+)
+CODEC.kind(
+    NOTICE,
+    **_IDS,
+    tokens=Field(FieldType.INT),
+    blocks=_INTS,
+    gens=_INTS,
+    checksums=_INTS,
+    bytes=Field(FieldType.INT),
+)
+CODEC.kind(
+    ABORT,
+    **_IDS,
+    source=Field(FieldType.STR, choices=AbortSource),
+    reason=Field(FieldType.STR, max_len=4096),
+)
+CODEC.kind(ABORT_ACK, **_IDS)
 
 
 class MalformedMessage(ValueError):
     pass
 
 
-def encode(kind: str, **fields: Any) -> bytes:
-    spec = _FIELDS[kind]
-    if set(fields) != set(spec):
-        raise ValueError(f"{kind}: fields {sorted(fields)} != {sorted(spec)}")
-    return msgpack.packb({"v": VERSION, "k": kind, **fields}, use_bin_type=True)
+def encode(kind: Kind, **fields: Any) -> bytes:
+    """One message of ``kind``; a PLAN's ``regions`` (a dict) and ``descs`` (a list of
+    bytes) are packed here."""
+    if kind is PLAN:
+        fields["regions"] = msgpack.packb(fields["regions"], use_bin_type=True)
+        fields["descs"] = msgpack.packb(list(fields["descs"]), use_bin_type=True)
+    return CODEC.encode(CODEC.kinds[kind].make(**fields))
 
 
 def decode(payload: bytes) -> dict[str, Any]:
+    """The message's fields, with its kind under ``"k"``; raises MalformedMessage."""
     try:
-        msg = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        msg = CODEC.decode(payload)
+    except WireError as exc:
+        raise MalformedMessage(str(exc)) from None
+    out: dict[str, Any] = {"k": Kind(msg.kind), **msg.fields}
+    if out["k"] is PLAN:
+        out["regions"] = _blob(out["regions"], dict, "regions")
+        out["descs"] = _blob(out["descs"], list, "descs")
+        if not all(isinstance(d, bytes) for d in out["descs"]):
+            raise MalformedMessage("PLAN: descs must be a list of bytes")
+    return out
+
+
+def _blob(data: bytes, want: type, name: str) -> Any:
+    try:
+        value = msgpack.unpackb(
+            data, raw=False, strict_map_key=False, max_bin_len=MAX_BLOB, max_str_len=MAX_BLOB
+        )
     except Exception as exc:
-        raise MalformedMessage(f"not msgpack: {exc}") from None
-    if not isinstance(msg, dict) or msg.get("v") != VERSION or msg.get("k") not in _FIELDS:
-        raise MalformedMessage(f"unknown message {str(msg)[:80]}")
-    for name, want in _FIELDS[msg["k"]].items():
-        value = msg.get(name)
-        if want == _INT_LIST:
-            ok = (
-                isinstance(value, list)
-                and len(value) <= MAX_LIST
-                and all(type(x) is int for x in value)
-            )
-        else:
-            ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
-        if not ok:
-            raise MalformedMessage(f"{msg['k']}: field {name} is {type(value).__name__}")
-    return msg
+        raise MalformedMessage(f"PLAN: {name} is not msgpack ({type(exc).__name__})") from None
+    if not isinstance(value, want):
+        raise MalformedMessage(f"PLAN: {name} is {type(value).__name__}, not {want.__name__}")
+    return value

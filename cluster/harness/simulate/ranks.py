@@ -47,6 +47,7 @@ from kvferry.cluster.decode_path import CHECKSUM_SLICE_BYTES, VERIFY_SLICE_S, Re
 from kvferry.cluster.faults import GO, Decision, PointDecision
 from kvferry.cluster.prefill import PrefillRank, WriteJob
 from kvferry.cluster.prefill_path import COMPUTING, PREFILL_SLICE_S, WritePath
+from kvferry.cluster.receive import Refusal, refusal
 from kvferry.cluster.runtime import DRAIN_S, ControlCounters
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
@@ -402,10 +403,11 @@ class SimRuntime:
 
     def _on_payload(self, msg: SimMessage, twinned: bool) -> None:
         src = msg.src
-        if msg.inc != self.cards[src].incarnation:
+        why = refusal(msg.kind, msg.inc, self.cards[src].incarnation, self.is_severed(src))
+        if why is Refusal.STALE:
             self.counters.dropped_stale += 1
             return
-        if self.is_severed(src) and msg.kind != Kind.ABORT_ACK:
+        if why is Refusal.SEVERED:
             self.counters.dropped_severed += 1
             return
         if twinned:  # the network delivers this message twice: drop the second (by seq)

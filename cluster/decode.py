@@ -46,7 +46,13 @@ from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol import owner as core
 from kvferry.engine.protocol.driver import Clock
 from kvferry.engine.protocol.owner import OwnerBook, OwnerEvent, OwnerState
-from kvferry.engine.protocol.owner_driver import OwnerDriver, OwnerPorts, OwnerTimes
+from kvferry.engine.protocol.owner_driver import (
+    ABORT_EVENTS,
+    HELD,
+    OwnerDriver,
+    OwnerPorts,
+    OwnerTimes,
+)
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Kind, Outcome, Release
 from kvferry.transfer.wire import Message
@@ -62,16 +68,6 @@ from .runtime import RankRuntime
 log = logging.getLogger("kvferry.cluster")
 
 OWNER_RECEIVES = frozenset({Kind.ASSIGN, Kind.NOTICE, Kind.ABORT, Kind.ABORT_ACK})
-_ABORTS = frozenset(
-    {
-        OwnerEvent.ABORT,
-        OwnerEvent.ABORT_TOLD,
-        OwnerEvent.ABORT_FLUSHED,
-        OwnerEvent.FAIL,
-        OwnerEvent.FAIL_FLUSHED,
-    }
-)
-_HELD = (OwnerState.QUARANTINED, OwnerState.FENCED, OwnerState.CLOSED)  # abort timed already
 
 
 @dataclass(frozen=True)
@@ -248,7 +244,7 @@ class DecodeRank(RankBooks):
     def _observe(self, req: OwnedRequest, event: OwnerEvent, before: OwnerState, move) -> None:
         """The abort's clock starts at its first sign (its pages' release is timed on
         it)."""
-        if event in _ABORTS and before not in _HELD:
+        if event in ABORT_EVENTS and before not in HELD:
             req.abort_started = req.abort_started or self.path.event_time()
         self.path.moved(req, before)
 

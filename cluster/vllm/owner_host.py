@@ -34,6 +34,8 @@ from kvferry.engine.integrity import IntegrityError, page_checksums, request_id_
 from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol.owner import OwnerBook, OwnerEvent, OwnerState
 from kvferry.engine.protocol.owner_driver import (
+    ABORT_EVENTS,
+    HELD,
     SEVERED_RETRY_S,
     OwnerDriver,
     OwnerPorts,
@@ -57,16 +59,6 @@ from .sidechannel import Fetcher
 log = logging.getLogger("kvferry.vllm")
 
 WRITER = 0  # an owner's one writer: the prefill worker of its TP rank
-_ABORTS = frozenset(
-    {
-        OwnerEvent.ABORT,
-        OwnerEvent.ABORT_TOLD,
-        OwnerEvent.ABORT_FLUSHED,
-        OwnerEvent.FAIL,
-        OwnerEvent.FAIL_FLUSHED,
-    }
-)
-_HELD = (OwnerState.QUARANTINED, OwnerState.FENCED, OwnerState.CLOSED)  # abort timed already
 
 
 class QuarantineBreach(RuntimeError):
@@ -304,7 +296,7 @@ class OwnerHost:
     # ------------------------------------------------------------ the driver's hooks
     def _observe(self, o: Load, event: OwnerEvent, before: OwnerState, move: Any) -> None:
         """An abort's first sign starts its clock and is counted by its source."""
-        if event in _ABORTS and before not in _HELD and not move.ignored:
+        if event in ABORT_EVENTS and before not in HELD and not move.ignored:
             o.abort_started = o.abort_started or self.clock.now()
             self.stats.abort(o.abort_source.value)
 

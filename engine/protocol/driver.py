@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 from .ports import Clock
 from .table import Move, step
 
-__all__ = ["Clock", "Driver"]
+__all__ = ["Clock", "Driver", "TableDriver"]
 
 S = TypeVar("S", bound=enum.Enum)  # the table's states
 E = TypeVar("E", bound=enum.Enum)  # its events
@@ -95,3 +95,34 @@ class Driver(Generic[S, E, D, T]):
             self.perform(effect, subject)
         if self.settled is not None:
             self.settled(subject, move)
+
+
+class TableDriver(Generic[S, E, D, T]):
+    """What each side's driver shares: its table carried out through its own
+    :meth:`perform` on one :class:`Driver` (one event queue, no re-entrant feed)."""
+
+    def __init__(
+        self,
+        table: Mapping[tuple[S, E], Move[S, D]],
+        *,
+        observe: Callable[[T, E, S, Move[S, D]], None] | None = None,
+        settled: Callable[[T, Move[S, D]], None] | None = None,
+    ) -> None:
+        self.driver: Driver[S, E, D, T] = Driver(
+            table, self.perform, observe=observe, settled=settled
+        )
+
+    @property
+    def table(self) -> Mapping[tuple[S, E], Move[S, D]]:
+        return self.driver.table
+
+    @table.setter
+    def table(self, table: Mapping[tuple[S, E], Move[S, D]]) -> None:
+        self.driver.table = table
+
+    def feed(self, subject: T, event: E) -> None:
+        self.driver.feed(subject, event)
+
+    def perform(self, do: D, subject: T) -> None:
+        """One effect of a row (each side's driver says what each effect means)."""
+        raise NotImplementedError

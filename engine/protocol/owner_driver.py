@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from . import owner as core  # its on_* called through the module: a test may replace one
-from .driver import Driver
+from .driver import TableDriver
 from .owner import OwnerDo, OwnerEvent, OwnerState
 from .ports import (
     Clock,
@@ -72,10 +72,20 @@ class OwnerPorts:
 
 
 Table = Mapping[tuple[OwnerState, OwnerEvent], Move[OwnerState, OwnerDo]]
-HELD = (OwnerState.QUARANTINED, OwnerState.FENCED, OwnerState.CLOSED)
+HELD = (OwnerState.QUARANTINED, OwnerState.FENCED, OwnerState.CLOSED)  # the abort is timed
+# the events that are an abort's first sign: a host starts the abort's clock on one
+ABORT_EVENTS = frozenset(
+    {
+        OwnerEvent.ABORT,
+        OwnerEvent.ABORT_TOLD,
+        OwnerEvent.ABORT_FLUSHED,
+        OwnerEvent.FAIL,
+        OwnerEvent.FAIL_FLUSHED,
+    }
+)
 
 
-class OwnerDriver:
+class OwnerDriver(TableDriver[OwnerState, OwnerEvent, OwnerDo, Subject]):
     """Feeds an owner's requests through ``table`` and carries out its effects on
     ``ports``. ``observe`` and ``settled`` are the :class:`~.driver.Driver`'s hooks."""
 
@@ -88,20 +98,7 @@ class OwnerDriver:
         settled: Callable[..., None] | None = None,
     ) -> None:
         self.ports = ports
-        self.driver: Driver[OwnerState, OwnerEvent, OwnerDo, Subject] = Driver(
-            table, self.perform, observe=observe, settled=settled
-        )
-
-    @property
-    def table(self) -> Table:
-        return self.driver.table
-
-    @table.setter
-    def table(self, table: Table) -> None:
-        self.driver.table = table
-
-    def feed(self, req: Subject, event: OwnerEvent) -> None:
-        self.driver.feed(req, event)
+        super().__init__(table, observe=observe, settled=settled)
 
     def abort(self, req: Subject, event: OwnerEvent, source: AbortSource, reason: str) -> None:
         """Feed ``event``, an abort's, with its words (the first abort's words stay once

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from . import writer as core  # its on_* called through the module: a test may replace one
-from .driver import Driver
+from .driver import TableDriver
 from .ports import Clock, Report, SourcePages, Subject, Tombstones, WriterDataPath, WriterWire
 from .proof import Proof
 from .table import Move
@@ -38,7 +38,7 @@ class WriterPorts:
 Table = Mapping[tuple[WriterState, WriterEvent], Move[WriterState, WriterDo]]
 
 
-class WriterDriver:
+class WriterDriver(TableDriver[WriterState, WriterEvent, WriterDo, Subject]):
     """Feeds a writer's jobs through ``table`` and carries out its effects on ``ports``.
 
     ``observe(job, event, before, move)`` and ``settled(job, move)`` are the
@@ -53,20 +53,7 @@ class WriterDriver:
         settled: Callable[..., None] | None = None,
     ) -> None:
         self.ports = ports
-        self.driver: Driver[WriterState, WriterEvent, WriterDo, Subject] = Driver(
-            table, self.perform, observe=observe, settled=settled
-        )
-
-    @property
-    def table(self) -> Table:
-        return self.driver.table
-
-    @table.setter
-    def table(self, table: Table) -> None:
-        self.driver.table = table
-
-    def feed(self, job: Subject, event: WriterEvent) -> None:
-        self.driver.feed(job, event)
+        super().__init__(table, observe=observe, settled=settled)
 
     def fail(self, job: Subject, source: object, reason: str) -> None:
         """``job`` fails here for ``reason``: the table's FAIL or FAIL_IDLE."""

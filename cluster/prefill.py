@@ -100,13 +100,11 @@ class PrefillRank(RankBooks):
         *,
         router: int,
         clock: Clock,
-        unsafe: bool = False,
     ) -> None:
         self.rt = runtime
         self.path = path
         self.clock = clock
         self.router = router
-        self.unsafe = unsafe
         self.pool = pool  # its page count and capacity (the path owns its data)
         self.allocator = PageAllocator(pool.num_pages)
         self.jobs: dict[str, WriteJob] = {}
@@ -163,7 +161,7 @@ class PrefillRank(RankBooks):
             prefill_slice_s=prefill_slice_s,
             batches=BatchSizer(target_s=batch_target_s, max_bytes=max_batch_bytes),
         )
-        return cls(runtime, path, pool, router=router, clock=clock, unsafe=unsafe)
+        return cls(runtime, path, pool, router=router, clock=clock)
 
     # -------------------------------------------------------------- the table
     def _feed(self, job: WriteJob, event: WriterEvent) -> None:
@@ -206,7 +204,7 @@ class PrefillRank(RankBooks):
         job = self._job(msg.rid)
         if job is None or job.tokens is not None:
             return
-        if job.router_inc == 0:
+        if job.prompt_parts is None:  # the prompt's first chunk
             job.book.owner, job.owner_inc = msg.owner, msg.owner_inc
             job.router_inc = msg.inc
         if not self.path.take_prompt(job, msg):

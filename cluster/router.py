@@ -374,9 +374,6 @@ class Router:
             log.warning("request %s %s: %s", routed.rid, outcome, error)
 
     # ------------------------------------------------------------------ outcomes
-    def _finish(self, routed: RoutedRequest, outcome: Answer, error: str | None) -> None:
-        self.core.finish(routed, outcome, error)
-
     def abort(self, rid: str, source: AbortSource, reason: str) -> None:
         """Abort a live request: fan ABORT out to its owner and every writer (step 2)."""
         self.core.abort(rid, source, reason)

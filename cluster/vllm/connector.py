@@ -57,6 +57,7 @@ from .link import Link
 from .loop import PollTimers, Tombstones
 from .metrics import KvferryPromMetrics, KvferryStats
 from .owner_host import OwnerHost
+from .parts import WorkerParts
 from .settings import Settings
 from .sidechannel import SideChannel
 from .writer_host import WriterHost
@@ -374,27 +375,15 @@ class _WorkerSide:
         self.stats = KvferryStats()
         self.tombstones = Tombstones(self.clock)
         self.regions: KVRegions | None = None
+        parts = WorkerParts(
+            settings, self.link, self.stats, self.tombstones, self.clock, self.tp_rank, self.tp_size
+        )
         self.owner = OwnerHost(
-            settings,
-            self.link,
-            self.stats,
-            self.tombstones,
+            parts,
             PollTimers(self.clock, on_error=self._owner_timer_failed),
-            self.clock,
-            self.tp_rank,
-            self.tp_size,
             decode_address(self.engine.address),
         )
-        self.writer = WriterHost(
-            settings,
-            self.link,
-            self.stats,
-            self.tombstones,
-            PollTimers(self.clock, on_error=self._writer_timer_failed),
-            self.clock,
-            self.tp_rank,
-            self.tp_size,
-        )
+        self.writer = WriterHost(parts, PollTimers(self.clock, on_error=self._writer_timer_failed))
 
     def _owner_timer_failed(self, rid: str | None, exc: Exception) -> None:
         self.owner.fail_request(rid, exc)

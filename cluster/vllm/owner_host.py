@@ -41,7 +41,6 @@ from kvferry.engine.protocol.owner_driver import (
     OwnerPorts,
     OwnerTimes,
 )
-from kvferry.engine.protocol.ports import Clock
 from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
 from kvferry.engine.protocol.words import AbortSource, Outcome, Release
 from kvferry.engine.verify import Notice as VerifyNotice
@@ -50,10 +49,8 @@ from kvferry.transfer import AddressInfo, Peer, TransferError, decode_address
 
 from . import wire
 from .layout import KVRegions
-from .link import Link
-from .loop import PollTimers, Tombstones
-from .metrics import KvferryStats
-from .settings import Settings
+from .loop import PollTimers
+from .parts import WorkerHost, WorkerParts
 from .sidechannel import Fetcher
 
 log = logging.getLogger("kvferry.vllm")
@@ -231,34 +228,17 @@ class VerifyPath:
             h.driver.feed(o, OwnerEvent.VERIFIED)
 
 
-class OwnerHost:
+class OwnerHost(WorkerHost):
     """A decode worker's loads: what arrives becomes the owner's events, fed to its
     driver; this object is the driver's pages, writer facts and report ports."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        link: Link,
-        stats: KvferryStats,
-        tombstones: Tombstones,
-        timers: PollTimers,
-        clock: Clock,
-        tp_rank: int,
-        tp_size: int,
-        me: AddressInfo,
-    ) -> None:
-        self.settings = settings
-        self.link = link
-        self.stats = stats
-        self.tombstones = tombstones
-        self.timers = timers
-        self.clock = clock
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+    def __init__(self, parts: WorkerParts, timers: PollTimers, me: AddressInfo) -> None:
+        super().__init__(parts, timers)
         self.me = me
         self.loads: dict[str, Load] = {}
         self.handshakes: dict[tuple[str, int], dict[str, Any]] = {}
         self.handshake_errors: dict[tuple[str, int], str] = {}
-        self.fetcher = Fetcher(settings.handshake_timeout_s, settings.key)
+        self.fetcher = Fetcher(self.settings.handshake_timeout_s, self.settings.key)
         self._pending_aborts: list[tuple[Load, AbortSource, str]] = []  # for a handshake
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
@@ -273,16 +253,18 @@ class OwnerHost:
             facts=self,
             data=VerifyPath(self),
             report=self,
-            tombstones=tombstones,
+            tombstones=self.tombstones,
             timers=timers,
-            clock=clock,
+            clock=self.clock,
             times=ConnectorTimes(
-                settings.transfer_timeout_s, settings.abort_deadline_s, settings.ack_retry_s
+                self.settings.transfer_timeout_s,
+                self.settings.abort_deadline_s,
+                self.settings.ack_retry_s,
             ),
         )
         self.driver = OwnerDriver(
             ports,
-            oc.owner_table(unsafe=settings.unsafe),
+            oc.owner_table(unsafe=self.settings.unsafe),
             observe=self._observe,
             settled=self._settled,
         )

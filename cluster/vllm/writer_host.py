@@ -20,7 +20,6 @@ from typing import Any
 
 from kvferry.engine.integrity import page_checksums
 from kvferry.engine.protocol import writer as wc
-from kvferry.engine.protocol.ports import Clock
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Release
 from kvferry.engine.protocol.writer import WriterBook, WriterEvent, WriterState
@@ -36,10 +35,8 @@ from kvferry.transfer import (
 
 from . import wire
 from .layout import KVRegions, LayoutError
-from .link import Link
-from .loop import PollTimers, Timer, Tombstones
-from .metrics import KvferryStats
-from .settings import Settings
+from .loop import PollTimers, Timer
+from .parts import WorkerHost, WorkerParts
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -113,28 +110,12 @@ class WriterWire:
             job.inflight.append((ack, lambda _batch: flushed()))
 
 
-class WriterHost:
+class WriterHost(WorkerHost):
     """A prefill worker's jobs: what arrives becomes the writer's events, fed to its
     driver; this object is the driver's data path, source blocks and report ports."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        link: Link,
-        stats: KvferryStats,
-        tombstones: Tombstones,
-        timers: PollTimers,
-        clock: Clock,
-        tp_rank: int,
-        tp_size: int,
-    ) -> None:
-        self.settings = settings
-        self.link = link
-        self.stats = stats
-        self.tombstones = tombstones
-        self.timers = timers
-        self.clock = clock
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+    def __init__(self, parts: WorkerParts, timers: PollTimers) -> None:
+        super().__init__(parts, timers)
         self.jobs: dict[str, Job] = {}
         self.finished_sending: set[str] = set()
         self.regions: KVRegions | None = None
@@ -145,8 +126,8 @@ class WriterHost:
             wire=WriterWire(self),
             source=self,
             report=self,
-            tombstones=tombstones,
-            clock=clock,
+            tombstones=self.tombstones,
+            clock=self.clock,
         )
         self.driver = WriterDriver(ports, wc.WRITER_TABLE, settled=self._settled)
 

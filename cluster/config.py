@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from .fencing import FencePolicy
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -52,6 +54,7 @@ class ServeConfig:
     store_user: str | None = None  # etcd: authentication, a user and its password's file
     store_password_file: str | None = None
     world: int | None = None  # ranks in the whole cluster (torchrun's world is one job's)
+    fence_severed: FencePolicy = FencePolicy.RESTART  # see .fencing
     first_rank: int = 0  # the cluster rank of this job's first process
 
 
@@ -227,6 +230,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="etcd authentication: the user's password, the file's first line",
+    )
+    g.add_argument(
+        "--fence-severed",
+        type=FencePolicy,
+        choices=list(FencePolicy),
+        default=d.fence_severed,
+        help="what becomes of a rank an owner severed (no ack within the abort deadline): "
+        "'restart' (default) has its launcher kill it, which proves its writes stopped, "
+        "and torchrun restart it as a new incarnation, admitted once the old one's "
+        "quarantines are released; 'off' leaves it severed, out of service until the "
+        "cluster is stopped",
     )
     g.add_argument(
         "--world",

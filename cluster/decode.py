@@ -61,7 +61,7 @@ from . import messages as m
 from .books import RankBooks
 from .chunks import PAGES_PER_CHUNK, Reassembly
 from .clock import MonotonicClock
-from .decode_path import DecodePath, ReadPath
+from .decode_path import DecodePath, ReadPath, StepPlan
 from .ports import RankOwnerWire
 from .runtime import RankRuntime
 
@@ -137,6 +137,7 @@ class OwnedRequest:
         return request_id_hash(self.rid)
 
 
+QUARANTINE_LOGGED_AFTER_S = 0.05  # a quarantine still waiting then is logged (see quarantine)
 QUARANTINES_SHOWN = 64  # quarantined requests a STATS lists by name (/status)
 
 
@@ -264,7 +265,18 @@ class DecodeRank(RankBooks):
         return self.allocator.free(rid)
 
     def quarantine(self, req: OwnedRequest) -> None:
+        """Quarantine ``req``'s pages. The log line waits ``QUARANTINE_LOGGED_AFTER_S``: most
+        quarantines end within a millisecond, on their writers' acks, and their release
+        line says how long after the abort and on what proof; an abort storm then costs
+        one line per request, written after the release rather than on its way."""
         self.allocator.quarantine(req.rid)
+        self.rt.call_later(
+            QUARANTINE_LOGGED_AFTER_S, functools.partial(self._log_quarantine, req), rid=req.rid
+        )
+
+    def _log_quarantine(self, req: OwnedRequest) -> None:
+        if self.reqs.get(req.rid) is not req or not self.quarantined(req.rid):
+            return
         log.info(
             "request %s: %d pages quarantined on rank %d (aborted: %s) until writers %s "
             "ack after their flush or are proven gone",
@@ -340,25 +352,68 @@ class DecodeRank(RankBooks):
 
     # -------------------------------------------------------------- decoding
     def step(self) -> bool:
-        """One decode step for up to ``max_batch`` decoding requests; False if none. An
-        exception in the step fails the requests of its batch (their writers have all
-        noticed, so their pages are freed) and the rank goes on."""
-        batch = [r for r in self.reqs.values() if r.state is OwnerState.DECODING][: self.max_batch]
+        """One decode step for up to ``max_batch`` decoding requests, here and now; False
+        if none. An exception in the step fails the requests of its batch (their writers
+        have all noticed, so their pages are freed) and the rank goes on."""
+        batch = self._batch()
         if not batch:
             return False
         try:
             self.path.step(batch)
         except Exception as exc:
-            reason = f"decode step on rank {self.rt.rank} failed: {type(exc).__name__}: {exc}"
-            log.error("requests %s: %s", [r.rid for r in batch], reason, exc_info=exc)
-            for r in batch:
-                if r.state is OwnerState.DECODING:
-                    self.rt.run_for(
-                        r.rid,
-                        "failing a decode step",
-                        functools.partial(self.fail_request, r.rid, reason),
-                    )
+            self._step_failed(batch, exc)
         return True
+
+    def begin_step(self) -> StepPlan | None:
+        """The next step's plan, for :meth:`~.decode_path.ReadPath.run_step` to run
+        anywhere (see :mod:`.stepping`), or None when nothing decodes. Its requests are
+        pinned in the driver until :meth:`end_step`: an ABORT or a timer meanwhile waits
+        for the step, since the step reads their pages and writes the new token's KV into
+        them (freed under it, a page could be another request's by then)."""
+        batch = self._batch()
+        if not batch:
+            return None
+        try:
+            plan = self.path.plan_step(batch)
+        except Exception as exc:
+            self._step_failed(batch, exc)
+            return None
+        if plan is not None:
+            for r in plan.batch:
+                self.driver.pin(r)
+        return plan
+
+    def run_step(self, plan: StepPlan) -> list[int] | None:
+        """The step's compute (any thread: see :mod:`.stepping`)."""
+        return self.path.run_step(plan)
+
+    def end_step(self, plan: StepPlan, out: list[int] | None, error: BaseException | None) -> None:
+        """The step of ``plan`` ran (``out``, or it raised ``error``): what its requests
+        received meanwhile is carried out first (an aborted one gets no token), then the
+        step's results."""
+        for r in plan.batch:
+            self.driver.unpin(r)
+        if error is not None:
+            self._step_failed(plan.batch, error)
+            return
+        try:
+            self.path.apply_step(plan, out)
+        except Exception as exc:
+            self._step_failed(plan.batch, exc)
+
+    def _batch(self) -> list[OwnedRequest]:
+        return [r for r in self.reqs.values() if r.state is OwnerState.DECODING][: self.max_batch]
+
+    def _step_failed(self, batch: list[OwnedRequest], exc: BaseException) -> None:
+        reason = f"decode step on rank {self.rt.rank} failed: {type(exc).__name__}: {exc}"
+        log.error("requests %s: %s", [r.rid for r in batch], reason, exc_info=exc)
+        for r in batch:
+            if r.state is OwnerState.DECODING:
+                self.rt.run_for(
+                    r.rid,
+                    "failing a decode step",
+                    functools.partial(self.fail_request, r.rid, reason),
+                )
 
     # -------------------------------------------------------------- abort
     def _on_abort(self, msg: Message) -> None:

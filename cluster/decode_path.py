@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,6 +53,22 @@ VERIFY_SLICE_S = 0.005  # longest the checks run before the loop polls again
 CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step of the checks
 
 
+@dataclass
+class StepPlan:
+    """One decode step's inputs, made before it runs. ``table`` is the batch's page table
+    ``[batch, max_pages]``; ``positions``, ``inputs`` and ``prompt_lens`` are ``[batch]``;
+    ``step_args`` go to the model's ``decode_step`` (the fused ownership check's)."""
+
+    batch: list[OwnedRequest]
+    table: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    inputs: torch.Tensor | None = None
+    prompt_lens: torch.Tensor | None = None
+    labels: list[str] = field(default_factory=list)  # the fault layer's, per request
+    step_args: dict[str, Any] = field(default_factory=dict)
+    fused: bool = False
+
+
 class ReadPath:
     """What every owner's data path offers its rank, the service's and the simulator's."""
 
@@ -73,6 +90,23 @@ class ReadPath:
     def step(self, batch: list[OwnedRequest]) -> None:
         """One decode step for ``batch`` (all DECODING)."""
         raise NotImplementedError
+
+    # A step in three parts, for a rank that runs the middle one off its loop's thread
+    # (see cluster.stepping): ``plan_step`` and ``apply_step`` on the rank's thread (they
+    # may feed events and send), ``run_step`` anywhere (it only computes). A path that
+    # does not split its steps does the whole step in ``apply_step``.
+    def plan_step(self, batch: list[OwnedRequest]) -> StepPlan | None:
+        """What ``run_step`` needs, after the checks before the step; None when no request
+        of ``batch`` is left to step."""
+        return StepPlan(batch)
+
+    def run_step(self, plan: StepPlan) -> list[int] | None:
+        """The step's compute: a token per request of ``plan.batch``."""
+        return None
+
+    def apply_step(self, plan: StepPlan, out: list[int] | None) -> None:
+        """The step's results: checks after it, tokens to the router, FINISHED."""
+        self.step(plan.batch)
 
     def event_time(self) -> float:
         """When the event being handled began (an abort's clock starts there)."""
@@ -243,11 +277,18 @@ class DecodePath(ReadPath):
         return [i for i in range(len(batch)) if i not in bad]
 
     def step(self, batch: list[OwnedRequest]) -> None:
-        """One decode step. With integrity checks on, every page a request reads is
-        checked against its canary: on the CPU by the torch reference before the step; when
-        the pool's attention runs the kernels (CUDA) inside the step, in the same kernel
-        pass that reads the pages (``ownership=`` through the model to the dispatcher),
-        the flags read after the step and each flagged request failed without its token."""
+        """One decode step, its three parts in a row (see :meth:`plan_step`)."""
+        plan = self.plan_step(batch)
+        if plan is not None:
+            self.apply_step(plan, self.run_step(plan))
+
+    def plan_step(self, batch: list[OwnedRequest]) -> StepPlan | None:
+        """With integrity checks on, every page a request reads is checked against its
+        canary: on the CPU by the torch reference here, before the step; when the pool's
+        attention runs the kernels (CUDA) inside the step, in the same kernel pass that
+        reads the pages (``ownership=`` through the model to the dispatcher), the flags
+        read after the step (:meth:`apply_step`), each flagged request failed without
+        its token."""
         from kvferry.engine.kernels import dispatch
 
         device = self.pool.kv.device
@@ -261,7 +302,7 @@ class DecodePath(ReadPath):
             )
             if len(keep) < len(batch):
                 if not keep:
-                    return
+                    return None
                 batch, table = [batch[i] for i in keep], table[keep]
         step_args: dict[str, Any] = {}
         if fused:
@@ -270,20 +311,45 @@ class DecodePath(ReadPath):
                 gens[i, : len(r.grants)] = r.generation_row
             rids = torch.tensor([r.rid_hash for r in batch], dtype=torch.int64)
             step_args["ownership"] = PageOwnership.create(self.canaries.on(device), rids, gens)
-        positions = torch.tensor([r.prompt_len - 1 + len(r.generated) for r in batch])
-        inputs = torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch])
-        prompt_lens = torch.tensor([r.prompt_len for r in batch])
+        return StepPlan(
+            batch,
+            table=table,
+            positions=torch.tensor([r.prompt_len - 1 + len(r.generated) for r in batch]),
+            inputs=torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch]),
+            prompt_lens=torch.tensor([r.prompt_len for r in batch]),
+            labels=[f"prompt_len={r.prompt_len}" for r in batch],
+            step_args=step_args,
+            fused=fused,
+        )
+
+    def run_step(self, plan: StepPlan) -> list[int] | None:
+        """The model's step over the pool: reads only ``plan``'s tensors, the pool and the
+        model (no request, book or message), so it may run on another thread."""
         if self.rt.faults.enabled:
-            self.rt.faults.before_decode_step([f"prompt_len={r.prompt_len}" for r in batch])
+            self.rt.faults.before_decode_step(plan.labels)
+        device = self.pool.kv.device
+        assert plan.table is not None  # a plan of this path's plan_step
         with torch.no_grad():
-            out = self.model.decode_step(
-                self.pool.kv, table.to(device), positions, inputs, prompt_lens, **step_args
+            out: list[int] = self.model.decode_step(
+                self.pool.kv,
+                plan.table.to(device),
+                plan.positions,
+                plan.inputs,
+                plan.prompt_lens,
+                **plan.step_args,
             ).tolist()
-        if fused:  # the kernel's flags: a flagged request fails and gets no token
-            keep = self._still_owned(batch, table, checked=step_args["ownership"])
+        return out
+
+    def apply_step(self, plan: StepPlan, out: list[int] | None) -> None:
+        assert out is not None and plan.table is not None
+        batch = plan.batch
+        if plan.fused:  # the kernel's flags: a flagged request fails and gets no token
+            keep = self._still_owned(batch, plan.table, checked=plan.step_args["ownership"])
             if len(keep) < len(batch):
                 batch, out = [batch[i] for i in keep], [out[i] for i in keep]
         for r, tok in zip(batch, out, strict=True):
+            if r.state is not OwnerState.DECODING:
+                continue  # ended while its step ran (its events waited for the step)
             r.generated.append(int(tok))
             r.unsent.append(int(tok))
             finished = len(r.generated) >= r.max_tokens or (

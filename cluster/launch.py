@@ -69,6 +69,7 @@ from .rendezvous import (
 )
 from .router import Router
 from .runtime import RankRuntime
+from .stepping import STEP_POLL_S, Stepper
 from .store import StoreAddressError, StoreError, spec_of
 from .supervise import fork_rank
 from .topology import Role, Topology, head_range
@@ -395,28 +396,45 @@ def serve_worker(
     return 0
 
 
-def run_worker(runtime: RankRuntime, worker, decode: bool, stopped) -> None:
+def run_worker(
+    runtime: RankRuntime, worker, decode: bool, stopped, *, step_thread: bool = True
+) -> None:
     """A prefill or decode rank's loop until ``stopped()``. With requests in the protocol
     it polls in C (napping 5 µs between polls), so an ABORT, an ack or a notice costs
     no wake-up; idle, it polls ``busy_poll_us`` after the last message, then sleeps on the
     engine's event fd. A decode rank with running requests steps them between polls.
     ``pump`` shortens every wait to the next timer.
 
-    A decode rank that decodes while transfers into it are in flight gives them as much
-    time as its last step took (``RankRuntime.progress_for``): over tcp the owner's own
-    progress moves the bytes, so a loaded owner that polled once per step would starve
-    its writers, whose batches (and acks, which wait for them) would miss the deadlines."""
+    A long decode step runs on a step thread (:mod:`.stepping`) while this loop goes on
+    pumping: the rank's heartbeats, the ABORTs and acks of other requests and, over tcp,
+    the bytes of its writers never wait for it. ``step_thread=False`` runs every step
+    here (the broken mode of its test).
+
+    A decode rank that decodes inline while transfers into it are in flight gives them as
+    much time as its last step took (``RankRuntime.progress_for``): over tcp the owner's
+    own progress moves the bytes, so a loaded owner that polled once per step would
+    starve its writers, whose batches (and acks, which wait for them) would miss the
+    deadlines."""
+    stepper = Stepper(worker, threaded=step_thread) if decode else None
     step_s = 0.0
-    while not stopped():
-        busy = decode and worker.busy()
-        if busy and worker.in_flight():
-            runtime.progress_for(max(DRAIN_MIN_S, step_s))
-        else:
-            runtime.pump(0.0 if busy else 0.05, stay_awake=worker.in_flight())
-        if busy:
-            t0 = time.monotonic()
-            worker.step()
-            step_s = time.monotonic() - t0
+    try:
+        while not stopped():
+            if stepper is not None and stepper.running:
+                runtime.pump(STEP_POLL_S)
+                stepper.poll()
+                continue
+            busy = decode and worker.busy()
+            if busy and worker.in_flight():
+                runtime.progress_for(max(DRAIN_MIN_S, step_s))
+            else:
+                runtime.pump(0.0 if busy else 0.05, stay_awake=worker.in_flight())
+            if busy and stepper is not None:
+                t0 = time.monotonic()
+                stepper.poll()
+                step_s = 0.0 if stepper.running else time.monotonic() - t0
+    finally:
+        if stepper is not None:
+            stepper.close()
 
 
 def measure_copy_gbps(nbytes: int = 32 << 20, rounds: int = 3) -> float:
@@ -467,6 +485,7 @@ async def serve_router(
         request_timeout_s=cfg.request_timeout_s,
         admission_wait_s=cfg.admission_wait_s,
         metrics=metrics,
+        fence_severed=cfg.fence_severed,
     )
     for row in router.capacity_table():
         metrics.capacity.labels(str(row["rank"]), row["role"]).set(row["capacity_tokens"])

@@ -37,9 +37,11 @@ from kvferry.transfer.wire import Message
 from . import messages as m
 from .chunks import TOKENS_PER_CHUNK, spans
 from .clock import MonotonicClock
+from .fencing import FencePolicy, fence_order, order_fence
 from .metrics import ClusterMetrics
 from .rendezvous import RankCard
 from .runtime import RankRuntime
+from .store import StoreError
 from .topology import Role, Topology
 
 log = logging.getLogger("kvferry.cluster")
@@ -122,8 +124,10 @@ class Router:
         admission_wait_s: float,
         metrics: ClusterMetrics,
         clock: Clock | None = None,
+        fence_severed: FencePolicy = FencePolicy.RESTART,
     ) -> None:
         self.rt = runtime
+        self.fence_severed = fence_severed
         self.clock = clock or MonotonicClock()  # the time the router's rules read
         self.topology = topology
         self.cards = cards
@@ -155,6 +159,7 @@ class Router:
         # Ranks an owner severed, with the incarnation severed: never routed to again
         # (a severed rank rejoins only with a new incarnation), whatever its heartbeat.
         self.severed: dict[int, int] = {}
+        self.fences_ordered = 0  # severed incarnations whose launcher was told to kill them
         self.rejoining: dict[int, Rejoin] = {}
         self.rejoined = 0  # ranks admitted again with a new incarnation
         # Ranks that have not reported (STATS) to this router incarnation yet: until every
@@ -491,6 +496,33 @@ class Router:
         self.severed[rank] = incarnation
         self.unhealthy.pop(rank, None)
         self._on_rank_lost(rank, reason)
+        self._fence(rank, incarnation, reason)
+
+    def _fence(self, rank: int, incarnation: int, reason: str) -> None:
+        """Order ``rank``'s launcher to kill its severed incarnation (see .fencing): its
+        exit record proves its writes stopped, and torchrun brings it back new. Without
+        a store (one torchrun group) or with ``--fence-severed off`` it stays severed."""
+        store = getattr(self.rt, "store", None)
+        if self.fence_severed is not FencePolicy.RESTART or store is None:
+            log.warning(
+                "rank %d stays severed (incarnation %#x) until the cluster is stopped: %s",
+                rank,
+                incarnation,
+                "fencing by restart is off" if store is not None else "no launcher",
+            )
+            return
+        try:
+            order_fence(store, fence_order(rank, incarnation, reason), self.rt.trust)
+        except StoreError as exc:
+            log.error("rank %d: cannot order its fence (it stays severed): %s", rank, exc)
+            return
+        self.fences_ordered += 1
+        log.warning(
+            "rank %d (incarnation %#x) severed: its launcher is ordered to restart it (%s)",
+            rank,
+            incarnation,
+            reason,
+        )
 
     def _on_rank_lost(self, rank: int, reason: str) -> None:
         """Route nothing more to ``rank`` and abort the live requests it can still harm:
@@ -643,6 +675,7 @@ class Router:
             "unhealthy": self.unhealthy,
             "store": self.store_problem() or "ok",
             "severed": sorted(self.severed),
+            "fences_ordered": self.fences_ordered,
             "rejoining": {r: f"{j.new_incarnation:#x}" for r, j in self.rejoining.items()},
             "rejoined": self.rejoined,
             "processes": {

@@ -8,6 +8,10 @@ store, and exits with the rank's status, so torchrun restarts the job as it was 
 The exit record is what an owner on another host takes as proof that the writer's process
 is gone (see ``RankRuntime.write_path_closed``). Only a launcher that dies with its rank
 (the host lost) says nothing, and then the pages stay quarantined: safe, never proven.
+
+While the rank runs, the launcher also looks in the store for a fence order naming the
+rank's incarnation (:mod:`.fencing`: the router orders one once an owner severed the
+rank). On one it SIGKILLs the rank, and the exit is published as for any other death.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from .fencing import FENCE_POLL_S, FenceOrder, FenceRefused, fence_ordered
 from .hostid import this_host
 from .rendezvous import ExitRecord, card_key, open_card, publish_exit
 from .trust import Trust, process_trust
@@ -30,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvferry.cluster")
 
 CARD_WAIT_S = 5.0
+STORE_RETRY_S = 30.0  # a launcher that lost the store looks for fence orders this seldom
 
 
 def fork_rank(rank: int, store_address: str | StoreSpec, trust: Trust | None = None) -> None:
@@ -43,12 +49,7 @@ def fork_rank(rank: int, store_address: str | StoreSpec, trust: Trust | None = N
         return
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, functools.partial(_forward, child))
-    while True:
-        try:
-            _, status = os.waitpid(child, 0)
-            break
-        except InterruptedError:
-            continue
+    status = _wait_fenced(child, FenceWatch(rank, child, store_address, trust))
     code = os.waitstatus_to_exitcode(status)
     try:
         _publish(rank, child, code, store_address, trust)
@@ -59,6 +60,82 @@ def fork_rank(rank: int, store_address: str | StoreSpec, trust: Trust | None = N
             file=sys.stderr,
         )
     os._exit(code if code >= 0 else 128 - code)
+
+
+def _wait_fenced(child: int, watch: FenceWatch) -> int:
+    """Wait for ``child`` to exit and return its wait status; SIGKILL it first if a fence
+    order names it."""
+    killed = False
+    while True:
+        try:
+            pid, status = os.waitpid(child, os.WNOHANG)
+        except InterruptedError:
+            continue
+        if pid == child:
+            return status
+        if not killed and (order := watch.ordered()) is not None:
+            print(
+                f"kvferry launcher: rank {order.rank} (pid {child}, incarnation "
+                f"{order.incarnation:#x}) fenced: {order.reason}; killing it",
+                file=sys.stderr,
+                flush=True,
+            )
+            _forward(child, signal.SIGKILL)
+            killed = True
+            continue
+        time.sleep(FENCE_POLL_S)
+
+
+class FenceWatch:
+    """Whether the cluster's store holds a fence order for the launcher's child: its
+    incarnation is read from its card (once the child published one), then the order's
+    key is polled. A store that does not answer is retried; a forged order is logged and
+    stops nothing."""
+
+    def __init__(self, rank: int, child: int, store_address: str | StoreSpec, trust: Trust) -> None:
+        self.rank, self.child = rank, child
+        self.address, self.trust = store_address, trust
+        self.store: Any = None  # the store's client, once connected
+        self.incarnation: int | None = None
+        self.complained: dict[str, str] = {}
+        self.quiet_until = 0.0
+
+    def ordered(self) -> FenceOrder | None:
+        from .store import connect
+
+        if time.monotonic() < self.quiet_until:
+            return None
+        try:
+            if self.store is None:
+                self.store = connect(self.address, timeout_s=CARD_WAIT_S)
+            if self.incarnation is None:
+                self.incarnation = self._child_incarnation()
+                if self.incarnation is None:
+                    return None
+            return fence_ordered(self.store, self.rank, self.incarnation, self.trust)
+        except FenceRefused as exc:
+            self._complain("refused", f"a fence order refused, it stops nothing: {exc}")
+        except Exception as exc:  # the store away: the order waits, the rank runs on
+            # the reason alone: torch's errors carry a C++ backtrace after it
+            reason = str(exc).split("Exception raised from")[0].strip()
+            first_line = reason.splitlines()[0][:200] if reason else ""
+            self._complain("store", f"cannot read fence orders: {type(exc).__name__}: {first_line}")
+            self.store = None  # a new client at the next look, STORE_RETRY_S from now
+            self.quiet_until = time.monotonic() + STORE_RETRY_S
+        return None
+
+    def _child_incarnation(self) -> int | None:
+        key = card_key(self.rank)
+        if not self.store.check([key]):
+            return None
+        card = open_card(self.store.get(key), self.trust, self.rank)
+        return card.incarnation if card.pid == self.child else None
+
+    def _complain(self, kind: str, what: str) -> None:
+        """Say ``what`` once per ``kind`` (a lost store's errors differ at each try)."""
+        if kind not in self.complained:
+            self.complained[kind] = what
+            print(f"kvferry launcher: rank {self.rank}: {what}", file=sys.stderr, flush=True)
 
 
 def _forward(child: int, sig: int, frame: object = None) -> None:

@@ -12,9 +12,19 @@ or, only where it cannot fit, refused with 400 and the numbers; every pool all-f
     context 80,000,    page 1:  70,000 tokens (SGLang's default page size), and one past
 
 One JSON line per prompt: its timings (the writer's prefill compute, the owner's wait from
-its plan to the last notice, time to first token, total), then a summary line.
+its plan to the last notice, time to first token, total), then a summary line. Beside
+each served prompt, the same run's raw engine write of its KV bytes (the transfer engine
+between two processes, in page runs, no protocol, no checks: ``raw_transfer_ms``) and the
+goal figure ``ttft_over_machine`` = ttft / max(prefill, raw transfer): what the protocol,
+its checks and the handover cost on top of what the machine must do anyway.
 
-    python -m kvferry.cluster.harness.longcontext [--only NAME] [--log-dir DIR]
+``--shape`` picks the model's KV shape: ``shrunk`` (above: 48 bytes a token), ``serve``
+(the serve defaults: 1 layer, 2 KV heads, head dim 32, fp32: 512 bytes a token) or
+``realistic`` (8 layers, 8 KV heads, head dim 128, bf16: 32 KiB a token). ``--prompts``
+with ``--context-length`` serves those prompt lengths instead of the cases below.
+
+    python -m kvferry.cluster.harness.longcontext [--only NAME] [--shape S]
+        [--prompts N,N --context-length C] [--log-dir DIR]
 """
 
 from __future__ import annotations
@@ -31,18 +41,35 @@ from .localcluster import start
 from .workload import expected_replay, make_prompt
 
 MAX_TOKENS = 16
-SHAPE = [
-    "--layers",
-    "1",
-    "--kv-heads",
-    "1",
-    "--q-heads",
-    "1",
-    "--head-dim",
-    "24",
-    "--dtype",
-    "fp16",
-]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's KV shape, as serve options."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    def args(self) -> list[str]:
+        return [
+            *("--layers", str(self.layers)),
+            *("--kv-heads", str(self.kv_heads), "--q-heads", str(self.kv_heads)),
+            *("--head-dim", str(self.head_dim), "--dtype", self.dtype),
+        ]
+
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+SHAPES = {
+    "shrunk": Shape(1, 1, 24, "fp16"),
+    "serve": Shape(1, 2, 32, "fp32"),
+    "realistic": Shape(8, 8, 128, "bf16"),
+}
 
 
 @dataclass(frozen=True)
@@ -65,10 +92,11 @@ CASES = (
 )
 
 
-def check_case(case: Case, log_dir: Path) -> list[dict]:
-    """Serve every prompt of ``case`` on a fresh cluster; one result per prompt."""
+def check_case(case: Case, log_dir: Path, shape: Shape, raw: bool = True) -> list[dict]:
+    """Serve every prompt of ``case`` on a fresh cluster; one result per prompt. ``raw``:
+    also time the raw engine write of each served prompt's KV bytes."""
     args = [
-        *SHAPE,
+        *shape.args(),
         "--context-length",
         str(case.context_length),
         "--pool-tokens",
@@ -98,13 +126,16 @@ def check_case(case: Case, log_dir: Path) -> list[dict]:
                 and reply.body.get("requested_tokens") == length + MAX_TOKENS
             )
             timing = reply.body.get("timing", {})
+            kv_bytes = length * shape.bytes_per_token
             results.append(
                 {
                     "bench": "long_context",
                     "case": case.name,
+                    "shape": shape.__dict__,
                     "context_length": case.context_length,
                     "page_size": case.page_size,
                     "prompt_tokens": length,
+                    "kv_bytes": kv_bytes,
                     "status": reply.status,
                     "expected": "served" if must_serve else "refused",
                     "ok": ok,
@@ -115,6 +146,8 @@ def check_case(case: Case, log_dir: Path) -> list[dict]:
                     "message": None if ok else str(reply.body)[:300],
                 }
             )
+            if must_serve and raw:
+                results[-1].update(_against_machine(results[-1], case, shape))
             print(json.dumps(results[-1]), flush=True)
         held = cluster.quiesce(timeout_s=60, every_rank=True)
         health = cluster.call("GET", "/health", timeout=10).status
@@ -131,6 +164,23 @@ def check_case(case: Case, log_dir: Path) -> list[dict]:
     finally:
         cluster.stop()
     return results
+
+
+def _against_machine(result: dict, case: Case, shape: Shape) -> dict:
+    """The raw engine write of the prompt's KV bytes, in page runs, timed here and now,
+    and the goal figure: ttft over the larger of the prefill and that write."""
+    from kvferry.transfer.tools.bench_transfer import raw_write_seconds
+
+    page_bytes = case.page_size * shape.bytes_per_token
+    pages = -(-result["kv_bytes"] // page_bytes)
+    raw_ms = 1e3 * raw_write_seconds(pages * page_bytes, page_bytes)
+    floor = max(result["prefill_ms"] or 0.0, raw_ms)
+    ttft = result["ttft_ms"]
+    return {
+        "raw_transfer_ms": round(raw_ms, 1),
+        "raw_gbps": round(pages * page_bytes / raw_ms / 1e6, 2),
+        "ttft_over_machine": round(ttft / floor, 2) if ttft and floor else None,
+    }
 
 
 def _round(value: float | None) -> float | None:
@@ -155,12 +205,38 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="where the clusters' logs go (default a temporary folder)",
     )
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="shrunk",
+        help="the model's KV shape (default shrunk: 48 bytes a token; serve: the serve "
+        "defaults, 512; realistic: 8 layers, 8 KV heads, head dim 128, bf16, 32 KiB)",
+    )
+    parser.add_argument(
+        "--prompts",
+        default=None,
+        help="comma-separated prompt lengths to serve instead of the cases (with --context-length)",
+    )
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument(
+        "--no-raw",
+        action="store_true",
+        help="skip the raw engine write beside each prompt (and the goal figure)",
+    )
     args = parser.parse_args(argv)
+    if bool(args.prompts) != bool(args.context_length):
+        parser.error("--prompts and --context-length go together")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvferry-long-"))
+    shape = SHAPES[args.shape]
+    cases = CASES
+    if args.prompts:
+        prompts = tuple(int(n) for n in args.prompts.split(","))
+        cases = (Case("custom", args.context_length, args.page_size, prompts),)
     results = []
-    for case in CASES:
+    for case in cases:
         if not args.only or case.name in args.only:
-            results += check_case(case, log_dir)
+            results += check_case(case, log_dir, shape, raw=not args.no_raw)
     failed = [r for r in results if not r["ok"]]
     print(
         json.dumps(

@@ -9,6 +9,11 @@ while severing) feeds it like any other input: it waits in the queue until the r
 progress is done. So no row is ever interrupted by another, whatever the order of its
 entries; without this, the safety of a row depended on that order, which nothing checked.
 
+A subject may be pinned (:meth:`Driver.pin`) while work outside the driver uses its
+pages (a decode step running on another thread reads them and writes the new token's KV
+into them): its events wait, in order, until it is unpinned, so no effect frees or
+releases pages under that work; other subjects' events go on meanwhile.
+
 Two hooks see every move: ``observe`` right after the book moved (before the effects:
 when the abort began, which states count as busy) and ``settled`` after its effects (a
 subject that reached a terminal state is forgotten by its host).
@@ -55,6 +60,7 @@ class Driver(Generic[S, E, D, T]):
         self.settled = settled
         self._queue: deque[tuple[T, E]] = deque()
         self._draining = False
+        self._pinned: dict[int, tuple[T, list[E]]] = {}  # id(subject) -> its waiting events
         self.moves = 0  # moves made, ignored ones included
 
     @property
@@ -68,6 +74,9 @@ class Driver(Generic[S, E, D, T]):
         effect does not drop the events queued behind it: they are carried out, then
         the first exception is raised to the caller (whose host ends the request)."""
         self._queue.append((subject, event))
+        self._drain()
+
+    def _drain(self) -> None:
         if self._draining:
             return
         self._draining = True
@@ -75,6 +84,10 @@ class Driver(Generic[S, E, D, T]):
         try:
             while self._queue:
                 subj, ev = self._queue.popleft()
+                pinned = self._pinned.get(id(subj))
+                if pinned is not None:
+                    pinned[1].append(ev)
+                    continue
                 try:
                     self._move(subj, ev)
                 except Exception as exc:
@@ -83,6 +96,19 @@ class Driver(Generic[S, E, D, T]):
             self._draining = False
         if first is not None:
             raise first
+
+    def pin(self, subject: T) -> None:
+        """Hold ``subject``'s events from now until :meth:`unpin`."""
+        self._pinned.setdefault(id(subject), (subject, []))
+
+    def unpin(self, subject: T) -> None:
+        """Carry out the events ``subject`` received while pinned, in their order."""
+        _, waiting = self._pinned.pop(id(subject), (subject, []))
+        self._queue.extend((subject, event) for event in waiting)
+        self._drain()
+
+    def pinned(self, subject: T) -> bool:
+        return id(subject) in self._pinned
 
     def _move(self, subject: T, event: E) -> None:
         book: Any = subject.book  # type: ignore[attr-defined]
@@ -122,6 +148,12 @@ class TableDriver(Generic[S, E, D, T]):
 
     def feed(self, subject: T, event: E) -> None:
         self.driver.feed(subject, event)
+
+    def pin(self, subject: T) -> None:
+        self.driver.pin(subject)
+
+    def unpin(self, subject: T) -> None:
+        self.driver.unpin(subject)
 
     def perform(self, do: D, subject: T) -> None:
         """One effect of a row (each side's driver says what each effect means)."""

@@ -424,6 +424,33 @@ class Bench:
         self.eng.shutdown()
 
 
+def raw_write_seconds(
+    nbytes: int, run_bytes: int, transport: str = "shm", rounds: int = 3
+) -> float:
+    """Median seconds of one write of ``nbytes`` in runs of ``run_bytes`` (a prompt's pages,
+    in order) from this process's engine into another process's: the transfer engine's
+    writes with no protocol and no checks, to read a served request's transfer against.
+    The bytes are checked at the target after the timed rounds (RuntimeError if any
+    differ)."""
+    mib = -(-nbytes // MiB)
+    args = argparse.Namespace(
+        dst_mib=mib,
+        src_mib=mib,
+        spin_us=100,
+        busy_poll_us=TransferConfig.busy_poll_us,
+        warmup=1,
+        batches=rounds,
+    )
+    bench = Bench(args, transport, "allocate")
+    try:
+        count = nbytes // run_bytes
+        offsets = np.arange(count, dtype=np.int64) * run_bytes
+        runs = np.stack([offsets, offsets, np.full(count, run_bytes, dtype=np.int64)], axis=1)
+        return statistics.median(bench._timed([[runs]]))
+    finally:
+        bench.close()
+
+
 API = {True: "write(notice=)", False: "write,notify"}
 
 

@@ -34,7 +34,20 @@
  * R1_TRANSFER (request 1's own transfer), CHECK_LIVENESS (the LTL property),
  * REMOTE_WRITERS (writers on another host: the owner cannot see their process
  * gone), LANDS_AFTER_EXIT (an assumption broken on purpose: a gone writer's
- * posted writes may still land). See README.md for the configurations checked.
+ * posted writes may still land), SPLIT (below). See README.md for the
+ * configurations checked.
+ *
+ * SPLIT: the writer set differs per owner (decode tensor parallelism over a
+ * prefill split that does not line up with it). Owner 0 holds two pages, the
+ * first written by writer 0 and the second by writer 1; owner 1 holds one page,
+ * written by writer 1. So WRITERS_OF(0) = {0, 1}, WRITERS_OF(1) = {1}, and
+ * writer 0 is planned into owner 0 only, writer 1 into both. An owner plans,
+ * re-sends ABORT to and severs only the writers of its own pages and releases
+ * on proof from exactly those; a writer posts into, notifies and acks exactly
+ * the owners it was planned for. Both owners are real (SPLIT implies
+ * BOTH_OWNERS). An owner's pages are allocated, read and released together, so
+ * a landing write is checked against the owner's pages as one (powner, pstate).
+ * Without SPLIT every writer writes every owner's one page.
  *
  * Mutants (exactly one may be defined, each must yield a counterexample):
  *   MUTANT_RELEASE_ON_SEVER       at the deadline the owner severs the writers
@@ -46,10 +59,19 @@
  *   MUTANT_DROP_SEVERED_ACK       the owner drops a severed writer's late ack
  *                                 (a liveness counterexample: the page stays
  *                                 quarantined although the writer flushed)
+ * and, with SPLIT:
+ *   MUTANT_RELEASE_FIRST_ACK      an owner releases on the first ack from any of
+ *                                 its writers
+ *   MUTANT_ACK_ONE_OWNER          a writer acks only the first owner it was
+ *                                 planned for (a liveness counterexample: the
+ *                                 other owner keeps to I4 and waits for ever)
+ *   MUTANT_FIRST_PAGE_WRITERS     an owner takes the writers of its first page
+ *                                 for its writer set (waits for notices and
+ *                                 proof from those only)
  */
 
 #define NW 2            /* writer ranks */
-#define NO 2            /* owner ranks, one destination page each */
+#define NO 2            /* owner ranks, one destination page each (SPLIT: two for owner 0) */
 #define NR 2            /* requests, taken in order on each page */
 #define ALL_W 3         /* bitmask of every writer: the writer set */
 #define ALL_O 3         /* bitmask of every owner */
@@ -58,6 +80,11 @@
 #endif
 #ifndef MAXFAULT
 #define MAXFAULT 2      /* control messages lost or duplicated per run */
+#endif
+#ifdef SPLIT
+#ifndef BOTH_OWNERS
+#define BOTH_OWNERS     /* the split is checked with two real owners */
+#endif
 #endif
 
 #ifndef WFAIL
@@ -77,6 +104,26 @@
 #define L(w, o)  ((w) * NO + (o))       /* index of the link between w and o */
 #define WR(w, r) ((w) * NR + (r))       /* index of writer w's state for request r */
 #define NONE 2                          /* no request */
+
+#ifdef SPLIT
+/* The writers planned into owner o's pages, and those of its first page. */
+#define WRITERS_OF(o)     ((o) == 0 -> ALL_W : BIT(1))
+#define FIRST_PAGE_W(o)   BIT(((o) == 0 -> 0 : 1))
+/* The owners writer w was planned for. */
+#define OWNERS_OF(w)      ((w) == 0 -> BIT(0) : ALL_O)
+#else
+#define WRITERS_OF(o)     ALL_W
+#define FIRST_PAGE_W(o)   ALL_W
+#define OWNERS_OF(w)      ALL_O
+#endif
+#define PLANNED(w, o)     ((WRITERS_OF(o) & BIT(w)) != 0)
+
+/* The writers an owner waits for: notices before reading, proof before release. */
+#ifdef MUTANT_FIRST_PAGE_WRITERS
+#define WAITS_FOR(o)      FIRST_PAGE_W(o)
+#else
+#define WAITS_FOR(o)      WRITERS_OF(o)
+#endif
 
 /* page (owner) states; P_ENV: owner 1 is the abstract environment owner */
 #define P_FREE    0
@@ -149,9 +196,20 @@ byte c_abo[NO];         /* anyone -> o  abort notice */
 #define TO_OWNER(c, o, r) \
     if :: cur[o] <= r -> c = c | BIT(r) :: else -> skip fi
 
+/* An ack goes to every owner the writer was planned for. */
 inline send_ack(w, r) {
-    TO_OWNER(c_ack[L(w, 0)], 0, r);
-    TO_OWNER(c_ack[L(w, 1)], 1, r)
+    if :: PLANNED(w, 0) -> TO_OWNER(c_ack[L(w, 0)], 0, r) :: else -> skip fi;
+#ifdef MUTANT_ACK_ONE_OWNER
+    if :: PLANNED(w, 1) && !PLANNED(w, 0) -> TO_OWNER(c_ack[L(w, 1)], 1, r)
+       :: else -> skip fi         /* only the first owner planned is acked */
+#else
+    if :: PLANNED(w, 1) -> TO_OWNER(c_ack[L(w, 1)], 1, r) :: else -> skip fi
+#endif
+}
+
+inline send_done(w, r) {
+    if :: PLANNED(w, 0) -> TO_OWNER(c_done[L(w, 0)], 0, r) :: else -> skip fi;
+    if :: PLANNED(w, 1) -> TO_OWNER(c_done[L(w, 1)], 1, r) :: else -> skip fi
 }
 
 /* ABORT for request r reached writer w (from an owner or the front door). */
@@ -209,11 +267,10 @@ inline w_on_dest(w, o, r) {
     :: atomic { !crashed[w] && (c_fdw[w] & BIT(r)) -> \
             TAKE(c_fdw[w], r, w_on_abort(w, r)) } \
     :: atomic { !crashed[w] && wphase[WR(w, r)] == W_POST && \
-            wposted[WR(w, r)] == ALL_O && FLUSHED(w, r) -> \
+            wposted[WR(w, r)] == OWNERS_OF(w) && FLUSHED(w, r) -> \
             wphase[WR(w, r)] = W_DONE; \
             srcheld[w] = srcheld[w] & ~BIT(r); \
-            TO_OWNER(c_done[L(w, 0)], 0, r); \
-            TO_OWNER(c_done[L(w, 1)], 1, r) } \
+            send_done(w, r) } \
     :: atomic { WFAIL && !crashed[w] && wphase[WR(w, r)] == W_POST -> \
             wphase[WR(w, r)] = W_STOP;         /* prefill-side failure */ \
             TO_OWNER(c_abo[0], 0, r); TO_OWNER(c_abo[1], 1, r) } \
@@ -264,25 +321,31 @@ end:
  * process gone (the owner checks that only for writers it severed). */
 #define PROVEN(o) (acked[o] | done[o] | (SEVERED_SET(o) & GONE_SET))
 
-#ifdef MUTANT_SINGLE_ACK
-#define RELEASABLE(o) ((acked[o] | done[o]) != 0 || PROVEN(o) == ALL_W)
+/* Release: every writer the owner waits for has proven it can write no more. */
+#define ALL_PROVEN(o) ((PROVEN(o) & WAITS_FOR(o)) == WAITS_FOR(o))
+
+#if defined(MUTANT_SINGLE_ACK)
+#define RELEASABLE(o) ((acked[o] | done[o]) != 0 || ALL_PROVEN(o))
+#elif defined(MUTANT_RELEASE_ON_SEVER)
+#define RELEASABLE(o) (((PROVEN(o) | SEVERED_SET(o)) & WAITS_FOR(o)) == WAITS_FOR(o))
+#elif defined(MUTANT_RELEASE_FIRST_ACK)
+#define RELEASABLE(o) ((acked[o] & WAITS_FOR(o)) != 0 || ALL_PROVEN(o))
 #else
-#ifdef MUTANT_RELEASE_ON_SEVER
-#define RELEASABLE(o) ((PROVEN(o) | SEVERED_SET(o)) == ALL_W)
-#else
-#define RELEASABLE(o) (PROVEN(o) == ALL_W)
-#endif
+#define RELEASABLE(o) ALL_PROVEN(o)
 #endif
 
+/* The plan: each writer of the owner's pages gets its destinations there. */
 inline o_send_dest(o, r) {
-    c_dest[L(0, o)] = c_dest[L(0, o)] | BIT(r);
-    c_dest[L(1, o)] = c_dest[L(1, o)] | BIT(r)
+    if :: PLANNED(0, o) -> c_dest[L(0, o)] = c_dest[L(0, o)] | BIT(r) :: else -> skip fi;
+    if :: PLANNED(1, o) -> c_dest[L(1, o)] = c_dest[L(1, o)] | BIT(r) :: else -> skip fi
 }
 
 inline o_send_abort(o, r) {
-    if :: !(PROVEN(o) & BIT(0)) -> c_abort[L(0, o)] = c_abort[L(0, o)] | BIT(r)
+    if :: PLANNED(0, o) && !(PROVEN(o) & BIT(0)) ->
+           c_abort[L(0, o)] = c_abort[L(0, o)] | BIT(r)
        :: else -> skip fi;
-    if :: !(PROVEN(o) & BIT(1)) -> c_abort[L(1, o)] = c_abort[L(1, o)] | BIT(r)
+    if :: PLANNED(1, o) && !(PROVEN(o) & BIT(1)) ->
+           c_abort[L(1, o)] = c_abort[L(1, o)] | BIT(r)
        :: else -> skip fi
 }
 
@@ -332,7 +395,7 @@ inline o_release(o) {
  * effect on the data plane, because there is none to rely on). */
 inline o_sever(o, w) {
     if
-    :: !(PROVEN(o) & BIT(w)) -> severed[L(w, o)] = 1
+    :: PLANNED(w, o) && !(PROVEN(o) & BIT(w)) -> severed[L(w, o)] = 1
     :: else -> skip
     fi
 }
@@ -347,7 +410,8 @@ inline o_sever(o, w) {
     :: atomic { cur[o] < NR && !severed[L(w, o)] && (c_done[L(w, o)] & BIT(cur[o])) -> \
             TAKE(c_done[L(w, o)], cur[o], done[o] = done[o] | BIT(w)); \
             if \
-            :: pstate[o] == P_FILLING && done[o] == ALL_W -> pstate[o] = P_READY \
+            :: pstate[o] == P_FILLING && (done[o] & WAITS_FOR(o)) == WAITS_FOR(o) -> \
+                pstate[o] = P_READY \
             :: else -> skip \
             fi } \
     :: atomic { cur[o] < NR && (c_ack[L(w, o)] & BIT(cur[o])) -> \
@@ -356,7 +420,7 @@ inline o_sever(o, w) {
             :: pstate[o] == P_FILLING && acked[o] -> o_abort(o) /* ack means abort */ \
             :: else -> skip \
             fi } \
-    :: atomic { pstate[o] == P_QUAR && !(PROVEN(o) & BIT(w)) && \
+    :: atomic { pstate[o] == P_QUAR && PLANNED(w, o) && !(PROVEN(o) & BIT(w)) && \
             !(c_abort[L(w, o)] & BIT(cur[o])) && !(c_ack[L(w, o)] & BIT(cur[o])) -> \
             c_abort[L(w, o)] = c_abort[L(w, o)] | BIT(cur[o]) }   /* retransmit */
 

@@ -1,13 +1,15 @@
 """Runs spin and pan on the abort-acknowledgement model and reads pan's verdict.
 
 Each `Check` names one model variant (the protocol or a mutant), the property it
-verifies (safety: assertions and end states; liveness: the LTL property under
-weak fairness) and the configuration switches. `run_check` works in a fresh
-temporary directory because spin and pan write pan.* and trail files.
+verifies (safety: assertions and end states; liveness: the LTL property, under
+weak fairness unless the check says otherwise) and the configuration switches.
+`run_check` works in a fresh temporary directory because spin and pan write pan.*
+and trail files.
 
 Run as a script it prints one JSON line per check:
     {"model": ..., "property": ..., "errors": N, "states": N, "seconds": S,
      "trail": bool, "config": ...}
+(liveness checks add "fair": whether only weakly fair runs counted).
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ LIVENESS = ("-DMAXFAULT=0", "-DMAXCRASH=0", "-DWFAIL=0", "-DOTHER_ACTS=0")
 LIVENESS_CRASH = ("-DMAXFAULT=0", "-DMAXCRASH=1", "-DWFAIL=0", "-DOTHER_ACTS=0")
 MUTANT_BASE = ("-DMAXFAULT=0", "-DMAXCRASH=0", "-DWFAIL=0", "-DOTHER_ACTS=1")
 CRASH_BASE = ("-DMAXFAULT=0", "-DMAXCRASH=1", "-DWFAIL=0", "-DOTHER_ACTS=0")
+# The writer set differs per owner (SPLIT), both owners real; aborts come from the
+# owners' deadlines and the writers' failures (the front door adds states, not paths).
+SPLIT = ("-DSPLIT", "-DFDOOR=0")
+SPLIT_CRASHES = SPLIT + ("-DMAXFAULT=0", "-DMAXCRASH=1", "-DWFAIL=1")
+SPLIT_LOSSY = SPLIT + ("-DMAXFAULT=1", "-DMAXCRASH=0", "-DWFAIL=1")
+SPLIT_REDUCED = SPLIT + ("-DMAXFAULT=0", "-DMAXCRASH=0", "-DWFAIL=0")
+# Owner 0's pages, written by both writers: a write lands in request 1's page or
+# under the reader.
+OWNER0_LEAK = r"assertion violated \((powner\[0\]==0|pstate\[0\]!=2)\)"
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,11 @@ class Check:
     expect_errors: bool  # a mutant must yield a counterexample
     gcc_defines: tuple[str, ...] = field(default=())
     optimize: str = "-O1"  # small searches: -O0 (compiling pan costs more than it saves)
+    # Liveness: only weakly fair runs count (pan -f). Without it every infinite run
+    # counts, a stronger check when it verifies, and cheaper.
+    fair: bool = True
+    # A counterexample must match this (a regular expression over pan's output).
+    witness: str = ""
 
 
 @dataclass
@@ -54,17 +70,18 @@ class Verdict:
     output: str
 
     def as_json(self) -> str:
-        return json.dumps(
-            {
-                "model": self.check.model,
-                "property": self.check.prop,
-                "errors": self.errors,
-                "states": self.states,
-                "seconds": round(self.seconds, 2),
-                "trail": self.trail,
-                "config": self.check.config,
-            }
-        )
+        row = {
+            "model": self.check.model,
+            "property": self.check.prop,
+            "errors": self.errors,
+            "states": self.states,
+            "seconds": round(self.seconds, 2),
+            "trail": self.trail,
+            "config": self.check.config,
+        }
+        if self.check.prop == "liveness":
+            row["fair"] = self.check.fair
+        return json.dumps(row)
 
 
 CHECKS: tuple[Check, ...] = (
@@ -122,6 +139,50 @@ CHECKS: tuple[Check, ...] = (
         True,
         optimize="-O0",
     ),
+    # The writer set differs per owner.
+    Check("protocol", "safety", "split_crashes", SPLIT_CRASHES, False),
+    Check("protocol", "safety", "split_lossy", SPLIT_LOSSY, False),
+    Check(
+        "protocol",
+        "liveness",
+        "split_reduced",
+        SPLIT_REDUCED + ("-DCHECK_LIVENESS",),
+        False,
+        fair=False,
+    ),
+    Check(
+        "release_first_ack",
+        "safety",
+        "split_reduced",
+        SPLIT_REDUCED + ("-DMUTANT_RELEASE_FIRST_ACK",),
+        True,
+        optimize="-O0",
+        witness=OWNER0_LEAK,
+    ),
+    Check(
+        "first_page_writers",
+        "safety",
+        "split_reduced",
+        SPLIT_REDUCED + ("-DMUTANT_FIRST_PAGE_WRITERS",),
+        True,
+        witness=OWNER0_LEAK,
+    ),
+    Check(
+        "ack_one_owner",
+        "liveness",
+        "split_reduced",
+        SPLIT_REDUCED + ("-DCHECK_LIVENESS", "-DMUTANT_ACK_ONE_OWNER"),
+        True,
+        optimize="-O0",
+    ),
+    # The same mutant keeps I4: the owner it does not ack waits, it never releases.
+    Check(
+        "ack_one_owner",
+        "safety",
+        "split_reduced",
+        SPLIT_REDUCED + ("-DMUTANT_ACK_ONE_OWNER",),
+        False,
+    ),
 )
 
 
@@ -148,7 +209,9 @@ def _run(cmd: list[str], cwd: Path, timeout: float) -> str:
 def run_check(check: Check, timeout: float = 120.0) -> Verdict:
     liveness = check.prop == "liveness"
     gcc_flags = list(check.gcc_defines) + (["-DNFAIR=4"] if liveness else ["-DSAFETY"])
-    pan_flags = ["-m100000"] + (["-a", "-f"] if liveness else [])
+    pan_flags = (
+        ["-m100000"] + (["-a"] if liveness else []) + (["-f"] if liveness and check.fair else [])
+    )
     with tempfile.TemporaryDirectory(prefix="kvferry-spin-") as tmp:
         work = Path(tmp)
         shutil.copy(MODEL, work / MODEL.name)
@@ -175,6 +238,8 @@ def main() -> int:
         verdict = run_check(check)
         print(verdict.as_json(), flush=True)
         if (verdict.errors > 0) != check.expect_errors:
+            wrong += 1
+        elif verdict.errors and not re.search(check.witness, verdict.output):
             wrong += 1
     return 1 if wrong else 0
 

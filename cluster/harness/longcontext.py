@@ -92,7 +92,9 @@ CASES = (
 )
 
 
-def check_case(case: Case, log_dir: Path, shape: Shape, raw: bool = True) -> list[dict]:
+def check_case(
+    case: Case, log_dir: Path, shape: Shape = SHAPES["shrunk"], raw: bool = False
+) -> list[dict]:
     """Serve every prompt of ``case`` on a fresh cluster; one result per prompt. ``raw``:
     also time the raw engine write of each served prompt's KV bytes."""
     args = [
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompts and --context-length go together")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvferry-long-"))
     shape = SHAPES[args.shape]
-    cases = CASES
+    cases: tuple[Case, ...] = CASES
     if args.prompts:
         prompts = tuple(int(n) for n in args.prompts.split(","))
         cases = (Case("custom", args.context_length, args.page_size, prompts),)

@@ -143,24 +143,27 @@ def _drain(stepper: Stepper) -> None:
     raise AssertionError("the stepper never ran dry")
 
 
-def test_short_steps_run_inline_and_long_ones_on_the_thread():
-    rank = Quick([100, FIRST_GUESS_TOKENS + 1])
+@pytest.mark.parametrize(
+    ("tokens", "seconds_per_token", "threaded"),
+    [
+        (100, None, False),  # untimed yet: a short context runs inline
+        (FIRST_GUESS_TOKENS + 1, None, True),  # untimed yet: a long one goes to the thread
+        (1000, 1e-9, False),  # timed: 1 µs predicted, inline
+        (1000, 1.0, True),  # timed: 1000 s predicted, the thread
+    ],
+)
+def test_a_step_runs_inline_or_on_the_thread_by_its_predicted_cost(
+    tokens, seconds_per_token, threaded
+):
+    rank = Quick([tokens])
     stepper = Stepper(rank)
+    stepper.seconds_per_token = seconds_per_token
     _drain(stepper)
     stepper.close()
-    assert rank.ended == 2
-    assert rank.threads[0] == threading.current_thread().name
-    assert rank.threads[1].startswith("kvferry-step")
-    assert (stepper.inline_steps, stepper.threaded_steps) == (1, 1)
-
-
-def test_a_timed_step_decides_the_next_by_its_cost_per_token():
-    rank = Quick([1000, 1000])
-    stepper = Stepper(rank)
-    stepper.seconds_per_token = 1.0  # a step of 1000 tokens would take 1000 s
-    _drain(stepper)
-    stepper.close()
-    assert stepper.threaded_steps >= 1
+    assert rank.ended == 1
+    on_thread = rank.threads[0].startswith("kvferry-step")
+    assert on_thread is threaded, rank.threads
+    assert (stepper.threaded_steps, stepper.inline_steps) == ((1, 0) if threaded else (0, 1))
 
 
 # ---------------------------------------------------------------- pinned subjects

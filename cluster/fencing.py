@@ -22,10 +22,12 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import msgpack
 
-from .trust import Trust, Unauthenticated
+if TYPE_CHECKING:  # the serve options import FencePolicy: no cryptography for them
+    from .trust import Trust
 
 log = logging.getLogger("kvferry.cluster")
 
@@ -83,6 +85,8 @@ def fence_ordered(store, rank: int, incarnation: int, trust: Trust) -> FenceOrde
     """The order to stop ``rank`` in ``incarnation``, if one is in the store. FenceRefused
     for one that does not authenticate, or names another rank or incarnation than its
     key: it stops nothing."""
+    from .trust import Unauthenticated
+
     key = fence_key(rank, incarnation)
     if not store.check([key]):
         return None

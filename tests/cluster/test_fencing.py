@@ -8,11 +8,13 @@ the first: were either taken, a stranger or a stale order could kill a healthy r
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 
 import pytest
+from test_protocol_units import _card as rank_card
 
 from kvferry.cluster.fencing import (
     FenceOrder,
@@ -45,19 +47,7 @@ class DictStore:
 
 
 def _card(pid: int, incarnation: int = INCARNATION) -> RankCard:
-    return RankCard(
-        rank=RANK,
-        role="prefill",
-        address=b"addr",
-        incarnation=incarnation,
-        segment=b"seg",
-        num_pages=8,
-        page_size=16,
-        capacity_tokens=128,
-        context_length=128,
-        host="h",
-        pid=pid,
-    )
+    return dataclasses.replace(rank_card(RANK, "prefill"), pid=pid, incarnation=incarnation)
 
 
 def _watched(child: subprocess.Popen, store: DictStore) -> FenceWatch:

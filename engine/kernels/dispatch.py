@@ -6,6 +6,9 @@ e.g. under ``TRITON_INTERPRET=1`` on CPU tensors); for checksums ``torch`` means
 :func:`~kvferry.engine.integrity.page_checksums_reference`. The kernels launch with
 ``KVFERRY_DECODE_TUNING`` when it is set (:func:`.tuning.active`), else the default tuning.
 
+Long contexts on CPU pools stream through :mod:`.cpu_decode` (the reference's function,
+a chunk of pages at a time; ``torch`` forces the one-gather reference there too).
+
 Shapes the kernels do not take (page sizes other than 16/32/64, head dims other than
 64/128, pages not dense inside) run the references on any device. Semantics are the
 reference's (:func:`kvferry.engine.attention.paged_decode_attention`,
@@ -23,6 +26,7 @@ import torch
 
 from .. import attention as _reference
 from .. import integrity as _integrity
+from . import cpu_decode
 from . import tuning as _tuning
 from .ownership import PageOwnership, check_ownership_reference
 
@@ -66,14 +70,17 @@ def paged_decode_attention(
             ownership=ownership,
             tuning=_tuning.active(),
         )
+    attention = _reference.paged_decode_attention
+    if os.environ.get("KVFERRY_KERNELS") != "torch" and cpu_decode.wants_streaming(kv, seq_lens):
+        attention = cpu_decode.paged_decode_attention
     if ownership is None:
-        return _reference.paged_decode_attention(q, kv, layer, page_table, seq_lens, scale)
+        return attention(q, kv, layer, page_table, seq_lens, scale)
     page_size, num_pages = kv.shape[4], kv.shape[0]
     check_ownership_reference(page_table, seq_lens, page_size, num_pages, ownership)
     width = page_table.shape[1]
     clamped = page_table.clamp(0, num_pages - 1)
     lens = seq_lens.clamp(0, width * page_size)
-    return _reference.paged_decode_attention(q, kv, layer, clamped, lens, scale)
+    return attention(q, kv, layer, clamped, lens, scale)
 
 
 def _decode_supports(q: torch.Tensor, kv: torch.Tensor) -> bool:

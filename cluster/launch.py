@@ -373,6 +373,8 @@ def serve_worker(
             batch_target_s=cfg.abort_deadline_s / 10,
             integrity=cfg.integrity,
         )
+        # the owners' pools mapped now, not by the first request's first write
+        runtime.open_segments(r for r, card in runtime.cards.items() if card.role is Role.DECODE)
     else:
         worker = DecodeRank.serving(
             runtime,

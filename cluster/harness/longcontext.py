@@ -16,7 +16,10 @@ its plan to the last notice, time to first token, total), then a summary line. B
 each served prompt, the same run's raw engine write of its KV bytes (the transfer engine
 between two processes, in page runs, no protocol, no checks: ``raw_transfer_ms``) and the
 goal figure ``ttft_over_machine`` = ttft / max(prefill, raw transfer): what the protocol,
-its checks and the handover cost on top of what the machine must do anyway.
+its checks and the handover cost on top of what the machine must do anyway. And a decode
+step at that context (``step_ms``: the answer's time after its first token, per token)
+beside the model's attention alone over a context as long (``attention_ms``, timed in this
+process on a pool of the same shape), with ``step_over_attention``.
 
 ``--shape`` picks the model's KV shape: ``shrunk`` (above: 48 bytes a token), ``serve``
 (the serve defaults: 1 layer, 2 KV heads, head dim 32, fp32: 512 bytes a token) or
@@ -150,6 +153,7 @@ def check_case(
             )
             if must_serve and raw:
                 results[-1].update(_against_machine(results[-1], case, shape))
+                results[-1].update(_step_against_attention(timing, case, shape, length))
             print(json.dumps(results[-1]), flush=True)
         held = cluster.quiesce(timeout_s=60, every_rank=True)
         health = cluster.call("GET", "/health", timeout=10).status
@@ -182,6 +186,47 @@ def _against_machine(result: dict, case: Case, shape: Shape) -> dict:
         "raw_transfer_ms": round(raw_ms, 1),
         "raw_gbps": round(pages * page_bytes / raw_ms / 1e6, 2),
         "ttft_over_machine": round(ttft / floor, 2) if ttft and floor else None,
+    }
+
+
+def _step_against_attention(timing: dict, case: Case, shape: Shape, prompt_len: int) -> dict:
+    """A decode step of the served request (the answer's time after its first token, per
+    token) beside the model's attention alone over a context as long, on a pool of the
+    same shape in this process (every layer, through the same dispatch the rank uses):
+    what the step costs beyond reading the pages."""
+    import torch
+
+    from kvferry.engine.pool import parse_dtype
+    from kvferry.engine.replay import ReplayConfig, ReplayModel
+
+    ttft, total = timing.get("ttft_ms"), timing.get("total_ms")
+    step_ms = (total - ttft) / (MAX_TOKENS - 1) if ttft is not None and total else None
+    context = prompt_len + MAX_TOKENS - 1  # the last step's context
+    model = ReplayModel(
+        ReplayConfig(
+            layers=shape.layers,
+            kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            max_positions=case.context_length,
+        )
+    )
+    pages = -(-context // case.page_size)
+    config = model.pool_config(case.page_size, pages + 1, parse_dtype(shape.dtype))
+    kv = torch.full(config.shape, 0.5, dtype=config.dtype)  # every page touched, as served
+    table = torch.randperm(pages + 1)[None, :pages].to(torch.int32)  # pages as a pool hands them
+    lens = torch.tensor([context], dtype=torch.int32)
+    targets = torch.tensor([prompt_len - 1])
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.read_positions(kv, table, lens, targets)
+        best = min(best, time.perf_counter() - t0)
+    attention_ms = 1e3 * best
+    return {
+        "step_ms": _round(step_ms),
+        "attention_ms": round(attention_ms, 1),
+        "step_over_attention": round(step_ms / attention_ms, 2) if step_ms else None,
     }
 
 

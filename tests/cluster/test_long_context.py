@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_long_prompts_are_served_or_refused_and_leave_nothing_held(case, tmp_path):
     """The smallest case also times the raw engine write of each served prompt's bytes
-    beside it, and the goal figure over it."""
+    beside it, the goal figure over it, and a decode step beside attention alone."""
     raw = case.name == "page1"
     results = check_case(case, tmp_path, raw=raw)
     failed = [r for r in results if not r["ok"]]
@@ -26,5 +26,6 @@ def test_long_prompts_are_served_or_refused_and_leave_nothing_held(case, tmp_pat
     assert all(r["status"] == 200 for r in served)
     if raw:
         assert all(r["raw_transfer_ms"] > 0 and r["ttft_over_machine"] > 0 for r in served)
+        assert all(r["step_ms"] > 0 and r["attention_ms"] > 0 for r in served)
     refused = [r for r in results if r.get("expected") == "refused"]
     assert len(refused) == 1 and refused[0]["status"] == 400

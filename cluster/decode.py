@@ -67,7 +67,7 @@ from .runtime import RankRuntime
 
 log = logging.getLogger("kvferry.cluster")
 
-OWNER_RECEIVES = frozenset({Kind.ASSIGN, Kind.NOTICE, Kind.ABORT, Kind.ABORT_ACK})
+OWNER_RECEIVES = frozenset({Kind.ASSIGN, Kind.NOTICE, Kind.NOTICE_PART, Kind.ABORT, Kind.ABORT_ACK})
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,18 @@ class Notice:
     checksums: list[int]
     bytes: int
     prefill_ms: float | None
+
+
+@dataclass(frozen=True)
+class NoticePart:
+    """A writer's NOTICE_PART: pages ``[offset, offset + len(pages))`` of its notice, landed
+    (the part's flush), to be checked before the rest arrives."""
+
+    writer: int
+    offset: int
+    pages: list[int]
+    generations: list[int]
+    checksums: list[int]
 
 
 @dataclass
@@ -95,6 +107,10 @@ class OwnedRequest:
     book: OwnerBook = field(init=False)
     notice_parts: dict[int, Reassembly] = field(default_factory=dict)
     notices: dict[int, Notice] = field(default_factory=dict)  # whole notices
+    parts: list[NoticePart] = field(default_factory=list)  # arrived, not checked yet
+    # writer -> (which pages of its notice a part checked, the checksums they had)
+    part_checked: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    checking_parts: bool = False  # the parts' checks are running (in slices)
     generated: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)
     planned_at: float = 0.0  # when its plan went out (the rank's clock)
@@ -188,6 +204,7 @@ class DecodeRank(RankBooks):
         self.handlers = {
             Kind.ASSIGN: self._on_assign,
             Kind.NOTICE: self._on_notice,
+            Kind.NOTICE_PART: self._on_notice_part,
             Kind.ABORT: self._on_abort,
             Kind.ABORT_ACK: self._on_ack,
         }
@@ -349,6 +366,20 @@ class DecodeRank(RankBooks):
                 )
                 whole = True
         self._feed(req, core.on_notice(req.book, msg.src, whole))
+
+    def _on_notice_part(self, msg: Message) -> None:
+        """A part of a writer's pages landed (pipelined): checked now, while the writer
+        computes and writes the rest. Once the request left AWAITING it is of no use."""
+        req = self.reqs.get(msg.rid)
+        if req is None or msg.src not in req.writers:
+            return
+        if not self._same_incarnation(req, msg, "notice part"):
+            return
+        if req.state is OwnerState.AWAITING:
+            req.parts.append(
+                NoticePart(msg.src, msg.offset, msg.pages, msg.generations, msg.checksums)
+            )
+        self._feed(req, core.on_part(req.book, msg.src))
 
     # -------------------------------------------------------------- decoding
     def step(self) -> bool:

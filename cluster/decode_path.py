@@ -35,7 +35,13 @@ from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.ports import Clock
 from kvferry.engine.verify import Notice as VerifyNotice
-from kvferry.engine.verify import Planned, check_canaries, check_notice, checksum_steps
+from kvferry.engine.verify import (
+    Planned,
+    check_canaries,
+    check_notice,
+    check_part,
+    checksum_steps,
+)
 
 from . import messages as m
 from .sliced import run_in_slices
@@ -44,7 +50,7 @@ from .topology import head_range
 if TYPE_CHECKING:
     from kvferry.engine.protocol.owner_driver import OwnerDriver
 
-    from .decode import OwnedRequest
+    from .decode import NoticePart, OwnedRequest
 
 log = logging.getLogger("kvferry.cluster")
 
@@ -85,6 +91,10 @@ class ReadPath:
 
     def verify(self, req: OwnedRequest) -> None:
         """I5 on arrival; ends in VERIFIED or CORRUPT, fed to the driver."""
+        raise NotImplementedError
+
+    def verify_parts(self, req: OwnedRequest) -> None:
+        """Check the notice parts that arrived (pipelined writers); CORRUPT on a mismatch."""
         raise NotImplementedError
 
     def step(self, batch: list[OwnedRequest]) -> None:
@@ -176,30 +186,117 @@ class DecodePath(ReadPath):
         length, exactly the pages the prompt needs (this request's pages and generations,
         in order) and the bytes those pages hold for the writer's heads; then, unless
         integrity checks are off, the canaries and the checksums of what landed, a slice
-        of pages a step. Raises IntegrityError."""
-        need = pages_needed(req.prompt_len, 0, self.pool.page_size)
-        mine = req.grants[:need]
+        of pages a step (but the pages a part already checked, whose checksums the notice
+        must repeat). Raises IntegrityError."""
         for w in req.writers:
             n = req.notices[w]
-            lo, hi = head_range(req.writers.index(w), len(req.writers), self.pool.kv_heads)
-            view = self.pool.kv[:, :, :, lo:hi]
-            slice_bytes = view[0].numel() * view.element_size()
-            planned = Planned(
-                req.rid,
-                req.prompt_len,
-                [g.page for g in mine],
-                [g.generation for g in mine],
-                need * slice_bytes,
-            )
+            planned, view = self._planned(req, w)
             notice = VerifyNotice(w, n.tokens, n.pages, n.generations, n.checksums, n.bytes)
             check_notice(planned, notice)
             if not self.integrity:
                 continue
             check_canaries(planned, self.canaries.rows(notice.pages))
-            per_step = max(1, CHECKSUM_SLICE_BYTES // slice_bytes)
+            checked = req.part_checked.get(w)
+            if checked is not None and len(notice.checksums) == len(notice.pages):
+                notice, planned = self._unchecked(req, w, notice, planned, *checked)
             yield from checksum_steps(
-                planned, notice, functools.partial(page_checksums, view), per_step
+                planned, notice, functools.partial(page_checksums, view), self._per_step(view)
             )
+
+    def _planned(self, req: OwnedRequest, writer: int) -> tuple[Planned, torch.Tensor]:
+        """What ``writer`` must write for ``req`` (the prompt's pages, for its heads), and
+        the pool as those heads."""
+        need = pages_needed(req.prompt_len, 0, self.pool.page_size)
+        mine = req.grants[:need]
+        lo, hi = head_range(req.writers.index(writer), len(req.writers), self.pool.kv_heads)
+        view = self.pool.kv[:, :, :, lo:hi]
+        slice_bytes = view[0].numel() * view.element_size()
+        planned = Planned(
+            req.rid,
+            req.prompt_len,
+            [g.page for g in mine],
+            [g.generation for g in mine],
+            need * slice_bytes,
+        )
+        return planned, view
+
+    @staticmethod
+    def _per_step(view: torch.Tensor) -> int:
+        return max(1, CHECKSUM_SLICE_BYTES // (view[0].numel() * view.element_size()))
+
+    @staticmethod
+    def _unchecked(
+        req: OwnedRequest,
+        writer: int,
+        notice: VerifyNotice,
+        planned: Planned,
+        mask: np.ndarray,
+        sums: np.ndarray,
+    ) -> tuple[VerifyNotice, Planned]:
+        """The notice and plan cut to the pages no part checked; IntegrityError when the
+        notice gives a checked page another checksum than its part did."""
+        given = np.asarray(notice.checksums, dtype=np.int64)
+        differ = np.flatnonzero(mask & (given != sums))
+        if differ.size:
+            pages = [notice.pages[i] for i in differ[:4]]
+            raise IntegrityError(
+                req.rid,
+                f"writer rank {writer}'s notice gives {differ.size} pages other checksums "
+                f"than its parts did (first: {pages})",
+            )
+        rest = np.flatnonzero(~mask)
+        pages = np.asarray(notice.pages)[rest].tolist()
+        gens = np.asarray(notice.generations)[rest].tolist()
+        cut = VerifyNotice(writer, notice.tokens, pages, gens, given[rest].tolist(), notice.bytes)
+        return cut, Planned(planned.rid, planned.tokens, pages, gens, planned.bytes)
+
+    def verify_parts(self, req: OwnedRequest) -> None:
+        """The pipelined path: check the notice parts that arrived (the part's pages and
+        generations against the plan, their canaries and checksums), in slices, while the
+        writers write the rest; CORRUPT on a mismatch. One run at a time per request:
+        parts that arrive meanwhile join it. Of no use once the request left AWAITING
+        (its notices are whole then, and checked whole)."""
+        if not self.integrity:
+            req.parts.clear()  # checks off: a part carries no checksums
+            return
+        if req.checking_parts:
+            return
+        req.checking_parts = True
+        run_in_slices(
+            self.rt,
+            req.rid,
+            self._part_steps(req),
+            VERIFY_SLICE_S,
+            wanted=lambda: req.state is OwnerState.AWAITING,
+            then=lambda: None,
+        )
+
+    def _part_steps(self, req: OwnedRequest) -> Iterator[None]:
+        try:
+            while req.parts:
+                yield from self._check_part(req, req.parts.pop(0))
+        except IntegrityError as exc:
+            req.error = f"integrity: {exc}"
+            self.driver.feed(req, OwnerEvent.CORRUPT)
+        req.checking_parts = False
+
+    def _check_part(self, req: OwnedRequest, part: NoticePart) -> Iterator[None]:
+        planned, view = self._planned(req, part.writer)
+        at = part.offset
+        mine = check_part(planned, part.writer, at, part.pages, part.generations, part.checksums)
+        check_canaries(mine, self.canaries.rows(part.pages), first=at)
+        notice = VerifyNotice(
+            part.writer, req.prompt_len, part.pages, part.generations, part.checksums, mine.bytes
+        )
+        yield from checksum_steps(
+            mine, notice, functools.partial(page_checksums, view), self._per_step(view)
+        )
+        if part.writer not in req.part_checked:
+            total = len(planned.pages)
+            req.part_checked[part.writer] = (np.zeros(total, bool), np.zeros(total, np.int64))
+        mask, sums = req.part_checked[part.writer]
+        mask[at : at + len(part.pages)] = True
+        sums[at : at + len(part.pages)] = part.checksums
 
     # -------------------------------------------------------------- decoding
     def _page_table(self, batch: list[OwnedRequest]) -> torch.Tensor:

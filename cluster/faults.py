@@ -73,7 +73,14 @@ from kvferry.transfer import BatchStatus, TransferError
 log = logging.getLogger("kvferry.cluster")
 
 
-WRITER_POINTS = ("prefill", "before-write", "mid-transfer", "after-write", "after-notice")
+WRITER_POINTS = (
+    "prefill",
+    "mid-pipeline",  # a long prompt's first part posted, the rest still computing
+    "before-write",
+    "mid-transfer",
+    "after-write",
+    "after-notice",
+)
 OWNER_POINTS = ("owner-assign", "owner-notice", "owner-decode")
 ROUTER_POINTS = ("router-dispatch",)
 POINTS = WRITER_POINTS + OWNER_POINTS + ROUTER_POINTS

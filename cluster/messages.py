@@ -11,6 +11,8 @@ Flow of one request (router R, prefill writers W1..Wt, decode owner D):
     R -> D   ASSIGN(rid, prompt_len, max_tokens, writers)
     D -> W*  PLAN(rid, pages, generations)        where to write (after D allocated)
     W -> D   NOTICE(rid, tokens, checksums, ...)  sent by notify: after the writer's flush
+    W -> D   NOTICE_PART(rid, offset, pages, ...) a long prompt, pipelined: these pages
+                                                  landed (notify); the owner checks them now
 
 PREFILL, PLAN and NOTICE carry lists as long as the prompt; each is cut into chunks of
 ``offset`` and ``total`` (see :mod:`.chunks`), so that no prompt the context length
@@ -81,6 +83,15 @@ NOTICE = CODEC.kind(
     bytes=Field(FieldType.INT),  # bytes the writer posted (checked by the owner)
     prefill_ms=Field(FieldType.FLOAT, optional=True),
 )  # the writer's prefill compute time
+NOTICE_PART = CODEC.kind(
+    Kind.NOTICE_PART,
+    **_HEADER,
+    rid=_RID,
+    offset=Field(FieldType.INT),  # of the part's first page in the writer's pages
+    pages=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
+    generations=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
+    checksums=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
+)  # pipelined: these pages landed (flush first); later writes may still be in flight
 TOKENS = CODEC.kind(
     Kind.TOKENS,
     **_HEADER,
@@ -161,6 +172,7 @@ SENDS: dict[Kind, tuple[frozenset[Role], frozenset[Role]]] = {
     Kind.ASSIGN: (frozenset({Role.ROUTER}), frozenset({Role.DECODE})),
     Kind.PLAN: (frozenset({Role.DECODE}), frozenset({Role.PREFILL})),
     Kind.NOTICE: (frozenset({Role.PREFILL}), frozenset({Role.DECODE})),
+    Kind.NOTICE_PART: (frozenset({Role.PREFILL}), frozenset({Role.DECODE})),
     Kind.TOKENS: (frozenset({Role.DECODE}), frozenset({Role.ROUTER})),
     Kind.DONE: (frozenset({Role.DECODE}), frozenset({Role.ROUTER})),
     Kind.ABORT: (frozenset(Role), frozenset(Role)),

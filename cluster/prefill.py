@@ -63,6 +63,9 @@ class WriteJob:
     checksums: list[int] = field(default_factory=list)
     posted_bytes: int = 0
     sent_pages: int = 0  # prompt pages written (all, unless a fault)
+    final_pages: int = 0  # source pages whose KV is final (every layer written)
+    posted_pages: int = 0  # pages posted so far (the pipelined parts, then the rest)
+    part: tuple[int, int] | None = None  # pages [lo, hi) of the part in flight
     timer: Any = None  # an injected pause at a protocol point
     queue: np.ndarray | None = None  # (local, remote, length) rows not yet posted
     prompt_parts: Reassembly | None = None  # PREFILL chunks so far

@@ -80,6 +80,12 @@ class WritePath:
     def post_next(self, job: WriteJob) -> None:
         self._post_next(job)
 
+    def post_part(self, job: WriteJob) -> None:
+        raise NotImplementedError(f"request {job.rid}: this path writes no parts")
+
+    def send_part(self, job: WriteJob) -> None:
+        raise NotImplementedError(f"request {job.rid}: this path writes no parts")
+
     def send_notice(self, job: WriteJob) -> None:
         self._send_notice(job)
 
@@ -276,39 +282,55 @@ class PrefillPath(WritePath):
             job.src_pages,
             head_range=self.heads,
         )
+        final = _FinalPages(self.model, len(job.tokens), self.pool.page_size)
+        computing = 0.0  # the model's time alone, not the parts posted between its steps
         while True:
+            t0 = self.clock.now()
             with torch.no_grad():
                 layer = next(layers, _END)
+            computing += self.clock.now() - t0
             if layer is _END:
                 break
+            if layer is None and final.after(layer) > job.final_pages:  # a part is ready
+                job.final_pages = final.pages
+                self.driver.feed(job, WriterEvent.KV_PART)
+                if job.state not in COMPUTING:
+                    return
             yield
             if layer == 0 and self.rt.faults.enabled:
                 self.at_point(job, "prefill", lambda j: None)
                 if job.state not in COMPUTING:
                     return
-            if layer is not None and layer + 1 >= self.model.layers:
-                break
-        job.prefill_ms = 1e3 * (self.clock.now() - job.prefill_started)
+            if layer is not None:
+                final.after(layer)
+                if layer + 1 >= self.model.layers:
+                    break
+        job.prefill_ms = 1e3 * computing
+        job.final_pages = len(job.src_pages)
         if not self.integrity:
             return
-        lo, hi = self.heads
-        view = self.pool.kv[:, :, :, lo:hi]
+        view = self._view()
         per_step = max(1, CHECKSUM_SLICE_BYTES // (view[0].numel() * view.element_size()))
-        job.checksums = []
-        for start in range(0, len(job.src_pages), per_step):
+        # pages posted in parts were checksummed then; the rest now, a slice a step
+        for start in range(len(job.checksums), len(job.src_pages), per_step):
             job.checksums.extend(
                 page_checksums(view, job.src_pages[start : start + per_step]).tolist()
             )
             yield
 
+    def _view(self) -> torch.Tensor:
+        """The pool as this writer's heads: what it checksums and sends."""
+        lo, hi = self.heads
+        return self.pool.kv[:, :, :, lo:hi]
+
     # -------------------------------------------------------------- writing
-    def _triples(self, job: WriteJob) -> np.ndarray:
+    def _triples(self, job: WriteJob, lo: int, hi: int) -> np.ndarray:
         """``[pages x runs, 3]`` int64: (local offset, remote offset, length) of every run
-        of this writer's heads in the pages it sends."""
+        of this writer's heads in its pages ``[lo, hi)``."""
         assert job.dst_pages is not None
         pb = self.pool.page_bytes
-        src = np.asarray(job.src_pages[: job.sent_pages], dtype=np.int64)
-        dst = np.asarray(job.dst_pages[: len(src)], dtype=np.int64)
+        src = np.asarray(job.src_pages[lo:hi], dtype=np.int64)
+        dst = np.asarray(job.dst_pages[lo:hi], dtype=np.int64)
         local = (src[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
         remote = (dst[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
         lengths = np.broadcast_to(self._run_lengths, (len(src), len(self._run_lengths))).reshape(-1)
@@ -322,10 +344,20 @@ class PrefillPath(WritePath):
             return
         assert job.tokens is not None
         faults = self.rt.faults
-        faults.tamper_source(job.rid, job.tokens, self.pool, job.src_pages, self.heads)
-        job.sent_pages = faults.pages_to_write(job.rid, job.tokens, len(job.src_pages))
-        triples = self._triples(job)
-        job.posted_bytes = int(triples[:, 2].sum())
+        if not job.posted_pages:  # no part went before: the whole prompt goes now
+            faults.tamper_source(job.rid, job.tokens, self.pool, job.src_pages, self.heads)
+            job.sent_pages = faults.pages_to_write(job.rid, job.tokens, len(job.src_pages))
+        job.part = None  # a part still in flight is covered by the notice now
+        if job.posted_pages >= job.sent_pages:  # every page went in parts
+            if not job.book.in_flight:
+                self.driver.feed(job, WriterEvent.ALL_LANDED)
+            return
+        triples = self._triples(job, job.posted_pages, job.sent_pages)
+        job.posted_pages = job.sent_pages
+        job.posted_bytes += int(triples[:, 2].sum())
+        if job.book.in_flight:  # a part's batch: the rest follows it, one batch at a time
+            job.queue = triples
+            return
         job.queue, held = faults.hold_in_flight(
             self.rt, job.rid, job.tokens, job.owner, self.segment, triples
         )
@@ -343,3 +375,78 @@ class PrefillPath(WritePath):
 
     def send_notice(self, job: WriteJob) -> None:
         self.at_point(job, "after-write", self._send_notice)
+
+    # -------------------------------------------------------------- the pipelined path
+    def post_part(self, job: WriteJob) -> None:
+        """Post the pages final since the last part, checksummed now, unless a part is
+        in flight (they go with the next one, once it landed). The first part fixes how
+        many pages are written at all (the plan must cover them)."""
+        if job.part is not None or job.queued() or job.book.in_flight:
+            return
+        assert job.tokens is not None
+        if not job.posted_pages:
+            if not self._plan_covers(job):
+                return
+            job.sent_pages = self.rt.faults.pages_to_write(job.rid, job.tokens, len(job.src_pages))
+        lo, hi = job.posted_pages, min(job.final_pages, job.sent_pages)
+        if hi <= lo:
+            return
+        if self.integrity:
+            assert len(job.checksums) == lo
+            job.checksums.extend(page_checksums(self._view(), job.src_pages[lo:hi]).tolist())
+        triples = self._triples(job, lo, hi)
+        job.posted_bytes += int(triples[:, 2].sum())
+        job.posted_pages, job.part, job.queue = hi, (lo, hi), triples
+        if self._post_next(job) and self.rt.faults.enabled and lo == 0:
+            self.at_point(job, "mid-pipeline", lambda j: None)
+
+    def send_part(self, job: WriteJob) -> None:
+        """NOTICE_PART for the part that landed (in chunks of ``PAGES_PER_CHUNK``), each
+        with notify: the owner checks those pages when it arrives."""
+        assert job.part is not None and job.dst_pages is not None
+        assert job.dst_generations is not None
+        (lo, hi), job.part = job.part, None
+        checksums = job.checksums[lo:hi] if self.integrity else []
+        for a, b in spans(hi - lo, PAGES_PER_CHUNK):
+            sent = self.rt.notify(
+                job.owner,
+                m.NOTICE_PART,
+                rid=job.rid,
+                offset=lo + a,
+                pages=job.dst_pages[lo + a : lo + b],
+                generations=job.dst_generations[lo + a : lo + b],
+                checksums=checksums[a:b],
+            )
+            if sent is None:
+                return  # the part is lost: the owner checks its pages with the notice
+
+
+class _FinalPages:
+    """How many of a prompt's source pages are final while its prefill runs: every layer
+    written. A model that writes a layer in chunks of ``prefill_chunk_tokens`` tokens
+    (yielding None between them) makes pages final chunk by chunk during its last layer;
+    one that does not chunk (``None``) makes them all final at once, with its last layer."""
+
+    def __init__(self, model: Any, tokens: int, page_size: int) -> None:
+        self.chunk: int | None = model.prefill_chunk_tokens
+        self.last_layer = model.layers - 1
+        self.tokens, self.page_size = tokens, page_size
+        self.layers_done = 0
+        self.chunks_in_layer = 0
+        self.pages = 0
+
+    def after(self, yielded: int | None) -> int:
+        """The count of final pages after the model yielded ``yielded``."""
+        if yielded is None:
+            self.chunks_in_layer += 1
+        else:
+            self.layers_done, self.chunks_in_layer = yielded + 1, 0
+        if self.layers_done > self.last_layer:
+            done = self.tokens
+        elif self.layers_done == self.last_layer and self.chunk:
+            done = min(self.tokens, self.chunks_in_layer * self.chunk)
+        else:
+            done = 0
+        full = -(-done // self.page_size) if done == self.tokens else done // self.page_size
+        self.pages = max(self.pages, full)
+        return self.pages

@@ -77,6 +77,7 @@ class LlamaModel(PrefillByLayers):
     ) -> None:
         self.config = config
         self.layers = config.layers
+        self.prefill_chunk_tokens: int | None = None  # a layer is written whole
         self.kv_heads = config.kv_heads
         self.q_heads = config.q_heads
         self.head_dim = config.head_dim

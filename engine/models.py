@@ -26,6 +26,9 @@ from .replay import ReplayConfig, ReplayModel
 @runtime_checkable
 class PagedModel(Protocol):
     layers: int
+    # tokens of a layer written between two None yields of ``prefill_layers`` (None: it
+    # writes each layer whole); a writer pipelines the pages its last layer makes final
+    prefill_chunk_tokens: int | None
     kv_heads: int
     head_dim: int
     stop_token: int | None

@@ -79,6 +79,7 @@ class ReplayModel(PrefillByLayers):
             )
         self.config = config
         self.layers = config.layers
+        self.prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS
         self.kv_heads = config.kv_heads
         self.q_heads = config.kv_heads * config.q_per_kv
         self.head_dim = config.head_dim
@@ -121,7 +122,7 @@ class ReplayModel(PrefillByLayers):
     ) -> Generator[int | None, None, None]:
         """Write K/V of ``tokens`` at positions ``start_pos ..`` into the pages of
         ``page_row``, for KV heads ``head_range`` (default all), one layer at a time and,
-        within a layer, ``PREFILL_CHUNK_TOKENS`` tokens at a time: yields None after each
+        within a layer, ``prefill_chunk_tokens`` tokens at a time: yields None after each
         chunk but a layer's last, and the layer's index once all its K/V is in the pages.
         ``prefill`` (same arguments) writes them all."""
         self._check_pool(kv)
@@ -129,9 +130,10 @@ class ReplayModel(PrefillByLayers):
         lo, hi = head_range or (0, self.kv_heads)
         row = torch.as_tensor(page_row, dtype=torch.int64, device=kv.device)
         n = tokens.numel()
+        chunk = self.prefill_chunk_tokens or max(n, 1)
         for layer in range(self.layers):
-            for first in range(0, max(n, 1), PREFILL_CHUNK_TOKENS):
-                last = min(n, first + PREFILL_CHUNK_TOKENS)
+            for first in range(0, max(n, 1), chunk):
+                last = min(n, first + chunk)
                 positions = torch.arange(start_pos + first, start_pos + last, device=kv.device)
                 k = self.key_codes(positions)[:, None, :].expand(-1, hi - lo, -1)
                 v = self.value_codes(tokens[first:last])[:, None, :].expand(-1, hi - lo, -1)

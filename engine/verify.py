@@ -75,22 +75,62 @@ def check_notice(planned: Planned, notice: Notice) -> None:
         )
 
 
-def expected_canary_rows(rid: str, generations: Sequence[int]) -> torch.Tensor:
+def expected_canary_rows(rid: str, generations: Sequence[int], first: int = 0) -> torch.Tensor:
     """``[n, 3]`` int64: the canary rows (request id hash, generation, index) the pages
-    of ``rid``'s allocation must carry, in page-list order."""
+    of ``rid``'s allocation must carry, in page-list order, from its page ``first``."""
     gens = torch.as_tensor(list(generations), dtype=torch.int64).reshape(-1)
     rid_hash = torch.full_like(gens, request_id_hash(rid))
-    return torch.stack([rid_hash, gens, torch.arange(gens.numel(), dtype=torch.int64)], dim=1)
+    index = torch.arange(first, first + gens.numel(), dtype=torch.int64)
+    return torch.stack([rid_hash, gens, index], dim=1)
 
 
-def check_canaries(planned: Planned, rows: torch.Tensor) -> None:
+def check_canaries(planned: Planned, rows: torch.Tensor, first: int = 0) -> None:
     """Check 4: ``rows`` (``[n, 3]``, the side table's rows of the planned pages, in
-    order) equal the request's own; IntegrityError naming the pages that differ."""
-    bad = rows.to(torch.int64).cpu() != expected_canary_rows(planned.rid, planned.generations)
+    order; ``first``: the index of the first of them in the allocation, for a part) equal
+    the request's own; IntegrityError naming the pages that differ."""
+    expected = expected_canary_rows(planned.rid, planned.generations, first)
+    bad = rows.to(torch.int64).cpu() != expected
     wrong = bad.any(dim=1).nonzero().flatten().tolist()
     if wrong:
         pages = [planned.pages[i] for i in wrong]
         raise IntegrityError(planned.rid, f"canary mismatch on {planned.unit}s {pages[:8]}")
+
+
+def check_part(
+    planned: Planned,
+    writer: int,
+    offset: int,
+    pages: Sequence[int],
+    generations: Sequence[int],
+    checksums: Sequence[int],
+) -> Planned:
+    """Check 2 for a pipelined part of a writer's notice (pages ``offset ..`` of it,
+    landed before the rest): exactly the planned pages and generations at that place, one
+    checksum a page. Returns the part as a plan of its own, for checks 4 and 5 (canaries
+    from index ``offset``, then :func:`checksum_steps`)."""
+    n, total = len(pages), len(planned.pages)
+    want_pages = list(planned.pages[offset : offset + n])
+    want_gens = list(planned.generations[offset : offset + n])
+    if (
+        offset < 0
+        or offset + n > total
+        or list(pages) != want_pages
+        or list(generations) != want_gens
+    ):
+        raise IntegrityError(
+            planned.rid,
+            f"writer rank {writer}'s notice part names {n} {planned.unit}s from index "
+            f"{offset}: {list(pages)[:8]} generations {list(generations)[:8]}; the plan of "
+            f"{total} has there {list(zip(want_pages, want_gens, strict=True))[:8]}",
+        )
+    if len(checksums) != n:
+        raise IntegrityError(
+            planned.rid,
+            f"writer rank {writer}'s notice part has {len(checksums)} checksums for "
+            f"{n} {planned.unit}s",
+        )
+    share = planned.bytes // total if total else 0
+    return Planned(planned.rid, planned.tokens, pages, generations, share * n, planned.unit)
 
 
 def checksum_steps(

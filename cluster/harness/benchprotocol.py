@@ -78,6 +78,7 @@ class NullModel(PrefillByLayers):
     """Prefill writes nothing, decode emits token 0: the bench measures the protocol."""
 
     layers, kv_heads, head_dim, stop_token = LAYERS, KV_HEADS, HEAD_DIM, None
+    prefill_chunk_tokens = None  # every layer written whole: no part to pipeline
 
     def prefill_layers(self, kv, tokens, page_row, *, head_range=None):
         yield from range(self.layers)

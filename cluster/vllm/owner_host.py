@@ -190,6 +190,9 @@ class VerifyPath:
     def __init__(self, host: OwnerHost) -> None:
         self.host = host
 
+    def verify_parts(self, o: Load) -> None:
+        raise NotImplementedError(f"request {o.rid}: a vLLM writer sends no notice parts")
+
     def verify(self, o: Load) -> None:
         h = self.host
         assert h.regions is not None and h.canaries is not None

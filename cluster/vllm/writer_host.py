@@ -341,6 +341,13 @@ class WriterHost(WorkerHost):
             )
         self.driver.feed(job, wc.on_settled(job.book, ok, bool(job.queue)))
 
+    def post_part(self, job: Job) -> None:
+        raise NotImplementedError(
+            f"request {job.rid}: vLLM computes the KV before saving it: no part to pipeline"
+        )
+
+    send_part = post_part
+
     def send_notice(self, job: Job) -> None:
         """NOTICE with notify (flush, then send); NOTICE_FLUSHED once that completed."""
         assert job.plan is not None

@@ -45,6 +45,10 @@ class OwnerEvent(enum.Enum):
     GRANTED = "the pages an ASSIGN needs were allocated"
     REFUSED = "the pool cannot hold the request (out of pages)"
     FLUSH = "a writer's notice chunk or ack that completes nothing"
+    PART = (
+        "a NOTICE_PART: a part of a writer's pages landed (later writes may still be in "
+        "flight: it proves no flush of the writer's)"
+    )
     ALL_NOTICED = "the chunk that makes every writer's notice whole"
     LAST_FLUSH = "quarantined: the notice or ack that makes every writer flushed"
     ABORT = "an ABORT from a rank other than the router; writers still pending"
@@ -69,6 +73,7 @@ class OwnerDo(enum.Enum):
     ARM_TRANSFER_TIMER = "the transfer timeout (per 65,536 prompt tokens)"
     CANCEL_TIMER = "cancel the transfer timeout"
     VERIFY = "run the I5 checks in slices, then VERIFIED or CORRUPT"
+    VERIFY_PARTS = "check the pages of the parts that arrived, in slices; CORRUPT on a mismatch"
     TOMBSTONE = "remember the id as ended: a late ASSIGN or NOTICE is ignored (I2)"
     REPORT_FAILED = "DONE(failed, reason) to the router"
     REPORT_FINISHED = "the last TOKENS and DONE(finished) to the router"
@@ -105,6 +110,12 @@ OWNER_ROWS: dict[tuple[OwnerState, OwnerEvent], Move[OwnerState, OwnerDo]] = {
     (S.NEW, E.ABORT_FLUSHED): Move(S.CLOSED, (D.TOMBSTONE, D.REPORT_NOTHING_HELD)),
     (S.NEW, E.FAIL_FLUSHED): Move(S.CLOSED, (D.TOMBSTONE, D.REPORT_FAILED, D.REPORT_NOTHING_HELD)),
     (S.AWAITING, E.FLUSH): Move(S.AWAITING),
+    (S.AWAITING, E.PART): Move(S.AWAITING, (D.VERIFY_PARTS,)),
+    # a part failed its check while writers may still write: quarantined like a failure
+    (S.AWAITING, E.CORRUPT): Move(
+        S.QUARANTINED,
+        (D.COUNT_INTEGRITY, D.REPORT_FAILED, *_QUARANTINE, D.ASK_ACKS, *_GUARD),
+    ),
     (S.AWAITING, E.ALL_NOTICED): Move(S.VERIFYING, (D.CANCEL_TIMER, D.VERIFY)),
     (S.AWAITING, E.ABORT): Move(S.QUARANTINED, (*_QUARANTINE, D.ASK_ACKS, *_GUARD)),
     (S.AWAITING, E.ABORT_TOLD): Move(S.QUARANTINED, (*_QUARANTINE, *_GUARD)),
@@ -159,6 +170,16 @@ def owner_table(
                 ),
                 (S.AWAITING, E.FAIL): Move(
                     S.CLOSED, (D.REPORT_FAILED, D.TOMBSTONE, D.CANCEL_TIMER, D.RELEASE_UNSAFE)
+                ),
+                (S.AWAITING, E.CORRUPT): Move(
+                    S.CLOSED,
+                    (
+                        D.COUNT_INTEGRITY,
+                        D.REPORT_FAILED,
+                        D.TOMBSTONE,
+                        D.CANCEL_TIMER,
+                        D.RELEASE_UNSAFE,
+                    ),
                 ),
             },
         )
@@ -219,6 +240,12 @@ def on_notice(book: OwnerBook, writer: int, whole: bool) -> OwnerEvent:
     if book.state is OwnerState.QUARANTINED and book.writers_done():
         return OwnerEvent.LAST_FLUSH
     return OwnerEvent.FLUSH
+
+
+def on_part(book: OwnerBook, writer: int) -> OwnerEvent:
+    """A NOTICE_PART of ``writer``: its pages are to be checked now. It proves no flush
+    (the writer may still be posting the rest), so nothing is recorded of the writer."""
+    return OwnerEvent.PART
 
 
 def on_ack(book: OwnerBook, writer: int, severed: bool) -> OwnerEvent:

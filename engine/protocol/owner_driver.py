@@ -126,6 +126,8 @@ class OwnerDriver(TableDriver[OwnerState, OwnerEvent, OwnerDo, Subject]):
                 req.timer.cancel()
         elif do is D.VERIFY:
             p.data.verify(req)
+        elif do is D.VERIFY_PARTS:
+            p.data.verify_parts(req)
         elif do is D.TOMBSTONE:
             p.tombstones.tombstone(rid, p.clock.now())
         elif do is D.REPORT_FAILED:

@@ -73,6 +73,15 @@ class WriterDataPath(Protocol):
 
     def post_next(self, job: Subject) -> None: ...
 
+    def post_part(self, job: Subject) -> None:
+        """The pipelined path: post the pages final since the last part (their batches'
+        settling come back as events; the last one as PART_LANDED)."""
+        ...
+
+    def send_part(self, job: Subject) -> None:
+        """NOTICE_PART for the part whose batches all landed (flush first)."""
+        ...
+
     def send_notice(self, job: Subject) -> None: ...
 
     def stop_posting(self, job: Subject) -> None:
@@ -141,9 +150,13 @@ class WriterFacts(Protocol):
 
 
 class OwnerDataPath(Protocol):
-    """The I5 checks and decoding: ``verify`` ends in VERIFIED or CORRUPT, fed back."""
+    """The I5 checks and decoding: ``verify`` ends in VERIFIED or CORRUPT, fed back;
+    ``verify_parts`` checks the pages of the notice parts that arrived (pipelined) and
+    feeds CORRUPT only on a mismatch."""
 
     def verify(self, req: Subject) -> None: ...
+
+    def verify_parts(self, req: Subject) -> None: ...
 
 
 class OwnerReport(Protocol):

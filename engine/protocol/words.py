@@ -18,6 +18,7 @@ class Kind(enum.StrEnum):
     ASSIGN = "ASSIGN"  # router -> owner: prompt length, max tokens, the writer set
     PLAN = "PLAN"  # owner -> writer: the destination pages (in chunks)
     NOTICE = "NOTICE"  # writer -> owner, after its flush: what it wrote
+    NOTICE_PART = "NOTICE_PART"  # writer -> owner, pipelined: a part of it landed
     TOKENS = "TOKENS"  # owner -> router: generated tokens
     DONE = "DONE"  # owner -> router: the request's outcome
     ABORT = "ABORT"  # any -> the request's ranks: stop

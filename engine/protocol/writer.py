@@ -3,7 +3,11 @@
 A writer needs two things before it writes: the prompt's KV, computed into its own pages,
 and the owner's plan of destination pages. It then posts one-sided writes in bounded
 batches, and once every batch has landed sends its notice with a flush first, so the
-notice arrives only after every byte is visible at the owner. On an abort it stops
+notice arrives only after every byte is visible at the owner. A long prompt is pipelined:
+while its KV is still being computed and the plan is whole, each part whose pages are final
+is written as it is ready, and once its batches landed a NOTICE_PART (flush first) lets the
+owner check those pages before the rest arrives. A part proves nothing about the writer's
+later writes: only the whole notice (or an ack) does. On an abort it stops
 posting, waits for what it has in flight, then acks with a flush first, and keeps its
 source pages until that flush. This module decides;
 :class:`kvferry.cluster.prefill.PrefillRank` carries out the effects. It does no I/O and
@@ -33,7 +37,7 @@ class WriterState(enum.Enum):
     NEW = "new"  # PREFILL or PLAN chunks arriving, neither whole
     PLANNED = "planned"  # the plan is whole, the prompt is not
     COMPUTING = "computing"  # the prompt is whole: its KV is being computed
-    COMPUTING_PLANNED = "computing+planned"  # computing, and the plan is whole
+    COMPUTING_PLANNED = "computing+planned"  # computing, the plan is whole: parts posted
     KV_READY = "kv-ready"  # KV computed (and checksummed), no plan yet
     WRITING = "writing"  # batches posted, in flight or queued
     NOTIFYING = "notifying"  # every batch landed: notice posted (flush, then send)
@@ -47,6 +51,8 @@ class WriterEvent(enum.Enum):
     PROMPT = "the prompt is whole and its source pages are allocated"
     PLAN = "the owner's plan is whole"
     KV_READY = "the prompt's KV is computed and checksummed"
+    KV_PART = "more of the prompt's pages are final (every layer written); the plan is whole"
+    PART_LANDED = "computing: the part's last batch landed, nothing in flight"
     NEXT_BATCH = "a batch landed and more are queued"
     BATCH_LANDED = "a batch landed; nothing queued, others still in flight"
     ALL_LANDED = "the last batch landed"
@@ -68,6 +74,11 @@ class WriterDo(enum.Enum):
     START_PREFILL = "compute the KV into the source pages, in slices; then KV_READY"
     POST_WRITES = "check the plan against the prompt, then post the first batch"
     POST_NEXT = "post the next batch (one at a time: an abort stops within one batch)"
+    POST_PART = (
+        "checksum the pages final since the last part and post them (when no part is in "
+        "flight; else they go with the next)"
+    )
+    SEND_PART = "NOTICE_PART for the part that landed, with notify: flush, then send"
     SEND_NOTICE = "NOTICE (in chunks) with notify: flush, then send"
     STOP_POSTING = "drop the queue and cancel any pause: nothing more is posted"
     TOMBSTONE = "remember the id as ended: a late PREFILL or PLAN is ignored (I2)"
@@ -94,6 +105,13 @@ WRITER_ROWS: dict[tuple[WriterState, WriterEvent], Move[WriterState, WriterDo]] 
     (S.COMPUTING, E.PLAN): Move(S.COMPUTING_PLANNED),
     (S.COMPUTING, E.KV_READY): Move(S.KV_READY),
     (S.COMPUTING_PLANNED, E.KV_READY): Move(S.WRITING, (D.POST_WRITES,)),
+    # the pipelined path: parts written while the rest is computed
+    (S.COMPUTING_PLANNED, E.KV_PART): Move(S.COMPUTING_PLANNED, (D.POST_PART,)),
+    (S.COMPUTING_PLANNED, E.NEXT_BATCH): Move(S.COMPUTING_PLANNED, (D.POST_NEXT,)),
+    (S.COMPUTING_PLANNED, E.BATCH_LANDED): Move(S.COMPUTING_PLANNED),
+    (S.COMPUTING_PLANNED, E.PART_LANDED): Move(S.COMPUTING_PLANNED, (D.SEND_PART,)),
+    (S.COMPUTING_PLANNED, E.ABORT): Move(S.DRAINING, _STOP),
+    (S.COMPUTING_PLANNED, E.FAIL): Move(S.DRAINING, (*_STOP, D.TELL_ABORT)),
     (S.KV_READY, E.PLAN): Move(S.WRITING, (D.POST_WRITES,)),
     **{
         (s, E.ABORT_IDLE): Move(S.ABORTED, (D.TOMBSTONE, D.REPORT_NOTHING_HELD, D.ACK_NOW))
@@ -158,7 +176,11 @@ def on_settled(book: WriterBook, ok: bool, queued: bool) -> WriterEvent:
         return on_failure(book)
     if queued:
         return WriterEvent.NEXT_BATCH
-    return WriterEvent.ALL_LANDED if book.in_flight == 0 else WriterEvent.BATCH_LANDED
+    if book.in_flight:
+        return WriterEvent.BATCH_LANDED
+    if book.state is WriterState.COMPUTING_PLANNED:  # a part, the rest not computed yet
+        return WriterEvent.PART_LANDED
+    return WriterEvent.ALL_LANDED
 
 
 def on_abort(book: WriterBook) -> WriterEvent:

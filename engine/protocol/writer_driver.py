@@ -70,6 +70,10 @@ class WriterDriver(TableDriver[WriterState, WriterEvent, WriterDo, Subject]):
             p.data.post_writes(job)
         elif do is D.POST_NEXT:
             p.data.post_next(job)
+        elif do is D.POST_PART:
+            p.data.post_part(job)
+        elif do is D.SEND_PART:
+            p.data.send_part(job)
         elif do is D.SEND_NOTICE:
             p.data.send_notice(job)
         elif do is D.STOP_POSTING:

@@ -62,6 +62,7 @@ def test_every_message_kind_round_trips():
             bytes=4,
             prefill_ms=2.5,
         ),
+        "NOTICE_PART": dict(rid="r", offset=4, pages=[1, 2], generations=[2, 2], checksums=[9, 8]),
         "TOKENS": dict(rid="r", offset=0, tokens=[65, 66]),
         "DONE": dict(rid="r", outcome="finished", error=None, count=2, transfer_ms=1.5),
         "ABORT": dict(rid="r", owner=2, writers=[1], source="client", reason="gone"),

@@ -126,6 +126,7 @@ def owner_walk(table):
             self.tombstoned = False
             self.released_while_landing: list[str] = []
             self.gone: set[int] = set()
+            self.flushed: set[int] = set()  # the walk's own truth, apart from the book's
 
         @rule(writers=st.integers(1, 3), pages=st.integers(1, 10))
         @precondition(lambda self: self.book is None)
@@ -152,12 +153,23 @@ def owner_walk(table):
         @rule(data=st.data(), whole=st.booleans())
         @precondition(lambda self: self.book is not None and self.book.writers)
         def notice(self, data, whole: bool) -> None:
-            self.feed(oc.on_notice(self.book, self.writer(data), whole))
+            writer = self.writer(data)
+            self.flushed.add(writer)  # every notice chunk follows the writer's flush
+            self.feed(oc.on_notice(self.book, writer, whole))
+
+        @rule(data=st.data())
+        @precondition(lambda self: self.book is not None and self.book.writers)
+        def part(self, data) -> None:
+            """A pipelined NOTICE_PART: some of a writer's pages landed, later writes may
+            still be in flight (its check may then end in CORRUPT, a rule of its own)."""
+            self.feed(oc.on_part(self.book, self.writer(data)))
 
         @rule(data=st.data(), severed=st.booleans())
         @precondition(lambda self: self.book is not None and self.book.writers)
         def ack(self, data, severed: bool) -> None:
-            self.feed(oc.on_ack(self.book, self.writer(data), severed))
+            writer = self.writer(data)
+            self.flushed.add(writer)  # an ack follows the writer's flush
+            self.feed(oc.on_ack(self.book, writer, severed))
 
         @rule(told=st.booleans())
         @precondition(lambda self: self.book is not None)
@@ -233,11 +245,7 @@ def owner_walk(table):
         # the pages port: every release checked against the ground truth of I4
         def _released(self, how: str) -> list[int]:
             assert self.book is not None
-            landing = [
-                w
-                for w in self.book.writers
-                if w not in self.book.noticed and w not in self.book.acked and w not in self.gone
-            ]
+            landing = [w for w in self.book.writers if w not in self.flushed and w not in self.gone]
             where = f"{self.before.name} --{self.moving.name}--> {how}"
             if landing:
                 self.released_while_landing.append(
@@ -403,6 +411,11 @@ def writer_walk(table):
         def kv_ready(self) -> None:
             self.feed(WriterEvent.KV_READY)
 
+        @rule()
+        def kv_part(self) -> None:
+            """More pages final while the rest is computed (the pipelined path)."""
+            self.feed(WriterEvent.KV_PART)
+
         @rule(ok=st.booleans())
         @precondition(lambda self: self.book.in_flight > 0)
         def settles(self, ok: bool) -> None:
@@ -460,6 +473,15 @@ def writer_walk(table):
 
         def post_next(self, job) -> None:
             self._post("POST_NEXT")
+
+        def post_part(self, job) -> None:
+            if not self.queued and not self.book.in_flight:  # one part at a time
+                self.queued = 1
+                self._post("POST_PART")
+
+        def send_part(self, job) -> None:
+            if self.book.in_flight:
+                self.problems.append(f"{self.where} a part's notice before it landed")
 
         def send_notice(self, job) -> None:
             pass
@@ -523,6 +545,59 @@ def test_the_walk_catches_a_broken_writer_table(broken):
             continue
         with pytest.raises(AssertionError, match=r"in flight|before a flush"):
             walk.i4_writer_side()
+
+
+@pytest.mark.parametrize("broken", ["ack_in_flight", "free_source_at_abort"])
+def test_the_walk_catches_a_broken_pipelined_writer_table(broken):
+    """The same on the pipelined path: plan, prompt, one part posted while the rest is
+    computed, then the abort. A table that acks (or frees) there, as an unpipelined
+    writer may with nothing posted yet, has a part in flight, and the walk reports it."""
+    S, E, D = WriterState, WriterEvent, WriterDo
+    move = (
+        Move(S.ACKING, (D.STOP_POSTING, D.TOMBSTONE, D.SEND_ACK))
+        if broken == "ack_in_flight"
+        else Move(S.ABORTED, (D.STOP_POSTING, D.TOMBSTONE, D.FREE_SOURCE, D.ACK_NOW))
+    )
+    for table, caught in (
+        (wc.WRITER_TABLE, False),
+        (replace(wc.WRITER_TABLE, {(S.COMPUTING_PLANNED, E.ABORT): move}), True),
+    ):
+        walk = writer_walk(table)()
+        walk.plan()
+        walk.prompt()
+        walk.kv_part()
+        assert walk.book.state is S.COMPUTING_PLANNED and walk.book.in_flight == 1
+        walk.abort()
+        if not caught:
+            assert walk.book.state is S.DRAINING
+            walk.i4_writer_side()
+            continue
+        with pytest.raises(AssertionError, match=r"in flight|before a flush"):
+            walk.i4_writer_side()
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["part-proves-nothing", "broken-part-flush"])
+def test_the_walk_catches_a_notice_part_counted_as_a_flush(counted, monkeypatch):
+    """A NOTICE_PART arrives while its writer still writes the rest; the abort that
+    follows must quarantine. Broken mode: an owner that takes a part as the writer's
+    flush (as a notice chunk is) frees the pages under the rest of the writes."""
+    if counted:
+
+        def part_as_notice(book, writer):
+            book.noticed.add(writer)
+            return oc.OwnerEvent.FLUSH
+
+        monkeypatch.setattr(oc, "on_part", part_as_notice)
+    walk = owner_walk(oc.OWNER_TABLE)()
+    walk.assign(writers=1, pages=2)
+    walk.feed(oc.on_part(walk.book, 0))
+    walk.abort(told=True)
+    if not counted:
+        assert walk.book.state is OwnerState.QUARANTINED
+        walk.i4_no_release_while_a_write_may_land()
+        return
+    with pytest.raises(AssertionError, match="still able to write"):
+        walk.i4_no_release_while_a_write_may_land()
 
 
 def test_both_tables_render_for_a_reader():

@@ -1,0 +1,246 @@
+"""The pipelined long-prompt path against recording runtimes, no processes: a writer posts
+the pages its prefill made final while it computes the rest and sends a NOTICE_PART for
+each part that landed; the owner checks a part when it arrives, takes no part as the
+writer's flush, and checks with the whole notice only the pages no part checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_protocol_units import RecordingRuntime, _owner
+
+from kvferry.cluster import decode_path
+from kvferry.cluster import messages as m
+from kvferry.cluster.decode import OwnerState
+from kvferry.cluster.prefill import PrefillRank
+from kvferry.engine.integrity import page_checksums
+from kvferry.engine.models import ReplayConfig, ReplayModel
+from kvferry.engine.pool import KVPool
+from kvferry.engine.protocol import owner as oc
+from kvferry.engine.protocol import writer as wc
+from kvferry.engine.protocol.table import Move, replace
+from kvferry.engine.protocol.writer import WriterDo, WriterEvent, WriterState
+
+CHUNK = 32  # tokens of a layer per prefill step: a 100-token prompt makes 4 steps
+PAGE = 16
+PROMPT = 100  # 7 pages: parts of 2 pages after each of the first three steps
+PLANNED = list(range(20, 27))
+
+
+class HoldingRuntime(RecordingRuntime):
+    """Batches stay in flight until the test settles them."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank)
+        self.in_flight: list = []
+
+    def watch(self, batch, callback, rid=None) -> None:
+        if getattr(batch, "is_write", False):
+            self.in_flight.append((batch, callback))
+        else:
+            callback(batch)
+
+    def write(self, rank, local, pages, rid=None, incarnation=None):
+        batch = super().write(rank, local, pages, rid, incarnation)
+        held = type("HeldBatch", (), {"is_write": True, "status": batch.status, "error": None})
+        return held()
+
+    def settle_all(self) -> None:
+        while self.in_flight:
+            batch, callback = self.in_flight.pop(0)
+            callback(batch)
+
+
+def _writer(rt: RecordingRuntime, table=None) -> tuple[PrefillRank, ReplayModel]:
+    model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
+    model.prefill_chunk_tokens = CHUNK
+    writer = PrefillRank.serving(
+        rt,
+        model,
+        KVPool(model.pool_config(PAGE, 64)),
+        segment=None,
+        head_range=(0, 2),
+        router=0,
+        prefill_slice_s=0.0,  # back to the loop after every step
+    )
+    if table is not None:
+        writer.driver.table = table
+    return writer, model
+
+
+def _plan_then_prompt(rt: RecordingRuntime, rid: str) -> None:
+    rt.deliver(
+        m.PLAN, src=2, rid=rid, offset=0, total=len(PLANNED), pages=PLANNED, generations=[1] * 7
+    )
+    rt.deliver(
+        m.PREFILL,
+        src=0,
+        rid=rid,
+        tokens=np.arange(PROMPT, dtype="<i4").tobytes(),
+        offset=0,
+        total=PROMPT,
+        owner=2,
+        owner_inc=1,
+    )
+
+
+def _pump(rt: RecordingRuntime, times: int = 20) -> None:
+    for _ in range(times):
+        rt.pump()
+
+
+def test_a_planned_writer_posts_parts_while_it_computes_and_notices_them():
+    """Parts of the final pages go while the rest is computed, each followed by its
+    NOTICE_PART; every page is written once, in order; the whole NOTICE follows the last
+    write and carries the same checksums as the parts did."""
+    rt = RecordingRuntime(rank=1)
+    writer, _ = _writer(rt)
+    _plan_then_prompt(rt, "p1")
+    _pump(rt)
+    kinds = [k for k in rt.kinds() if k in ("NOTICE_PART", "NOTICE")]
+    assert kinds == ["NOTICE_PART"] * 3 + ["NOTICE"]
+    parts = [f for _, k, f in rt.sent if k == "NOTICE_PART"]
+    assert [(f["offset"], f["pages"]) for f in parts] == [
+        (0, PLANNED[0:2]),
+        (2, PLANNED[2:4]),
+        (4, PLANNED[4:6]),
+    ]
+    written = np.concatenate([rows[:, 1] for _, rows in rt.writes])
+    page_bytes = writer.pool.page_bytes
+    assert (written // page_bytes).tolist() == PLANNED  # each page once, in order
+    notice = next(f for _, k, f in rt.sent if k == "NOTICE")
+    assert notice["total"] == 7 and notice["pages"] == PLANNED
+    assert notice["bytes"] == 7 * page_bytes
+    src = writer.allocator.pages_of("p1") if writer.allocator.pages_of("p1") else None
+    assert src is None  # freed once the notice flushed
+    assert [c for f in parts for c in f["checksums"]] == notice["checksums"][:6]
+
+
+def test_a_writer_planned_after_its_prefill_writes_at_once_without_parts():
+    rt = RecordingRuntime(rank=1)
+    _writer(rt)
+    rt.deliver(
+        m.PREFILL,
+        src=0,
+        rid="p2",
+        tokens=np.arange(PROMPT, dtype="<i4").tobytes(),
+        offset=0,
+        total=PROMPT,
+        owner=2,
+        owner_inc=1,
+    )
+    _pump(rt)
+    rt.deliver(
+        m.PLAN, src=2, rid="p2", offset=0, total=len(PLANNED), pages=PLANNED, generations=[1] * 7
+    )
+    _pump(rt)
+    assert "NOTICE_PART" not in rt.kinds() and "NOTICE" in rt.kinds()
+
+
+def test_part_checksums_are_the_source_pages_checksums():
+    rt = RecordingRuntime(rank=1)
+    _, model = _writer(rt)
+    _plan_then_prompt(rt, "p3")
+    _pump(rt)
+    notice = next(f for _, k, f in rt.sent if k == "NOTICE")
+    # the same prompt computed again into fresh pages gives the same bytes (the full
+    # pages: the last one's slots past the prompt hold whatever its pool held)
+    pool = KVPool(model.pool_config(PAGE, 8))
+    model.prefill(pool.kv, np.arange(PROMPT), list(range(7)))
+    assert notice["checksums"][:6] == page_checksums(pool.kv, list(range(6))).tolist()
+
+
+@pytest.mark.parametrize("drains", [True, False], ids=["drains", "broken-acks-in-flight"])
+def test_an_abort_mid_pipeline_waits_for_the_part_in_flight(drains):
+    """The ABORT arrives while a part's batch is in flight and the rest is not computed:
+    nothing more is computed or posted, and the ack goes only once that batch settled
+    (its flush follows). Broken mode: a table that acks there at once, as a writer with
+    nothing posted may; the ack overtakes a write that can still land."""
+    S, E, D = WriterState, WriterEvent, WriterDo
+    table = None
+    if not drains:
+        broken = Move(S.ACKING, (D.STOP_POSTING, D.TOMBSTONE, D.SEND_ACK))
+        table = replace(wc.WRITER_TABLE, {(S.COMPUTING_PLANNED, E.ABORT): broken})
+    rt = HoldingRuntime(rank=1)
+    writer, _ = _writer(rt, table)
+    _plan_then_prompt(rt, "p4")  # the first step ran: its part is posted
+    assert len(rt.in_flight) == 1 and writer.jobs["p4"].state is S.COMPUTING_PLANNED
+    rt.deliver(m.ABORT, src=0, rid="p4", owner=2, writers=[1], source="client", reason="gone")
+    if not drains:
+        assert "ABORT_ACK" in rt.kinds() and rt.in_flight  # the test catches the early ack
+        return
+    _pump(rt)
+    assert "ABORT_ACK" not in rt.kinds() and len(rt.writes) == 1  # nothing more posted
+    rt.settle_all()
+    _pump(rt)
+    assert rt.kinds()[-2:] == ["ABORT_ACK", "RELEASED"]
+    assert "NOTICE" not in rt.kinds()
+    assert writer.allocator.counts()["owned"] == 0
+
+
+# ---------------------------------------------------------------- the owner
+def _assign(owner, rt, rid: str) -> tuple[list[int], list[int]]:
+    rt.deliver(m.ASSIGN, src=0, rid=rid, prompt_len=40, max_tokens=8, writers=[1], last_token=7)
+    plan = next(f for _, k, f in rt.sent if k == "PLAN")
+    return plan["pages"][:3], plan["generations"][:3]
+
+
+def _part(owner, pages, gens, lo, hi, corrupt=False):
+    sums = page_checksums(owner.pool.kv, pages[lo:hi]).tolist()
+    if corrupt:
+        sums[0] ^= 1
+    return dict(offset=lo, pages=pages[lo:hi], generations=gens[lo:hi], checksums=sums)
+
+
+def test_the_owner_checks_a_part_on_arrival_and_only_the_rest_with_the_notice(monkeypatch):
+    checked: list[list[int]] = []
+    real = decode_path.page_checksums
+
+    def spy(view, pages):
+        checked.append(list(pages))
+        return real(view, pages)
+
+    monkeypatch.setattr(decode_path, "page_checksums", spy)
+    owner, rt = _owner()
+    pages, gens = _assign(owner, rt, "o1")
+    rt.deliver(m.NOTICE_PART, src=1, rid="o1", **_part(owner, pages, gens, 0, 2))
+    rt.pump()
+    assert checked == [pages[:2]] and owner.reqs["o1"].state is OwnerState.AWAITING
+    whole = _part(owner, pages, gens, 0, 3)
+    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
+    rt.deliver(m.NOTICE, src=1, rid="o1", tokens=40, total=3, bytes=3 * slice_bytes, **whole)
+    rt.pump()
+    assert checked == [pages[:2], pages[2:3]]
+    assert owner.reqs["o1"].state is OwnerState.DECODING
+
+
+@pytest.mark.parametrize("quarantines", [True, False], ids=["quarantines", "broken-frees"])
+def test_a_corrupt_part_fails_the_request_but_keeps_its_pages_from_the_writer(
+    quarantines, monkeypatch
+):
+    """A part whose bytes are not what its writer checksummed: the request fails at once
+    (no token), but the writer may still be writing the rest, so the pages are
+    quarantined until it acks. Broken mode: an owner that frees them at the failed check,
+    under the writes still coming."""
+    if not quarantines:
+        S, E, D = oc.OwnerState, oc.OwnerEvent, oc.OwnerDo
+        broken = Move(S.CLOSED, (D.COUNT_INTEGRITY, D.REPORT_FAILED, D.TOMBSTONE, D.FREE))
+        monkeypatch.setattr(
+            oc, "OWNER_TABLE", replace(oc.OWNER_TABLE, {(S.AWAITING, E.CORRUPT): broken})
+        )
+    owner, rt = _owner()
+    if not quarantines:
+        owner.driver.table = oc.OWNER_TABLE
+    pages, gens = _assign(owner, rt, "o2")
+    rt.sent.clear()
+    rt.deliver(m.NOTICE_PART, src=1, rid="o2", **_part(owner, pages, gens, 0, 2, corrupt=True))
+    rt.pump()
+    done = [f for _, k, f in rt.sent if k == "DONE"]
+    assert len(done) == 1 and "checksum mismatch" in done[0]["error"]
+    if not quarantines:
+        assert owner.allocator.counts()["quarantined"] == 0  # the test catches the free
+        return
+    assert owner.reqs["o2"].state is OwnerState.QUARANTINED
+    assert owner.allocator.counts()["quarantined"] == 3
+    rt.deliver(m.ABORT_ACK, src=1, rid="o2")
+    assert [f["how"] for _, k, f in rt.sent if k == "RELEASED"] == ["acked"]

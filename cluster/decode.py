@@ -144,6 +144,12 @@ class OwnedRequest:
         return np.asarray(self.pages, dtype=np.int32)
 
     @functools.cached_property
+    def planned_rows(self) -> tuple[list[int], list[int]]:
+        """Its pages and their generations, in page-table order, built once (a million-
+        token prompt's plan is 65,000 pages: the checks of each part read these)."""
+        return [g.page for g in self.grants], [g.generation for g in self.grants]
+
+    @functools.cached_property
     def generation_row(self) -> torch.Tensor:
         """The generation of each of its pages, in page-table order (int64), built once."""
         return torch.tensor([g.generation for g in self.grants], dtype=torch.int64)

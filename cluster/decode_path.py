@@ -23,7 +23,6 @@ from kvferry.engine.admission import pages_needed
 from kvferry.engine.integrity import (
     CanaryTable,
     IntegrityError,
-    expected_canaries,
     page_checksums,
 )
 from kvferry.engine.kernels.ownership import (
@@ -41,6 +40,7 @@ from kvferry.engine.verify import (
     check_notice,
     check_part,
     checksum_steps,
+    expected_canary_rows,
 )
 
 from . import messages as m
@@ -152,7 +152,8 @@ class DecodePath(ReadPath):
 
     def stamp(self, req: OwnedRequest) -> None:
         self.rt.faults.raise_at("owner-assign", f"prompt_len={req.prompt_len}")
-        self.canaries.stamp(req.pages, expected_canaries(req.rid, req.grants))
+        pages, generations = req.planned_rows
+        self.canaries.load(pages, expected_canary_rows(req.rid, generations))
 
     def verify(self, req: OwnedRequest) -> None:
         """Verify (I5) in slices (a long prompt's checksums take seconds; see .sliced),
@@ -207,16 +208,12 @@ class DecodePath(ReadPath):
         """What ``writer`` must write for ``req`` (the prompt's pages, for its heads), and
         the pool as those heads."""
         need = pages_needed(req.prompt_len, 0, self.pool.page_size)
-        mine = req.grants[:need]
+        pages, generations = req.planned_rows
         lo, hi = head_range(req.writers.index(writer), len(req.writers), self.pool.kv_heads)
         view = self.pool.kv[:, :, :, lo:hi]
         slice_bytes = view[0].numel() * view.element_size()
         planned = Planned(
-            req.rid,
-            req.prompt_len,
-            [g.page for g in mine],
-            [g.generation for g in mine],
-            need * slice_bytes,
+            req.rid, req.prompt_len, pages[:need], generations[:need], need * slice_bytes
         )
         return planned, view
 

@@ -145,7 +145,7 @@ class WritePath:
     def _on_written(self, job: WriteJob, batch: Any) -> None:
         ok = batch.status() is BatchStatus.COMPLETED
         event = core.on_settled(job.book, ok, job.queued())
-        if not ok and job.state is WriterState.WRITING:
+        if not ok and job.state in (WriterState.WRITING, WriterState.COMPUTING_PLANNED):
             job.abort_source = AbortSource.TRANSFER
             job.abort_reason = f"write to rank {job.owner} failed: {batch.error}"
         self.driver.feed(job, event)

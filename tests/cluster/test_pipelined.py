@@ -178,6 +178,25 @@ def test_an_abort_mid_pipeline_waits_for_the_part_in_flight(drains):
     assert writer.allocator.counts()["owned"] == 0
 
 
+def test_a_part_that_fails_to_land_fails_the_request_with_its_reason():
+    """A part's batch fails while the rest is computed: the writer stops computing and
+    posting, tells the router and the owner why, and acks once nothing is in flight."""
+    from kvferry.transfer import BatchStatus
+
+    rt = HoldingRuntime(rank=1)
+    writer, _ = _writer(rt)
+    _plan_then_prompt(rt, "p5")
+    assert len(rt.in_flight) == 1
+    failed = type("Failed", (), {"status": lambda self: BatchStatus.FAILED, "error": "reset"})
+    rt.in_flight[0] = (failed(), rt.in_flight[0][1])
+    rt.settle_all()
+    _pump(rt)
+    aborts = [(to, f["reason"]) for to, k, f in rt.sent if k == "ABORT"]
+    assert aborts and all("write to rank 2 failed: reset" in why for _, why in aborts)
+    assert "ABORT_ACK" in rt.kinds() and "NOTICE" not in rt.kinds()
+    assert len(rt.writes) == 1 and writer.allocator.counts()["owned"] == 0
+
+
 # ---------------------------------------------------------------- the owner
 def _assign(owner, rt, rid: str) -> tuple[list[int], list[int]]:
     rt.deliver(m.ASSIGN, src=0, rid=rid, prompt_len=40, max_tokens=8, writers=[1], last_token=7)

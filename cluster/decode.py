@@ -139,20 +139,20 @@ class OwnedRequest:
         return [g.page for g in self.grants]
 
     @functools.cached_property
-    def page_row(self) -> np.ndarray:
-        """The request's page table row (int32), built once."""
-        return np.asarray(self.pages, dtype=np.int32)
-
-    @functools.cached_property
     def planned_rows(self) -> tuple[list[int], list[int]]:
         """Its pages and their generations, in page-table order, built once (a million-
         token prompt's plan is 65,000 pages: the checks of each part read these)."""
         return [g.page for g in self.grants], [g.generation for g in self.grants]
 
     @functools.cached_property
+    def page_row(self) -> np.ndarray:
+        """The request's page table row (int32), built once."""
+        return np.asarray(self.planned_rows[0], dtype=np.int32)
+
+    @functools.cached_property
     def generation_row(self) -> torch.Tensor:
         """The generation of each of its pages, in page-table order (int64), built once."""
-        return torch.tensor([g.generation for g in self.grants], dtype=torch.int64)
+        return torch.tensor(self.planned_rows[1], dtype=torch.int64)
 
     @functools.cached_property
     def rid_hash(self) -> int:

@@ -263,3 +263,53 @@ def test_a_corrupt_part_fails_the_request_but_keeps_its_pages_from_the_writer(
     assert owner.allocator.counts()["quarantined"] == 3
     rt.deliver(m.ABORT_ACK, src=1, rid="o2")
     assert [f["how"] for _, k, f in rt.sent if k == "RELEASED"] == ["acked"]
+
+
+@pytest.mark.parametrize("compared", [True, False], ids=["compared", "broken-trusted"])
+def test_a_notice_that_disagrees_with_its_part_fails_the_request(compared, monkeypatch):
+    """The whole notice must repeat the checksums a part was checked against: the pages a
+    part checked are skipped then, so a notice that names other checksums for them (its
+    writer wrote them again, or the notice is not the part's) fails the request. Broken
+    mode: an owner that skips the part's pages without comparing decodes from them."""
+    if not compared:
+
+        def cut_only(req, writer, notice, planned, mask, sums):
+            rest = np.flatnonzero(~mask)
+            pages = np.asarray(notice.pages)[rest].tolist()
+            gens = np.asarray(notice.generations)[rest].tolist()
+            sums_left = np.asarray(notice.checksums)[rest].tolist()
+            cut = decode_path.VerifyNotice(
+                writer, notice.tokens, pages, gens, sums_left, notice.bytes
+            )
+            return cut, decode_path.Planned(planned.rid, planned.tokens, pages, gens, planned.bytes)
+
+        monkeypatch.setattr(decode_path.DecodePath, "_unchecked", staticmethod(cut_only))
+    owner, rt = _owner()
+    pages, gens = _assign(owner, rt, "o3")
+    rt.deliver(m.NOTICE_PART, src=1, rid="o3", **_part(owner, pages, gens, 0, 2))
+    rt.pump()
+    whole = _part(owner, pages, gens, 0, 3)
+    whole["checksums"][0] ^= 1  # not what the part said
+    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
+    rt.deliver(m.NOTICE, src=1, rid="o3", tokens=40, total=3, bytes=3 * slice_bytes, **whole)
+    rt.pump()
+    if not compared:
+        assert owner.reqs["o3"].state is OwnerState.DECODING  # the test catches the skip
+        return
+    done = [f for _, k, f in rt.sent if k == "DONE"]
+    assert len(done) == 1 and "other checksums than its parts" in done[0]["error"]
+    assert "o3" not in owner.reqs
+
+
+def test_a_part_that_names_pages_outside_its_plan_fails_the_request():
+    """A part naming a page of another place in the plan (or another allocation) fails
+    the request with the pages in the error, its pages quarantined (the writer writes on)."""
+    owner, rt = _owner()
+    pages, gens = _assign(owner, rt, "o4")
+    part = _part(owner, pages, gens, 0, 2)
+    part["offset"] = 1  # pages 0-1 claimed at index 1
+    rt.deliver(m.NOTICE_PART, src=1, rid="o4", **part)
+    rt.pump()
+    done = [f for _, k, f in rt.sent if k == "DONE"]
+    assert len(done) == 1 and "notice part names 2 pages from index 1" in done[0]["error"]
+    assert owner.reqs["o4"].state is OwnerState.QUARANTINED

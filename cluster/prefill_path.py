@@ -306,7 +306,6 @@ class PrefillPath(WritePath):
                 if layer + 1 >= self.model.layers:
                     break
         job.prefill_ms = 1e3 * computing
-        job.final_pages = len(job.src_pages)
         if not self.integrity:
             return
         view = self._view()

@@ -585,10 +585,21 @@ class DecodeRank(RankBooks):
         now = self.clock.now()  # the router times aborts on this clock too (one host)
         released_ns = int(now * 1e9)
         self.tombstones[req.rid] = now
-        abort_ms = None
         why = req.book.justification()
-        if req.abort_started:
-            abort_ms = 1e3 * (now - req.abort_started)
+        abort_ms = 1e3 * (now - req.abort_started) if req.abort_started else None
+        # The router hears first: a log line costs more than the message, and the pages
+        # are free for its next request from this moment.
+        self.rt.send(
+            self.router,
+            m.RELEASED,
+            rid=req.rid,
+            pages=len(pages),
+            how=how,
+            justification=why,
+            abort_ms=abort_ms,
+            released_ns=released_ns,
+        )
+        if abort_ms is not None:
             log.info(
                 "request %s: %d pages released (%s; proof: %s) %.1f ms after the abort (%s)",
                 req.rid,
@@ -601,16 +612,6 @@ class DecodeRank(RankBooks):
         else:
             log.info("request %s: %d pages freed (%s; proof: %s)", req.rid, len(pages), how, why)
         self.on_release(req, len(pages), how, abort_ms)
-        self.rt.send(
-            self.router,
-            m.RELEASED,
-            rid=req.rid,
-            pages=len(pages),
-            how=how,
-            justification=why,
-            abort_ms=abort_ms,
-            released_ns=released_ns,
-        )
 
     def done(self, req: OwnedRequest, outcome: Outcome) -> None:
         finished = outcome is Outcome.FINISHED

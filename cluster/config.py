@@ -21,6 +21,7 @@ class ServeConfig:
     pool_tokens: int = 65536  # per rank, before measuring what was really allocated
     context_length: int = 32768
     lower_context_length: bool = False  # operator accepts a context shorter than declared
+    prefill_chunk_tokens: int | None = None  # replay model: tokens a prefill step writes
     # protocol
     tp: int = 1
     prefill: int | None = None
@@ -117,6 +118,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=d.context_length,
         help="longest prompt + output served, 1 or more (default %(default)s)",
+    )
+    m.add_argument(
+        "--prefill-chunk-tokens",
+        type=positive_int,
+        default=d.prefill_chunk_tokens,
+        metavar="N",
+        help="replay model: tokens a prefill step writes; a prompt longer than this sends "
+        "its KV in parts as they become final, each checked by the owner when it lands "
+        "(default: the model's, 65536; the llama model writes a layer whole and refuses it)",
     )
     m.add_argument(
         "--lower-context-length",

@@ -13,6 +13,11 @@ Each hook is one ``--fault`` string; a rank applies the hooks that name its role
                               request's prompt, claiming the whole prompt's length
     decode-delay:SECONDS      a decode rank sleeps this long in every decode step (a slow
                               decoder, so that a late write can land while it still reads)
+    plan-first:MARKER         a writer computes no KV of a request whose prompt contains
+                              MARKER before the owner's plan is in, so a prompt longer than
+                              a prefill chunk always goes in parts (the plan races the
+                              prefill otherwise: a short prompt computed before its plan
+                              arrives goes whole)
     swallow-errors            BROKEN MODE, to show the failure tests can fail: an exception
                               while a request is live is logged and dropped (the request
                               is not ended), and the router does not undo a dispatch that
@@ -24,7 +29,11 @@ Each hook is one ``--fault`` string; a rank applies the hooks that name its role
                               nothing posted), mid-transfer (first half of the pages posted,
                               the second half in flight: it lands after SECONDS, or right
                               after the writer's next write to the same owner, and a flush
-                              waits for it, as a posted one-sided write would), after-write
+                              waits for it, as a posted one-sided write would),
+                              mid-pipeline (a prompt longer than a prefill chunk, going in
+                              parts: its first part posted, half of it in flight as at
+                              mid-transfer, the rest of the prompt still computing),
+                              after-write
                               (every page flushed, notice not sent), after-notice.
                               ACTION: pause (hold there for SECONDS or until an abort),
                               fail-prefill, fail-transfer, kill (SIGKILL itself),
@@ -120,10 +129,10 @@ GO = PointDecision(Decision.GO)
 
 
 class HeldWrite:
-    """An injected in-flight write (``at:mid-transfer``): posted as far as the writer knows,
-    landed later (after its seconds, or right after the writer's next write to the same
-    owner). It settles, like a batch, only once it has landed, so a flush waits for it,
-    as a posted one-sided write would.
+    """An injected in-flight write (``at:mid-transfer``, ``at:mid-pipeline``): posted as
+    far as the writer knows, landed later (after its seconds, or right after the writer's
+    next write to the same owner). It settles, like a batch, only once it has landed, so
+    a flush waits for it, as a posted one-sided write would.
 
     It is bound like a real post: to the owner's incarnation whose pages it was posted
     into, with the endpoint and remote segment of that moment. It lands through them;
@@ -255,10 +264,23 @@ class FaultHooks:
     def pages_to_write(self, rid: str, tokens: np.ndarray, pages: int) -> int:
         return pages
 
+    def plan_first(self, rid: str, tokens: np.ndarray) -> bool:
+        """The prefill of ``rid`` waits for the owner's plan (see ``plan-first``)."""
+        return False
+
     def hold_in_flight(
-        self, rt: Any, rid: str, tokens: np.ndarray, owner: int, segment: Any, triples: np.ndarray
+        self,
+        rt: Any,
+        rid: str,
+        tokens: np.ndarray,
+        owner: int,
+        segment: Any,
+        triples: np.ndarray,
+        point: str,
     ) -> tuple[np.ndarray, HeldWrite | None]:
-        """``(post now, held)``: with no fault, everything is posted now."""
+        """``(post now, held)`` of a write posted at ``point`` (``mid-transfer``: the
+        whole prompt's; ``mid-pipeline``: a long prompt's first part): with no fault,
+        everything is posted now."""
         return triples, None
 
     def wrote(self, rt: Any, owner: int, rid: str) -> None:
@@ -277,6 +299,7 @@ class FaultPlan(FaultHooks):
     reorder: set[str] = field(default_factory=set)
     corrupt_marker: str | None = None
     short_marker: str | None = None
+    plan_first_marker: str | None = None
     points: dict[str, list[tuple[str, str, float]]] = field(default_factory=dict)
     decode_delay_s: float = 0.0
     swallow_errors: bool = False
@@ -321,6 +344,8 @@ class FaultPlan(FaultHooks):
                     plan.reorder.add(parts[1])
                 elif what == "corrupt-page":
                     plan.corrupt_marker = parts[1]
+                elif what == "plan-first":
+                    plan.plan_first_marker = parts[1]
                 elif what == "short-write":
                     plan.short_marker = parts[1]
                 elif what == "decode-delay":
@@ -356,6 +381,7 @@ class FaultPlan(FaultHooks):
             or self.reorder
             or self.corrupt_marker
             or self.short_marker
+            or self.plan_first_marker
             or self.points
             or self.decode_delay_s
             or self.swallow_errors
@@ -464,10 +490,24 @@ class FaultPlan(FaultHooks):
         log.warning("fault: request %s: writing 1 of its %d prompt pages", rid, pages)
         return 1
 
+    def plan_first(self, rid: str, tokens: np.ndarray) -> bool:
+        marker = self.plan_first_marker
+        return marker is not None and marker in self._text(rid, tokens)
+
     def hold_in_flight(
-        self, rt: Any, rid: str, tokens: np.ndarray, owner: int, segment: Any, triples: np.ndarray
+        self,
+        rt: Any,
+        rid: str,
+        tokens: np.ndarray,
+        owner: int,
+        segment: Any,
+        triples: np.ndarray,
+        point: str,
     ) -> tuple[np.ndarray, HeldWrite | None]:
-        mid = self.at("mid-transfer", self._text(rid, tokens)) if self.points else None
+        """Any action injected at ``point`` holds the second half of the write in flight:
+        it lands after the action's seconds, or right after the writer's next write of
+        another request to the same owner (see :meth:`wrote`)."""
+        mid = self.at(point, self._text(rid, tokens)) if self.points else None
         if mid is None or len(triples) < 2:
             return triples, None
         half = len(triples) // 2

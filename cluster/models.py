@@ -12,7 +12,7 @@ def build_model(cfg: ServeConfig) -> PagedModel:
     """The same weights on every rank: the replay model is hand-built, the Llama-style
     model is seeded, so prefill and decode ranks compute consistent KV."""
     if cfg.model == "replay":
-        return ReplayModel(
+        replay = ReplayModel(
             ReplayConfig(
                 layers=cfg.layers,
                 kv_heads=cfg.kv_heads,
@@ -20,6 +20,14 @@ def build_model(cfg: ServeConfig) -> PagedModel:
                 head_dim=cfg.head_dim,
                 max_positions=max(2, cfg.context_length),
             )
+        )
+        if cfg.prefill_chunk_tokens is not None:
+            replay.prefill_chunk_tokens = cfg.prefill_chunk_tokens
+        return replay
+    if cfg.prefill_chunk_tokens is not None:
+        raise ValueError(
+            f"--prefill-chunk-tokens {cfg.prefill_chunk_tokens}: the llama model writes each "
+            "layer's KV whole, so its prompts go in one part; leave the option out"
         )
     return LlamaModel(
         LlamaConfig(

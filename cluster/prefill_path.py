@@ -283,6 +283,11 @@ class PrefillPath(WritePath):
             head_range=self.heads,
         )
         final = _FinalPages(self.model, len(job.tokens), self.pool.page_size)
+        if self.rt.faults.enabled and self.rt.faults.plan_first(job.rid, job.tokens):
+            while job.state is WriterState.COMPUTING:  # until the plan is in (or the end)
+                yield
+            if job.state not in COMPUTING:
+                return
         computing = 0.0  # the model's time alone, not the parts posted between its steps
         while True:
             t0 = self.clock.now()
@@ -358,7 +363,7 @@ class PrefillPath(WritePath):
             job.queue = triples
             return
         job.queue, held = faults.hold_in_flight(
-            self.rt, job.rid, job.tokens, job.owner, self.segment, triples
+            self.rt, job.rid, job.tokens, job.owner, self.segment, triples, "mid-transfer"
         )
         if held is not None:
             core.on_posted(job.book)
@@ -393,10 +398,22 @@ class PrefillPath(WritePath):
         if self.integrity:
             assert len(job.checksums) == lo
             job.checksums.extend(page_checksums(self._view(), job.src_pages[lo:hi]).tolist())
+        faults = self.rt.faults
+        if faults.enabled and lo == 0:  # corrupt-page: the first part carries the damage
+            faults.tamper_source(job.rid, job.tokens, self.pool, job.src_pages[lo:hi], self.heads)
         triples = self._triples(job, lo, hi)
         job.posted_bytes += int(triples[:, 2].sum())
         job.posted_pages, job.part, job.queue = hi, (lo, hi), triples
-        if self._post_next(job) and self.rt.faults.enabled and lo == 0:
+        mid_pipeline = faults.enabled and lo == 0  # the first part, half of it in flight
+        held = None
+        if mid_pipeline:
+            job.queue, held = faults.hold_in_flight(
+                self.rt, job.rid, job.tokens, job.owner, self.segment, triples, "mid-pipeline"
+            )
+            if held is not None:
+                core.on_posted(job.book)
+                self.rt.watch(held, lambda b: self._on_written(job, b), rid=job.rid)
+        if self._post_next(job) and mid_pipeline:
             self.at_point(job, "mid-pipeline", lambda j: None)
 
     def send_part(self, job: WriteJob) -> None:

@@ -8,8 +8,9 @@ a write of A that lands late would then show up as A's marker in B's answer.
 
 Each scenario asserts: no answer holds another request's marker; every request is
 answered (text or error) within its deadline; no page is held on any rank after quiesce;
-and the cluster's counters moved as expected. In unsafe mode every mid-transfer scenario
-must leak, which shows the suite can fail: pages freed at abort (``--unsafe-free-on-abort``)
+and the cluster's counters moved as expected. In unsafe mode every scenario with a write
+in flight (mid-transfer, mid-pipeline; not a crashed writer's, nor a corrupted part) must
+leak, which shows the suite can fail: pages freed at abort (``--unsafe-free-on-abort``)
 for the abort sources, and released at the deadline once the writer is severed, without
 proof (``--unsafe-release-on-sever``), for the stalled and the partitioned writer.
 
@@ -42,6 +43,11 @@ Matrix (source x point; cells that cannot happen are not run):
     stall       mid-transfer (the writer is SIGSTOPped past the abort deadline, then resumes
                 and its in-flight write lands: the owner severed it at the deadline, but
                 releases only on its late ack or its death)
+    pipelined   client, prefill, integrity, stall, crash and owner-crash @mid-pipeline:
+                the same faults while a prompt goes in parts (``--prefill-chunk-tokens``
+                PIPELINE_CHUNK): its first part posted, half of it in flight, the rest
+                of the prompt still computing (integrity: the first part corrupted
+                after its checksums, caught by the owner's check of that part)
     partition   mid-transfer (two nodes, tcp: the link to the owner's node goes down with the
                 writer's second half in flight; the owner severs the writer at the deadline
                 but, unable to prove a remote writer stopped, keeps the pages quarantined
@@ -103,6 +109,17 @@ PARTITION_STEP_S = 0.02  # the partition group decodes slowly: the victim still 
 # prompt pages when A's half lands
 
 POINTS = ("before-write", "mid-transfer", "after-write", "after-notice")
+IN_FLIGHT_POINTS = ("mid-transfer", "mid-pipeline")
+# The pipeline groups' prefill chunk: A's prompt of PROMPT tokens goes in parts of at
+# least this many tokens, each checked by the owner when it lands; half of the first is
+# held in flight.
+PIPELINE_CHUNK = 64
+PLAN_FIRST = ("--fault", "plan-first:.mid-pipeline~")  # every pipeline row's A goes in parts
+# The stalled pipeline: A's late half (tokens 32-63) lands about when the stall row's late
+# half (tokens 160-319) does; the victim reads those tokens as late as there at 5 x the
+# step time, and takes 16 s to answer.
+PIPELINE_STALL_STEP_S = 5 * STALL_STEP_S
+PIPELINE_STALL_REQUEST_TIMEOUT = 30.0
 CRASH_POINTS = ("prefill", "before-write", "mid-transfer", "after-write", "after-notice")
 CRASH_SOURCES = ("crash", "owner-crash", "rejoin", "router-crash")
 # The router is the front door: while it is down no request can be answered, so its row
@@ -134,8 +151,9 @@ class Scenario:
         return f"~{self.source}.{self.point}~"
 
     @property
-    def mid_transfer(self) -> bool:
-        return self.point == "mid-transfer"
+    def in_flight(self) -> bool:
+        """A write of A's is in flight at the fault (the whole prompt's, or a part's)."""
+        return self.point in IN_FLIGHT_POINTS
 
 
 def scenarios() -> list[Scenario]:
@@ -209,6 +227,62 @@ def scenarios() -> list[Scenario]:
     ):
         faults = (f"at:mid-transfer:pause:{tag(source, point)}:{HOLD_S}",) if cancel else ()
         out.append(Scenario(source, point, faults, cancel, group=f"{source}-{point}"))
+    # the pipelined path: A's prompt goes in parts; the fault strikes with its first part
+    # posted (half of it in flight) and the rest still computing
+    t = tag("client", "mid-pipeline")
+    out.append(
+        Scenario(
+            "client",
+            "mid-pipeline",
+            (f"at:mid-pipeline:pause:{t}:{HOLD_S}",),
+            CLIENT_CANCEL_S,
+            group="pipeline",
+        )
+    )
+    t = tag("prefill", "mid-pipeline")
+    out.append(
+        Scenario(
+            "prefill",
+            "mid-pipeline",
+            (f"at:mid-pipeline:fail-prefill:{t}:{HOLD_S}",),
+            group="pipeline",
+        )
+    )
+    out.append(
+        Scenario(
+            "integrity",
+            "mid-pipeline",
+            (f"corrupt-page:{tag('integrity', 'mid-pipeline')}",),
+            group="pipeline",
+        )
+    )
+    out.append(
+        Scenario(
+            "stall",
+            "mid-pipeline",
+            (
+                f"at:mid-pipeline:stop:{tag('stall', 'mid-pipeline')}:"
+                f"{TRANSFER_TIMEOUT + ABORT_DEADLINE + 1}",
+            ),
+            group="pipeline-stall",
+        )
+    )
+    out.append(
+        Scenario(
+            "crash",
+            "mid-pipeline",
+            (f"at:mid-pipeline:kill:{tag('crash', 'mid-pipeline')}",),
+            group="pipeline-domains",
+        )
+    )
+    out.append(
+        Scenario(
+            "owner-crash",
+            "mid-pipeline",
+            (f"at:mid-pipeline:pause:{tag('owner-crash', 'mid-pipeline')}:{HOLD_S}",),
+            group="pipeline-domains",
+        )
+    )
     # failure domains: a rank dies, the rest serves, it comes back
     for point in CRASH_POINTS:
         out.append(
@@ -305,6 +379,39 @@ GROUPS = (
         6,
         ("--prefill", "4", "--tp", "2", "--fault", f"decode-delay:{STALL_STEP_S}"),
         "--unsafe-release-on-sever",
+    ),
+    # the pipelined path (see PIPELINE_CHUNK): an abort and a failure, a corrupted part,
+    # a stalled writer, and (as failure domains) a killed writer and a killed owner
+    Group("pipeline", 3, ("--prefill-chunk-tokens", str(PIPELINE_CHUNK), *PLAN_FIRST)),
+    Group(
+        "pipeline-stall",
+        4,
+        (
+            "--prefill",
+            "2",
+            "--prefill-chunk-tokens",
+            str(PIPELINE_CHUNK),
+            *PLAN_FIRST,
+            "--fault",
+            f"decode-delay:{PIPELINE_STALL_STEP_S}",
+            "--request-timeout",
+            str(PIPELINE_STALL_REQUEST_TIMEOUT),
+        ),
+        "--unsafe-release-on-sever",
+    ),
+    Group(
+        "pipeline-domains",
+        5,
+        (
+            "--transports",
+            "tcp",
+            "--abort-deadline",
+            str(DOMAIN_ABORT_DEADLINE),
+            "--prefill-chunk-tokens",
+            str(PIPELINE_CHUNK),
+            *PLAN_FIRST,
+        ),
+        domains=(2, 2),
     ),
     Group("dropped-plan", 3, ("--fault", "drop:PLAN:1:1")),
     Group("dropped-notice", 3, ("--fault", "drop:NOTICE:1:1")),
@@ -669,11 +776,10 @@ def run_crash(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) -> 
     incarnations = {int(r): p["incarnation"] for r, p in cluster.status()["processes"].items()}
     with ThreadPoolExecutor(1) as pool:
         answer_a = pool.submit(post, cluster, pair.prompt_a, sc.max_tokens, None)
-        if sc.source in ("rejoin", "owner-crash") and sc.point == "mid-transfer":
-            # killed from outside (as the OOM killer would) with A's second half in flight
-            rid = _logged(
-                out, lambda: tail.wait_for(r"fault: request (\S+): pause at mid-transfer", 30)[1]
-            )
+        if sc.source in ("rejoin", "owner-crash") and sc.in_flight:
+            # killed from outside (as the OOM killer would) with A's half in flight
+            paused = rf"fault: request (\S+): pause at {sc.point}"
+            rid = _logged(out, lambda: tail.wait_for(paused, 30)[1])
             if rid is not None:
                 placed = tail.wait_for(
                     rf"request {re.escape(rid)}: .* -> prefill \[(\d+)[^\]]*\], decode (\d+)", 5
@@ -850,8 +956,8 @@ def _check_counters(sc: Scenario, before: dict, after: dict, out: Outcome) -> li
 # ------------------------------------------------------------------ the suite
 def unsafe_scenario(sc: Scenario) -> bool:
     """Run in unsafe mode too: a write is in flight at the abort (a crashed writer's is
-    not: its process is gone)."""
-    return sc.mid_transfer and sc.source not in CRASH_SOURCES
+    not: its process is gone; a corrupted part fails A, it puts nothing in flight)."""
+    return sc.in_flight and sc.source not in CRASH_SOURCES and sc.source != "integrity"
 
 
 def skipped() -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from kvferry.cluster.router import Ledger
 from kvferry.cluster.runtime import RankRuntime
 from kvferry.cluster.topology import Role, Topology, TopologyError
 from kvferry.engine.protocol.words import Kind
+from kvferry.engine.tokenizer import encode as tokenize
 from kvferry.transfer import BatchStatus, PeerFailedError, WireError
 
 
@@ -159,6 +161,24 @@ def test_fault_plan_parses_and_refuses():
     ):
         with pytest.raises(FaultSpecError):
             FaultPlan.parse(bad)
+
+
+def test_plan_first_waits_only_for_its_marker():
+    plan = FaultPlan.parse(["plan-first:.mid-pipeline~"])
+    tokens = np.asarray(tokenize("a ~client.mid-pipeline~ b"), dtype=np.int64)
+    other = np.asarray(tokenize("a ~client.mid-transfer~ b"), dtype=np.int64)
+    assert plan.enabled and plan.plan_first("r1", tokens) and not plan.plan_first("r2", other)
+    assert not FaultPlan().plan_first("r1", tokens)
+
+
+def test_prefill_chunk_tokens_reaches_the_replay_model_and_llama_refuses_it():
+    from kvferry.cluster.config import ServeConfig
+    from kvferry.cluster.models import build_model
+
+    assert build_model(ServeConfig(prefill_chunk_tokens=64)).prefill_chunk_tokens == 64
+    assert build_model(ServeConfig()).prefill_chunk_tokens == 1 << 16  # the model's own
+    with pytest.raises(ValueError, match="--prefill-chunk-tokens 64: the llama model"):
+        build_model(ServeConfig(model="llama", prefill_chunk_tokens=64))
 
 
 def test_reorder_swaps_consecutive_messages():

@@ -112,7 +112,7 @@ def test_a_held_write_never_lands_in_a_restarted_owner(bound, transports, store,
         old_inc = cards[1].incarnation
 
         # A: the first half posted and landed, the second half held in flight.
-        now, held = plan.hold_in_flight(rt, "A", tokens, 1, a_src, triples)
+        now, held = plan.hold_in_flight(rt, "A", tokens, 1, a_src, triples, "mid-transfer")
         assert held is not None and len(now) == PAGES // 2
         first_half = rt.write(1, a_src, now, rid="A", incarnation=old_inc)
         assert _wait(rt, first_half, "A's first half") is BatchStatus.COMPLETED

@@ -1,5 +1,6 @@
 """The fault suite (kvferry.cluster.harness.faultsuite) through real local clusters: every scenario
-green in normal mode; every mid-transfer scenario leaks in unsafe mode, which shows the
+green in normal mode; every scenario with a write in flight (mid-transfer, mid-pipeline)
+leaks in unsafe mode, which shows the
 suite can fail. The partition row needs root and iproute2 (a network namespace); where they
 are missing it is skipped by the suite and left out of the expected sets here."""
 
@@ -80,10 +81,14 @@ def test_scenario_matrix_covers_every_source_and_point():
         "reordered@abort",
         "delayed@abort-ack",
     } <= names
+    pipelined = {f"{source}@mid-pipeline" for source in ("client", "prefill", "stall")}
+    assert pipelined | {"integrity@mid-pipeline", "crash@mid-pipeline"} <= names
+    assert "owner-crash@mid-pipeline" in names
     assert {s.name for s in scenarios() if unsafe_scenario(s)} >= {
         "tp-stall@mid-transfer",
         "stall@mid-transfer",
         "partition@mid-transfer",
+        *pipelined,
     }
     tags = [s.tag for s in scenarios()]
     assert all(a == b or a not in b for a in tags for b in tags), "no tag contains another"

@@ -1,7 +1,7 @@
 /*
  * kvferry abort-acknowledgement protocol (engine/protocol/README.md, "The
- * protocol", points 1-5; invariant I4, and I5's "decode reads only what this
- * request wrote").
+ * protocol", points 1-5, and point 6 with PIPELINE; invariant I4, and I5's
+ * "decode reads only what this request wrote").
  *
  * Configuration: two writer ranks (prefill), two owner ranks (decode) with one
  * destination page each, two requests. Request 0 holds both pages first; when an
@@ -49,6 +49,14 @@
  * a landing write is checked against the owner's pages as one (powner, pstate).
  * Without SPLIT every writer writes every owner's one page.
  *
+ * PIPELINE: the pipelined long-prompt path (point 6). A writer posts its first
+ * part into each owner it was planned for; once that part landed (its flush) it
+ * sends each of them a part notice and posts the rest, then flushes and sends
+ * the completion notice. An owner checks a part when its notice arrives and
+ * records nothing about the writer (a part proves nothing about later writes);
+ * a part that fails its check aborts the request (the owner quarantines). An
+ * abort mid-pipeline stops the writer after what is in flight, as before.
+ *
  * Mutants (exactly one may be defined, each must yield a counterexample):
  *   MUTANT_RELEASE_ON_SEVER       at the deadline the owner severs the writers
  *                                 that did not ack and releases at once
@@ -68,6 +76,11 @@
  *   MUTANT_FIRST_PAGE_WRITERS     an owner takes the writers of its first page
  *                                 for its writer set (waits for notices and
  *                                 proof from those only)
+ * and, with PIPELINE:
+ *   MUTANT_PART_PROVES            an owner counts a writer's part notice as proof
+ *                                 that the writer can write no more
+ *   MUTANT_ACK_MID_PIPELINE       a writer aborted between its parts acks at once,
+ *                                 without waiting for the flush of what it posted
  */
 
 #define NW 2            /* writer ranks */
@@ -152,6 +165,7 @@ bool cut[NO];           /* the abort deadline's severing is done, for cur */
 byte wphase[NW * NR];
 byte wposted[NW * NR];  /* owners a write was posted to */
 byte srcheld[NW];       /* requests whose source pages the writer still holds */
+byte wparted[NW];       /* requests whose first part landed and was noticed (PIPELINE) */
 bool crashed[NW];       /* the writer's process is gone */
 byte crashes;
 byte faults;            /* control-message faults so far */
@@ -167,6 +181,8 @@ byte c_fdw[NW];         /* front door -> w  ABORT */
 byte c_done[NW * NO];   /* w -> o  completion notice (sent after flush) */
 byte c_ack[NW * NO];    /* w -> o  ABORT_ACK (sent after flush) */
 byte c_abo[NO];         /* anyone -> o  abort notice */
+byte c_part[NW * NO];   /* w -> o  part notice (sent after the part's flush; PIPELINE) */
+byte parted[NO];        /* writers whose part notice arrived, for cur (nothing proven) */
 
 /* Take bit r of channel c: consume it, or leave it for a later duplicate, or
  * lose it. Only destinations are left for duplicates: every other handler is
@@ -207,6 +223,27 @@ inline send_ack(w, r) {
 #endif
 }
 
+inline send_part(w, r) {
+    if :: PLANNED(w, 0) -> TO_OWNER(c_part[L(w, 0)], 0, r) :: else -> skip fi;
+    if :: PLANNED(w, 1) -> TO_OWNER(c_part[L(w, 1)], 1, r) :: else -> skip fi
+}
+
+/* The rest of the prompt after the first part: posted into every owner planned,
+ * or, with one of those paths severed, a transfer failure. */
+inline post_rest(w, r) {
+    if
+    :: (PLANNED(w, 0) && severed[L(w, 0)]) || (PLANNED(w, 1) && severed[L(w, 1)]) ->
+        wphase[WR(w, r)] = W_STOP;
+        TO_OWNER(c_abo[0], 0, r); TO_OWNER(c_abo[1], 1, r)
+    :: true ->
+        assert(srcheld[w] & BIT(r));
+        if :: PLANNED(w, 0) -> inflight[L(w, 0)] = inflight[L(w, 0)] | BIT(r)
+           :: else -> skip fi;
+        if :: PLANNED(w, 1) -> inflight[L(w, 1)] = inflight[L(w, 1)] | BIT(r)
+           :: else -> skip fi
+    fi
+}
+
 inline send_done(w, r) {
     if :: PLANNED(w, 0) -> TO_OWNER(c_done[L(w, 0)], 0, r) :: else -> skip fi;
     if :: PLANNED(w, 1) -> TO_OWNER(c_done[L(w, 1)], 1, r) :: else -> skip fi
@@ -219,7 +256,14 @@ inline w_on_abort(w, r) {
         wphase[WR(w, r)] = W_ABORTED;
         srcheld[w] = srcheld[w] & ~BIT(r);
         send_ack(w, r)
+#ifdef MUTANT_ACK_MID_PIPELINE
+    :: wphase[WR(w, r)] == W_POST && (wparted[w] & BIT(r)) ->
+        wphase[WR(w, r)] = W_STOP;         /* flushes, but acks before the flush */
+        send_ack(w, r)
+    :: wphase[WR(w, r)] == W_POST && !(wparted[w] & BIT(r)) ->
+#else
     :: wphase[WR(w, r)] == W_POST ->       /* stop posting, then flush */
+#endif
         wphase[WR(w, r)] = W_STOP;
 #ifdef MUTANT_FREE_SOURCE_AT_ABORT
         srcheld[w] = srcheld[w] & ~BIT(r);
@@ -263,10 +307,20 @@ inline w_on_dest(w, o, r) {
             TAKE(c_abort[L(w, o)], r, w_on_abort(w, r)) }
 
 /* Steps that concern the request as a whole. */
+#ifdef PIPELINE
+#define PARTED(w, r) (wparted[w] & BIT(r))
+#else
+#define PARTED(w, r) 1
+#endif
 #define WRITER_REQ_STEPS(w, r) \
     :: atomic { !crashed[w] && (c_fdw[w] & BIT(r)) -> \
             TAKE(c_fdw[w], r, w_on_abort(w, r)) } \
-    :: atomic { !crashed[w] && wphase[WR(w, r)] == W_POST && \
+    :: atomic { !PARTED(w, r) && !crashed[w] && wphase[WR(w, r)] == W_POST && \
+            wposted[WR(w, r)] == OWNERS_OF(w) && FLUSHED(w, r) -> \
+            wparted[w] = wparted[w] | BIT(r);   /* the first part landed */ \
+            send_part(w, r); \
+            post_rest(w, r) } \
+    :: atomic { PARTED(w, r) && !crashed[w] && wphase[WR(w, r)] == W_POST && \
             wposted[WR(w, r)] == OWNERS_OF(w) && FLUSHED(w, r) -> \
             wphase[WR(w, r)] = W_DONE; \
             srcheld[w] = srcheld[w] & ~BIT(r); \
@@ -319,7 +373,11 @@ end:
 /* Writers proven unable to write into the page any more: a completion notice or
  * an ack (each follows the writer's flush), or, for a severed writer, its
  * process gone (the owner checks that only for writers it severed). */
+#ifdef MUTANT_PART_PROVES
+#define PROVEN(o) (acked[o] | done[o] | parted[o] | (SEVERED_SET(o) & GONE_SET))
+#else
 #define PROVEN(o) (acked[o] | done[o] | (SEVERED_SET(o) & GONE_SET))
+#endif
 
 /* Release: every writer the owner waits for has proven it can write no more. */
 #define ALL_PROVEN(o) ((PROVEN(o) & WAITS_FOR(o)) == WAITS_FOR(o))
@@ -368,7 +426,9 @@ inline o_release(o) {
     c_ack[L(0, o)] = c_ack[L(0, o)] & ~BIT(cur[o]);
     c_ack[L(1, o)] = c_ack[L(1, o)] & ~BIT(cur[o]);
     c_abo[o] = c_abo[o] & ~BIT(cur[o]);
-    done[o] = 0; acked[o] = 0; dl[o] = 0; cut[o] = 0;
+    c_part[L(0, o)] = c_part[L(0, o)] & ~BIT(cur[o]);
+    c_part[L(1, o)] = c_part[L(1, o)] & ~BIT(cur[o]);
+    done[o] = 0; acked[o] = 0; parted[o] = 0; dl[o] = 0; cut[o] = 0;
     cur[o]++;
     if
     :: cur[o] < NR ->
@@ -400,6 +460,20 @@ inline o_sever(o, w) {
     fi
 }
 
+/* A part notice: the owner checks the part's pages; it passes (nothing is
+ * recorded as proof of the writer) or fails (the request aborts). */
+#ifdef PIPELINE
+#define OWNER_PART_STEPS(o, w) \
+    :: atomic { cur[o] < NR && !severed[L(w, o)] && (c_part[L(w, o)] & BIT(cur[o])) -> \
+            TAKE(c_part[L(w, o)], cur[o], parted[o] = parted[o] | BIT(w)); \
+            if \
+            :: skip                                         /* the part checks */ \
+            :: pstate[o] == P_FILLING -> o_abort(o)          /* it does not */ \
+            fi }
+#else
+#define OWNER_PART_STEPS(o, w)
+#endif
+
 /* Steps of owner o about writer w. A severed writer's completion notice is
  * dropped (the owner takes nothing but ABORT_ACK from it); its late ack counts.
  * ABORT is retransmitted to every unproven writer, severed ones included, while
@@ -407,6 +481,7 @@ inline o_sever(o, w) {
  * then would change nothing a writer can do: it has acked, or it will handle
  * the pending ABORT). */
 #define OWNER_STEPS_W(o, w) \
+    OWNER_PART_STEPS(o, w) \
     :: atomic { cur[o] < NR && !severed[L(w, o)] && (c_done[L(w, o)] & BIT(cur[o])) -> \
             TAKE(c_done[L(w, o)], cur[o], done[o] = done[o] | BIT(w)); \
             if \

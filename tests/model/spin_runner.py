@@ -39,6 +39,8 @@ SPLIT = ("-DSPLIT", "-DFDOOR=0")
 SPLIT_CRASHES = SPLIT + ("-DMAXFAULT=0", "-DMAXCRASH=1", "-DWFAIL=1")
 SPLIT_LOSSY = SPLIT + ("-DMAXFAULT=1", "-DMAXCRASH=0", "-DWFAIL=1")
 SPLIT_REDUCED = SPLIT + ("-DMAXFAULT=0", "-DMAXCRASH=0", "-DWFAIL=0")
+# The pipelined path (point 6): each writer's first part, its part notice, then the rest.
+PIPELINE = ("-DPIPELINE",)
 # Owner 0's pages, written by both writers: a write lands in request 1's page or
 # under the reader.
 OWNER0_LEAK = r"assertion violated \((powner\[0\]==0|pstate\[0\]!=2)\)"
@@ -182,6 +184,34 @@ CHECKS: tuple[Check, ...] = (
         "split_reduced",
         SPLIT_REDUCED + ("-DMUTANT_ACK_ONE_OWNER",),
         False,
+    ),
+    # The pipelined path: parts prove nothing; an abort between parts waits for the flush.
+    Check("protocol", "safety", "pipeline_crashes", PIPELINE + CRASHES_AND_ENVIRONMENT, False),
+    Check("protocol", "safety", "pipeline_lossy", PIPELINE + LOSSY_CHANNELS, False),
+    Check(
+        "protocol",
+        "liveness",
+        "pipeline_reduced",
+        PIPELINE + LIVENESS + ("-DCHECK_LIVENESS",),
+        False,
+    ),
+    Check(
+        "part_proves",
+        "safety",
+        "pipeline_mutant_base",
+        PIPELINE + MUTANT_BASE + ("-DMUTANT_PART_PROVES",),
+        True,
+        optimize="-O0",
+        witness=OWNER0_LEAK,
+    ),
+    Check(
+        "ack_mid_pipeline",
+        "safety",
+        "pipeline_mutant_base",
+        PIPELINE + MUTANT_BASE + ("-DMUTANT_ACK_MID_PIPELINE",),
+        True,
+        optimize="-O0",
+        witness=OWNER0_LEAK,
     ),
 )
 

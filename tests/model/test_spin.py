@@ -1,8 +1,9 @@
 """spin's verdicts on the abort-acknowledgement model (engine/protocol/README.md, I4).
 
 The protocol must verify (safety, and liveness under weak fairness), with one
-writer set for every owner and with a writer set that differs per owner (the
-split); each mutant must yield a counterexample, which shows the checks can fail;
+writer set for every owner, with a writer set that differs per owner (the
+split) and on the pipelined path (parts); each mutant must yield a
+counterexample, which shows the checks can fail;
 and the two limits the README states (a crashed remote writer, a write landing
 after its process is gone) must show up as counterexamples too.
 """

@@ -30,7 +30,14 @@ import time
 from dataclasses import dataclass
 
 from . import trust as trusts
-from .store import StoreAddressError, StoreKind, parse_store
+from .store import (
+    ACCESS_OPTIONS,
+    StoreAccess,
+    StoreAddressError,
+    StoreKind,
+    parse_store,
+    refuse_access_without_store,
+)
 from .topology import Topology, TopologyError
 
 STOP_WAIT_S = 15.0
@@ -124,6 +131,14 @@ def secret_file_of(serve_args: list[str]) -> str | None:
     return p.parse_known_args(serve_args)[0].secret_file
 
 
+def store_access_of(serve_args: list[str]) -> StoreAccess:
+    """The ``--store-*`` options among the serve options."""
+    p = argparse.ArgumentParser(add_help=False)
+    for name, option in ACCESS_OPTIONS.items():
+        p.add_argument(option, dest=name, default=None)
+    return StoreAccess(**vars(p.parse_known_args(serve_args)[0]))
+
+
 def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
     if proc.poll() is None:
         try:
@@ -197,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvferry domains: error: {exc}", file=sys.stderr)
         return 2
     try:
-        spec = parse_store(args.store) if args.store is not None else None
+        access = store_access_of(serve_args)
+        refuse_access_without_store(args.store, access)
+        spec = parse_store(args.store, access) if args.store is not None else None
     except StoreAddressError as exc:
         print(f"kvferry domains: error: {exc}", file=sys.stderr)
         return 2

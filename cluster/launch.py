@@ -70,7 +70,13 @@ from .rendezvous import (
 from .router import Router
 from .runtime import RankRuntime
 from .stepping import STEP_POLL_S, Stepper
-from .store import StoreAddressError, StoreError, spec_of
+from .store import (
+    StoreAddressError,
+    StoreError,
+    access_of,
+    refuse_access_without_store,
+    spec_of,
+)
 from .supervise import fork_rank
 from .topology import Role, Topology, head_range
 from .wakeup import EngineWaker
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     replaced = use_cluster_interface(cfg.cluster_interface)
     try:
+        refuse_access_without_store(cfg.store, access_of(cfg))
         rank, world, store = init_distributed() if cfg.store is None else join_domain(cfg, trust)
     except (ValueError, StoreAddressError, StoreError) as exc:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)

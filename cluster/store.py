@@ -188,12 +188,27 @@ def parse_store(text: str, access: StoreAccess | None = None) -> StoreSpec:
     return StoreSpec(StoreKind.ETCD, endpoints, prefix, access)
 
 
-def spec_of(cfg: Any) -> StoreSpec:
-    """The store a ServeConfig names: ``--store`` and its ``--store-*`` options."""
-    access = StoreAccess(
+def access_of(cfg: Any) -> StoreAccess:
+    """The ``--store-*`` options of a ServeConfig."""
+    return StoreAccess(
         cfg.store_ca, cfg.store_cert, cfg.store_key, cfg.store_user, cfg.store_password_file
     )
-    return parse_store(cfg.store or "", access)
+
+
+def spec_of(cfg: Any) -> StoreSpec:
+    """The store a ServeConfig names: ``--store`` and its ``--store-*`` options."""
+    return parse_store(cfg.store or "", access_of(cfg))
+
+
+def refuse_access_without_store(store: str | None, access: StoreAccess) -> None:
+    """``--store-*`` options say how to reach an etcd store; with no ``--store`` they would
+    go unused (the ranks join through torchrun's rendezvous), so they are refused."""
+    if store is None and access.given():
+        raise StoreAddressError(
+            f"{', '.join(access.given())} given without --store: they apply to an etcd "
+            "store (--store etcd://HOST:PORT,...); without --store the ranks join through "
+            "torchrun's rendezvous and use no store"
+        )
 
 
 def connect(

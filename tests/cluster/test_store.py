@@ -80,6 +80,25 @@ def test_store_values_parse_and_what_names_no_store_is_refused():
         parse_store("etcd://h:1", StoreAccess(user="kv"))
 
 
+def test_store_options_without_a_store_are_refused(monkeypatch, capsys):
+    """``--store-*`` say how to reach an etcd store: given without ``--store`` they would
+    be ignored (serve) or land on a hosted TCPStore (domains). Both refuse them, naming
+    the options; with an etcd store they are taken."""
+    from kvferry.cluster import domains, launch
+
+    store_mod.refuse_access_without_store("etcd://h:1", StoreAccess(ca_file="ca.pem"))
+    store_mod.refuse_access_without_store(None, StoreAccess())
+    monkeypatch.setenv("KVFERRY_SECRET", "s" * 40)
+    assert launch.main([*CLUSTER_ARGS, "--store-ca", "ca.pem", "--store-user", "kv"]) == 2
+    err = capsys.readouterr().err
+    assert "--store-ca, --store-user given without --store" in err
+    assert domains.main(["--nproc", "3", "--", *CLUSTER_ARGS, "--store-cert", "c.pem"]) == 2
+    assert "--store-cert given without --store" in capsys.readouterr().err
+    assert domains.store_access_of(["--store-key", "k.pem", "--pool-tokens", "8"]) == (
+        StoreAccess(key_file="k.pem")
+    )
+
+
 # ---------------------------------------------------------------- the guard
 class _Flaky:
     """A store in a dict that answers until ``down`` is set, counting the calls that

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvferry.engine.models import LlamaConfig, LlamaModel, PagedModel, ReplayConfig, ReplayModel
 from kvferry.engine.pool import PoolConfig, parse_dtype
+from kvferry.engine.replay import PREFILL_CHUNK_TOKENS
 
 from .config import ServeConfig
 
@@ -12,18 +13,16 @@ def build_model(cfg: ServeConfig) -> PagedModel:
     """The same weights on every rank: the replay model is hand-built, the Llama-style
     model is seeded, so prefill and decode ranks compute consistent KV."""
     if cfg.model == "replay":
-        replay = ReplayModel(
+        return ReplayModel(
             ReplayConfig(
                 layers=cfg.layers,
                 kv_heads=cfg.kv_heads,
                 q_per_kv=max(1, cfg.q_heads // cfg.kv_heads),
                 head_dim=cfg.head_dim,
                 max_positions=max(2, cfg.context_length),
+                prefill_chunk_tokens=cfg.prefill_chunk_tokens or PREFILL_CHUNK_TOKENS,
             )
         )
-        if cfg.prefill_chunk_tokens is not None:
-            replay.prefill_chunk_tokens = cfg.prefill_chunk_tokens
-        return replay
     if cfg.prefill_chunk_tokens is not None:
         raise ValueError(
             f"--prefill-chunk-tokens {cfg.prefill_chunk_tokens}: the llama model writes each "

@@ -362,17 +362,25 @@ class PrefillPath(WritePath):
         if job.book.in_flight:  # a part's batch: the rest follows it, one batch at a time
             job.queue = triples
             return
-        job.queue, held = faults.hold_in_flight(
-            self.rt, job.rid, job.tokens, job.owner, self.segment, triples, "mid-transfer"
-        )
-        if held is not None:
-            core.on_posted(job.book)
-            self.rt.watch(held, lambda b: self._on_written(job, b), rid=job.rid)
+        held = self._hold_in_flight(job, triples, "mid-transfer")
         if not self._post_next(job) or held is None:
             return
         # The action injected at mid-transfer (a pause needs nothing more: the held half
         # is in flight and lands on its own).
         self.at_point(job, "mid-transfer", lambda j: None)
+
+    def _hold_in_flight(self, job: WriteJob, triples: np.ndarray, point: str) -> Any:
+        """Queue ``triples``, less what a fault injected at ``point`` holds in flight
+        (watched as a posted batch: it counts in flight until it lands); the held write,
+        or None."""
+        assert job.tokens is not None
+        job.queue, held = self.rt.faults.hold_in_flight(
+            self.rt, job.rid, job.tokens, job.owner, self.segment, triples, point
+        )
+        if held is not None:
+            core.on_posted(job.book)
+            self.rt.watch(held, lambda b: self._on_written(job, b), rid=job.rid)
+        return held
 
     def _post(self, job: WriteJob, rows: np.ndarray) -> Any:
         return self.rt.write(job.owner, self.segment, rows, rid=job.rid, incarnation=job.owner_inc)
@@ -405,14 +413,8 @@ class PrefillPath(WritePath):
         job.posted_bytes += int(triples[:, 2].sum())
         job.posted_pages, job.part, job.queue = hi, (lo, hi), triples
         mid_pipeline = faults.enabled and lo == 0  # the first part, half of it in flight
-        held = None
         if mid_pipeline:
-            job.queue, held = faults.hold_in_flight(
-                self.rt, job.rid, job.tokens, job.owner, self.segment, triples, "mid-pipeline"
-            )
-            if held is not None:
-                core.on_posted(job.book)
-                self.rt.watch(held, lambda b: self._on_written(job, b), rid=job.rid)
+            self._hold_in_flight(job, triples, "mid-pipeline")
         if self._post_next(job) and mid_pipeline:
             self.at_point(job, "mid-pipeline", lambda j: None)
 

@@ -52,6 +52,7 @@ class ReplayConfig:
     q_per_kv: int = 1
     head_dim: int = 32
     max_positions: int = 1 << 20
+    prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS  # a long prompt yields between them
 
     @property
     def position_bits(self) -> int:
@@ -79,7 +80,7 @@ class ReplayModel(PrefillByLayers):
             )
         self.config = config
         self.layers = config.layers
-        self.prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS
+        self.prefill_chunk_tokens: int | None = config.prefill_chunk_tokens
         self.kv_heads = config.kv_heads
         self.q_heads = config.kv_heads * config.q_per_kv
         self.head_dim = config.head_dim

@@ -114,7 +114,13 @@ IN_FLIGHT_POINTS = ("mid-transfer", "mid-pipeline")
 # least this many tokens, each checked by the owner when it lands; half of the first is
 # held in flight.
 PIPELINE_CHUNK = 64
-PLAN_FIRST = ("--fault", "plan-first:.mid-pipeline~")  # every pipeline row's A goes in parts
+# every pipeline group's options: the chunk, and every pipeline row's A goes in parts
+PIPELINED = (
+    "--prefill-chunk-tokens",
+    str(PIPELINE_CHUNK),
+    "--fault",
+    "plan-first:.mid-pipeline~",
+)
 # The stalled pipeline: A's late half (tokens 32-63) lands about when the stall row's late
 # half (tokens 160-319) does; the victim reads those tokens as late as there at 5 x the
 # step time, and takes 16 s to answer.
@@ -382,16 +388,14 @@ GROUPS = (
     ),
     # the pipelined path (see PIPELINE_CHUNK): an abort and a failure, a corrupted part,
     # a stalled writer, and (as failure domains) a killed writer and a killed owner
-    Group("pipeline", 3, ("--prefill-chunk-tokens", str(PIPELINE_CHUNK), *PLAN_FIRST)),
+    Group("pipeline", 3, PIPELINED),
     Group(
         "pipeline-stall",
         4,
         (
             "--prefill",
             "2",
-            "--prefill-chunk-tokens",
-            str(PIPELINE_CHUNK),
-            *PLAN_FIRST,
+            *PIPELINED,
             "--fault",
             f"decode-delay:{PIPELINE_STALL_STEP_S}",
             "--request-timeout",
@@ -407,9 +411,7 @@ GROUPS = (
             "tcp",
             "--abort-deadline",
             str(DOMAIN_ABORT_DEADLINE),
-            "--prefill-chunk-tokens",
-            str(PIPELINE_CHUNK),
-            *PLAN_FIRST,
+            *PIPELINED,
         ),
         domains=(2, 2),
     ),

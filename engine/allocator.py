@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import heapq
 import logging
-from enum import Enum
 from typing import NamedTuple
+
+from .fastenum import IdentityEnum
 
 log = logging.getLogger(__name__)
 
 
-class PageState(Enum):
+class PageState(IdentityEnum):
     FREE = "free"
     OWNED = "owned"
     QUARANTINED = "quarantined"

@@ -21,17 +21,17 @@ a release except LAST_FLUSH and PROOF, whose conditions are exactly the proof).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..fastenum import IdentityEnum
 from .proof import Proof, justification
 from .table import Move, complete, render, replace
 from .table import step as table_step
 from .words import Release
 
 
-class OwnerState(enum.Enum):
+class OwnerState(IdentityEnum):
     NEW = "new"  # ASSIGN arrived (or an ABORT for an unknown request)
     AWAITING = "awaiting"  # pages allocated, plan sent, waiting for every notice
     VERIFYING = "verifying"  # every notice whole: the I5 checks run (in slices)
@@ -41,7 +41,7 @@ class OwnerState(enum.Enum):
     CLOSED = "closed"  # pages freed or released; the id is tombstoned
 
 
-class OwnerEvent(enum.Enum):
+class OwnerEvent(IdentityEnum):
     GRANTED = "the pages an ASSIGN needs were allocated"
     REFUSED = "the pool cannot hold the request (out of pages)"
     FLUSH = "a writer's notice chunk or ack that completes nothing"
@@ -65,7 +65,7 @@ class OwnerEvent(enum.Enum):
     NO_PROOF = "a severed writer is neither acked nor known gone yet"
 
 
-class OwnerDo(enum.Enum):
+class OwnerDo(IdentityEnum):
     """What the owner's rank does for a move, in the table's order."""
 
     STAMP_CANARIES = "write the request's canary into each allocated page's tag"

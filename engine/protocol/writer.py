@@ -26,14 +26,14 @@ SEND_ACK; source pages are freed only after the ack's or the notice's flush).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from ..fastenum import IdentityEnum
 from .table import Move, complete, render
 from .table import step as table_step
 
 
-class WriterState(enum.Enum):
+class WriterState(IdentityEnum):
     NEW = "new"  # PREFILL or PLAN chunks arriving, neither whole
     PLANNED = "planned"  # the plan is whole, the prompt is not
     COMPUTING = "computing"  # the prompt is whole: its KV is being computed
@@ -47,7 +47,7 @@ class WriterState(enum.Enum):
     ABORTED = "aborted"  # ack flushed; source pages freed
 
 
-class WriterEvent(enum.Enum):
+class WriterEvent(IdentityEnum):
     PROMPT = "the prompt is whole and its source pages are allocated"
     PLAN = "the owner's plan is whole"
     KV_READY = "the prompt's KV is computed and checksummed"
@@ -68,7 +68,7 @@ class WriterEvent(enum.Enum):
     ACK_FLUSHED = "the ack's flush completed"
 
 
-class WriterDo(enum.Enum):
+class WriterDo(IdentityEnum):
     """What the writer's rank does for a move, in the table's order."""
 
     START_PREFILL = "compute the KV into the source pages, in slices; then KV_READY"

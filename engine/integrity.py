@@ -18,6 +18,9 @@ GIL released) reading the pool in place at memory speed, which :func:`page_check
 on CPU pools whose pages are dense inside, since decode checksums every page it receives;
 and the Triton kernel for CUDA pools (:mod:`.kernels.triton_checksum`, chosen by
 :func:`.kernels.page_checksums`).
+When the two sides of a transfer differ in shape, the same function is taken over the
+region one writer wrote into one page, put together from its byte runs
+(:mod:`.run_checksum`).
 
 Canary. A side table (not inside the KV) holds per page ``(request_id_hash, generation,
 page_index)``: written by whoever writes the page, compared by the reader against what it

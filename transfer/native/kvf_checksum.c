@@ -116,3 +116,19 @@ int64_t kvf_page_checksums(const void *base, int64_t page_stride, int64_t page_b
     }
     return -1;
 }
+
+int64_t kvf_run_checksums(const void *base, int64_t base_bytes, const int64_t *offsets,
+                          const int64_t *lengths, int64_t n, int unit, int64_t *out)
+{
+    int64_t i;
+    if (unit != 4 && unit != 1) return n > 0 ? 0 : -1;
+    for (i = 0; i < n; ++i) {
+        if (offsets[i] < 0 || lengths[i] < 0 || lengths[i] % unit
+            || offsets[i] > base_bytes - lengths[i])
+            return i;
+    }
+    for (i = 0; i < n; ++i)
+        out[i] = kvf_checksum_one((const unsigned char *)base + offsets[i], lengths[i] / unit,
+                                  unit);
+    return -1;
+}

@@ -26,6 +26,16 @@ int64_t kvf_page_checksums(const void *base, int64_t page_stride, int64_t page_b
                            int64_t pool_pages, const int64_t *pages, int64_t n,
                            int64_t *out);
 
+/* The same function over byte runs: out[i] is the checksum of the lengths[i] bytes at
+ * base + offsets[i], read as words of `unit` bytes (4 or 1; every length a multiple of
+ * it), the run's own first word at index 0. Every run is checked against [0, base_bytes)
+ * before any is read: returns -1 when all are inside, else the index of the first run
+ * outside or of a length that is negative or not a multiple of `unit` (out is then left
+ * unwritten). A region's checksum is put together from its runs' (kvferry.engine
+ * .run_checksum): the function is linear in the words, with a shift of index. */
+int64_t kvf_run_checksums(const void *base, int64_t base_bytes, const int64_t *offsets,
+                          const int64_t *lengths, int64_t n, int unit, int64_t *out);
+
 /* KVF_CDEF_END */
 
 #endif /* KVF_CHECKSUM_H */

@@ -230,16 +230,24 @@ class DecodeRank(RankBooks):
         *,
         integrity: bool = True,
         clock: Clock | None = None,
+        prefill_tp: int | None = None,
         **options: Any,
     ) -> DecodeRank:
         """The service's decode rank: ``model`` decodes over ``pool``, whose pages the
-        rank's writers fill and whose canaries and checksums it checks (I5, unless
-        ``integrity`` is off); ``options`` are the rank's own (deadlines, the broken
-        modes, the batch)."""
+        rank's writers (writing members of prefill groups of ``prefill_tp``) fill and whose
+        canaries and checksums it checks (I5, unless ``integrity`` is off); ``options``
+        are the rank's own (deadlines, the broken modes, the batch)."""
         clock = clock or MonotonicClock()
         unsafe = bool(options.get("unsafe", False))
         path = DecodePath(
-            runtime, model, pool, router, clock=clock, integrity=integrity, unsafe=unsafe
+            runtime,
+            model,
+            pool,
+            router,
+            clock=clock,
+            integrity=integrity,
+            unsafe=unsafe,
+            prefill_tp=prefill_tp,
         )
         return cls(runtime, path, pool, router, clock=clock, **options)
 
@@ -326,6 +334,11 @@ class DecodeRank(RankBooks):
             w: self.rt.cards[w].incarnation for w in req.writers if w in self.rt.cards
         }
         req.router_inc = msg.inc
+        mismatch = self.path.writers_mismatch(req)
+        if mismatch is not None:  # refused before any page is allocated
+            req.error = f"request {rid} refused by decode rank {self.rt.rank}: {mismatch}"
+            self._feed(req, core.on_assign(req.book, req.book.writers, granted=False))
+            return
         need = pages_needed(msg.prompt_len, msg.max_tokens, self.pool.page_size)
         try:
             req.grants = self.allocator.allocate(rid, need)

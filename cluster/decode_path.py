@@ -45,7 +45,7 @@ from kvferry.engine.verify import (
 
 from . import messages as m
 from .sliced import run_in_slices
-from .topology import head_range
+from .topology import group_heads
 
 if TYPE_CHECKING:
     from kvferry.engine.protocol.owner_driver import OwnerDriver
@@ -88,6 +88,10 @@ class ReadPath:
     def stamp(self, req: OwnedRequest) -> None:
         """Write the request's canary into each of its allocated pages' tags."""
         raise NotImplementedError
+
+    def writers_mismatch(self, req: OwnedRequest) -> str | None:
+        """Why the ASSIGN's writer list cannot write this path's pages, or None (it can)."""
+        return None
 
     def verify(self, req: OwnedRequest) -> None:
         """I5 on arrival; ends in VERIFIED or CORRUPT, fed to the driver."""
@@ -140,8 +144,10 @@ class DecodePath(ReadPath):
         clock: Clock,
         integrity: bool = True,
         unsafe: bool = False,
+        prefill_tp: int | None = None,
     ) -> None:
         self.rt = runtime
+        self.prefill_tp = prefill_tp  # the prefill groups' size (None: every writer listed)
         self.model = model
         self.pool = pool
         self.router = router
@@ -209,13 +215,40 @@ class DecodePath(ReadPath):
         the pool as those heads."""
         need = pages_needed(req.prompt_len, 0, self.pool.page_size)
         pages, generations = req.planned_rows
-        lo, hi = head_range(req.writers.index(writer), len(req.writers), self.pool.kv_heads)
+        lo, hi = self.heads_of(req, writer)
         view = self.pool.kv[:, :, :, lo:hi]
         slice_bytes = view[0].numel() * view.element_size()
         planned = Planned(
             req.rid, req.prompt_len, pages[:need], generations[:need], need * slice_bytes
         )
         return planned, view
+
+    def writing_heads(self, writers: int) -> list[tuple[int, int]]:
+        """The heads each of a request's ``writers`` writes, in order: the writing members
+        of a prefill group of ``prefill_tp`` (members sharing a head with an earlier one
+        write nothing and are not listed: :func:`.topology.group_heads`)."""
+        tp = self.prefill_tp or writers
+        return [h for h in group_heads(tp, self.pool.kv_heads) if h is not None]
+
+    def writers_mismatch(self, req: OwnedRequest) -> str | None:
+        """Why ``req``'s writer list cannot be the writing members of one prefill group
+        (the owner would wait for writers that never write, or check heads against the
+        wrong ones), or None."""
+        heads = self.writing_heads(len(req.writers))
+        if len(heads) == len(req.writers) and len(set(req.writers)) == len(req.writers):
+            return None
+        return (
+            f"{len(req.writers)} writers {req.writers} listed, but a prefill group of "
+            f"{self.prefill_tp or len(req.writers)} has {len(heads)} writing members for "
+            f"{self.pool.kv_heads} KV heads"
+        )
+
+    def heads_of(self, req: OwnedRequest, writer: int) -> tuple[int, int]:
+        """The KV heads ``writer`` writes into ``req``'s pages."""
+        why = self.writers_mismatch(req)
+        if why is not None:
+            raise ValueError(f"request {req.rid}: {why}")
+        return self.writing_heads(len(req.writers))[req.writers.index(writer)]
 
     @staticmethod
     def _per_step(view: torch.Tensor) -> int:

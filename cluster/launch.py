@@ -244,8 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if role is not Role.ROUTER:
             model = build_model(cfg)
-            if model.kv_heads % cfg.tp:
-                raise ValueError(f"kv_heads {model.kv_heads} is not divisible by tp {cfg.tp}")
             pcfg = pool_config(cfg, model)
             segment = engine.allocate(pcfg.total_bytes)
             pool = KVPool.from_buffer(pcfg, segment.as_torch())
@@ -393,6 +391,7 @@ def serve_worker(
             integrity=cfg.integrity,
             unsafe=cfg.unsafe_free_on_abort,
             release_on_sever=cfg.unsafe_release_on_sever,
+            prefill_tp=cfg.tp,
         )
     runtime.set_handlers(
         {**worker.handlers, Kind.SHUTDOWN: lambda msg: stop.set("SHUTDOWN from the router")},
@@ -495,6 +494,7 @@ async def serve_router(
         admission_wait_s=cfg.admission_wait_s,
         metrics=metrics,
         fence_severed=cfg.fence_severed,
+        kv_heads=cfg.kv_heads,
     )
     for row in router.capacity_table():
         metrics.capacity.labels(str(row["rank"]), row["role"]).set(row["capacity_tokens"])

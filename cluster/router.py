@@ -125,8 +125,11 @@ class Router:
         metrics: ClusterMetrics,
         clock: Clock | None = None,
         fence_severed: FencePolicy = FencePolicy.RESTART,
+        kv_heads: int | None = None,
     ) -> None:
         self.rt = runtime
+        # the model's KV heads: the members of a prefill group that write them (None: all)
+        self.kv_heads = kv_heads
         self.fence_severed = fence_severed
         self.clock = clock or MonotonicClock()  # the time the router's rules read
         self.topology = topology
@@ -219,7 +222,9 @@ class Router:
         group = max(
             groups, key=lambda g: (min(self.ledger.free(r) for r in g), -(turn % len(groups)))
         )
-        return owner, list(group)
+        if self.kv_heads is None:
+            return owner, list(group)
+        return owner, self.topology.writers_in(group, self.kv_heads)
 
     def check_admission(self, rid: str, prompt_len: int, max_tokens: int) -> None:
         """I1: raise AdmissionRejected if this request can never fit anywhere."""

@@ -1,8 +1,9 @@
 """Which rank plays which role.
 
 Rank 0 is the router (front door). Ranks 1..P are prefill ranks, grouped into
-tensor-parallel groups of ``tp`` consecutive ranks; each member of a group computes and
-writes its own share of the KV heads of the same destination pages. Ranks P+1..P+D are
+tensor-parallel groups of ``tp`` consecutive ranks; each member of a group computes its
+share of the KV heads and writes it into the same destination pages (members that share a
+head, when ``tp`` exceeds the KV heads, write it once: :func:`group_heads`). Ranks P+1..P+D are
 decode ranks; each owns the pages it allocates.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from kvferry.engine.reshard import KVShape, PoolLayout, assign_heads, head_span
 
 
 class Role(enum.StrEnum):
@@ -20,9 +23,24 @@ class Role(enum.StrEnum):
 
 def head_range(position: int, group_size: int, kv_heads: int) -> tuple[int, int]:
     """The KV heads ``[lo, hi)`` that member ``position`` of a prefill group of
-    ``group_size`` computes and writes (the decode rank checks what lands against it)."""
-    per = kv_heads // group_size
-    return position * per, (position + 1) * per
+    ``group_size`` holds and computes: ``kv_heads / group_size`` each when that divides,
+    else some hold one more; with more members than heads, consecutive members hold the
+    same one head (replicated GQA). See :func:`kvferry.engine.reshard.head_span`."""
+    return head_span(KVShape(1, kv_heads, 1, 1), group_size, position)
+
+
+def group_heads(group_size: int, kv_heads: int) -> list[tuple[int, int] | None]:
+    """Per member of a prefill group, the KV heads ``[lo, hi)`` it writes into a decode
+    rank (which holds every head), or None for a member that writes nothing: where
+    members share a head (more members than heads), the first member holding it writes
+    it, and the others are no writers of the request at all (the router sends them
+    nothing and no owner waits for them). Every head is written by exactly one member
+    (:func:`kvferry.engine.reshard.assign_heads`, into one decode rank)."""
+    pairs = assign_heads(KVShape(1, kv_heads, 1, 1), PoolLayout(group_size, 1), PoolLayout(1, 1))
+    out: list[tuple[int, int] | None] = [None] * group_size
+    for (member, _), heads in pairs.items():
+        out[member] = (heads[0], heads[-1] + 1)
+    return out
 
 
 class TopologyError(ValueError):
@@ -88,9 +106,13 @@ class Topology:
 
     @property
     def prefill_groups(self) -> list[list[int]]:
-        """Each group's ranks, in TP order: member i writes heads [i*H/tp, (i+1)*H/tp)."""
+        """Each group's ranks, in TP order (member i holds heads ``head_range(i, tp, H)``)."""
         ranks = self.prefill_ranks
         return [ranks[i : i + self.tp] for i in range(0, len(ranks), self.tp)]
+
+    def writers_in(self, group: list[int], kv_heads: int) -> list[int]:
+        """The members of ``group`` that write a request's KV (see :func:`group_heads`)."""
+        return [r for r, heads in zip(group, group_heads(self.tp, kv_heads), strict=True) if heads]
 
     def group_of(self, rank: int) -> tuple[int, int]:
         """(group index, position in the group) of a prefill rank."""

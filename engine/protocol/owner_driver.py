@@ -136,7 +136,8 @@ class OwnerDriver(TableDriver[OwnerState, OwnerEvent, OwnerDo, Subject]):
             p.report.done(req, Outcome.FINISHED)
         elif do is D.ABORT_WRITERS:
             writers = list(req.writers)
-            p.wire.tell_abort(rid, writers, writers, AbortSource.DECODE, "no decode pages")
+            why = req.error or "no decode pages"
+            p.wire.tell_abort(rid, writers, writers, AbortSource.DECODE, why)
         elif do is D.REPORT_NOTHING_HELD:
             p.report.nothing_held(rid)
         elif do is D.FREE:

@@ -14,7 +14,7 @@ from kvferry.cluster.harness.workload import MARKER_RE, expected_replay, make_pr
 from kvferry.cluster.rendezvous import RankCard, RendezvousError
 from kvferry.cluster.router import Ledger
 from kvferry.cluster.runtime import RankRuntime
-from kvferry.cluster.topology import Role, Topology, TopologyError
+from kvferry.cluster.topology import Role, Topology, TopologyError, group_heads, head_range
 from kvferry.engine.protocol.words import Kind
 from kvferry.engine.tokenizer import encode as tokenize
 from kvferry.transfer import BatchStatus, PeerFailedError, WireError
@@ -40,6 +40,37 @@ def test_topology_roles_and_groups():
 def test_topology_refuses_bad_shapes(kwargs):
     with pytest.raises(TopologyError):
         Topology(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "tp, kv_heads, writes",
+    [
+        (1, 2, [(0, 2)]),
+        (2, 4, [(0, 2), (2, 4)]),
+        (2, 3, [(0, 1), (1, 3)]),  # uneven: the last member takes one more
+        (4, 2, [(0, 1), None, (1, 2), None]),  # replicated GQA: first holder writes
+        (4, 3, [(0, 1), None, (1, 2), (2, 3)]),
+        (4, 1, [(0, 1), None, None, None]),
+    ],
+)
+def test_group_heads_every_head_written_once(tp, kv_heads, writes):
+    assert group_heads(tp, kv_heads) == writes
+    written = [h for lo_hi in writes if lo_hi for h in range(*lo_hi)]
+    assert written == list(range(kv_heads))
+    for position, lo_hi in enumerate(writes):  # a writer writes exactly what it holds
+        assert lo_hi is None or lo_hi == head_range(position, tp, kv_heads)
+    t = Topology(world_size=2 + tp, prefill=tp, decode=1, tp=tp)
+    group = t.prefill_groups[0]
+    assert t.writers_in(group, kv_heads) == [r for r, h in zip(group, writes, strict=True) if h]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 9))
+def test_group_heads_cover_every_head_once_for_any_pair(tp, kv_heads):
+    writes = group_heads(tp, kv_heads)
+    written = sorted(h for lo_hi in writes if lo_hi for h in range(*lo_hi))
+    assert written == list(range(kv_heads))
+    assert sum(w is not None for w in writes) == min(tp, kv_heads)
 
 
 # ---------------------------------------------------------------- wire

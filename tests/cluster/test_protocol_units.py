@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from kvferry.cluster import messages as m
 from kvferry.cluster.decode import DecodeRank, OwnerState
@@ -753,3 +754,88 @@ def test_a_router_admits_nothing_until_every_live_rank_has_reported(gated, monke
         assert small.owner == 2
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------- prefill groups sharing heads
+@pytest.mark.parametrize(
+    "kv_heads, tp, head_of",
+    [
+        (2, 4, {1: (0, 1), 3: (1, 2)}),  # replicated GQA: ranks 2 and 4 write nothing
+        (3, 2, {1: (0, 1), 2: (1, 3)}),  # uneven: the second member writes two heads
+    ],
+    ids=["gqa-replicated", "uneven"],
+)
+@pytest.mark.parametrize("listed", ["writing-members", "broken-every-member", "broken-even-split"])
+def test_an_owner_checks_each_writing_member_against_the_heads_it_writes(
+    listed, kv_heads, tp, head_of, monkeypatch
+):
+    """A prefill group of 4 over 2 KV heads: members 0 and 1 share head 0, members 2 and
+    3 head 1, and only the first holder of each writes it (ranks 1 and 3 of ranks 1-4);
+    a group of 2 over 3 heads: the second member writes two. The owner checks each
+    writer's notice against that writer's heads, and verifies. Broken modes: a router
+    that lists every member as a writer (the owner would wait for notices that never
+    come, and check heads against the wrong writers): the owner refuses the ASSIGN with
+    the numbers before it allocates a page; an owner that splits the heads evenly over
+    its writers (as before uneven groups): the uneven group's checks fail."""
+    if listed == "broken-even-split":
+        monkeypatch.setattr(
+            DecodePath,
+            "heads_of",
+            lambda self, req, w: (
+                req.writers.index(w) * (kv_heads // len(req.writers)),
+                (req.writers.index(w) + 1) * (kv_heads // len(req.writers)),
+            ),
+        )
+    model = ReplayModel(ReplayConfig(layers=1, kv_heads=kv_heads, head_dim=32, max_positions=4096))
+    rt = TimedRuntime(rank=5)
+    owner = DecodeRank.serving(
+        rt,
+        model,
+        KVPool(model.pool_config(16, 64)),
+        router=0,
+        transfer_timeout_s=5.0,
+        abort_deadline_s=1.0,
+        prefill_tp=tp,
+    )
+    writers = [1, 2, 3, 4] if listed == "broken-every-member" else sorted(head_of)
+    rt.deliver(
+        m.ASSIGN, src=0, rid="g1", prompt_len=40, max_tokens=8, writers=writers, last_token=7
+    )
+    if listed == "broken-every-member":
+        assert "g1" not in owner.reqs and owner.allocator.counts()["owned"] == 0
+        assert "PLAN" not in rt.kinds()
+        done = next(f for _, k, f in rt.sent if k == "DONE")
+        assert done["outcome"] == "failed"
+        why = (
+            f"4 writers [1, 2, 3, 4] listed, but a prefill group of {tp} has {len(head_of)} "
+            "writing members"
+        )
+        assert why in done["error"]
+        aborts = [(to, f["reason"]) for to, k, f in rt.sent if k == "ABORT"]
+        assert [to for to, _ in aborts] == writers and all(why in r for _, r in aborts)
+        return
+    plan = next(f for _, k, f in rt.sent if k == "PLAN")
+    pages, gens = plan["pages"][:3], plan["generations"][:3]
+    kv = owner.pool.kv
+    kv[pages] = torch.randn(len(pages), *kv.shape[1:]).to(kv.dtype)  # what landed
+    for w in writers:
+        lo, hi = head_of[w]
+        view = kv[:, :, :, lo:hi]
+        rt.deliver(
+            m.NOTICE,
+            src=w,
+            rid="g1",
+            tokens=40,
+            offset=0,
+            total=3,
+            pages=pages,
+            generations=gens,
+            checksums=page_checksums(view, pages).tolist(),
+            bytes=3 * view[0].numel() * view.element_size(),
+        )
+    rt.pump()
+    if listed == "broken-even-split":
+        evenly_split = kv_heads % len(writers) == 0
+        assert (owner.reqs.get("g1") is not None) == evenly_split  # caught when uneven
+        return
+    assert owner.reqs["g1"].state is OwnerState.DECODING

@@ -192,6 +192,32 @@ def test_corruption_goes_unnoticed_without_integrity_checks(cluster_factory):
     assert reply.body["text"] != expected_replay(prompt, 300)
 
 
+@pytest.mark.parametrize(
+    "kv_heads, tp, writers",
+    [(3, 2, [1, 2]), (2, 4, [1, 3])],
+    ids=["uneven-3-heads-over-2", "gqa-2-heads-over-4"],
+)
+def test_prefill_groups_whose_size_does_not_divide_the_heads(
+    cluster_factory, kv_heads, tp, writers
+):
+    """A group of 2 over 3 KV heads (the second member computes and writes two) and a
+    group of 4 over 2 (members share a head; its first holder writes it, the others are
+    sent nothing): answers equal the monolithic engine's, and the router's log names the
+    writing members only."""
+    c = cluster_factory(
+        2 + tp, *COMMON, "--prefill", str(tp), "--tp", str(tp), "--kv-heads", str(kv_heads)
+    )
+    prompts = workload(6)
+    replies = run_concurrently(c, prompts)
+    assert [r.status for r in replies] == [200] * len(prompts), [
+        r.body for r in replies if r.status != 200
+    ]
+    assert [r.body["text"] for r in replies] == oracle(prompts, kv_heads=kv_heads)
+    assert c.quiesce() == 0
+    routed = re.findall(r"-> prefill (\[[0-9, ]*\]), decode", c.log.read_text())
+    assert len(routed) >= len(prompts) and set(routed) == {str(writers)}
+
+
 def test_tensor_parallel_prefill_group_of_two(cluster_factory):
     c = cluster_factory(4, *COMMON, "--prefill", "2", "--tp", "2")
     prompts = workload(8)

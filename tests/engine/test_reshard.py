@@ -235,10 +235,13 @@ def test_head_span(kv_heads, tp, replicated, spans):
 
 @pytest.mark.parametrize(("kv_heads", "tp"), [(8, 1), (8, 2), (8, 4), (4, 4), (16, 4)])
 def test_head_span_is_head_range_when_tp_divides(kv_heads, tp):
+    """When tp divides the heads, each rank holds K/tp of them, in rank order (the
+    cluster's head_range is this same span)."""
     shape = KVShape(1, kv_heads, 4, 2)
-    assert [head_span(shape, tp, r) for r in range(tp)] == [
-        head_range(r, tp, kv_heads) for r in range(tp)
-    ]
+    per = kv_heads // tp
+    expected = [(r * per, (r + 1) * per) for r in range(tp)]
+    assert [head_span(shape, tp, r) for r in range(tp)] == expected
+    assert [head_range(r, tp, kv_heads) for r in range(tp)] == expected
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ decode ranks; each owns the pages it allocates.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from kvferry.engine.reshard import KVShape, PoolLayout, assign_heads, head_span
@@ -29,7 +30,8 @@ def head_range(position: int, group_size: int, kv_heads: int) -> tuple[int, int]
     return head_span(KVShape(1, kv_heads, 1, 1), group_size, position)
 
 
-def group_heads(group_size: int, kv_heads: int) -> list[tuple[int, int] | None]:
+@functools.cache
+def group_heads(group_size: int, kv_heads: int) -> tuple[tuple[int, int] | None, ...]:
     """Per member of a prefill group, the KV heads ``[lo, hi)`` it writes into a decode
     rank (which holds every head), or None for a member that writes nothing: where
     members share a head (more members than heads), the first member holding it writes
@@ -40,7 +42,7 @@ def group_heads(group_size: int, kv_heads: int) -> list[tuple[int, int] | None]:
     out: list[tuple[int, int] | None] = [None] * group_size
     for (member, _), heads in pairs.items():
         out[member] = (heads[0], heads[-1] + 1)
-    return out
+    return tuple(out)
 
 
 class TopologyError(ValueError):

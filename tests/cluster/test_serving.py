@@ -193,26 +193,26 @@ def test_corruption_goes_unnoticed_without_integrity_checks(cluster_factory):
 
 
 @pytest.mark.parametrize(
-    "kv_heads, tp, writers",
-    [(3, 2, [1, 2]), (2, 4, [1, 3])],
-    ids=["uneven-3-heads-over-2", "gqa-2-heads-over-4"],
+    "kv_heads, tp, writers, model",
+    [(3, 2, [1, 2], "replay"), (3, 2, [1, 2], "llama"), (2, 4, [1, 3], "replay")],
+    ids=["uneven-3-heads-over-2", "uneven-llama", "gqa-2-heads-over-4"],
 )
 def test_prefill_groups_whose_size_does_not_divide_the_heads(
-    cluster_factory, kv_heads, tp, writers
+    cluster_factory, kv_heads, tp, writers, model
 ):
     """A group of 2 over 3 KV heads (the second member computes and writes two) and a
     group of 4 over 2 (members share a head; its first holder writes it, the others are
     sent nothing): answers equal the monolithic engine's, and the router's log names the
     writing members only."""
-    c = cluster_factory(
-        2 + tp, *COMMON, "--prefill", str(tp), "--tp", str(tp), "--kv-heads", str(kv_heads)
-    )
+    shape = ["--kv-heads", str(kv_heads), "--q-heads", str(2 * kv_heads), "--model", model]
+    c = cluster_factory(2 + tp, *COMMON, "--prefill", str(tp), "--tp", str(tp), *shape)
     prompts = workload(6)
     replies = run_concurrently(c, prompts)
     assert [r.status for r in replies] == [200] * len(prompts), [
         r.body for r in replies if r.status != 200
     ]
-    assert [r.body["text"] for r in replies] == oracle(prompts, kv_heads=kv_heads)
+    expected = oracle(prompts, kv_heads=kv_heads, q_heads=2 * kv_heads, model=model)
+    assert [r.body["text"] for r in replies] == expected
     assert c.quiesce() == 0
     routed = re.findall(r"-> prefill (\[[0-9, ]*\]), decode", c.log.read_text())
     assert len(routed) >= len(prompts) and set(routed) == {str(writers)}

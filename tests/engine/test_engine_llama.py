@@ -60,6 +60,22 @@ def test_tensor_parallel_prefill_composes():
     assert torch.equal(full.kv, sharded.kv)
 
 
+@pytest.mark.parametrize(
+    "kv_heads, spans", [(3, [(0, 1), (1, 3)]), (3, [(0, 1), (1, 2), (2, 3)])], ids=["1+2", "1+1+1"]
+)
+def test_uneven_tensor_parallel_prefill_composes(kv_heads, spans):
+    """Shards of unequal size (a group that does not divide the heads) write exactly the
+    whole prefill's KV between them."""
+    model = LlamaModel(LlamaConfig(layers=2, q_heads=2 * kv_heads, kv_heads=kv_heads, head_dim=8))
+    tokens = _tokens(17)
+    full = KVPool(model.pool_config(page_size=8, num_pages=3), zero=True)
+    sharded = KVPool(model.pool_config(page_size=8, num_pages=3), zero=True)
+    model.prefill(full.kv, tokens, [0, 1, 2])
+    for span in spans:
+        model.prefill(sharded.kv, tokens, [0, 1, 2], head_range=span)
+    assert torch.equal(full.kv, sharded.kv)
+
+
 def test_batched_decode_matches_single():
     model = LlamaModel(CONFIG)
     prompts = [_tokens(9, 1), _tokens(30, 2), _tokens(17, 3)]

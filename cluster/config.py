@@ -17,6 +17,7 @@ class ServeConfig:
     q_heads: int = 2
     head_dim: int = 32
     page_size: int = 16
+    prefill_page_size: int | None = None  # prefill ranks' pages (None: page_size)
     dtype: str = "fp32"
     pool_tokens: int = 65536  # per rank, before measuring what was really allocated
     context_length: int = 32768
@@ -100,6 +101,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=d.page_size,
         help="tokens per page, 1 or more (default %(default)s)",
+    )
+    m.add_argument(
+        "--prefill-page-size",
+        type=positive_int,
+        default=None,
+        help="tokens per page of the prefill ranks' pools, when they differ from the decode "
+        "ranks' (--page-size): each writer then writes its heads' bytes into the decode "
+        "pages as runs, checksummed per destination page (default: --page-size)",
     )
     m.add_argument(
         "--dtype",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,8 @@ from kvferry.engine.kernels.ownership import (
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.ports import Clock
+from kvferry.engine.reshard import KVShape, heads_between_pools
+from kvferry.engine.run_checksum import region_checksums, word_unit
 from kvferry.engine.verify import Notice as VerifyNotice
 from kvferry.engine.verify import (
     Planned,
@@ -197,7 +199,7 @@ class DecodePath(ReadPath):
         must repeat). Raises IntegrityError."""
         for w in req.writers:
             n = req.notices[w]
-            planned, view = self._planned(req, w)
+            planned, checksums_of, per_step = self._checks(req, w)
             notice = VerifyNotice(w, n.tokens, n.pages, n.generations, n.checksums, n.bytes)
             check_notice(planned, notice)
             if not self.integrity:
@@ -206,9 +208,46 @@ class DecodePath(ReadPath):
             checked = req.part_checked.get(w)
             if checked is not None and len(notice.checksums) == len(notice.pages):
                 notice, planned = self._unchecked(req, w, notice, planned, *checked)
-            yield from checksum_steps(
-                planned, notice, functools.partial(page_checksums, view), self._per_step(view)
-            )
+            yield from checksum_steps(planned, notice, checksums_of, per_step)
+
+    def _checks(
+        self, req: OwnedRequest, writer: int
+    ) -> tuple[Planned, Callable[[Sequence[int]], torch.Tensor], int]:
+        """What ``writer`` must write for ``req``, how the bytes that landed in its pages
+        are checksummed, and how many pages a step checks. A writer whose pages hold
+        another number of tokens (``--prefill-page-size``) writes its heads as runs; its
+        checksums are of what those runs put in each of the owner's pages."""
+        card = self.rt.cards.get(writer)
+        src_size = card.page_size if card is not None else self.pool.page_size
+        if src_size == self.pool.page_size:
+            planned, view = self._planned(req, writer)
+            return planned, functools.partial(page_checksums, view), self._per_step(view)
+        pool = self.pool
+        need = pages_needed(req.prompt_len, 0, pool.page_size)
+        pages, generations = req.planned_rows
+        shape = KVShape(pool.layers, pool.kv_heads, pool.head_dim, pool.kv.element_size())
+        # the destination bytes do not depend on the writer's pages: any list will do
+        runs = heads_between_pools(
+            shape,
+            self.heads_of(req, writer),
+            req.prompt_len,
+            (src_size, range(pages_needed(req.prompt_len, 0, src_size))),
+            (pool.page_size, list(pages[:need])),
+        )
+        planned = Planned(
+            req.rid, req.prompt_len, pages[:need], generations[:need], int(runs[:, 2].sum())
+        )
+        unit = word_unit(shape.vector_bytes)
+        page_of = runs[:, 1] // pool.page_bytes
+
+        def checksums_of(chunk: Sequence[int]) -> torch.Tensor:
+            mine = runs[np.isin(page_of, list(chunk))]
+            got, sums = region_checksums(pool.kv, mine, pool.page_bytes, unit, read=1)
+            by_page = dict(zip(got.tolist(), sums.tolist(), strict=True))
+            return torch.tensor([by_page.get(p, -1) for p in chunk], dtype=torch.int64)
+
+        per_page = max(1, planned.bytes // max(1, need))
+        return planned, checksums_of, max(1, CHECKSUM_SLICE_BYTES // per_page)
 
     def _planned(self, req: OwnedRequest, writer: int) -> tuple[Planned, torch.Tensor]:
         """What ``writer`` must write for ``req`` (the prompt's pages, for its heads), and

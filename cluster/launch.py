@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if role is not Role.ROUTER:
             model = build_model(cfg)
-            pcfg = pool_config(cfg, model)
+            pcfg = pool_config(cfg, model, prefill=role is Role.PREFILL)
             segment = engine.allocate(pcfg.total_bytes)
             pool = KVPool.from_buffer(pcfg, segment.as_torch())
             lowered = (
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         incarnation=engine.incarnation,
         segment=segment.descriptor().pack() if segment is not None else None,
         num_pages=pool.num_pages if pool is not None else 0,
-        page_size=cfg.page_size,
+        page_size=pool.page_size if pool is not None else cfg.page_size,
         capacity_tokens=pool.capacity_tokens if pool is not None else 0,
         context_length=context_length,
         host=this_host(),

@@ -36,6 +36,9 @@ def build_model(cfg: ServeConfig) -> PagedModel:
     )
 
 
-def pool_config(cfg: ServeConfig, model: PagedModel) -> PoolConfig:
-    pages = max(1, cfg.pool_tokens // cfg.page_size)
-    return model.pool_config(cfg.page_size, pages, dtype=parse_dtype(cfg.dtype))
+def pool_config(cfg: ServeConfig, model: PagedModel, *, prefill: bool = False) -> PoolConfig:
+    """The pool of a decode rank, or of a prefill rank (``prefill``: its own page size,
+    ``--prefill-page-size``, when given)."""
+    page_size = (cfg.prefill_page_size or cfg.page_size) if prefill else cfg.page_size
+    pages = max(1, cfg.pool_tokens // page_size)
+    return model.pool_config(page_size, pages, dtype=parse_dtype(cfg.dtype))

@@ -25,6 +25,8 @@ from kvferry.engine.protocol import writer as core
 from kvferry.engine.protocol.ports import Clock
 from kvferry.engine.protocol.words import AbortSource
 from kvferry.engine.protocol.writer import WriterEvent, WriterState
+from kvferry.engine.reshard import KVShape, heads_between_pools
+from kvferry.engine.run_checksum import region_checksums, word_unit
 from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
 from kvferry.transfer.wire import Message
 
@@ -102,19 +104,24 @@ class WritePath:
     def _plan_covers(self, job: WriteJob) -> bool:
         """The owner's plan has a page for every source page; else the job fails."""
         assert job.tokens is not None and job.dst_pages is not None
-        if len(job.dst_pages) >= len(job.src_pages):
+        needed = self.dst_pages_needed(job)
+        if len(job.dst_pages) >= needed:
             return True
         self.driver.fail(
             job,
             AbortSource.PREFILL,
             f"plan holds {len(job.dst_pages)} pages but the prompt of "
-            f"{len(job.tokens)} tokens needs {len(job.src_pages)}",
+            f"{len(job.tokens)} tokens needs {needed}",
         )
         return False
 
     def _post(self, job: WriteJob, rows: np.ndarray) -> Any:
         """Post ``rows`` of the job's queue as one batch; the batch."""
         raise NotImplementedError
+
+    def dst_pages_needed(self, job: WriteJob) -> int:
+        """The owner's pages the prompt fills (as many as the source's, same page size)."""
+        return len(job.src_pages)
 
     def _post_next(self, job: WriteJob) -> bool:
         """Post the next bounded batch of this job (one at a time, so an abort stops
@@ -214,6 +221,55 @@ class PrefillPath(WritePath):
         self._run_lengths = np.array([n for _, n in runs], dtype=np.int64)
         self.row_bytes = int(self._run_lengths[0])
 
+    # -------------------------------------------------------------- reshaped writes
+    def _owner_page_size(self, job: WriteJob) -> int:
+        card = self.rt.cards.get(job.owner)
+        return card.page_size if card is not None else self.pool.page_size
+
+    def reshaped(self, job: WriteJob) -> bool:
+        """The owner's pages hold another number of tokens than this writer's: the prompt
+        goes as runs planned once (:func:`~kvferry.engine.reshard.heads_between_pools`),
+        checksummed per destination page (:mod:`~kvferry.engine.run_checksum`), in one
+        part (no pipelining)."""
+        return self._owner_page_size(job) != self.pool.page_size
+
+    def dst_pages_needed(self, job: WriteJob) -> int:
+        assert job.tokens is not None
+        if not self.reshaped(job):
+            return len(job.src_pages)
+        return -(-len(job.tokens) // self._owner_page_size(job))
+
+    def _kv_shape(self) -> KVShape:
+        pool = self.pool
+        return KVShape(pool.layers, pool.kv_heads, pool.head_dim, pool.kv.element_size())
+
+    def _runs_into(self, job: WriteJob, dst_pages: list[int]) -> np.ndarray:
+        """``[n, 3]`` runs of this writer's heads of the whole prompt into ``dst_pages``."""
+        assert job.tokens is not None
+        return heads_between_pools(
+            self._kv_shape(),
+            self.heads,
+            len(job.tokens),
+            (self.pool.page_size, job.src_pages),
+            (self._owner_page_size(job), dst_pages),
+        )
+
+    def _dst_page_bytes(self, job: WriteJob) -> int:
+        return self.pool.page_bytes // self.pool.page_size * self._owner_page_size(job)
+
+    def _region_checksums(self, job: WriteJob) -> list[int]:
+        """Per destination page of the prompt, in order, the checksum of what this writer
+        writes into it; the page numbers do not change the values, so they are taken
+        before the plan is in (pages 0, 1, ... stand for the plan's)."""
+        needed = self.dst_pages_needed(job)
+        runs = self._runs_into(job, list(range(needed)))
+        dst_page_bytes = self._dst_page_bytes(job)
+        unit = word_unit(self._kv_shape().vector_bytes)
+        pages, sums = region_checksums(self.pool.kv, runs, dst_page_bytes, unit, read=0)
+        if pages.tolist() != list(range(needed)):  # pragma: no cover - the plan covers each
+            raise AssertionError(f"request {job.rid}: regions of pages {pages.tolist()[:8]}")
+        return sums.tolist()
+
     # -------------------------------------------------------------- faults
     def at_point(self, job: WriteJob, point: str, then: Callable[[WriteJob], Any]) -> None:
         """Ask the fault layer at ``point``; then go on (now, or after an injected pause,
@@ -296,7 +352,9 @@ class PrefillPath(WritePath):
             computing += self.clock.now() - t0
             if layer is _END:
                 break
-            if layer is None and final.after(layer) > job.final_pages:  # a part is ready
+            if (
+                layer is None and final.after(layer) > job.final_pages and not self.reshaped(job)
+            ):  # a part is ready
                 job.final_pages = final.pages
                 self.driver.feed(job, WriterEvent.KV_PART)
                 if job.state not in COMPUTING:
@@ -312,6 +370,10 @@ class PrefillPath(WritePath):
                     break
         job.prefill_ms = 1e3 * computing
         if not self.integrity:
+            return
+        if self.reshaped(job):
+            job.checksums = self._region_checksums(job)
+            yield
             return
         view = self._view()
         per_step = max(1, CHECKSUM_SLICE_BYTES // (view[0].numel() * view.element_size()))
@@ -350,13 +412,23 @@ class PrefillPath(WritePath):
         faults = self.rt.faults
         if not job.posted_pages:  # no part went before: the whole prompt goes now
             faults.tamper_source(job.rid, job.tokens, self.pool, job.src_pages, self.heads)
-            job.sent_pages = faults.pages_to_write(job.rid, job.tokens, len(job.src_pages))
+            job.sent_pages = faults.pages_to_write(job.rid, job.tokens, self.dst_pages_needed(job))
         job.part = None  # a part still in flight is covered by the notice now
         if job.posted_pages >= job.sent_pages:  # every page went in parts
             if not job.book.in_flight:
                 self.driver.feed(job, WriterEvent.ALL_LANDED)
             return
-        triples = self._triples(job, job.posted_pages, job.sent_pages)
+        if self.reshaped(job):  # the owner's pages [0, sent): runs planned once
+            assert job.dst_pages is not None and not job.posted_pages
+            needed = self.dst_pages_needed(job)
+            triples = self._runs_into(job, job.dst_pages[:needed])
+            if job.sent_pages < needed:  # a short write (a fault): the first pages only
+                kept = np.isin(
+                    triples[:, 1] // self._dst_page_bytes(job), job.dst_pages[: job.sent_pages]
+                )
+                triples = triples[kept]
+        else:
+            triples = self._triples(job, job.posted_pages, job.sent_pages)
         job.posted_pages = job.sent_pages
         job.posted_bytes += int(triples[:, 2].sum())
         if job.book.in_flight:  # a part's batch: the rest follows it, one batch at a time

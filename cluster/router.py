@@ -142,6 +142,8 @@ class Router:
         self.admission_wait_s = admission_wait_s
         self.metrics = metrics
         self.page_size = cards[topology.decode_ranks[0]].page_size
+        prefill_card = cards.get(topology.prefill_ranks[0])
+        self.prefill_page_size = prefill_card.page_size if prefill_card else self.page_size
         self._capacity_changed = asyncio.Event()
         self.core: RouterCore[RoutedRequest] = RouterCore(
             RouterPorts(
@@ -203,7 +205,7 @@ class Router:
     def _pick(self, prompt_len: int, need_decode: int) -> tuple[int, list[int]] | None:
         if self.waiting_for_reports():
             return None
-        need_prefill = pages_needed(prompt_len, 0, self.page_size)
+        need_prefill = pages_needed(prompt_len, 0, self.prefill_page_size)
         decodes = [
             r
             for r in self.topology.decode_ranks
@@ -240,7 +242,8 @@ class Router:
             )
         decode_cap = max(self.ledger.totals[r] for r in healthy_decode) * self.page_size
         prefill_cap = (
-            max(min(self.ledger.totals[r] for r in g) for g in healthy_prefill) * self.page_size
+            max(min(self.ledger.totals[r] for r in g) for g in healthy_prefill)
+            * self.prefill_page_size
         )
         admit(rid, prompt_len, max_tokens, self.context_length, decode_cap)
         if prompt_len > prefill_cap:
@@ -304,7 +307,7 @@ class Router:
         self.requests[rid] = routed
         self.ledger.reserve(owner, rid, need)
         for w in writers:
-            self.ledger.reserve(w, rid, pages_needed(len(tokens), 0, self.page_size))
+            self.ledger.reserve(w, rid, pages_needed(len(tokens), 0, self.prefill_page_size))
         req.transition(S.PREFILLING)
         routed.deadline = asyncio.get_running_loop().call_later(
             self.request_timeout_s,

@@ -436,6 +436,35 @@ def plan(
     return result
 
 
+def heads_between_pools(
+    shape: KVShape,
+    heads: tuple[int, int],
+    tokens: int,
+    src: tuple[int, Sequence[int]],
+    dst: tuple[int, Sequence[int]],
+) -> Runs:
+    """The runs that carry heads ``[lo, hi)`` of a request's ``tokens`` tokens from one
+    pool to another, where both pools hold every KV head (HND pages, as a cluster's prefill
+    and decode ranks do) but their page sizes differ: ``src`` and ``dst`` are each
+    ``(page_size, page list)``. Only slots of tokens ``< tokens`` are written. The
+    destination offsets depend only on ``dst`` (an owner that does not know the writer's
+    pages can plan the same bytes with any source list of the right length)."""
+    lo, hi = heads
+    if not 0 <= lo < hi <= shape.kv_heads:
+        raise ReshardError(f"heads [{lo}, {hi}) outside the {shape.kv_heads} KV heads")
+    (src_size, src_pages), (dst_size, dst_pages) = src, dst
+    gw = rank_geometry(shape, PoolLayout(1, src_size), 0)
+    go = rank_geometry(shape, PoolLayout(1, dst_size), 0)
+    tables = (
+        _page_table(src_pages, tokens, src_size, "prefill", 0),
+        _page_table(dst_pages, tokens, dst_size, "decode", 0),
+    )
+    if not tokens:
+        return np.zeros((0, 3), dtype=np.int64)
+    hs = np.arange(lo, hi, dtype=np.int64)
+    return _pair_runs(shape, gw, go, hs, tokens, tables)
+
+
 # --- the reference: slow and obviously correct, for the tests only ---------------------
 
 

@@ -11,6 +11,13 @@ the goal being at least 0.5; and ``agree``, whether native and reference gave th
 values on the pages both checksummed. Each figure is the median of ``--reps`` timed runs
 after one warm-up. torch runs on ``--threads`` threads (default 1: the native checksum is
 single-threaded). A first line gives the host's load, context for noisy figures.
+
+Then one line per (pool size, run size) for region checksums (``op: regions``, see
+:mod:`kvferry.engine.run_checksum`: what a writer and an owner of a reshaped transfer
+check): the pool cut into runs of ``--run-kib`` read in a random order, regions of
+``--region-kib`` in the destination; ``regions_gbps`` (native run sums and their
+combination) beside ``memcpy_gbps``, and ``agree`` (native and torch run sums on the first
+``--reference-mib``).
 """
 
 from __future__ import annotations
@@ -22,12 +29,18 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvferry.engine.integrity import (
     native_supports,
     page_checksums_native,
     page_checksums_reference,
+)
+from kvferry.engine.run_checksum import (
+    region_checksums,
+    run_checksums_native,
+    run_checksums_reference,
 )
 
 MiB = 1 << 20
@@ -82,6 +95,44 @@ def run_one(pool_mib: int, page_kib: int, reps: int, reference_mib: int, seed: i
     )
 
 
+def run_regions(
+    pool_mib: int, run_kib: int, region_kib: int, reps: int, reference_mib: int, seed: int
+) -> None:
+    run_bytes, nbytes = run_kib << 10, pool_mib * MiB
+    n = nbytes // run_bytes
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(nbytes // 2, generator=gen).to(torch.bfloat16)
+    dst = torch.zeros_like(kv)
+    order = torch.randperm(n, generator=gen).numpy().astype(np.int64)
+    runs = np.stack(
+        [order * run_bytes, np.arange(n, dtype=np.int64) * run_bytes, np.full(n, run_bytes)],
+        axis=1,
+    )
+    region_bytes = max(run_bytes, region_kib << 10)
+    memcpy = median_seconds(lambda: dst.copy_(kv), reps)
+    regions = median_seconds(lambda: region_checksums(kv, runs, region_bytes, 4, read=0), reps)
+    some = runs[: max(1, (reference_mib * MiB) // run_bytes)]
+    agree = bool(
+        (
+            run_checksums_native(kv, some[:, 0], some[:, 2], 4)
+            == run_checksums_reference(kv, some[:, 0], some[:, 2], 4)
+        ).all()
+    )
+    emit(
+        bench="checksum",
+        op="regions",
+        pool_mib=pool_mib,
+        run_kib=run_kib,
+        region_kib=region_bytes >> 10,
+        runs=n,
+        memcpy_gbps=round(nbytes / memcpy / 1e9, 3),
+        regions_gbps=round(nbytes / regions / 1e9, 3),
+        regions_over_memcpy=round(memcpy / regions, 3),
+        agree=agree,
+        reps=reps,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--pool-mib", default="64,256", help="pool sizes, comma-separated")
@@ -90,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--reference-mib", type=int, default=16, help="bytes the torch reference checksums"
     )
+    ap.add_argument("--run-kib", default="2,16", help="region rows: run sizes, comma-separated")
+    ap.add_argument("--region-kib", type=int, default=256, help="region rows: region size")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (copy_, reference)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -103,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     for pool_mib in (int(x) for x in args.pool_mib.split(",")):
         for page_kib in (int(x) for x in args.page_kib.split(",")):
             run_one(pool_mib, page_kib, args.reps, args.reference_mib, args.seed)
+    for pool_mib in (int(x) for x in args.pool_mib.split(",")):
+        for run_kib in (int(x) for x in args.run_kib.split(",")):
+            run_regions(
+                pool_mib, run_kib, args.region_kib, args.reps, args.reference_mib, args.seed
+            )
     return 0
 
 

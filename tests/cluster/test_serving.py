@@ -218,6 +218,34 @@ def test_prefill_groups_whose_size_does_not_divide_the_heads(
     assert len(routed) >= len(prompts) and set(routed) == {str(writers)}
 
 
+@pytest.mark.parametrize(
+    "prefill_page, decode_page, tp", [(16, 32, 1), (64, 16, 2)], ids=["16-to-32", "64-to-16-tp2"]
+)
+def test_prefill_pages_of_another_size_than_decode(cluster_factory, prefill_page, decode_page, tp):
+    """Prefill ranks with pages of another size than the decode rank's: answers equal the
+    monolithic engine's; a page corrupted in flight fails its request with the checksum
+    of the owner's page that holds it, and a short write fails before decode."""
+    c = cluster_factory(
+        2 + tp,
+        *COMMON,
+        "--prefill", str(tp), "--tp", str(tp),
+        "--page-size", str(decode_page), "--prefill-page-size", str(prefill_page),
+        "--fault", f"corrupt-page:{CORRUPT_MARKER}", "--fault", f"short-write:{SHORT_MARKER}",
+    )  # fmt: skip
+    prompts = workload(6)
+    replies = run_concurrently(c, prompts)
+    assert [r.status for r in replies] == [200] * len(prompts), [
+        r.body for r in replies if r.status != 200
+    ]
+    assert [r.body["text"] for r in replies] == oracle(prompts, page_size=decode_page)
+    corrupt = c.complete(make_prompt(CORRUPT_MARKER, 300), 300)
+    assert corrupt.status == 500 and "checksum mismatch" in corrupt.body["message"]
+    short = c.complete(make_prompt(SHORT_MARKER, 300), 300)
+    needs = f"needs {-(-300 // decode_page)}"
+    assert short.status == 500 and needs in short.body["message"], short.body
+    assert c.quiesce() == 0
+
+
 def test_tensor_parallel_prefill_group_of_two(cluster_factory):
     c = cluster_factory(4, *COMMON, "--prefill", "2", "--tp", "2")
     prompts = workload(8)

@@ -1,0 +1,116 @@
+"""A prefill rank whose pages hold another number of tokens than its owner's
+(``--prefill-page-size``), against recording runtimes, no processes: the writer writes its
+heads of the prompt as runs planned once, the notice names the owner's pages with one
+checksum each of what the runs put there, and the owner's I5 checks pass on the bytes
+that landed and decode reads the prompt back. Broken modes: a byte torn in flight, and a
+writer that writes its pages as if both sides had its page size; both are caught before
+decode reads a page."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from test_protocol_units import RecordingRuntime, TimedRuntime, _card
+
+from kvferry.cluster import messages as m
+from kvferry.cluster import prefill_path
+from kvferry.cluster.decode import DecodeRank, OwnerState
+from kvferry.cluster.prefill import PrefillRank
+from kvferry.engine.models import ReplayConfig, ReplayModel
+from kvferry.engine.pool import KVPool
+
+PROMPT = 100
+WRITER, OWNER = 1, 2
+
+
+def _model() -> ReplayModel:
+    return ReplayModel(ReplayConfig(layers=2, kv_heads=2, head_dim=32, max_positions=4096))
+
+
+def _ranks(src_page: int, dst_page: int):
+    cards = {
+        WRITER: dataclasses.replace(_card(WRITER, "prefill"), page_size=src_page),
+        OWNER: dataclasses.replace(_card(OWNER, "decode"), page_size=dst_page),
+    }
+    wrt, ort = RecordingRuntime(WRITER, cards), TimedRuntime(OWNER)
+    ort.cards = cards
+    model = _model()
+    writer = PrefillRank.serving(
+        wrt, model, KVPool(model.pool_config(src_page, 32)), None, (0, 2), router=0
+    )
+    owner = DecodeRank.serving(
+        ort,
+        model,
+        KVPool(model.pool_config(dst_page, 32), zero=True),
+        router=0,
+        transfer_timeout_s=5.0,
+        abort_deadline_s=1.0,
+    )
+    return writer, wrt, owner, ort
+
+
+def _land(writer: PrefillRank, owner: DecodeRank, writes) -> None:
+    src = writer.pool.kv.reshape(-1).view(torch.uint8)
+    dst = owner.pool.kv.reshape(-1).view(torch.uint8)
+    for _, triples in writes:
+        for s, d, n in np.asarray(triples).tolist():
+            dst[d : d + n] = src[s : s + n]
+
+
+def _serve(src_page: int, dst_page: int, tamper: bool = False):
+    writer, wrt, owner, ort = _ranks(src_page, dst_page)
+    tokens = (np.arange(PROMPT) * 7 % 400).astype("<i4")
+    ort.deliver(
+        m.ASSIGN, src=0, rid="r", prompt_len=PROMPT, max_tokens=4, writers=[WRITER],
+        last_token=int(tokens[-1]),
+    )  # fmt: skip
+    plan = next(f for _, k, f in ort.sent if k == "PLAN")
+    wrt.deliver(m.PLAN, src=OWNER, **plan)
+    wrt.deliver(
+        m.PREFILL, src=0, rid="r", tokens=tokens.tobytes(), offset=0, total=PROMPT,
+        owner=OWNER, owner_inc=1,
+    )  # fmt: skip
+    for _ in range(50):
+        wrt.pump()
+    _land(writer, owner, wrt.writes)
+    if tamper:
+        owner.pool.kv.reshape(-1).view(torch.uint8)[int(wrt.writes[0][1][3][1]) + 5] ^= 1
+    notice = next(f for _, k, f in wrt.sent if k == "NOTICE")
+    ort.deliver(m.NOTICE, src=WRITER, **notice)
+    ort.pump()
+    return owner, ort, tokens, notice
+
+
+@pytest.mark.parametrize("src_page, dst_page", [(16, 32), (32, 16), (16, 64), (64, 16), (32, 64)])
+def test_the_owner_verifies_and_decodes_what_a_reshaped_writer_wrote(src_page, dst_page):
+    owner, ort, tokens, notice = _serve(src_page, dst_page)
+    need = -(-PROMPT // dst_page)
+    assert len(notice["pages"]) == len(notice["checksums"]) == need
+    assert notice["bytes"] == PROMPT * 2 * 2 * 2 * 32 * 4  # tokens x layers x K/V x heads x dim
+    assert owner.reqs["r"].state is OwnerState.DECODING
+    for _ in range(4):
+        owner.step()
+    out = [t for _, k, f in ort.sent if k == "TOKENS" for t in f["tokens"]]
+    assert out == tokens[:4].tolist()
+
+
+@pytest.mark.parametrize("src_page, dst_page", [(16, 32), (64, 16)])
+def test_a_byte_torn_in_flight_fails_the_request(src_page, dst_page):
+    owner, ort, _, _ = _serve(src_page, dst_page, tamper=True)
+    assert "r" not in owner.reqs
+    done = next(f for _, k, f in ort.sent if k == "DONE")
+    assert done["outcome"] == "failed" and "checksum mismatch on 1 of" in done["error"]
+
+
+def test_broken_a_writer_that_ignores_the_owner_page_size_is_caught(monkeypatch):
+    """The broken mode: the writer writes page i of its own into the owner's page i, as
+    when both sides had its page size (its 4 pages of 32 tokens into 4 of the owner's 7
+    pages of 16)."""
+    monkeypatch.setattr(prefill_path.PrefillPath, "reshaped", lambda self, job: False)
+    owner, ort, _, _ = _serve(32, 16)
+    assert "r" not in owner.reqs
+    done = next(f for _, k, f in ort.sent if k == "DONE")
+    assert done["outcome"] == "failed" and "integrity" in done["error"]

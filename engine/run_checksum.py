@@ -164,30 +164,51 @@ def combine(
     checksum (:func:`run_checksums`), in any order of the runs."""
     dst = np.asarray(dst_offsets, dtype=np.int64).reshape(-1)
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    sums = np.asarray(sums, dtype=np.int64).reshape(-1)
-    if not len(dst) == len(lengths) == len(sums):
-        raise ValueError(f"{len(dst)} offsets, {len(lengths)} lengths, {len(sums)} sums")
-    some = lengths > 0  # an empty run is no part of any region
-    dst, lengths, sums = dst[some], lengths[some], sums[some]
-    if len(dst) == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    order = np.argsort(dst, kind="stable")
-    dst, lengths, sums = dst[order], lengths[order], sums[order]
+    if len(dst) != len(lengths):
+        raise ValueError(f"{len(dst)} offsets, {len(lengths)} lengths")
     page = dst // page_bytes
-    if bool(((dst + lengths - 1) // page_bytes != page).any()):
+    if bool(((dst + np.maximum(lengths, 1) - 1) // page_bytes != page)[lengths > 0].any()):
         raise ValueError("a run crosses a destination page: split_at_pages first")
-    if bool((dst[1:] < dst[:-1] + lengths[:-1]).any()):
-        raise ValueError("runs overlap in the destination")
+    return combine_keyed(page, dst, lengths, sums, unit)
+
+
+def combine_keyed(
+    keys: np.ndarray, order: np.ndarray, lengths: np.ndarray, sums: np.ndarray, unit: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The regions' checksums from their runs' where a region is named by a key rather
+    than by a page of one buffer (a vLLM block spread over several layers' tensors):
+    ``(keys, checksums)``, one entry per key, ascending. Region ``k`` is the runs with
+    ``keys == k`` concatenated in increasing ``order`` (the destination's position of
+    each run: its offset, with the buffer's number above it where there are several);
+    runs of one region must not overlap in ``order``. ``sums[i]`` is run ``i``'s checksum
+    (:func:`run_checksums`), in any order of the runs."""
+    keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+    order = np.asarray(order, dtype=np.int64).reshape(-1)
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    sums = np.asarray(sums, dtype=np.int64).reshape(-1)
+    if not len(keys) == len(order) == len(lengths) == len(sums):
+        raise ValueError(
+            f"{len(keys)} keys, {len(order)} offsets, {len(lengths)} lengths, {len(sums)} sums"
+        )
+    some = lengths > 0  # an empty run is no part of any region
+    keys, order, lengths, sums = keys[some], order[some], lengths[some], sums[some]
+    if len(keys) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    by = np.lexsort((order, keys))
+    keys, order, lengths, sums = keys[by], order[by], lengths[by], sums[by]
+    same = keys[1:] == keys[:-1]
+    if bool((same & (order[1:] < order[:-1] + lengths[:-1])).any()):
+        raise ValueError("runs of one region overlap")
     words = lengths // unit
-    starts = np.flatnonzero(np.r_[True, page[1:] != page[:-1]])  # first run of each page
-    before = np.cumsum(words) - words  # words of earlier runs, over all pages
-    k = (before - np.repeat(before[starts], np.diff(np.r_[starts, len(page)]))) % MODULUS
+    starts = np.flatnonzero(np.r_[True, ~same])  # first run of each region
+    before = np.cumsum(words) - words  # words of earlier runs, over all regions
+    k = (before - np.repeat(before[starts], np.diff(np.r_[starts, len(keys)]))) % MODULUS
     s1 = sums >> 31
     s2 = sums & MODULUS
     shifted = (s2 + (k * s1) % MODULUS) % MODULUS
-    s1_page = np.add.reduceat(s1, starts) % MODULUS
-    s2_page = np.add.reduceat(shifted, starts) % MODULUS
-    return page[starts], s1_page * (1 << 31) + s2_page
+    s1_region = np.add.reduceat(s1, starts) % MODULUS
+    s2_region = np.add.reduceat(shifted, starts) % MODULUS
+    return keys[starts], s1_region * (1 << 31) + s2_region
 
 
 def region_checksums(

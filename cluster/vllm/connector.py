@@ -15,11 +15,16 @@ blocks vLLM holds until ``finished_recving``/``finished_sending``, the worker's 
 engine as the wire (:mod:`.link`), and timers fired from the connector's own polls
 (:mod:`.loop`). This module turns vLLM's calls into theirs.
 
-Decode TP worker ``r`` is the owner of its share of a request's blocks and prefill TP
-worker ``r`` is its one writer (equal TP sizes; a different TP size is refused at the
-handshake, with both sizes in the error). vLLM's ``KVOutputAggregator`` reports a request
-to the scheduler only once every TP worker reported it, so the abort-ack protocol holds
-across every TP worker.
+Decode TP worker ``r`` is the owner of its share of a request's blocks; its writers are
+the prefill workers that hold its heads (:mod:`.reshape`: with equal TP sizes the prefill
+worker of the same rank, else one or several, each writing the heads it is assigned).
+The two engines may differ in TP size, block size and KV layout: rows that do not sit
+alike on both sides move as runs planned once per request, checked per decode block.
+vLLM's ``KVOutputAggregator`` reports a request to the scheduler only once every TP
+worker reported it, so the abort-ack protocol holds across every TP worker of both
+engines: each decode worker quarantines until each of its writers acked after its flush
+or is proven gone, and each prefill worker gives its blocks back once each decode worker
+that plans from it has ended its job.
 
 Upholds I4 (a request aborted while waiting for remote KV is reported in
 ``finished_recving``, which is when vLLM frees its blocks, only after its writer acked
@@ -79,6 +84,8 @@ class KvferryHandshake(KVConnectorHandshakeMetadata):
     pid: int
     layout: str
     signature: list[list[int]]
+    kv_heads: int = 0  # the engine's KV heads in all
+    regions: dict[str, Any] | None = None  # KVRegions.to_wire(): where each row lives
 
 
 class KvferryMetadata(KVConnectorMetadata):
@@ -102,6 +109,15 @@ def _tp(vllm_config: Any) -> tuple[int, int]:
     except Exception:  # no distributed groups (one worker, or a test driving workers)
         size = vllm_config.parallel_config.tensor_parallel_size
         return vllm_config.parallel_config.rank % size, size
+
+
+def _kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads in all (0 when vLLM's config does not say: then the worker's
+    own times the TP size)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except Exception:
+        return 0
 
 
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
@@ -320,10 +336,17 @@ class _SchedulerSide:
                 "pid": m.pid,
                 "layout": m.layout,
                 "signature": m.signature,
+                "regions": m.regions,
             }
             for rank, m in metadata.items()
         }
-        blob = {"engine_id": self.engine_id, "tp_size": self.tp_size, "workers": workers}
+        heads = {int(getattr(m, "kv_heads", 0)) for m in metadata.values()}
+        blob = {
+            "engine_id": self.engine_id,
+            "tp_size": self.tp_size,
+            "kv_heads": max(heads, default=0),
+            "workers": workers,
+        }
         if self.side is not None:
             self.side.close()
         self.side = SideChannel(
@@ -346,6 +369,7 @@ def _remote(params: dict[str, Any]) -> dict[str, Any]:
         "port": int(params.get("remote_port") or 0),
         "rid": str(params.get("remote_request_id", "")),
         "tp_size": int(params.get("tp_size") or 0),
+        "src": [int(b) for b in params.get("remote_block_ids") or ()],
     }
 
 
@@ -361,6 +385,7 @@ class _WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.tp_rank, self.tp_size = _tp(vllm_config)
+        self.kv_heads = _kv_heads(vllm_config)
         self.layout = str(getattr(vllm_config.cache_config, "kv_cache_layout", None) or "?")
         if settings.unsafe:
             log.error("kvferry connector in UNSAFE mode: loads reported before they land")
@@ -396,8 +421,17 @@ class _WorkerSide:
         num_blocks = int(self.kv_cache_config.num_blocks)
         self.regions = KVRegions.from_kv_caches(kv_caches, num_blocks, self.layout)
         segments = [self.engine.register(b.tensor) for b in self.regions.buffers]
-        self.owner.attach(self.regions, segments)
-        self.writer.attach(self.regions, segments)
+        local = self.regions.layers[0].heads
+        if not self.kv_heads:
+            self.kv_heads = local * self.tp_size
+        if local != max(1, self.kv_heads // self.tp_size):
+            raise LayoutError(
+                f"worker tp{self.tp_rank}/{self.tp_size} holds {local} KV heads of "
+                f"{self.kv_heads}; vLLM splits them {max(1, self.kv_heads // self.tp_size)} "
+                "a worker"
+            )
+        self.owner.attach(self.regions, segments, self.kv_heads)
+        self.writer.attach(self.regions, segments, self.kv_heads)
         log.info(
             "kvferry worker tp%d/%d: %d layers in %d buffers (%s), %d bytes per block",
             self.tp_rank,
@@ -417,6 +451,8 @@ class _WorkerSide:
             os.getpid(),
             self.layout,
             self.regions.signature(),
+            self.kv_heads,
+            self.regions.to_wire(),
         )
 
     # ------------------------------------------------------------ the scheduler's word
@@ -474,19 +510,19 @@ class _WorkerSide:
         if kind == wire.PLAN:
             self.writer.on_plan(msg, m)
         elif kind == wire.ABORT:
-            o = self.owner.load_from(msg, m)
-            if o is not None:  # a writer's own abort, to us as its owner
-                self.owner.on_writer_abort(o, m)
+            found = self.owner.load_from(msg, m)
+            if found is not None:  # a writer's own abort, to us as its owner
+                self.owner.on_writer_abort(*found, m)
             else:
                 self.writer.on_owner_abort(msg, m)
         elif kind in (wire.NOTICE, wire.ABORT_ACK):
-            o = self.owner.load_from(msg, m)
-            if o is None:
+            found = self.owner.load_from(msg, m)
+            if found is None:
                 return
             if kind == wire.NOTICE:
-                self.owner.on_notice(o, m)
+                self.owner.on_notice(*found, m)
             else:
-                self.owner.on_ack(o)
+                self.owner.on_ack(*found)
 
     def shutdown(self) -> None:
         try:

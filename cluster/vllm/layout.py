@@ -17,7 +17,8 @@ lengths agree (:meth:`KVRegions.signature`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,13 +111,74 @@ def _layer_runs(name: str, view: torch.Tensor, ratio: int, layout: str) -> tuple
     return _coalesce(runs), s_b * ratio
 
 
+@dataclass(frozen=True)
+class LayerRows:
+    """Where one layer's rows live: the K|V row of (local head ``h``, token ``t`` of
+    scheduler block ``b``) is ``row_bytes`` at byte
+
+        offset + (b * ratio + t // kernel_tokens) * block_stride
+               + h * head_stride + (t % kernel_tokens) * token_stride
+
+    of buffer ``buffer`` (its index in :attr:`KVRegions.buffers`). Every vLLM layout is
+    one choice of these strides (HND: ``token_stride == row_bytes``; NHD:
+    ``head_stride == row_bytes``)."""
+
+    name: str
+    buffer: int
+    offset: int
+    block_stride: int
+    head_stride: int
+    token_stride: int
+    heads: int
+    kernel_tokens: int
+    ratio: int
+    row_bytes: int
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens in one scheduler block."""
+        return self.kernel_tokens * self.ratio
+
+    def to_wire(self) -> list:
+        return [
+            self.name,
+            self.buffer,
+            self.offset,
+            self.block_stride,
+            self.head_stride,
+            self.token_stride,
+            self.heads,
+            self.kernel_tokens,
+            self.ratio,
+            self.row_bytes,
+        ]
+
+    @classmethod
+    def from_wire(cls, w: Sequence[Any]) -> LayerRows:
+        name, *numbers = w
+        return cls(str(name), *(int(x) for x in numbers))
+
+
+def _layer_rows(name: str, view: torch.Tensor, ratio: int, base: int) -> LayerRows:
+    """The row geometry of one 4-D ``[kernel blocks, heads, tokens, K|V]`` view (checked
+    by :func:`_layer_runs`); ``buffer`` is filled in once the buffers are ordered."""
+    es = view.element_size()
+    _, heads, tokens, width = view.shape
+    s_b, s_h, s_n, _ = (s * es for s in view.stride())
+    return LayerRows(
+        name, -1, view.data_ptr() - base, s_b, s_h, s_n, heads, tokens, ratio, width * es
+    )
+
+
 @dataclass
 class KVRegions:
-    """Where every scheduler block lives, per underlying buffer."""
+    """Where every scheduler block lives, per underlying buffer; ``layers``: where each
+    (head, token) row of each layer lives, for reshaping between unlike engines."""
 
     layout: str
     num_blocks: int
     buffers: list[Buffer]
+    layers: list[LayerRows] = field(default_factory=list)
 
     @classmethod
     def from_kv_caches(
@@ -125,6 +187,7 @@ class KVRegions:
         if not kv_caches:
             raise LayoutError("no KV tensors to register")
         by_storage: dict[int, Buffer] = {}
+        rows: list[tuple[int, LayerRows]] = []  # (storage base, geometry) per layer
         for name, view in kv_caches.items():
             storage = view.untyped_storage()
             base = storage.data_ptr()
@@ -135,6 +198,7 @@ class KVRegions:
                 )
             ratio = view.shape[0] // num_blocks
             runs, stride = _layer_runs(name, view, ratio, layout)
+            rows.append((base, _layer_rows(name, view, ratio, base)))
             runs = runs + [view.data_ptr() - base, 0]
             buf = by_storage.get(base)
             if buf is None:
@@ -156,7 +220,9 @@ class KVRegions:
                         f"layers {buf.layers}: blocks reach byte {last} of a "
                         f"{buf.nbytes}-byte buffer (layout {layout})"
                     )
-        return cls(layout, num_blocks, buffers)
+        index = {b.base: i for i, b in enumerate(buffers)}
+        layers = [replace(r, buffer=index[base]) for base, r in rows]
+        return cls(layout, num_blocks, buffers, layers)
 
     def to_wire(self) -> dict:
         """What a peer needs to address our blocks: per buffer its size and its runs."""
@@ -170,6 +236,7 @@ class KVRegions:
                 }
                 for b in self.buffers
             ],
+            "layers": [r.to_wire() for r in self.layers],
         }
 
     @classmethod
@@ -184,7 +251,8 @@ class KVRegions:
             buffers.append(
                 Buffer(0, int(b["nbytes"]), torch.empty(0, dtype=torch.uint8), [], groups)
             )
-        return cls(str(d["layout"]), int(d["num_blocks"]), buffers)
+        layers = [LayerRows.from_wire(w) for w in d.get("layers", ())]
+        return cls(str(d["layout"]), int(d["num_blocks"]), buffers, layers)
 
     def signature(self) -> list[list[int]]:
         """Per buffer, the lengths of one block's runs: equal signatures exchange pages."""

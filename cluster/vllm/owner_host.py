@@ -1,15 +1,19 @@
 """The decode worker's side of the protocol: the owner's driver over vLLM's ports.
 
 A decode worker owns its TP rank's share of the blocks vLLM allocated for a request that
-waits for remote KV (``WAITING_FOR_REMOTE_KVS``); the prefill worker of the same TP rank
-is its one writer. vLLM keeps those blocks until the connector reports the request in
+waits for remote KV (``WAITING_FOR_REMOTE_KVS``); its writers are the prefill workers that
+hold the heads it holds (:func:`.reshape.writers_of`: with equal TP sizes, the prefill
+worker of the same rank; with others, one or several, each writing the heads it is
+assigned, as rows planned once when their blocks differ). vLLM keeps those blocks until
+the connector reports the request in
 ``finished_recving``: for a verified load it then reads them, for any other it frees
 them. That report is the one thing the owner's pages port can do with them, so:
 
 - FREE and RELEASE_* report the request in ``finished_recving`` (a failed load also in
   ``failed_recving``, its blocks in ``get_block_ids_with_load_errors()``: I6);
 - QUARANTINE holds the blocks: the request is not reported, whatever else happens, until
-  a release (I4: its writer acked after its flush, or its process is proven gone);
+  a release (I4: every writer acked after its flush, or its process is proven gone; the
+  first writer to fail frees nothing while another may still write);
 - a verified load (VERIFIED, I5) is reported as loaded, and vLLM decodes it.
 
 What each effect of the owner's table means, and the owner's timers, are
@@ -48,14 +52,23 @@ from kvferry.engine.verify import Planned, check_all
 from kvferry.transfer import AddressInfo, Peer, TransferError, decode_address
 
 from . import wire
-from .layout import KVRegions
+from .layout import KVRegions, LayoutError
 from .loop import PollTimers
 from .parts import WorkerHost, WorkerParts
+from .reshape import (
+    EngineShape,
+    PairRuns,
+    pairs,
+    plan_pair,
+    region_checksums,
+    same_blocks,
+    writers_of,
+)
 from .sidechannel import Fetcher
 
 log = logging.getLogger("kvferry.vllm")
 
-WRITER = 0  # an owner's one writer: the prefill worker of its TP rank
+WRITER = 0  # a load's first writer (writers are numbered by their place in Load.links)
 
 
 class QuarantineBreach(RuntimeError):
@@ -74,18 +87,32 @@ class ConnectorTimes(OwnerTimes):
 
 
 @dataclass
+class WriterLink:
+    """One prefill worker writing into a load: its rank and card at the prefill, the
+    heads it writes here and, for a worker of another shape, the runs of those rows
+    (both sides plan the same runs; the owner reads the landed side)."""
+
+    rank: int
+    card: dict[str, Any]
+    heads: tuple[int, ...]
+    peer: Peer | None = None
+    pid: int = -1
+    local: bool = False
+    gone_since: float | None = None  # when its process was first seen gone
+    runs: PairRuns | None = None  # None: whole blocks (a prefill worker of this shape)
+
+
+@dataclass
 class Load:
     """A request at a decode worker: the owner's book and what its ports need."""
 
     rid: str
-    remote: dict[str, Any]  # engine, host, port, rid (the prefill's), tp_size
+    remote: dict[str, Any]  # engine, host, port, rid (the prefill's), tp_size, blocks
     blocks: list[int]
     tokens: int
     book: OwnerBook = field(init=False)
     gens: list[int] = field(default_factory=list)
-    peer: Peer | None = None  # the writer's endpoint, once assigned
-    peer_pid: int = -1
-    peer_local: bool = False
+    links: list[WriterLink] = field(default_factory=list)  # its writers, once assigned
     notices: dict[int, dict[str, Any]] = field(default_factory=dict)  # whole, by writer
     failed: bool = False  # REPORT_FAILED, or the writer ended it: failed_recving
     error: str = ""  # why it failed
@@ -99,10 +126,19 @@ class Load:
     abort_source: AbortSource = AbortSource.INTERNAL  # ASK_ACKS's words
     abort_reason: str = ""
     warned: bool = False
-    gone_since: float | None = None  # when the writer's process was first seen gone
 
     def __post_init__(self) -> None:
         self.book = OwnerBook(self.rid, (WRITER,))
+
+    def writer_of(self, incarnation: int) -> int | None:
+        """The writer whose engine incarnation sent a message, if one of this load's."""
+        for w, link in enumerate(self.links):
+            if link.peer is not None and link.peer.incarnation == incarnation:
+                return w
+        return None
+
+    def names(self, writers: Iterable[int]) -> str:
+        return ", ".join(f"tp{self.links[w].rank} (pid {self.links[w].pid})" for w in writers)
 
     @property
     def writers(self) -> tuple[int, ...]:
@@ -129,8 +165,7 @@ class OwnerWire:
         have got part of it: the abort's way, so its blocks wait for its ack or exit)."""
         h = self.host
         assert h.regions is not None
-        payload = wire.encode(
-            wire.PLAN,
+        fields = dict(
             rid=o.remote["rid"],
             orid=o.rid,
             blocks=o.blocks,
@@ -140,9 +175,20 @@ class OwnerWire:
             descs=[s.descriptor().pack() for s in h.segments],
             tp_rank=h.tp_rank,
             tp_size=h.tp_size,
+            kv_heads=h.kv_heads,
         )
-        if h.link.send(o.peer, payload, o.rid) is None:
-            reason = f"the plan could not be sent to prefill worker tp{h.tp_rank}"
+        unsent = [
+            w
+            for w, link in enumerate(o.links)
+            if h.link.send(
+                link.peer, wire.encode(wire.PLAN, heads=list(link.heads), **fields), o.rid
+            )
+            is None
+        ]
+        for address in h.idle_writers(o):  # they hold the prompt too: no write is wanted
+            h.link.send_to(address, wire.encode(wire.PLAN, heads=[], **fields), o.rid)
+        if unsent:
+            reason = f"the plan could not be sent to prefill worker {o.names(unsent)}"
             o.error = o.error or reason
             h.driver.abort(o, oc.on_failure(o.book), AbortSource.TRANSFER, reason)
         if h.settings.unsafe:  # BROKEN MODE: the load is reported before it lands
@@ -158,14 +204,15 @@ class OwnerWire:
         o = h.loads.get(rid)
         if o is None or not to:
             return
-        if o.peer is None:
+        if not o.links:
             h.abort_writers(o, source, o.error or reason)
             return
-        payload = wire.encode(
-            wire.ABORT, rid=o.remote["rid"], orid=rid, source=source.value, reason=reason
-        )
-        # by address: after a sever the next ask connects again (the writer may be back)
-        h.link.send_to(o.peer.address, payload, rid)
+        payload = h.abort_payload(o, source, reason)
+        for w in to:
+            peer = o.links[w].peer
+            if peer is not None:
+                # by address: after a sever the next ask connects again (it may be back)
+                h.link.send_to(peer.address, payload, rid)
 
     def sever(self, rid: str, fenced: list[int], writers: list[int], why: str) -> None:
         """Close the endpoint to the silent writer (no more plans on it) and count it.
@@ -174,12 +221,12 @@ class OwnerWire:
         o = h.loads.get(rid)
         if o is None or not writers:
             return
-        if o.peer is not None:
-            h.link.sever(o.peer)
+        for w in writers:
+            peer = o.links[w].peer if w < len(o.links) else None
+            if peer is not None:
+                h.link.sever(peer)
         h.stats.add(severed_peers=len(writers))
-        log.warning(
-            "request %s: prefill worker tp%d severed (pid %d): %s", rid, h.tp_rank, o.peer_pid, why
-        )
+        log.warning("request %s: prefill workers %s severed: %s", rid, o.names(writers), why)
 
 
 class VerifyPath:
@@ -195,40 +242,60 @@ class VerifyPath:
 
     def verify(self, o: Load) -> None:
         h = self.host
-        assert h.regions is not None and h.canaries is not None
-        n = o.notices.get(WRITER)
         err = ""
-        if h.settings.unsafe:
-            pass
-        elif n is None:
-            err = "no notice"
-        else:
-            regions, canaries = h.regions, h.canaries
-            planned = Planned(
-                o.rid, o.tokens, o.blocks, o.gens, len(o.blocks) * regions.block_bytes, "block"
-            )
-            notice = VerifyNotice(
-                WRITER, n["tokens"], n["blocks"], n["gens"], n["checksums"], n["bytes"]
-            )
-
-            def checksums_of(blocks: Sequence[int]) -> torch.Tensor:
-                return page_checksums(regions.block_bytes_of(blocks), list(range(len(blocks))))
-
-            integrity = h.settings.integrity
-            try:
-                check_all(
-                    planned,
-                    notice,
-                    canaries[torch.tensor(o.blocks)] if integrity else None,
-                    checksums_of if integrity else None,
-                )
-            except IntegrityError as exc:
-                err = exc.reason
+        if not h.settings.unsafe:
+            for w in range(len(o.links)):
+                err = self._check_writer(o, w)
+                if err:
+                    break
         if err:
             o.error = f"integrity check failed: {err}"
             h.driver.feed(o, OwnerEvent.CORRUPT)
         else:
             h.driver.feed(o, OwnerEvent.VERIFIED)
+
+    def _check_writer(self, o: Load, w: int) -> str:
+        """I5 for writer ``w``'s notice: '' or what failed. Whole blocks are checked by
+        their page checksums; rows of another shape by the region each writer wrote into
+        each block (:func:`.reshape.region_checksums` on the landed bytes)."""
+        h = self.host
+        assert h.regions is not None and h.canaries is not None
+        n = o.notices.get(w)
+        if n is None:
+            return f"no notice from prefill worker {o.names([w])}"
+        regions, canaries, link = h.regions, h.canaries, o.links[w]
+        if link.runs is None:
+            planned_bytes = len(o.blocks) * regions.block_bytes
+
+            def checksums_of(blocks: Sequence[int]) -> torch.Tensor:
+                return page_checksums(regions.block_bytes_of(blocks), list(range(len(blocks))))
+
+        else:
+            runs = link.runs
+            planned_bytes = runs.bytes
+            landed: dict[int, int] = {}
+
+            def checksums_of(blocks: Sequence[int]) -> torch.Tensor:
+                if not landed:
+                    values = region_checksums(regions, runs, 1, len(o.blocks))
+                    landed.update(zip(o.blocks, values.tolist(), strict=True))
+                return torch.tensor([landed[b] for b in blocks], dtype=torch.int64)
+
+        planned = Planned(o.rid, o.tokens, o.blocks, o.gens, planned_bytes, "block")
+        notice = VerifyNotice(
+            link.rank, n["tokens"], n["blocks"], n["gens"], n["checksums"], n["bytes"]
+        )
+        integrity = h.settings.integrity
+        try:
+            check_all(
+                planned,
+                notice,
+                canaries[torch.tensor(o.blocks)] if integrity else None,
+                checksums_of if integrity else None,
+            )
+        except IntegrityError as exc:
+            return exc.reason
+        return ""
 
 
 class OwnerHost(WorkerHost):
@@ -248,6 +315,7 @@ class OwnerHost(WorkerHost):
         self.load_errors: set[int] = set()
         self.regions: KVRegions | None = None
         self.segments: list[Any] = []
+        self.kv_heads = 0  # the engine's KV heads in all (its TP group's)
         self.gens: torch.Tensor | None = None  # per block: bumped at each plan into it
         self.canaries: torch.Tensor | None = None  # per block: (rid hash, gen, index)
         ports = OwnerPorts(
@@ -272,9 +340,9 @@ class OwnerHost(WorkerHost):
             settled=self._settled,
         )
 
-    def attach(self, regions: KVRegions, segments: list[Any]) -> None:
-        """vLLM's KV buffers, registered with the transfer engine."""
-        self.regions, self.segments = regions, segments
+    def attach(self, regions: KVRegions, segments: list[Any], kv_heads: int) -> None:
+        """vLLM's KV buffers, registered with the transfer engine; the engine's KV heads."""
+        self.regions, self.segments, self.kv_heads = regions, segments, kv_heads
         self.gens = torch.zeros(regions.num_blocks, dtype=torch.int64)
         self.canaries = torch.full((regions.num_blocks, 3), -1, dtype=torch.int64)
 
@@ -381,23 +449,30 @@ class OwnerHost(WorkerHost):
         return False
 
     def proven_gone(self, o: Load, writers: Iterable[int]) -> dict[int, Proof]:
-        """The writer's proof of its end by the protocol's one rule
+        """Each writer's proof of its end by the protocol's one rule
         (:func:`kvferry.engine.protocol.proof.gone_proof`): its process exited on this
         host (every thread of it: :func:`kvferry.cluster.processes.process_gone`) and the
-        drain passed. A prefill on another host is never proven gone here (no exit records reach a
-        connector): its blocks wait for its ack."""
-        if WRITER not in set(writers):
-            return {}
-        if not o.peer_local or o.peer_pid < 0 or not process_gone(o.peer_pid):
-            o.gone_since = None
-            return {}
+        drain passed. A prefill on another host is never proven gone here (no exit
+        records reach a connector): its blocks wait for its ack."""
+        out: dict[int, Proof] = {}
         now = self.clock.now()
-        o.gone_since = o.gone_since or now
-        facts = GoneFacts(
-            same_host=True, process_gone=True, gone_for_s=now - o.gone_since, drain_s=DRAIN_S
-        )
-        proof = gone_proof(facts)
-        return {WRITER: proof} if proof is not None else {}
+        for w in writers:
+            link = o.links[w] if w < len(o.links) else None
+            if link is None or not link.local or link.pid < 0 or not process_gone(link.pid):
+                if link is not None:
+                    link.gone_since = None
+                continue
+            link.gone_since = link.gone_since or now
+            facts = GoneFacts(
+                same_host=True,
+                process_gone=True,
+                gone_for_s=now - link.gone_since,
+                drain_s=DRAIN_S,
+            )
+            proof = gone_proof(facts)
+            if proof is not None:
+                out[w] = proof
+        return out
 
     def is_severed(self, writer: int) -> bool:
         """Never said: writer 0 is a different prefill worker in each load, so a sever is
@@ -445,12 +520,12 @@ class OwnerHost(WorkerHost):
 
     def stuck(self, o: Load, waited_s: float) -> None:
         log.error(
-            "request %s: %d blocks stay quarantined: prefill worker tp%d (pid %d) neither "
-            "acked nor is known to be gone after %.1f s",
+            "request %s: %d blocks stay quarantined on decode worker tp%d: prefill workers %s "
+            "neither acked nor are known to be gone after %.1f s",
             o.rid,
             len(o.blocks),
             self.tp_rank,
-            o.peer_pid,
+            o.names(o.book.pending()),
             waited_s,
         )
 
@@ -459,7 +534,7 @@ class OwnerHost(WorkerHost):
         """The scheduler allocated blocks for a remote prefill's KV: a new load."""
         if rid in self.loads or rid in self.tombstones:
             return
-        remote = {k: spec[k] for k in ("engine", "host", "port", "rid", "tp_size")}
+        remote = {k: spec[k] for k in ("engine", "host", "port", "rid", "tp_size", "src")}
         o = self.loads[rid] = Load(rid, remote, list(spec["blocks"]), int(spec["tokens"]))
         self.fetcher.ask(o.key)
         self._try_assign(o)
@@ -483,36 +558,40 @@ class OwnerHost(WorkerHost):
         # Before the plan (NEW) nothing can land: the table closes it and tells the writer.
         self.driver.abort(o, oc.on_abort(o.book, writers_told=False), AbortSource.CLIENT, reason)
 
-    def load_from(self, msg: Any, m: dict[str, Any]) -> Load | None:
-        """The load a writer's message is for, if it comes from that load's writer
-        incarnation (another is counted and dropped: its word proves nothing here)."""
+    def load_from(self, msg: Any, m: dict[str, Any]) -> tuple[Load, int] | None:
+        """The load a writer's message is for and the writer's number in it, if it comes
+        from one of that load's writer incarnations (another is counted and dropped: its
+        word proves nothing here)."""
         o = self.loads.get(m["orid"])
-        if o is None or o.peer is None:
+        if o is None or not o.links:
             return None
-        if msg.sender_incarnation != o.peer.incarnation:
+        w = o.writer_of(msg.sender_incarnation)
+        if w is None:
             self.stats.count("stale_messages")
             return None
-        return o
+        return o, w
 
-    def on_notice(self, o: Load, m: dict[str, Any]) -> None:
+    def on_notice(self, o: Load, w: int, m: dict[str, Any]) -> None:
         if o.book.state is OwnerState.AWAITING:
-            o.notices[WRITER] = m
-        self.driver.feed(o, oc.on_notice(o.book, WRITER, whole=True))
+            o.notices[w] = m
+        self.driver.feed(o, oc.on_notice(o.book, w, whole=True))
 
-    def on_ack(self, o: Load) -> None:
+    def on_ack(self, o: Load, w: int) -> None:
         if o.book.state in (OwnerState.AWAITING, OwnerState.VERIFYING):
             o.failed = True  # the writer ended the request on its side
-            o.error = o.error or "the prefill worker acked an abort this decode did not send"
+            o.error = o.error or (
+                f"prefill worker {o.names([w])} acked an abort this decode did not send"
+            )
         self.driver.abort(
             o,
-            oc.on_ack(o.book, WRITER, severed=o.book.state is OwnerState.FENCED),
+            oc.on_ack(o.book, w, severed=w in o.book.fenced),
             AbortSource.WRITER,
-            "the prefill worker acked an abort",
+            f"prefill worker {o.names([w])} acked an abort",
         )
 
-    def on_writer_abort(self, o: Load, m: dict[str, Any]) -> None:
-        """The writer failed the request (its ABORT, to us as its owner)."""
-        reason = f"prefill worker aborted ({m['source']}): {m['reason']}"
+    def on_writer_abort(self, o: Load, w: int, m: dict[str, Any]) -> None:
+        """A writer failed the request (its ABORT, to us as its owner)."""
+        reason = f"prefill worker {o.names([w])} aborted ({m['source']}): {m['reason']}"
         o.failed = True
         o.error = o.error or reason
         self.driver.abort(o, oc.on_abort(o.book, writers_told=True), AbortSource.PREFILL, reason)
@@ -545,43 +624,84 @@ class OwnerHost(WorkerHost):
 
     def _watch_writers(self) -> None:
         """A writer on this host whose process exited before its notice fails its load
-        (the abort's way: its blocks wait for the proof that it is gone)."""
+        (the abort's way: its blocks wait for the proof that every writer is done)."""
         for o in list(self.loads.values()):
-            if o.book.state is not OwnerState.AWAITING or not o.peer_local or o.peer_pid < 0:
+            if o.book.state is not OwnerState.AWAITING:
                 continue
-            if not process_gone(o.peer_pid):
-                continue
-            o.gone_since = o.gone_since or self.clock.now()
-            reason = (
-                f"prefill worker tp{self.tp_rank} of engine {o.remote['engine']} "
-                f"(pid {o.peer_pid}) exited before its notice"
-            )
-            o.error = o.error or reason
-            self.driver.abort(o, oc.on_failure(o.book), AbortSource.PEER, reason)
+            for w, link in enumerate(o.links):
+                if w in o.book.whole or not link.local or link.pid < 0:
+                    continue
+                if not process_gone(link.pid):
+                    continue
+                link.gone_since = link.gone_since or self.clock.now()
+                reason = (
+                    f"prefill worker {o.names([w])} of engine {o.remote['engine']} exited "
+                    "before its notice"
+                )
+                o.error = o.error or reason
+                self.driver.abort(o, oc.on_failure(o.book), AbortSource.PEER, reason)
+                break
 
     # ------------------------------------------------------------ assignment
-    def _worker_card(self, remote: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    def _handshake(self, remote: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
         key = (remote["host"], remote["port"])
         if key in self.handshake_errors:
             return None, f"handshake with {key[0]}:{key[1]} failed: {self.handshake_errors[key]}"
-        hs = self.handshakes.get(key)
+        return self.handshakes.get(key), ""
+
+    def _shapes(self, hs: dict[str, Any]) -> tuple[EngineShape, EngineShape]:
+        """The prefill's and this decode's (KV heads, TP size)."""
+        heads = int(hs.get("kv_heads") or 0) or self.kv_heads
+        return EngineShape(heads, int(hs["tp_size"])), EngineShape(self.kv_heads, self.tp_size)
+
+    def _links(self, o: Load) -> tuple[list[WriterLink] | None, str]:
+        """This load's writers from the prefill's handshake (None while it is on its way),
+        or why the two engines cannot pair."""
+        hs, err = self._handshake(o.remote)
         if hs is None:
-            return None, ""
-        if hs["tp_size"] != self.tp_size:
-            return None, (
-                f"heterogeneous TP refused at handshake: prefill engine {hs['engine_id']} has "
-                f"TP size {hs['tp_size']}, this decode engine {self.tp_size}"
-            )
-        card = hs["workers"].get(self.tp_rank)
-        if card is None:
-            return None, f"prefill engine {hs['engine_id']} has no TP rank {self.tp_rank}"
+            return None, err
         assert self.regions is not None
-        if card["layout"] != self.regions.layout or card["signature"] != self.regions.signature():
-            return None, (
-                f"KV layouts refused at handshake: prefill {card['layout']} vs decode "
-                f"{self.regions.layout} (per-block runs differ)"
-            )
-        return card, ""
+        try:
+            prefill, decode = self._shapes(hs)
+            assigned = pairs(prefill, decode)
+        except LayoutError as exc:
+            return None, f"refused at handshake: {exc}"
+        links: list[WriterLink] = []
+        for (p, d), heads in assigned.items():
+            if d != self.tp_rank:
+                continue
+            card = hs["workers"].get(p)
+            if card is None:
+                return None, f"prefill engine {hs['engine_id']} has no TP rank {p}"
+            link = WriterLink(p, card, heads)
+            like = prefill.tp == decode.tp and p == self.tp_rank
+            if like and "regions" not in card:  # a peer that sends no row geometry
+                like = card["layout"] == self.regions.layout and (
+                    card["signature"] == self.regions.signature()
+                )
+                if not like:
+                    return None, (
+                        f"KV layouts refused at handshake: prefill {card['layout']} vs decode "
+                        f"{self.regions.layout} (per-block runs differ)"
+                    )
+            elif not (like and same_blocks(KVRegions.from_wire(card["regions"]), self.regions)):
+                try:
+                    link.runs = plan_pair(
+                        KVRegions.from_wire(card["regions"]),
+                        self.regions,
+                        heads,
+                        prefill.heads_of(p)[0],
+                        decode.heads_of(self.tp_rank)[0],
+                        o.remote["src"],
+                        o.blocks,
+                        o.tokens,
+                    )
+                except (LayoutError, KeyError) as exc:
+                    return None, f"cannot plan the rows of prefill worker tp{p}: {exc}"
+            links.append(link)
+        if not links:
+            return None, f"no prefill worker of engine {hs['engine_id']} writes heads here"
+        return links, ""
 
     def _refuse(self, o: Load, error: str) -> None:
         """The load cannot be planned: it fails with nothing planned (REFUSED), its
@@ -591,50 +711,87 @@ class OwnerHost(WorkerHost):
         self.driver.feed(o, oc.on_assign(o.book, (WRITER,), granted=False))
 
     def _try_assign(self, o: Load) -> None:
-        card, err = self._worker_card(o.remote)
-        if card is None and not err:
+        links, err = self._links(o)
+        if links is None and not err:
             return  # the handshake is on its way
-        if card is None:
+        if links is None:
             self._refuse(o, err)
             return
-        address = bytes(card["address"])
-        try:
-            o.peer = self.link.peer(address)
-        except TransferError as exc:
-            # e.g. the prefill was killed after its handshake: its shared-memory segment
-            # is gone (UcsShmemSegmentError). Nothing was planned, so nothing can land.
-            self.stats.abort(AbortSource.PEER.value)
-            self._refuse(
-                o,
-                f"cannot connect to prefill worker tp{self.tp_rank} of engine "
-                f"{o.remote['engine']} (pid {card['pid']}): {type(exc).__name__}: {exc}",
+        for link in links:
+            address = bytes(link.card["address"])
+            try:
+                link.peer = self.link.peer(address)
+            except TransferError as exc:
+                # e.g. the prefill was killed after its handshake: its shared-memory
+                # segment is gone (UcsShmemSegmentError). Nothing was planned, so nothing
+                # can land.
+                self.stats.abort(AbortSource.PEER.value)
+                self._refuse(
+                    o,
+                    f"cannot connect to prefill worker tp{link.rank} of engine "
+                    f"{o.remote['engine']} (pid {link.card['pid']}): {type(exc).__name__}: {exc}",
+                )
+                return
+            info = decode_address(address)
+            link.pid = int(link.card["pid"])
+            link.local = (info.host, info.boot_id, info.pidns) == (
+                self.me.host,
+                self.me.boot_id,
+                self.me.pidns,
             )
-            return
-        info = decode_address(address)
-        o.peer_pid = int(card["pid"])
-        o.peer_local = (info.host, info.boot_id, info.pidns) == (
-            self.me.host,
-            self.me.boot_id,
-            self.me.pidns,
+        o.links = links
+        self.driver.feed(o, oc.on_assign(o.book, tuple(range(len(links))), granted=True))
+
+    def idle_writers(self, o: Load) -> list[bytes]:
+        """From decode TP rank 0: the addresses of the prefill workers that write into no
+        decode worker (their heads are written by other holders), which hold the prompt's
+        blocks all the same and are told so with a PLAN of no heads."""
+        hs, _ = self._handshake(o.remote)
+        if hs is None or self.tp_rank != 0:
+            return []
+        try:
+            prefill, decode = self._shapes(hs)
+            writing = {p for p, _ in pairs(prefill, decode)}
+        except LayoutError:
+            return []
+        return [
+            bytes(card["address"]) for p, card in sorted(hs["workers"].items()) if p not in writing
+        ]
+
+    def abort_payload(self, o: Load, source: AbortSource, reason: str) -> bytes:
+        return wire.encode(
+            wire.ABORT,
+            rid=o.remote["rid"],
+            orid=o.rid,
+            source=source.value,
+            reason=reason,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            kv_heads=self.kv_heads,
         )
-        self.driver.feed(o, oc.on_assign(o.book, (WRITER,), granted=True))
 
     def abort_writers(self, o: Load, source: AbortSource, reason: str) -> None:
-        """ABORT to the prefill workers of a load that was never planned: the one of this
-        TP rank, and (from TP rank 0) those this decode has no worker for. Waits for the
-        prefill's handshake if it is on its way."""
+        """ABORT to the prefill workers of a load that was never planned: those that
+        would write into this worker, and (from TP rank 0) those that write into none
+        (they hold the prompt's blocks too). Waits for the prefill's handshake if it is
+        on its way."""
         hs = self.handshakes.get(o.key)
         if hs is None:
             if o.key not in self.handshake_errors:
                 self.fetcher.ask(o.key)
                 self._pending_aborts.append((o, source, reason))
             return
-        ranks = [self.tp_rank]
-        if self.tp_rank == 0:  # ranks this decode has no worker for
-            ranks += [r for r in hs["workers"] if r >= self.tp_size]
-        payload = wire.encode(
-            wire.ABORT, rid=o.remote["rid"], orid=o.rid, source=source.value, reason=reason
-        )
+        try:
+            prefill, decode = self._shapes(hs)
+            ranks = writers_of(prefill, decode, self.tp_rank)
+            if self.tp_rank == 0:
+                writing = {p for p, _ in pairs(prefill, decode)}
+                ranks += [p for p in range(prefill.tp) if p not in writing]
+        except LayoutError:  # engines that cannot pair: every worker of the same rank
+            ranks = [self.tp_rank]
+            if self.tp_rank == 0:
+                ranks += [r for r in hs["workers"] if r >= self.tp_size]
+        payload = self.abort_payload(o, source, reason)
         for r in ranks:
             w = hs["workers"].get(r)
             if w is not None:

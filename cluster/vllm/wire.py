@@ -1,6 +1,8 @@
 """The connector's control messages, carried as kvferry transfer-engine messages.
 
-PLAN (decode worker -> prefill worker: where to write), NOTICE (prefill -> decode, sent
+PLAN (decode worker -> prefill worker: where to write, and which of the model's KV heads;
+a PLAN with no heads tells a prefill worker whose heads others write that no write is
+wanted from it), NOTICE (prefill -> decode, sent
 with ``notify``: after the flush of every write), ABORT (either way), ABORT_ACK (prefill
 -> decode, with ``notify``: after the flush). One codec for the whole project: the
 transfer engine's typed codec (:class:`kvferry.transfer.wire.Codec`, the one the ranks'
@@ -27,9 +29,10 @@ from kvferry.transfer.wire import Codec, Field, FieldType
 
 MAX_LIST = 1 << 20  # blocks in one request (a million-token prompt at block size 1)
 MAX_REQUEST_ID = 256
+MAX_HEADS = 1 << 12  # KV heads one plan names
 MAX_BLOB = 16 << 20  # regions, descriptors
 
-CODEC = Codec("kvf.vllm", version=2, max_bytes=64 << 20, max_items=MAX_LIST)
+CODEC = Codec("kvf.vllm", version=3, max_bytes=64 << 20, max_items=MAX_LIST)
 PLAN, NOTICE, ABORT, ABORT_ACK = Kind.PLAN, Kind.NOTICE, Kind.ABORT, Kind.ABORT_ACK
 
 _RID = Field(FieldType.STR, max_len=MAX_REQUEST_ID)
@@ -46,6 +49,8 @@ CODEC.kind(
     descs=Field(FieldType.BYTES, max_len=MAX_BLOB),
     tp_rank=Field(FieldType.INT),
     tp_size=Field(FieldType.INT),
+    kv_heads=Field(FieldType.INT),
+    heads=Field(FieldType.INT_LIST, max_len=MAX_HEADS),
 )
 CODEC.kind(
     NOTICE,
@@ -61,6 +66,9 @@ CODEC.kind(
     **_IDS,
     source=Field(FieldType.STR, choices=AbortSource),
     reason=Field(FieldType.STR, max_len=4096),
+    tp_rank=Field(FieldType.INT),  # the sender's TP rank, TP size and KV heads in all
+    tp_size=Field(FieldType.INT),
+    kv_heads=Field(FieldType.INT),
 )
 CODEC.kind(ABORT_ACK, **_IDS)
 

@@ -1,8 +1,16 @@
 """The prefill worker's side of the protocol: the writer's driver over vLLM's ports.
 
-A prefill worker is the one writer of its TP rank's share of a request: vLLM computed the
-prompt's KV into blocks it holds until the connector reports the request in
-``finished_sending``. What each effect of the writer's table means is
+A prefill worker writes its share of a request's KV into each decode worker that plans
+from it: vLLM computed the prompt's KV into blocks it holds until the connector reports
+the request in ``finished_sending``. One writer's *job* per (request, decode worker): each
+job is one protocol instance with one owner (its own book, tombstone, notice and ack), and
+the prompt's blocks go back to vLLM once every decode worker expected to plan here has
+ended its job (:class:`Prompt`). Which decode workers those are, and which heads each
+job writes, is :mod:`.reshape`'s rule, known at the first plan (it carries the decode's
+TP size). A job between like workers (same TP rank and size, layout and block size)
+moves whole blocks; any other moves the rows of its heads as runs planned once
+(:func:`.reshape.plan_pair`), with one region checksum per decode block. What each effect
+of the writer's table means is
 :class:`~kvferry.engine.protocol.writer_driver.WriterDriver`'s, as for the service's
 prefill rank; this module turns what reaches the worker (the scheduler's hand-over, the
 decode's PLAN and ABORT, settled batches, the hold timeout) into the table's events and
@@ -37,36 +45,69 @@ from . import wire
 from .layout import KVRegions, LayoutError
 from .loop import PollTimers, Timer
 from .parts import WorkerHost, WorkerParts
+from .reshape import EngineShape, PairRuns, owners_of, plan_pair, region_checksums, same_blocks
 
 log = logging.getLogger("kvferry.vllm")
 
-OWNER = 0  # a job's one owner: the decode worker of its TP rank whose plan or abort named it
+OWNER = 0  # a job's one owner: the decode worker whose plan or abort named it
+
+
+def job_id(rid: str, decode_rank: int) -> str:
+    """The id of the job writing request ``rid`` into decode TP rank ``decode_rank``
+    (the book's, the tombstone's and the logs')."""
+    return f"{rid}@tp{decode_rank}"
+
+
+@dataclass
+class Prompt:
+    """A request's KV at this prefill worker: vLLM holds its blocks until every decode
+    worker expected to plan from this worker has ended its job."""
+
+    rid: str
+    src: list[int] | None = None  # vLLM holds these blocks until finished_sending
+    tokens: int = 0
+    checksums: list[int] | None = None  # page checksums of ``src``, taken once (I5)
+    owners: frozenset[int] | None = None  # decode ranks that plan here (at the first plan)
+    ended: set[int] = field(default_factory=set)  # decode ranks whose job ended
+    jobs: dict[int, Job] = field(default_factory=dict)  # by decode rank
+    hold: Timer | None = None  # the hold timeout while its KV waits for plans
+    sent: bool = False  # reported in finished_sending
+
+    @property
+    def all_ended(self) -> bool:
+        return self.owners is not None and self.owners <= self.ended
 
 
 @dataclass
 class Job:
-    """A request at a prefill worker: the writer's book and what its ports need."""
+    """One decode worker's share of a request at this prefill worker: the writer's book
+    and what its ports need."""
 
-    rid: str
+    rid: str  # the job's id (:func:`job_id`)
+    prompt: Prompt
+    decode_rank: int
     book: WriterBook = field(init=False)
-    src: list[int] | None = None  # vLLM holds these blocks until finished_sending
-    tokens: int = 0
     checksums: list[int] = field(default_factory=list)
     peer: Peer | None = None  # the owner's endpoint
     orid: str = ""  # the request's id at its owner
     plan: dict[str, Any] | None = None
+    heads: tuple[int, ...] = ()  # global heads this job writes (reshaped jobs)
+    runs: PairRuns | None = None  # reshaped jobs: the rows' runs, planned once
     dst: KVRegions | None = None
     rsegs: list[RemoteSegment] = field(default_factory=list)
-    queue: list[tuple[int, Any]] = field(default_factory=list)  # (buffer, triples) to post
+    queue: list[tuple[int, int, Any]] = field(default_factory=list)  # (local, remote, triples)
     inflight: list[tuple[Batch, Callable[[Batch], None]]] = field(default_factory=list)
     posted_bytes: int = 0
     batches_posted: int = 0
-    hold: Timer | None = None  # the hold timeout while its KV waits for a plan
     abort_source: AbortSource = AbortSource.PREFILL  # TELL_ABORT's words
     abort_reason: str = ""
 
     def __post_init__(self) -> None:
         self.book = WriterBook(self.rid)
+
+    @property
+    def request(self) -> str:
+        return self.prompt.rid
 
     def meet(self, peer: Peer | None, orid: str) -> None:
         """The owner is known now: where its messages go."""
@@ -75,33 +116,42 @@ class Job:
 
 
 class WriterWire:
-    """The writer's control messages to the request's owner (the decode worker that
-    planned it), over the worker's link; the owner's number in the book is :data:`OWNER`
+    """The writer's control messages to a job's owner (the decode worker that planned
+    it), over the worker's link; the owner's number in the book is :data:`OWNER`
     whenever the job knows that worker's endpoint."""
 
     def __init__(self, host: WriterHost) -> None:
         self.host = host
 
-    def tell_abort(self, rid: str, owner: int, source: AbortSource, reason: str) -> None:
+    def tell_abort(self, jid: str, owner: int, source: AbortSource, reason: str) -> None:
         """ABORT to the owner, when known. There is no router: the prefill's own vLLM
         engine already ended the request, and the decode's hears of it from its worker."""
         h = self.host
-        log.error("request %s: prefill worker tp%d failed: %s", rid, h.tp_rank, reason)
+        log.error("request %s: prefill worker tp%d failed: %s", jid, h.tp_rank, reason)
         h.stats.abort(source.value)
-        job = h.jobs.get(rid)
+        job = h.jobs.get(jid)
         if job is None or owner < 0:
             return
         payload = wire.encode(
-            wire.ABORT, rid=rid, orid=job.orid, source=source.value, reason=reason
+            wire.ABORT,
+            rid=job.request,
+            orid=job.orid,
+            source=source.value,
+            reason=reason,
+            tp_rank=h.tp_rank,
+            tp_size=h.tp_size,
+            kv_heads=h.kv_heads,
         )
-        h.link.send(job.peer, payload, rid)
+        h.link.send(job.peer, payload, jid)
 
-    def send_ack(self, rid: str, owner: int, flushed: Callable[[], None] | None) -> None:
+    def send_ack(self, jid: str, owner: int, flushed: Callable[[], None] | None) -> None:
         h = self.host
-        job = h.jobs.get(rid)
+        job = h.jobs.get(jid)
         ack = None
         if job is not None and owner >= 0:
-            ack = h.link.notify(job.peer, wire.encode(wire.ABORT_ACK, rid=rid, orid=job.orid), rid)
+            ack = h.link.notify(
+                job.peer, wire.encode(wire.ABORT_ACK, rid=job.request, orid=job.orid), jid
+            )
         if flushed is None:
             return
         if ack is None or job is None:
@@ -111,15 +161,17 @@ class WriterWire:
 
 
 class WriterHost(WorkerHost):
-    """A prefill worker's jobs: what arrives becomes the writer's events, fed to its
-    driver; this object is the driver's data path, source blocks and report ports."""
+    """A prefill worker's prompts and jobs: what arrives becomes the writer's events, fed
+    to its driver; this object is the driver's data path, source blocks and report ports."""
 
     def __init__(self, parts: WorkerParts, timers: PollTimers) -> None:
         super().__init__(parts, timers)
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, Job] = {}  # by job id
+        self.prompts: dict[str, Prompt] = {}  # by request id
         self.finished_sending: set[str] = set()
         self.regions: KVRegions | None = None
         self.segments: list[Any] = []
+        self.kv_heads = 0  # the engine's KV heads in all (its TP group's)
         self.remote_segments: dict[int, tuple[KVRegions, list[RemoteSegment]]] = {}
         ports = WriterPorts(
             data=self,
@@ -131,81 +183,135 @@ class WriterHost(WorkerHost):
         )
         self.driver = WriterDriver(ports, wc.WRITER_TABLE, settled=self._settled)
 
-    def attach(self, regions: KVRegions, segments: list[Any]) -> None:
-        """vLLM's KV buffers, registered with the transfer engine."""
-        self.regions, self.segments = regions, segments
+    def attach(self, regions: KVRegions, segments: list[Any], kv_heads: int) -> None:
+        """vLLM's KV buffers, registered with the transfer engine; the engine's KV heads."""
+        self.regions, self.segments, self.kv_heads = regions, segments, kv_heads
+
+    @property
+    def shape(self) -> EngineShape:
+        return EngineShape(self.kv_heads, self.tp_size)
 
     # ------------------------------------------------------------ events in
-    def _job(self, rid: str) -> Job | None:
-        if rid in self.tombstones:
-            return None
-        job = self.jobs.get(rid)
-        if job is None:
-            job = self.jobs[rid] = Job(rid)
+    def _prompt(self, rid: str) -> Prompt:
+        prompt = self.prompts.get(rid)
+        if prompt is None:
+            prompt = self.prompts[rid] = Prompt(rid)
+        return prompt
+
+    def _new_job(self, prompt: Prompt, decode_rank: int) -> Job:
+        """A job of ``prompt`` for one decode worker; one of a prompt vLLM handed over
+        starts from its KV (PROMPT), as the prompt's other jobs did."""
+        job = prompt.jobs[decode_rank] = Job(job_id(prompt.rid, decode_rank), prompt, decode_rank)
+        self.jobs[job.rid] = job
+        if prompt.src is not None:
+            self.driver.feed(job, WriterEvent.PROMPT)
         return job
 
     def _settled(self, job: Job, move: Any) -> None:
+        """A job that ended (after its notice's or its ack's flush, or with nothing ever
+        posted) ends its hold on the prompt's blocks."""
         if job.book.state in (WriterState.DONE, WriterState.ABORTED):
-            if job.hold is not None:
-                job.hold.cancel()
             if self.jobs.get(job.rid) is job:
                 del self.jobs[job.rid]
+            prompt = job.prompt
+            if prompt.jobs.get(job.decode_rank) is job:
+                prompt.ended.add(job.decode_rank)
+                self._maybe_hand_back(prompt)
 
     def fail(self, job: Job, source: AbortSource, reason: str) -> None:
         self.driver.fail(job, source, reason)
 
     def fail_request(self, rid: str | None, exc: Exception) -> None:
-        """An exception in one of ``rid``'s timers: the job fails as if its transfer had
-        (the owner is told, nothing more is posted, the ack follows what is in flight)."""
+        """An exception in one of ``rid``'s timers: its jobs fail as if their transfer had
+        (each owner is told, nothing more is posted, the acks follow what is in flight)."""
         reason = f"internal error: {type(exc).__name__}: {exc}"
         log.error("request %s: prefill worker tp%d: %s", rid, self.tp_rank, reason, exc_info=exc)
-        job = self.jobs.get(rid) if rid is not None else None
-        if job is not None:
-            self.fail(job, AbortSource.INTERNAL, reason)
+        prompt = self.prompts.get(rid) if rid is not None else None
+        for job in list(prompt.jobs.values()) if prompt is not None else []:
+            if job.book.state not in (WriterState.DONE, WriterState.ABORTED):
+                self.fail(job, AbortSource.INTERNAL, reason)
 
     def on_send(self, rid: str, spec: dict[str, Any]) -> None:
-        """The scheduler hands a finished prefill over: its blocks wait for a plan."""
-        job = self._job(rid)
-        if job is None:  # aborted before the scheduler handed it over: nothing was posted
+        """The scheduler hands a finished prefill over: its blocks wait for the plans."""
+        if rid in self.tombstones:  # handed back already (a repeated hand-over)
             self.finished_sending.add(rid)
             return
-        job.src, job.tokens = list(spec["blocks"]), int(spec["tokens"])
-        job.hold = self.timers.call_later(
-            self.settings.hold_timeout_s, lambda: self._hold_expired(job), rid=rid
+        prompt = self._prompt(rid)
+        prompt.src, prompt.tokens = list(spec["blocks"]), int(spec["tokens"])
+        if prompt.all_ended:  # every job ended before the hand-over: nothing was posted
+            self._hand_back(prompt)
+            return
+        prompt.checksums = self._source_checksums(prompt)  # as handed over (I5)
+        prompt.hold = self.timers.call_later(
+            self.settings.hold_timeout_s, lambda: self._hold_expired(prompt), rid=rid
         )
-        self.driver.feed(job, WriterEvent.PROMPT)
+        for job in list(prompt.jobs.values()):
+            if job.book.state in (WriterState.NEW, WriterState.PLANNED):
+                self.driver.feed(job, WriterEvent.PROMPT)
 
-    def _hold_expired(self, job: Job) -> None:
-        """The hold timeout: KV no decode planned for in time is let go."""
-        if job.book.state is WriterState.KV_READY:
-            self.fail(
-                job,
-                AbortSource.TRANSFER,
-                f"no plan from a decode within {self.settings.hold_timeout_s} s",
+    def _hold_expired(self, prompt: Prompt) -> None:
+        """The hold timeout: KV no decode planned for in time is let go (a decode worker
+        that never planned posted nothing here)."""
+        why = f"no plan from a decode within {self.settings.hold_timeout_s} s"
+        for job in list(prompt.jobs.values()):
+            if job.book.state is WriterState.KV_READY:
+                self.fail(job, AbortSource.TRANSFER, why)
+        if prompt.owners is None:
+            prompt.owners = frozenset()
+            log.warning("request %s: prefill worker tp%d: %s", prompt.rid, self.tp_rank, why)
+        for r in prompt.owners - set(prompt.jobs):
+            prompt.ended.add(r)
+        self._maybe_hand_back(prompt)
+
+    def _expect(self, prompt: Prompt, decode: EngineShape) -> str:
+        """The decode workers that plan here, from the first plan's shape; '' or why the
+        two engines cannot pair."""
+        try:
+            owners = frozenset(owners_of(self.shape, decode, self.tp_rank) or [0])
+        except LayoutError as exc:
+            return str(exc)
+        if prompt.owners is None:
+            prompt.owners = owners
+        elif prompt.owners != owners:
+            return (
+                f"plans from decode TP sizes that disagree: decode ranks {sorted(owners)} "
+                f"against {sorted(prompt.owners)}"
             )
+        return ""
 
     def on_plan(self, msg: Any, m: dict[str, Any]) -> None:
-        rid, orid = m["rid"], m["orid"]
+        rid, orid, decode_rank = m["rid"], m["orid"], int(m["tp_rank"])
+        jid = job_id(rid, decode_rank)
         peer: Peer | None = None
         unreachable = ""
         try:
             peer = self.link.peer(msg.sender_address)
         except TransferError as exc:
             unreachable = f"{type(exc).__name__}: {exc}"
-        job = self._job(rid)
-        if job is None:  # ended here (and flushed): fail the load, and ack at once
+        prompt = self.prompts.get(rid)
+        ended = jid in self.tombstones or (prompt is not None and decode_rank in prompt.ended)
+        if ended:  # ended here (and flushed): fail the load, and ack at once
             reason = f"request {rid} already ended at prefill worker tp{self.tp_rank}"
             self.link.send(
                 peer,
                 wire.encode(
-                    wire.ABORT, rid=rid, orid=orid, source=AbortSource.PREFILL.value, reason=reason
+                    wire.ABORT,
+                    rid=rid,
+                    orid=orid,
+                    source=AbortSource.PREFILL.value,
+                    reason=reason,
+                    tp_rank=self.tp_rank,
+                    tp_size=self.tp_size,
+                    kv_heads=self.kv_heads,
                 ),
                 rid,
             )
             self.link.notify(peer, wire.encode(wire.ABORT_ACK, rid=rid, orid=orid), rid)
             return
+        prompt = self._prompt(rid)
+        job = prompt.jobs.get(decode_rank) or self._new_job(prompt, decode_rank)
         if job.plan is not None:
-            log.warning("request %s: a second plan (from %s) ignored", rid, msg.sender_name)
+            log.warning("request %s: a second plan (from %s) ignored", jid, msg.sender_name)
             return
         job.meet(peer, orid)
         job.plan = m
@@ -214,14 +320,18 @@ class WriterHost(WorkerHost):
                 job, AbortSource.TRANSFER, f"the planning decode is unreachable: {unreachable}"
             )
             return
-        if m["tp_size"] != self.tp_size or m["tp_rank"] != self.tp_rank:
-            self.fail(
-                job,
-                AbortSource.TRANSFER,
-                f"plan from decode TP {m['tp_rank']}/{m['tp_size']} at prefill TP "
-                f"{self.tp_rank}/{self.tp_size}: heterogeneous TP is not supported",
+        decode = EngineShape(int(m["kv_heads"]) or self.kv_heads, int(m["tp_size"]))
+        refused = self._expect(prompt, decode)
+        if not refused and decode_rank not in (prompt.owners or ()):
+            refused = (
+                f"decode TP rank {decode_rank}/{decode.tp} planned, but this prefill worker "
+                f"(TP {self.tp_rank}/{self.tp_size}) writes into decode ranks "
+                f"{sorted(prompt.owners or ())} only"
             )
+        if refused:
+            self.fail(job, AbortSource.TRANSFER, f"plan refused: {refused}")
             return
+        job.heads = tuple(int(h) for h in m["heads"])
         try:
             key = msg.sender_incarnation
             if key not in self.remote_segments:
@@ -238,21 +348,31 @@ class WriterHost(WorkerHost):
         self.driver.feed(job, WriterEvent.PLAN)
 
     def on_owner_abort(self, msg: Any, m: dict[str, Any]) -> None:
-        """An ABORT from the owner (decode) for one of our jobs."""
-        rid, orid = m["rid"], m["orid"]
+        """An ABORT from an owner (a decode worker) for its job of one of our requests."""
+        rid, orid, decode_rank = m["rid"], m["orid"], int(m["tp_rank"])
+        jid = job_id(rid, decode_rank)
         peer: Peer | None = None
         try:
             peer = self.link.peer(msg.sender_address)
         except TransferError as exc:
-            log.warning("request %s: the aborting decode is unreachable: %s", rid, exc)
-        job = self.jobs.get(rid)
-        if job is None and rid in self.tombstones:
+            log.warning("request %s: the aborting decode is unreachable: %s", jid, exc)
+        prompt = self.prompts.get(rid)
+        job = prompt.jobs.get(decode_rank) if prompt is not None else None
+        if job is None and (
+            jid in self.tombstones
+            or rid in self.tombstones
+            or (prompt and decode_rank in prompt.ended)
+        ):
             # Ended here already (and flushed): a book that says so, kept while its row
-            # runs (the table acks again; nothing is in flight).
-            job = self.jobs[rid] = Job(rid)
+            # runs (the table acks again; nothing is in flight), of no prompt of ours.
+            job = self.jobs[jid] = Job(jid, Prompt(rid), decode_rank)
             job.book.state = WriterState.ABORTED
         elif job is None:
-            job = self.jobs[rid] = Job(rid)
+            prompt = prompt or self._prompt(rid)
+            self._expect(
+                prompt, EngineShape(int(m["kv_heads"]) or self.kv_heads, int(m["tp_size"]))
+            )
+            job = self._new_job(prompt, decode_rank)
             self.stats.abort(m["source"])
         else:
             self.stats.abort(m["source"])
@@ -273,57 +393,121 @@ class WriterHost(WorkerHost):
             job.inflight = kept + job.inflight
 
     # ------------------------------------------------------------ the data path (a port)
+    def _source_checksums(self, prompt: Prompt) -> list[int]:
+        assert self.regions is not None and prompt.src is not None
+        data = self.regions.block_bytes_of(prompt.src)
+        return page_checksums(data, list(range(len(prompt.src)))).tolist()
+
     def start_prefill(self, job: Job) -> None:
-        """vLLM computed the KV already: checksum the source blocks, then KV_READY."""
-        assert self.regions is not None and job.src is not None
-        data = self.regions.block_bytes_of(job.src)
-        job.checksums = page_checksums(data, list(range(len(job.src)))).tolist()
+        """vLLM computed the KV already and the source blocks were checksummed when it
+        handed them over (:meth:`on_send`): KV_READY."""
         self.driver.feed(job, WriterEvent.KV_READY)
 
+    def _like(self, job: Job) -> bool:
+        """Whole blocks go as they are: the same TP rank and size, layout and blocks."""
+        assert self.regions is not None and job.dst is not None and job.plan is not None
+        return (
+            job.decode_rank == self.tp_rank
+            and int(job.plan["tp_size"]) == self.tp_size
+            and same_blocks(self.regions, job.dst)
+        )
+
     def post_writes(self, job: Job) -> None:
-        """Check the plan against the prompt and the layouts, queue the writes in batches
-        of at most ``max_batch_bytes``, post the first."""
-        assert job.plan is not None and job.src is not None and job.dst is not None
-        assert self.regions is not None
-        if job.hold is not None:
-            job.hold.cancel()
+        """Check the plan against the prompt, queue the writes in batches of at most
+        ``max_batch_bytes``, post the first."""
+        prompt = job.prompt
+        assert job.plan is not None and prompt.src is not None and job.dst is not None
+        assert self.regions is not None and prompt.checksums is not None
         dst = job.plan["blocks"]
-        if len(dst) > len(job.src) or not dst:
+        if int(job.plan["tokens"]) != prompt.tokens:
             self.fail(
                 job,
                 AbortSource.PREFILL,
-                f"plan holds {len(dst)} blocks; the prompt's KV fills {len(job.src)}",
+                f"plan for a prompt of {job.plan['tokens']} tokens; this one has {prompt.tokens}",
             )
             return
-        if (self.regions.layout, self.regions.signature()) != (job.dst.layout, job.dst.signature()):
+        if not job.heads:  # a prefill worker whose heads others write: nothing to move
+            job.queue, job.posted_bytes, job.checksums = [], 0, []
+            self.driver.feed(job, WriterEvent.ALL_LANDED)
+            return
+        if self._like(job):
+            self._queue_blocks(job, dst)
+        else:
+            self._queue_rows(job, dst)
+        if job.book.state is WriterState.WRITING:
+            self.post_next(job)
+
+    def _queue_blocks(self, job: Job, dst: list[int]) -> None:
+        prompt = job.prompt
+        assert self.regions is not None and job.dst is not None
+        assert prompt.src is not None and prompt.checksums is not None
+        if len(dst) > len(prompt.src) or not dst:
             self.fail(
                 job,
-                AbortSource.TRANSFER,
-                f"KV layouts differ: prefill {self.regions.layout} "
-                f"{self.regions.signature()[:1]} vs decode {job.dst.layout} "
-                f"{job.dst.signature()[:1]}",
+                AbortSource.PREFILL,
+                f"plan holds {len(dst)} blocks; the prompt's KV fills {len(prompt.src)}",
             )
             return
-        src = job.src[len(job.src) - len(dst) :]
+        src = prompt.src[len(prompt.src) - len(dst) :]
         per = max(1, self.settings.max_batch_bytes // max(1, self.regions.block_bytes))
         job.queue = []
         for lo in range(0, len(dst), per):
             for i in range(len(self.regions.buffers)):
-                job.queue.append(
-                    (i, self.regions.triples(i, src[lo : lo + per], job.dst, dst[lo : lo + per]))
-                )
+                triples = self.regions.triples(i, src[lo : lo + per], job.dst, dst[lo : lo + per])
+                job.queue.append((i, i, triples))
         job.posted_bytes = len(dst) * self.regions.block_bytes
-        job.checksums = job.checksums[len(job.src) - len(dst) :]
-        self.post_next(job)
+        job.checksums = prompt.checksums[len(prompt.src) - len(dst) :]
+
+    def _queue_rows(self, job: Job, dst: list[int]) -> None:
+        """Another shape: the rows of the job's heads as runs, planned once; the source
+        blocks are checked against the checksums taken when vLLM handed them over (a
+        block changed since is never sent), then each decode block's region checksum."""
+        prompt = job.prompt
+        assert self.regions is not None and job.dst is not None and job.plan is not None
+        assert prompt.src is not None and prompt.checksums is not None
+        decode = EngineShape(int(job.plan["kv_heads"]) or self.kv_heads, int(job.plan["tp_size"]))
+        try:
+            runs = plan_pair(
+                self.regions,
+                job.dst,
+                job.heads,
+                self.shape.heads_of(self.tp_rank)[0],
+                decode.heads_of(job.decode_rank)[0],
+                prompt.src,
+                dst,
+                prompt.tokens,
+            )
+        except LayoutError as exc:
+            self.fail(job, AbortSource.PREFILL, f"plan unusable: {exc}")
+            return
+        if self.settings.integrity:
+            now = self._source_checksums(prompt)
+            changed = [
+                b for b, x, y in zip(prompt.src, now, prompt.checksums, strict=True) if x != y
+            ]
+            if changed:
+                self.fail(
+                    job,
+                    AbortSource.PREFILL,
+                    f"{len(changed)} of {len(prompt.src)} source blocks changed since vLLM "
+                    f"handed them over (first: {changed[:4]})",
+                )
+                return
+        job.runs = runs
+        job.queue = [
+            (i, j, triples) for i, j, triples in runs.batches(self.settings.max_batch_bytes)
+        ]
+        job.posted_bytes = runs.bytes
+        job.checksums = region_checksums(self.regions, runs, 0, len(dst)).tolist()
 
     def post_next(self, job: Job) -> None:
         """Post one batch (an abort stops posting within one)."""
         if not job.queue:
             return
-        (i, triples), job.queue = job.queue[0], job.queue[1:]
+        (i, j, triples), job.queue = job.queue[0], job.queue[1:]
         assert job.peer is not None
         try:
-            batch = self.link.engine.write(job.peer, self.segments[i], job.rsegs[i], triples)
+            batch = self.link.engine.write(job.peer, self.segments[i], job.rsegs[j], triples)
         except TransferError as exc:
             self.fail(job, AbortSource.TRANSFER, f"write refused: {exc}")
             return
@@ -349,13 +533,18 @@ class WriterHost(WorkerHost):
     send_part = post_part
 
     def send_notice(self, job: Job) -> None:
-        """NOTICE with notify (flush, then send); NOTICE_FLUSHED once that completed."""
+        """NOTICE with notify (flush, then send); NOTICE_FLUSHED once that completed. A
+        job that wrote nothing (its heads are others') ends without one: no owner waits
+        for it."""
         assert job.plan is not None
+        if not job.heads:
+            self.driver.feed(job, WriterEvent.NOTICE_FLUSHED)
+            return
         payload = wire.encode(
             wire.NOTICE,
-            rid=job.rid,
+            rid=job.request,
             orid=job.orid,
-            tokens=job.tokens,
+            tokens=job.prompt.tokens,
             blocks=list(job.plan["blocks"]),
             gens=list(job.plan["gens"]),
             checksums=[int(c) for c in job.checksums],
@@ -371,25 +560,41 @@ class WriterHost(WorkerHost):
     def stop_posting(self, job: Job) -> None:
         """Nothing more is posted; what is in flight settles through :meth:`settle`."""
         job.queue = []
-        if job.hold is not None:
-            job.hold.cancel()
 
     # ------------------------------------------------------------ source blocks (a port)
-    def free(self, rid: str) -> int:
-        """vLLM's blocks of ``rid`` go back to it: the request is reported in
-        ``finished_sending`` (vLLM frees them). 0 when vLLM never handed it over."""
-        job = self.jobs.get(rid)
-        if job is None or job.src is None:
+    def free(self, jid: str) -> int:
+        """The job's hold on the prompt's blocks ends (after its notice's or its ack's
+        flush): the blocks it held, 0 when vLLM never handed the request over. vLLM gets
+        them back (``finished_sending``) once every expected job has ended
+        (:meth:`_settled`)."""
+        job = self.jobs.get(jid)
+        if job is None or job.prompt.src is None:
             return 0
-        self.finished_sending.add(rid)
-        return len(job.src)
+        return len(job.prompt.src)
+
+    def _maybe_hand_back(self, prompt: Prompt) -> None:
+        if prompt.all_ended and prompt.src is not None:
+            self._hand_back(prompt)
+
+    def _hand_back(self, prompt: Prompt) -> None:
+        if prompt.hold is not None:
+            prompt.hold.cancel()
+        if not prompt.sent:
+            prompt.sent = True
+            self.finished_sending.add(prompt.rid)
+        if self.prompts.get(prompt.rid) is prompt:
+            del self.prompts[prompt.rid]
+            now = self.clock.now()
+            self.tombstones.tombstone(prompt.rid, now)
+            for r in set(prompt.jobs) | set(prompt.owners or ()):
+                self.tombstones.tombstone(job_id(prompt.rid, r), now)
 
     # ------------------------------------------------------------ the report (a port)
-    def released(self, rid: str, pages: int, how: Release, justification: Proof) -> None:
+    def released(self, jid: str, pages: int, how: Release, justification: Proof) -> None:
         """Logged only: there is no router to tell, and vLLM learns of the blocks through
-        ``finished_sending`` (:meth:`free`). A request the scheduler never handed over
-        (RELEASED with 0 pages) is reported when, if ever, it is: it is tombstoned, so
-        :meth:`on_send` gives its blocks back at once."""
+        ``finished_sending`` (:meth:`free`). A job whose request the scheduler never
+        handed over (RELEASED with 0 pages) counts as ended: when, if ever, it is, its
+        blocks go back at once."""
         log.debug(
-            "request %s: %d source blocks released (%s; proof: %s)", rid, pages, how, justification
+            "request %s: %d source blocks released (%s; proof: %s)", jid, pages, how, justification
         )

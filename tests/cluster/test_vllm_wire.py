@@ -25,11 +25,15 @@ CASES = {
         descs=[b"\x01\x02", b"\x03"],
         tp_rank=0,
         tp_size=2,
+        kv_heads=4,
+        heads=[0, 1],
     ),
     Kind.NOTICE: dict(
         rid="d-1", orid="p-1", tokens=20, blocks=[3, 4], gens=[1, 1], checksums=[7, 8], bytes=128
     ),
-    Kind.ABORT: dict(rid="d-1", orid="p-1", source="client", reason="gone"),
+    Kind.ABORT: dict(
+        rid="d-1", orid="p-1", source="client", reason="gone", tp_rank=1, tp_size=2, kv_heads=4
+    ),
     Kind.ABORT_ACK: dict(rid="d-1", orid="p-1"),
 }
 
@@ -47,13 +51,34 @@ def test_every_kind_round_trips_with_the_cores_words(kind):
     [
         b"junk",
         msgpack.packb(["kvf.vllm", 1, "PLAN", {}]),  # the old version
-        msgpack.packb(["kvf.vllm", 2, "SHUTDOWN", {}]),  # no such kind here
-        msgpack.packb(["kvf.vllm", 2, "ABORT", {"rid": "a", "orid": "b", "reason": "x"}]),
+        msgpack.packb(["kvf.vllm", 2, "PLAN", {}]),  # the version before heads
+        msgpack.packb(["kvf.vllm", 3, "SHUTDOWN", {}]),  # no such kind here
+        msgpack.packb(["kvf.vllm", 3, "ABORT", {"rid": "a", "orid": "b", "reason": "x"}]),
         msgpack.packb(
-            ["kvf.vllm", 2, "ABORT", {"rid": "a", "orid": "b", "source": "nobody", "reason": ""}]
+            [
+                "kvf.vllm",
+                3,
+                "ABORT",
+                {
+                    "rid": "a",
+                    "orid": "b",
+                    "source": "nobody",
+                    "reason": "",
+                    "tp_rank": 0,
+                    "tp_size": 1,
+                    "kv_heads": 1,
+                },
+            ]
         ),
     ],
-    ids=["garbage", "old-version", "unknown-kind", "missing-field", "unknown-source"],
+    ids=[
+        "garbage",
+        "old-version",
+        "version-2",
+        "unknown-kind",
+        "missing-field",
+        "unknown-source",
+    ],
 )
 def test_bad_input_is_refused(payload):
     with pytest.raises(wire.MalformedMessage):

@@ -17,9 +17,9 @@ class KvferryConnector(_Base):
             assign = owner._try_assign
 
             def uncaught(o: Load, owner: OwnerHost = owner) -> None:
-                card, _ = owner._worker_card(o.remote)
-                if card is not None:
-                    owner.link.peer(bytes(card["address"]))
+                links, _ = owner._links(o)
+                for link in links or ():
+                    owner.link.peer(bytes(link.card["address"]))
                 assign(o)
 
             owner._try_assign = uncaught  # type: ignore[method-assign]

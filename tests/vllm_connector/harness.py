@@ -322,7 +322,7 @@ def prefill_main(
             elif cmd == "corrupt":  # flip bytes of a request's source blocks, after checksums
                 rid = args[0]
                 for w, reg in zip(side.workers, side.regions, strict=True):
-                    src = w._worker.writer.jobs[rid].src
+                    src = w._worker.writer.prompts[rid].src
                     data = reg.block_bytes_of(src)
                     data[:, 5] ^= 0xFF
                     reg.write_block_bytes(src, data)
@@ -354,24 +354,28 @@ def prefill_main(
             side.step(fill=True)
             if kill_at is not None:
                 rid, k = kill_at
-                jobs = [w._worker.writer.jobs.get(rid) for w in side.workers]
-                if any(j is not None and j.batches_posted >= k for j in jobs):
+                if any(j.batches_posted >= k for j in _jobs_of(side, rid)):
                     os.kill(os.getpid(), signal.SIGKILL)
             if pause_at is not None:
                 rid, k = pause_at
-                jobs = [w._worker.writer.jobs.get(rid) for w in side.workers]
-                if any(j is not None and j.batches_posted >= k for j in jobs):
+                if any(j.batches_posted >= k for j in _jobs_of(side, rid)):
                     running, pause_at = False, None
             time.sleep(0.0005)
 
 
+def _jobs_of(side: Side, rid: str) -> list[Any]:
+    """The writer's live jobs of request ``rid`` (one per decode worker it writes into),
+    over every worker."""
+    return [j for w in side.workers for j in w._worker.writer.jobs.values() if j.request == rid]
+
+
 def _jobs(side: Side) -> dict[str, list[list[Any]]]:
     """Each worker's live jobs: rid -> [state, batches in flight, batches queued] per
-    worker that has one."""
+    job."""
     out: dict[str, list[list[Any]]] = {}
     for w in side.workers:
-        for rid, job in w._worker.writer.jobs.items():
-            out.setdefault(rid, []).append(
+        for job in w._worker.writer.jobs.values():
+            out.setdefault(job.request, []).append(
                 [job.book.state.value, job.book.in_flight, len(job.queue)]
             )
     return out

@@ -1,0 +1,252 @@
+"""Byte runs between two unlike vLLM engines: any TP sizes, block sizes and KV layouts.
+
+A prefill worker writes the rows (one layer's K|V of one head at one token) of the heads
+it is assigned (:func:`pairs`, the rule of :func:`kvferry.engine.reshard.assign_heads`)
+into each decode worker that holds them. Where a row lives on either side is that side's
+:class:`~.layout.LayerRows`; :func:`plan_pair` lays the rows of one (writer, owner) pair
+for one request side by side and merges those contiguous on both sides into runs
+``(local offset, remote offset, length)``, per (local buffer, remote buffer), once per
+request (numpy, no loop over tokens). A run never crosses a decode block, so the owner's
+I5 check is per block: the *region* a writer wrote into a block is its runs into that
+block concatenated in the decode's byte order, and its checksum is put together from the
+runs' (:func:`kvferry.engine.run_checksum.combine_keyed`) on the writer's source bytes and
+on the owner's landed bytes alike (:func:`region_checksums`). Two engines whose layouts,
+block sizes and TP sizes agree still go the homogeneous way (whole blocks, page
+checksums): this module is for the pairs that differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvferry.engine.reshard import KVShape, PoolLayout, ReshardError, assign_heads, head_span
+from kvferry.engine.run_checksum import combine_keyed, run_checksums, word_unit
+
+from .layout import KVRegions, LayerRows, LayoutError
+
+ORDER_SHIFT = 48  # a run's place in its block's region: (buffer << 48) | offset
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What one engine's TP group holds: ``kv_heads`` in all, over ``tp`` workers."""
+
+    kv_heads: int
+    tp: int
+
+    def heads_of(self, rank: int) -> tuple[int, int]:
+        """The global KV heads ``[lo, hi)`` that worker ``rank`` holds (replicated GQA:
+        one head, shared by consecutive workers)."""
+        return head_span(KVShape(1, self.kv_heads, 1, 1), self.tp, rank)
+
+
+def pairs(prefill: EngineShape, decode: EngineShape) -> dict[tuple[int, int], tuple[int, ...]]:
+    """``(prefill rank, decode rank) -> global heads`` the first writes into the second;
+    every head a decode worker holds comes from exactly one prefill worker."""
+    if prefill.kv_heads != decode.kv_heads:
+        raise LayoutError(
+            f"the prefill engine holds {prefill.kv_heads} KV heads, the decode "
+            f"{decode.kv_heads}: not the same model"
+        )
+    try:
+        return assign_heads(
+            KVShape(1, prefill.kv_heads, 1, 1),
+            PoolLayout(prefill.tp, 1),
+            PoolLayout(decode.tp, 1),
+        )
+    except ReshardError as exc:
+        raise LayoutError(str(exc)) from exc
+
+
+def writers_of(prefill: EngineShape, decode: EngineShape, rank: int) -> list[int]:
+    """The prefill ranks that write into decode worker ``rank``, ascending."""
+    return sorted(p for p, d in pairs(prefill, decode) if d == rank)
+
+
+def owners_of(prefill: EngineShape, decode: EngineShape, rank: int) -> list[int]:
+    """The decode ranks prefill worker ``rank`` writes into, ascending (empty: its heads
+    are all taken from other holders, and it writes nothing)."""
+    return sorted(d for p, d in pairs(prefill, decode) if p == rank)
+
+
+@dataclass(frozen=True)
+class PairRuns:
+    """One writer's runs into one owner for one request. ``runs`` ``[n, 3]`` int64
+    (local offset, remote offset, length); per run its local and remote buffer and
+    ``block``: the index, in the owner's planned blocks, of the block it lands in."""
+
+    runs: np.ndarray
+    src_buffer: np.ndarray
+    dst_buffer: np.ndarray
+    block: np.ndarray
+    unit: int
+
+    @property
+    def bytes(self) -> int:
+        return int(self.runs[:, 2].sum())
+
+    def batches(self, max_bytes: int) -> list[tuple[int, int, np.ndarray]]:
+        """``(local buffer, remote buffer, runs)`` of at most ``max_bytes`` each (one run
+        over it goes alone), in plan order."""
+        out: list[tuple[int, int, np.ndarray]] = []
+        pair = self.src_buffer * (1 << 20) + self.dst_buffer
+        for key in np.unique(pair):
+            which = np.flatnonzero(pair == key)
+            runs = self.runs[which]
+            ends = np.cumsum(runs[:, 2])
+            cut = ends // max(1, max_bytes)
+            starts = np.flatnonzero(np.r_[True, cut[1:] != cut[:-1]])
+            for lo, hi in zip(starts, np.r_[starts[1:], len(runs)], strict=True):
+                out.append(
+                    (int(self.src_buffer[which[0]]), int(self.dst_buffer[which[0]]), runs[lo:hi])
+                )
+        return out
+
+
+def same_blocks(a: KVRegions, b: KVRegions) -> bool:
+    """Two workers' blocks are alike (whole blocks move as they are): the same layout,
+    runs per block, block size and heads."""
+
+    def rows(r: KVRegions) -> list[tuple[int, int, int]]:
+        return [(x.block_tokens, x.heads, x.row_bytes) for x in r.layers]
+
+    return a.layout == b.layout and a.signature() == b.signature() and rows(a) == rows(b)
+
+
+def _check_pair(src: KVRegions, dst: KVRegions) -> None:
+    if not src.layers or not dst.layers:
+        raise LayoutError("an engine sent no row geometry (a kvferry too old to reshape)")
+    if len(src.layers) != len(dst.layers):
+        raise LayoutError(
+            f"the prefill has {len(src.layers)} KV layers, the decode {len(dst.layers)}"
+        )
+    for a, b in zip(src.layers, dst.layers, strict=True):
+        if a.row_bytes != b.row_bytes:
+            raise LayoutError(
+                f"layer {a.name}: a K|V row of {a.row_bytes} bytes at the prefill, "
+                f"{b.row_bytes} at the decode (head size or dtype differ)"
+            )
+
+
+def _segments(first: int, end: int, grains: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens ``[first, end)`` cut at every multiple of each grain: (starts, lengths)."""
+    cuts = [np.arange(first, end, dtype=np.int64)] if 1 in grains else []
+    for g in grains:
+        cuts.append(np.arange(-(-first // g) * g, end, g, dtype=np.int64))
+    starts = np.unique(np.concatenate([np.array([first], dtype=np.int64), *cuts]))
+    starts = starts[(starts >= first) & (starts < end)]
+    return starts, np.diff(np.r_[starts, end])
+
+
+def _offsets(
+    rows: LayerRows, blocks: np.ndarray, first: int, starts: np.ndarray, heads: np.ndarray
+) -> np.ndarray:
+    """``[heads, segments]``: byte offsets of each head's row at each segment's start,
+    for a block table whose first block holds token ``first``."""
+    p = rows.block_tokens
+    rel = starts - first
+    block = blocks[rel // p]
+    kernel = block * rows.ratio + (starts % p) // rows.kernel_tokens
+    slot = starts % rows.kernel_tokens
+    base = rows.offset + kernel * rows.block_stride + slot * rows.token_stride
+    return base[None, :] + heads[:, None] * rows.head_stride
+
+
+def plan_pair(
+    src: KVRegions,
+    dst: KVRegions,
+    heads: Sequence[int],
+    src_first_head: int,
+    dst_first_head: int,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    tokens: int,
+) -> PairRuns:
+    """The runs that move the rows of global ``heads`` for a prompt of ``tokens`` from
+    the writer's ``src_blocks`` (from token 0) into the owner's ``dst_blocks``, which
+    hold the prompt's last blocks (the owner may hold its first tokens already). Each
+    side's local head of global head ``h`` is ``h - *_first_head``."""
+    _check_pair(src, dst)
+    p_src, p_dst = src.layers[0].block_tokens, dst.layers[0].block_tokens
+    need_src = -(-tokens // p_src)
+    need_dst = -(-tokens // p_dst)
+    if len(src_blocks) < need_src:
+        raise LayoutError(f"{len(src_blocks)} prefill blocks of {p_src} for {tokens} tokens")
+    if not 0 < len(dst_blocks) <= need_dst:
+        raise LayoutError(
+            f"{len(dst_blocks)} decode blocks of {p_dst} tokens planned for a prompt of "
+            f"{tokens} (at most {need_dst})"
+        )
+    first = (need_dst - len(dst_blocks)) * p_dst
+    contiguous = all(r.token_stride == r.row_bytes for r in (*src.layers, *dst.layers))
+    grains = [r.kernel_tokens for r in (*src.layers, *dst.layers)] + [p_src, p_dst]
+    starts, lengths = _segments(first, tokens, grains if contiguous else [1])
+    sb = np.asarray(src_blocks, dtype=np.int64)
+    db = np.asarray(dst_blocks, dtype=np.int64)
+    h = np.asarray(heads, dtype=np.int64)
+    block = (starts - first) // p_dst
+    parts = []
+    for a, b in zip(src.layers, dst.layers, strict=True):
+        so = _offsets(a, sb, 0, starts, h - src_first_head)
+        do = _offsets(b, db, first, starts, h - dst_first_head)
+        n = so.size
+        parts.append(
+            (
+                so.reshape(-1),
+                do.reshape(-1),
+                np.broadcast_to(lengths[None, :] * a.row_bytes, so.shape).reshape(-1),
+                np.full(n, a.buffer, dtype=np.int64),
+                np.full(n, b.buffer, dtype=np.int64),
+                np.broadcast_to(block[None, :], so.shape).reshape(-1),
+            )
+        )
+    so, do, ln, sbuf, dbuf, key = (np.concatenate(c) for c in zip(*parts, strict=True))
+    runs, sbuf, dbuf, key = _coalesce(so, do, ln, sbuf, dbuf, key)
+    return PairRuns(runs, sbuf, dbuf, key, word_unit(src.layers[0].row_bytes))
+
+
+def _coalesce(
+    so: np.ndarray,
+    do: np.ndarray,
+    ln: np.ndarray,
+    sbuf: np.ndarray,
+    dbuf: np.ndarray,
+    key: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted by (buffers, block, local offset); neighbours contiguous on both sides, in
+    the same buffers and the same decode block, merged."""
+    by = np.lexsort((so, key, dbuf, sbuf))
+    so, do, ln, sbuf, dbuf, key = so[by], do[by], ln[by], sbuf[by], dbuf[by], key[by]
+    follows = (
+        (sbuf[1:] == sbuf[:-1])
+        & (dbuf[1:] == dbuf[:-1])
+        & (key[1:] == key[:-1])
+        & (so[1:] == so[:-1] + ln[:-1])
+        & (do[1:] == do[:-1] + ln[:-1])
+    )
+    starts = np.flatnonzero(np.r_[True, ~follows])
+    merged = np.add.reduceat(ln, starts) if len(ln) else ln
+    runs = np.stack([so[starts], do[starts], merged], axis=1)
+    return runs, sbuf[starts], dbuf[starts], key[starts]
+
+
+def region_checksums(regions: KVRegions, plan: PairRuns, column: int, blocks: int) -> np.ndarray:
+    """``[blocks]`` int64: per planned decode block, the checksum of the region the
+    pair's runs write into it, reading ``regions``' buffers at the runs' ``column``
+    (0: the writer's source; 1: the owner's landed bytes). A block the runs miss is 0."""
+    runs = plan.runs
+    buffers = plan.src_buffer if column == 0 else plan.dst_buffer
+    sums = np.zeros(len(runs), dtype=np.int64)
+    for i in np.unique(buffers):
+        which = np.flatnonzero(buffers == i)
+        sums[which] = run_checksums(
+            regions.buffers[int(i)].tensor, runs[which, column], runs[which, 2], plan.unit
+        )
+    order = (plan.dst_buffer << ORDER_SHIFT) | runs[:, 1]
+    keys, values = combine_keyed(plan.block, order, runs[:, 2], sums, plan.unit)
+    out = np.zeros(blocks, dtype=np.int64)
+    out[keys] = values
+    return out

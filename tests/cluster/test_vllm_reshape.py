@@ -1,0 +1,242 @@
+"""Runs between unlike vLLM engines (cluster/vllm/reshape.py), on CPU views laid out as
+vLLM 0.33 lays them ([blocks, heads, tokens, K|V] per layer over one raw buffer): every
+(TP, block size, layout) pair moves exactly the rows it must, and the owner's region
+checksums of what landed equal the writer's of its source."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.cluster.vllm.layout import KVRegions
+from kvferry.cluster.vllm.reshape import (
+    EngineShape,
+    owners_of,
+    pairs,
+    plan_pair,
+    region_checksums,
+    writers_of,
+)
+
+LAYERS, HEADS, ROW = 2, 4, 16  # K|V row: 2 x head size 4 x fp16
+
+
+def views(
+    layout: str, blocks: int, block: int, heads: int, ratio: int = 1
+) -> dict[str, torch.Tensor]:
+    """Per layer a ``[blocks * ratio, heads, block // ratio, ROW // 2]`` fp16 view over one
+    raw buffer: ``HND``/``NHD`` layer-outermost, ``BNHD`` block-outermost (cross-layer)."""
+    kt = block // ratio
+    kb = blocks * ratio
+    width = ROW // 2
+    page = heads * kt * width  # elements of one kernel block of one layer
+    raw = torch.zeros(LAYERS * kb * page, dtype=torch.float16)
+    out = {}
+    for layer in range(LAYERS):
+        if layout == "HND":
+            base, sb, sh, sn = layer * kb * page, page, kt * width, width
+        elif layout == "NHD":
+            base, sb, sh, sn = layer * kb * page, page, width, heads * width
+        else:  # BNHD: a kernel block holds every layer
+            base, sb, sh, sn = layer * page, LAYERS * page, width, heads * width
+        out[f"layer.{layer}"] = raw.as_strided((kb, heads, kt, width), (sb, sh, sn, 1), base)
+    return out
+
+
+_BLOCKS = 12
+
+
+def expected_row(seed: int, layer: int, head: int, t: int, width: int) -> torch.Tensor:
+    return torch.arange(width, dtype=torch.float16) + float(
+        (seed * 7 + layer * 131 + head * 17 + t * 3) % 1000
+    )
+
+
+def copy_runs(src: KVRegions, dst: KVRegions, plan) -> None:
+    for (sbuf, dbuf), (so, do, n) in zip(
+        zip(plan.src_buffer, plan.dst_buffer, strict=True), plan.runs, strict=True
+    ):
+        s, d = src.buffers[int(sbuf)].tensor, dst.buffers[int(dbuf)].tensor
+        d[int(do) : int(do) + int(n)] = s[int(so) : int(so) + int(n)]
+
+
+def read_row(caches, blocks, first, t, h, layer) -> torch.Tensor:
+    v = list(caches.values())[layer]
+    kb, _, kt, _ = v.shape
+    r = kb // _BLOCKS
+    p = kt * r
+    b = blocks[(t - first) // p]
+    return v[b * r + (t % p) // kt, h, t % kt]
+
+
+SHAPES = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 2), (4, 4)]
+
+
+@pytest.mark.parametrize(
+    "tp_p,tp_d,heads,bs_p,bs_d,lay_p,lay_d",
+    [
+        (1, 1, 4, 16, 16, "NHD", "HND"),
+        (1, 1, 4, 16, 32, "HND", "HND"),
+        (1, 1, 4, 32, 16, "NHD", "NHD"),
+        (2, 1, 4, 16, 16, "HND", "HND"),
+        (1, 2, 4, 16, 64, "HND", "NHD"),
+        (2, 4, 4, 64, 16, "NHD", "BNHD"),
+        (4, 2, 2, 16, 32, "BNHD", "HND"),  # replicated GQA at the prefill
+        (1, 4, 2, 32, 16, "HND", "NHD"),  # replicated GQA at the decode
+    ],
+)
+def test_every_row_lands_where_the_decode_reads_it(tp_p, tp_d, heads, bs_p, bs_d, lay_p, lay_d):
+    tokens, seed = 70, 5
+    pre, dec = EngineShape(heads, tp_p), EngineShape(heads, tp_d)
+    src_blocks = list(range(11, 11 - (-(-tokens // bs_p)), -1))  # any order of blocks
+    dst_blocks = [3, 0, 7, 9, 1][: -(-tokens // bs_d)]
+    caches_p, caches_d = {}, {}
+    for p in range(tp_p):
+        lo, hi = pre.heads_of(p)
+        caches_p[p] = views(lay_p, _BLOCKS, bs_p, hi - lo)
+        for li, _v in enumerate(caches_p[p].values()):
+            for t in range(tokens):
+                for h in range(hi - lo):
+                    read_row(caches_p[p], src_blocks, 0, t, h, li)[:] = expected_row(
+                        seed, li, lo + h, t, ROW // 2
+                    )
+    for d in range(tp_d):
+        lo, hi = dec.heads_of(d)
+        caches_d[d] = views(lay_d, _BLOCKS, bs_d, hi - lo)
+    regions_p = {p: KVRegions.from_kv_caches(c, _BLOCKS, lay_p) for p, c in caches_p.items()}
+    regions_d = {d: KVRegions.from_kv_caches(c, _BLOCKS, lay_d) for d, c in caches_d.items()}
+    for (p, d), hs in pairs(pre, dec).items():
+        plan = plan_pair(
+            regions_p[p],
+            regions_d[d],
+            hs,
+            pre.heads_of(p)[0],
+            dec.heads_of(d)[0],
+            src_blocks,
+            dst_blocks,
+            tokens,
+        )
+        assert plan.bytes == len(hs) * tokens * LAYERS * ROW
+        copy_runs(regions_p[p], regions_d[d], plan)
+        n = len(dst_blocks)
+        assert np.array_equal(
+            region_checksums(regions_p[p], plan, 0, n), region_checksums(regions_d[d], plan, 1, n)
+        )
+    for d in range(tp_d):
+        lo, hi = dec.heads_of(d)
+        for li in range(LAYERS):
+            for t in range(tokens):
+                for h in range(hi - lo):
+                    got = read_row(caches_d[d], dst_blocks, 0, t, h, li)
+                    assert torch.equal(got, expected_row(seed, li, lo + h, t, ROW // 2)), (
+                        d,
+                        li,
+                        t,
+                        h,
+                    )
+
+
+def test_every_decode_head_has_one_writer_and_every_prefill_rank_a_role():
+    for tp_p, tp_d in itertools.product((1, 2, 4), repeat=2):
+        for heads in (1, 2, 4, 8):
+            pre, dec = EngineShape(heads, tp_p), EngineShape(heads, tp_d)
+            got = pairs(pre, dec)
+            for d in range(tp_d):
+                lo, hi = dec.heads_of(d)
+                written = sorted(h for (_, o), hs in got.items() if o == d for h in hs)
+                assert written == list(range(lo, hi))
+                assert writers_of(pre, dec, d)
+            for p in range(tp_p):
+                lo, hi = pre.heads_of(p)
+                for d in owners_of(pre, dec, p):
+                    assert set(got[(p, d)]) <= set(range(lo, hi))
+
+
+def test_a_suffix_plan_skips_the_tokens_the_decode_holds():
+    pre, dec = EngineShape(4, 1), EngineShape(4, 1)
+    rp = KVRegions.from_kv_caches(views("HND", _BLOCKS, 16, 4), _BLOCKS, "HND")
+    rd = KVRegions.from_kv_caches(views("NHD", _BLOCKS, 32, 4), _BLOCKS, "NHD")
+    whole = plan_pair(rp, rd, [0, 1, 2, 3], 0, 0, list(range(7)), [0, 1, 2, 3], 100)
+    tail = plan_pair(rp, rd, [0, 1, 2, 3], 0, 0, list(range(7)), [2, 3], 100)
+    assert tail.bytes == (100 - 64) * 4 * LAYERS * ROW
+    assert whole.bytes == 100 * 4 * LAYERS * ROW
+    assert set(tail.block.tolist()) == {0, 1}
+    assert pairs(pre, dec) == {(0, 0): (0, 1, 2, 3)}
+
+
+def test_a_torn_row_is_caught_in_its_block_only():
+    rp = KVRegions.from_kv_caches(views("NHD", _BLOCKS, 16, 4), _BLOCKS, "NHD")
+    rd = KVRegions.from_kv_caches(views("HND", _BLOCKS, 32, 4), _BLOCKS, "HND")
+    g = torch.Generator().manual_seed(1)
+    rp.buffers[0].tensor[:] = torch.randint(
+        0, 256, rp.buffers[0].tensor.shape, generator=g, dtype=torch.uint8
+    )
+    plan = plan_pair(rp, rd, [1, 2], 0, 0, list(range(6)), [4, 5, 6], 90)
+    copy_runs(rp, rd, plan)
+    want = region_checksums(rp, plan, 0, 3)
+    assert np.array_equal(region_checksums(rd, plan, 1, 3), want)
+    _so, do, _n = plan.runs[len(plan.runs) // 2]
+    rd.buffers[0].tensor[int(do) + 3] ^= 0x40
+    got = region_checksums(rd, plan, 1, 3)
+    assert (got != want).sum() == 1 and got[plan.block[len(plan.runs) // 2]] != want[
+        plan.block[len(plan.runs) // 2]
+    ]
+
+
+def test_a_broken_planner_that_ignores_the_block_size_is_caught():
+    """Broken mode: the decode's rows addressed with the prefill's block size."""
+    from dataclasses import replace
+
+    rp = KVRegions.from_kv_caches(views("HND", _BLOCKS, 16, 4), _BLOCKS, "HND")
+    rd = KVRegions.from_kv_caches(views("HND", _BLOCKS, 32, 4), _BLOCKS, "HND")
+    lying = replace(rd, layers=[replace(r, kernel_tokens=16) for r in rd.layers])
+    rp.buffers[0].tensor[:] = 7
+    plan = plan_pair(rp, lying, [0, 1, 2, 3], 0, 0, list(range(6)), [0, 1, 2], 80)
+    copy_runs(rp, rd, plan)
+    right = plan_pair(rp, rd, [0, 1, 2, 3], 0, 0, list(range(6)), [0, 1, 2], 80)
+    assert not np.array_equal(region_checksums(rp, right, 0, 3), region_checksums(rd, right, 1, 3))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    tp_p=st.sampled_from([1, 2, 4]),
+    tp_d=st.sampled_from([1, 2, 4]),
+    heads=st.sampled_from([1, 2, 4]),
+    bs_p=st.sampled_from([16, 32, 64]),
+    bs_d=st.sampled_from([16, 32, 64]),
+    lay_p=st.sampled_from(["HND", "NHD", "BNHD"]),
+    lay_d=st.sampled_from(["HND", "NHD", "BNHD"]),
+    ratio_d=st.sampled_from([1, 2]),
+    tokens=st.integers(1, 150),
+    skip=st.integers(0, 3),
+)
+def test_property_runs_cover_each_owner_row_once(
+    tp_p, tp_d, heads, bs_p, bs_d, lay_p, lay_d, ratio_d, tokens, skip
+):
+    """Every (layer, head, token) row of each owner's planned blocks is written exactly
+    once, by one writer, and nothing outside them."""
+    pre, dec = EngineShape(heads, tp_p), EngineShape(heads, tp_d)
+    need_d = -(-tokens // bs_d)
+    skip = min(skip, need_d - 1)
+    src_blocks = list(range(-(-tokens // bs_p)))
+    dst_blocks = list(range(skip, need_d))[::-1]
+    for d in range(tp_d):
+        lo, hi = dec.heads_of(d)
+        rd = KVRegions.from_kv_caches(views(lay_d, 64, bs_d, hi - lo, ratio_d), 64, lay_d)
+        hits = np.zeros(rd.buffers[0].nbytes, dtype=np.int64)
+        for p in writers_of(pre, dec, d):
+            plo, phi = pre.heads_of(p)
+            rp = KVRegions.from_kv_caches(views(lay_p, 64, bs_p, phi - plo), 64, lay_p)
+            plan = plan_pair(
+                rp, rd, pairs(pre, dec)[(p, d)], plo, lo, src_blocks, dst_blocks, tokens
+            )
+            assert plan.block.min() >= 0 and plan.block.max() < len(dst_blocks)
+            for do, n in plan.runs[:, 1:].tolist():
+                hits[do : do + n] += 1
+        assert hits.max() == 1
+        assert hits.sum() == (tokens - skip * bs_d) * (hi - lo) * LAYERS * ROW

@@ -240,3 +240,23 @@ def test_property_runs_cover_each_owner_row_once(
                 hits[do : do + n] += 1
         assert hits.max() == 1
         assert hits.sum() == (tokens - skip * bs_d) * (hi - lo) * LAYERS * ROW
+
+
+def test_engines_of_another_model_are_refused_with_both_sides_named():
+    from kvferry.cluster.vllm.layout import LayoutError
+
+    with pytest.raises(LayoutError, match="prefill engine holds 4 KV heads, the decode 8"):
+        pairs(EngineShape(4, 2), EngineShape(8, 2))
+    rp = KVRegions.from_kv_caches(views("HND", _BLOCKS, 16, 4), _BLOCKS, "HND")
+    other = {
+        k: torch.zeros(v.shape[:-1] + (v.shape[-1] * 2,), dtype=v.dtype)
+        for k, v in views("HND", _BLOCKS, 16, 4).items()
+    }
+    rd = KVRegions.from_kv_caches(other, _BLOCKS, "HND")
+    with pytest.raises(LayoutError, match="row of 16 bytes at the prefill, 32 at the decode"):
+        plan_pair(rp, rd, [0], 0, 0, list(range(6)), [0], 10)
+    fewer = KVRegions.from_kv_caches(
+        dict(list(views("HND", _BLOCKS, 16, 4).items())[:1]), _BLOCKS, "HND"
+    )
+    with pytest.raises(LayoutError, match="2 KV layers, the decode 1"):
+        plan_pair(rp, fewer, [0], 0, 0, list(range(6)), [0], 10)

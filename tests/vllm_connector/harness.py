@@ -2,10 +2,13 @@
 driven the way the model runner drives it, on CPU KV tensors in vLLM's own layouts.
 
 One :class:`Side` is one vLLM engine: a Scheduler (its SCHEDULER connector) and ``tp``
-WORKER connectors, each with its own KV buffers made by vLLM's ``create_kv_cache_views``.
-:meth:`Side.step` is one engine step: schedule, the "model runner" (bytes from a seed per
-request into the blocks it computes), each worker's connector calls in the model runner's
-order, vLLM's ``KVOutputAggregator``, ``update_from_output``. The prefill runs in another
+WORKER connectors, each with its own KV buffers made by vLLM's ``create_kv_cache_views``,
+in the side's own block size and KV layout; the model's 4 KV heads are split over ``tp``
+as vLLM splits them (replicated when ``tp`` exceeds them). :meth:`Side.step` is one
+engine step: schedule, the "model runner" (each K|V row, one layer's head at one token,
+from a seed per request: :func:`rows`, so that any two shapes compare row by row), each
+worker's connector calls in the model runner's order, vLLM's ``KVOutputAggregator``,
+``update_from_output``. The prefill runs in another
 process (:func:`prefill_main`), so pages move by real kvferry transfers between processes.
 """
 
@@ -54,8 +57,9 @@ from kvferry.cluster.vllm.layout import KVRegions
 
 BLOCK = 16
 LAYERS = 2
-KV_HEADS = 2  # per TP worker
+KV_HEADS = 4  # the model's, over the TP workers
 HEAD = 32
+ROW_BYTES = 2 * HEAD * 2  # one K|V row in fp16
 EOS = 999
 MODULE = "kvferry.cluster.vllm.connector"
 _hash_ready = False
@@ -92,6 +96,7 @@ def vllm_config(
     tp: int,
     module: str = MODULE,
     connector: str = "KvferryConnector",
+    block: int = BLOCK,
 ) -> VllmConfig:
     mc = ModelConfig(model=model, dtype="float16", seed=0, skip_tokenizer_init=True)
     sc = SchedulerConfig(
@@ -100,7 +105,7 @@ def vllm_config(
         max_model_len=2048,
         is_encoder_decoder=False,
     )
-    cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.5, enable_prefix_caching=False)
+    cc = CacheConfig(block_size=block, gpu_memory_utilization=0.5, enable_prefix_caching=False)
     cc.kv_cache_layout = "LBNHC"
     ktc = KVTransferConfig(
         kv_connector=connector,
@@ -121,9 +126,20 @@ def vllm_config(
     return cfg
 
 
-def kv_cache_config(num_blocks: int) -> KVCacheConfig:
+def heads_per_worker(tp: int) -> int:
+    return max(1, KV_HEADS // tp)
+
+
+def heads_of(tp: int, rank: int) -> tuple[int, int]:
+    """The model's KV heads ``[lo, hi)`` TP worker ``rank`` holds, as vLLM splits them."""
+    n = heads_per_worker(tp)
+    lo = rank * n if tp <= KV_HEADS else rank * KV_HEADS // tp
+    return lo, lo + n
+
+
+def kv_cache_config(num_blocks: int, tp: int = 2, block: int = BLOCK) -> KVCacheConfig:
     spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float16
+        block_size=block, num_kv_heads=heads_per_worker(tp), head_size=HEAD, dtype=torch.float16
     )
     names = [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
     return KVCacheConfig(
@@ -152,7 +168,9 @@ def kv_caches(kcc: KVCacheConfig, layout: str) -> dict[str, torch.Tensor]:
     return dict(zip(names, views, strict=True))
 
 
-def request(rid: str, prompt_len: int, params: dict[str, Any] | None, max_tokens: int) -> Request:
+def request(
+    rid: str, prompt_len: int, params: dict[str, Any] | None, max_tokens: int, block: int = BLOCK
+) -> Request:
     global _hash_ready
     if not _hash_ready:
         init_none_hash(sha256)
@@ -166,16 +184,35 @@ def request(rid: str, prompt_len: int, params: dict[str, Any] | None, max_tokens
         sampling_params=sp,
         pooling_params=None,
         mm_features=None,
-        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        block_hasher=get_request_block_hasher(block, sha256),
     )
     req.kv_transfer_params = params
     return req
 
 
-def pattern(marker: str, nblocks: int, nbytes: int, rank: int) -> torch.Tensor:
-    """What the prefill's "model" writes for a request: its own bytes, per TP rank."""
-    g = torch.Generator().manual_seed(zlib.crc32(f"{marker}/{rank}".encode()))
-    return torch.randint(0, 256, (nblocks, nbytes), generator=g, dtype=torch.uint8)
+ROWS_TOKENS = 1024  # the longest request the cases make, in tokens
+
+
+def rows(marker: str, tokens: int) -> torch.Tensor:
+    """What the prefill's "model" writes for a request: ``[layers, KV_HEADS, tokens,
+    ROW_BYTES]`` uint8, its own bytes for every row of the model, whatever the shape (a
+    token's rows do not depend on ``tokens``)."""
+    if tokens > ROWS_TOKENS:
+        raise ValueError(f"{tokens} tokens: the cases make at most {ROWS_TOKENS}")
+    g = torch.Generator().manual_seed(zlib.crc32(marker.encode()))
+    full = torch.randint(
+        0, 256, (LAYERS, KV_HEADS, ROWS_TOKENS, ROW_BYTES), generator=g, dtype=torch.uint8
+    )
+    return full[:, :, :tokens]
+
+
+def _row_index(view: torch.Tensor, blocks: list[int], block: int, tokens: int):
+    """(kernel block, slot) of each token ``0 .. tokens-1`` of a request's blocks."""
+    kt = view.shape[2]
+    ratio = block // kt
+    t = torch.arange(tokens)
+    kernel = torch.tensor(blocks, dtype=torch.int64)[t // block] * ratio + (t % block) // kt
+    return kernel, t % kt
 
 
 class Side:
@@ -193,26 +230,30 @@ class Side:
         layout: str = "LBNHC",
         module: str = MODULE,
         connector: str = "KvferryConnector",
+        block: int = BLOCK,
     ) -> None:
-        self.cfg = vllm_config(model, role, engine_id, extra, tp, module, connector)
+        self.tp, self.block = tp, block
+        self.cfg = vllm_config(model, role, engine_id, extra, tp, module, connector, block)
         self.cfg.cache_config.kv_cache_layout = layout
-        self.kcc = kv_cache_config(num_blocks)
+        self.kcc = kv_cache_config(num_blocks, tp, block)
         self.cfg.cache_config.num_gpu_blocks = num_blocks
         self.sched = Scheduler(
             vllm_config=self.cfg,
             kv_cache_config=self.kcc,
             structured_output_manager=StructuredOutputManager(self.cfg),
-            block_size=BLOCK,
+            block_size=block,
             log_stats=True,
         )
         self.workers = []
         self.regions: list[KVRegions] = []
+        self.caches: list[dict[str, torch.Tensor]] = []
         for rank in range(tp):
             self.cfg.parallel_config.rank = rank
             w = KVConnectorFactory.create_connector(self.cfg, KVConnectorRole.WORKER, self.kcc)
             caches = kv_caches(self.kcc, layout)
             w.register_kv_caches(caches)
             self.workers.append(w)
+            self.caches.append(caches)
             self.regions.append(KVRegions.from_kv_caches(caches, num_blocks, layout))
         self.cfg.parallel_config.rank = 0
         self.sched.connector.set_xfer_handshake_metadata(
@@ -230,6 +271,27 @@ class Side:
     def blocks_of(self, rid: str) -> list[int]:
         return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
 
+    def write_rows(self, blocks: list[int], data: torch.Tensor) -> None:
+        """``data`` (:func:`rows`) into ``blocks``: each worker its own heads."""
+        tokens = data.shape[2]
+        for rank, caches in enumerate(self.caches):
+            lo, hi = heads_of(self.tp, rank)
+            for layer, view in enumerate(caches.values()):
+                kernel, slot = _row_index(view, blocks, self.block, tokens)
+                raw = view.view(torch.uint8)
+                raw[kernel, :, slot, :] = data[layer, lo:hi].permute(1, 0, 2)
+
+    def read_rows(self, blocks: list[int], tokens: int) -> list[torch.Tensor]:
+        """Per worker ``[layers, its heads, tokens, ROW_BYTES]``: what its blocks hold."""
+        out = []
+        for caches in self.caches:
+            per_layer = []
+            for view in caches.values():
+                kernel, slot = _row_index(view, blocks, self.block, tokens)
+                per_layer.append(view.view(torch.uint8)[kernel, :, slot, :].permute(1, 0, 2))
+            out.append(torch.stack(per_layer).clone())
+        return out
+
     def step(self, fill: bool = False) -> None:
         so = self.sched.schedule()
         for rid, n in so.num_scheduled_tokens.items():
@@ -237,13 +299,11 @@ class Side:
             self.scheduled[rid] = self.scheduled.get(rid, 0) + n
             if first and fill:  # the prefill's "model": this request's own bytes
                 blocks = self.blocks_of(rid)
-                for rank, reg in enumerate(self.regions):
-                    reg.write_block_bytes(blocks, pattern(rid, len(blocks), reg.block_bytes, rank))
+                self.write_rows(blocks, rows(rid, len(blocks) * self.block))
             if first and not fill:  # the decode's first read of the loaded blocks
                 req = self.sched.requests[rid]
-                nb = -(-len(req.prompt_token_ids) // BLOCK)
-                blocks = self.blocks_of(rid)[:nb]
-                self.first_read[rid] = [reg.block_bytes_of(blocks) for reg in self.regions]
+                tokens = len(req.prompt_token_ids)
+                self.first_read[rid] = self.read_rows(self.blocks_of(rid), tokens)
         outs = []
         for w in self.workers:
             w.bind_connector_metadata(so.kv_connector_metadata)
@@ -292,6 +352,7 @@ def prefill_main(
     num_blocks: int,
     layout: str,
     module: str = MODULE,
+    block: int = BLOCK,
 ) -> None:
     """A prefill engine in its own process, commanded over ``conn``."""
     side = Side(
@@ -303,6 +364,7 @@ def prefill_main(
         num_blocks=num_blocks,
         layout=layout,
         module=module,
+        block=block,
     )
     running, kill_at, pause_at = True, None, None
     conn.send(("ready", os.getpid()))
@@ -311,7 +373,7 @@ def prefill_main(
             cmd, *args = conn.recv()
             if cmd == "prefill":
                 rid, n = args
-                side.sched.add_request(request(rid, n, {"do_remote_decode": True}, 1))
+                side.sched.add_request(request(rid, n, {"do_remote_decode": True}, 1, side.block))
                 while rid not in side.outputs or side.outputs[rid].finish_reason is None:
                     side.step(fill=True)
                 side.step(fill=True)  # hands the request to the workers (checksums)
@@ -326,6 +388,19 @@ def prefill_main(
                     data = reg.block_bytes_of(src)
                     data[:, 5] ^= 0xFF
                     reg.write_block_bytes(src, data)
+                conn.send(True)
+            elif cmd == "corrupt_in_flight":  # flip source bytes once a job's writes are
+                rid = args[0]  # checksummed (after its plan), before they are posted
+                for w, reg in zip(side.workers, side.regions, strict=True):
+                    _corrupt_when_planned(w._worker.writer, reg, rid)
+                conn.send(True)
+            elif cmd == "hold_worker":  # one TP worker stops polling its transfer engine
+                w = side.workers[args[0]]._worker
+                w.held_poll, w.poll = w.poll, lambda: None
+                conn.send(True)
+            elif cmd == "release_worker":
+                w = side.workers[args[0]]._worker
+                w.poll = w.held_poll
                 conn.send(True)
             elif cmd == "kill_after_batches":
                 kill_at = args
@@ -361,6 +436,23 @@ def prefill_main(
                 if any(j.batches_posted >= k for j in _jobs_of(side, rid)):
                     running, pause_at = False, None
             time.sleep(0.0005)
+
+
+def _corrupt_when_planned(writer: Any, regions: KVRegions, rid: str) -> None:
+    """Once a job of ``rid`` at this writer has its runs and checksums (its plan is in),
+    flip a byte of every source block: what it posts then differs from what it
+    checksummed, as a write torn in flight would."""
+    for name in ("_queue_blocks", "_queue_rows"):
+        original = getattr(writer, name)
+
+        def queued(job: Any, dst: Any, original: Any = original) -> None:
+            original(job, dst)
+            if job.request == rid and job.prompt.src is not None:
+                data = regions.block_bytes_of(job.prompt.src)
+                data[:, 5] ^= 0xFF
+                regions.write_block_bytes(job.prompt.src, data)
+
+        setattr(writer, name, queued)
 
 
 def _jobs_of(side: Side, rid: str) -> list[Any]:

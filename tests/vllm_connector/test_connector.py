@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (.ci/vllm.sh builds its venv)")
 
@@ -40,13 +41,20 @@ class Prefill:
     """The prefill engine in another process."""
 
     def __init__(
-        self, model: str, extra: dict[str, Any] | None = None, module: str = h.MODULE
+        self,
+        model: str,
+        extra: dict[str, Any] | None = None,
+        module: str = h.MODULE,
+        *,
+        tp: int = 2,
+        layout: str = "LBNHC",
+        block: int = h.BLOCK,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
             target=h.prefill_main,
-            args=(child, model, {**PREFILL_EXTRA, **(extra or {})}, 2, 64, "LBNHC", module),
+            args=(child, model, {**PREFILL_EXTRA, **(extra or {})}, tp, 64, layout, module, block),
             daemon=True,
         )
         self.proc.start()
@@ -95,17 +103,13 @@ def decode_side(model: str, unsafe: bool, blocks: int = DECODE_BLOCKS) -> h.Side
 
 
 def own_bytes(side: h.Side, rid: str, marker: str) -> bool:
-    """The bytes the decode read when it first scheduled ``rid`` are ``marker``'s prefill's."""
+    """The rows the decode read when it first scheduled ``rid`` (every prompt token, each
+    worker its heads) are ``marker``'s prefill's."""
     got = side.first_read[rid]
-    nb = got[0].shape[0]
+    want = h.rows(marker, got[0].shape[2])
     return all(
-        bool((g == _expected(marker, nb, g.shape[1], rank)).all()) for rank, g in enumerate(got)
+        torch.equal(g, want[:, slice(*h.heads_of(side.tp, rank))]) for rank, g in enumerate(got)
     )
-
-
-def _expected(marker: str, nb: int, nbytes: int, rank: int):
-    # the prefill filled exactly the blocks of the prompt plus its one sampled token
-    return h.pattern(marker, -(-(PROMPT + 1) // h.BLOCK), nbytes, rank)[:nb]
 
 
 def steps(side: h.Side, until, limit_s: float = 30.0, pause: float = 0.002) -> float:

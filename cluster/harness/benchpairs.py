@@ -1,0 +1,268 @@
+"""The vLLM connector's data path between engines of different shapes, against the
+homogeneous pair of the same bytes, over the real transfer engine, bytes checked.
+
+For one request of ``--tokens`` tokens at a realistic shape (default 8 layers, 8 KV
+heads, head size 128, bf16: a K|V row of 512 bytes, 1 GiB of KV at 16,384 tokens), per
+(prefill shape -> decode shape) pair: every (prefill worker, decode worker) pair's runs
+are planned (:func:`kvferry.cluster.vllm.reshape.plan_pair`: ``plan_ms``, the median of
+``--reps``) and posted by the prefill's transfer engine into the decode's in batches of
+``--batch-mib`` (the connector's ``max_batch_bytes``), all waited for: ``gbps``. The
+homogeneous pair (the prefill's shape on both sides: whole blocks, one run per layer and
+block) moves the same rows in the same run, timed in alternation (pair, homogeneous,
+pair, ...; medians): ``homogeneous_gbps``, and ``ratio`` = gbps / homogeneous_gbps (issue
+28's goal: >= 0.9). After the timed rounds, every decode worker's region checksums of what
+landed are compared with the writers' of their sources (``bytes_checked``). Block tables
+are random permutations; buffers are written once before timing (pre-faulted).
+
+Two engines in this one process over ``--transports`` (default shm; the same put path as
+between two processes on one host). Prints one JSON line per pair, after one with the
+host's load. Run with ``python -m kvferry.cluster.harness.benchpairs`` or
+``scripts/bench-pairs.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvferry.transfer import TransferConfig, TransferEngine
+
+from ..vllm.layout import KVRegions
+from ..vllm.reshape import EngineShape, PairRuns, pairs, plan_pair, region_checksums
+
+
+@dataclass(frozen=True)
+class Side:
+    tp: int
+    block: int
+    order: str  # "HND" or "NHD" (layer-outermost, as vLLM's LBHNC / LBNHC)
+
+    def __str__(self) -> str:
+        return f"tp{self.tp}/b{self.block}/{self.order}"
+
+
+def default_pairs() -> list[tuple[Side, Side]]:
+    """TP pairs both ways, the block-size and layout mismatches, and mixes of them."""
+    return [
+        (Side(1, 16, "NHD"), Side(2, 16, "NHD")),
+        (Side(2, 16, "NHD"), Side(1, 16, "NHD")),
+        (Side(2, 16, "NHD"), Side(4, 16, "NHD")),
+        (Side(4, 16, "NHD"), Side(2, 16, "NHD")),
+        (Side(1, 16, "HND"), Side(4, 16, "HND")),
+        (Side(2, 16, "HND"), Side(2, 32, "HND")),
+        (Side(2, 32, "HND"), Side(2, 16, "HND")),
+        (Side(2, 16, "HND"), Side(2, 64, "HND")),
+        (Side(2, 16, "NHD"), Side(2, 16, "HND")),
+        (Side(2, 16, "HND"), Side(2, 16, "NHD")),
+        (Side(4, 16, "HND"), Side(1, 64, "NHD")),
+    ]
+
+
+@dataclass
+class Worker:
+    regions: KVRegions
+    segment: object
+    blocks: list[int]
+    first_head: int
+
+
+class Workers:
+    """One side's TP workers: each a buffer of exactly the request's blocks (in a random
+    order) as vLLM lays it out, registered with this side's transfer engine."""
+
+    def __init__(
+        self,
+        eng: TransferEngine,
+        side: Side,
+        layers: int,
+        heads: int,
+        width: int,
+        tokens: int,
+        rng: np.random.Generator,
+        fill: int,
+    ) -> None:
+        self.side, self.shape = side, EngineShape(heads, side.tp)
+        blocks = -(-tokens // side.block)
+        self.workers: list[Worker] = []
+        for rank in range(side.tp):
+            lo, hi = self.shape.heads_of(rank)
+            n = hi - lo
+            page = n * side.block * width  # elements of one block of one layer
+            raw = torch.full((layers * blocks * page,), fill, dtype=torch.int16)
+            views = {}
+            for layer in range(layers):
+                if side.order == "HND":
+                    strides = (page, side.block * width, width, 1)
+                else:
+                    strides = (page, width, n * width, 1)
+                views[f"layer.{layer}"] = raw.as_strided(
+                    (blocks, n, side.block, width), strides, layer * blocks * page
+                )
+            regions = KVRegions.from_kv_caches(views, blocks, side.order)
+            segment = eng.register(regions.buffers[0].tensor)
+            self.workers.append(Worker(regions, segment, rng.permutation(blocks).tolist(), lo))
+
+
+class Move:
+    """One request's every (prefill worker, decode worker) pair: runs planned, and posted
+    with the prefill's engine."""
+
+    def __init__(
+        self,
+        src_eng: TransferEngine,
+        dst_eng: TransferEngine,
+        src: Workers,
+        dst: Workers,
+        tokens: int,
+        batch_bytes: int,
+    ) -> None:
+        self.eng, self.src, self.dst, self.tokens = src_eng, src, dst, tokens
+        self.batch_bytes = batch_bytes
+        peer = src_eng.connect(dst_eng.address)
+        self.rsegs = [
+            src_eng.open_segment(peer, w.segment.descriptor().pack()) for w in dst.workers
+        ]
+        self.peer = peer
+        self.assigned = pairs(src.shape, dst.shape)
+        self.plans = self.plan()
+        self.bytes = sum(p.bytes for p in self.plans.values())
+
+    def plan(self) -> dict[tuple[int, int], PairRuns]:
+        out = {}
+        for (p, d), heads in self.assigned.items():
+            s, t = self.src.workers[p], self.dst.workers[d]
+            out[(p, d)] = plan_pair(
+                s.regions,
+                t.regions,
+                heads,
+                s.first_head,
+                t.first_head,
+                s.blocks,
+                t.blocks,
+                self.tokens,
+            )
+        return out
+
+    def run(self) -> None:
+        batches = []
+        for (p, d), runs in self.plans.items():
+            for _, _, triples in runs.batches(self.batch_bytes):
+                batches.append(
+                    self.eng.write(self.peer, self.src.workers[p].segment, self.rsegs[d], triples)
+                )
+        for b in batches:
+            self.eng.wait(b, 120.0)
+            if b.error is not None:
+                raise RuntimeError(f"a batch failed: {b.error}")
+
+    def checked(self) -> bool:
+        """Every decode worker's landed regions equal its writers' sources'."""
+        for (p, d), runs in self.plans.items():
+            n = len(self.dst.workers[d].blocks)
+            want = region_checksums(self.src.workers[p].regions, runs, 0, n)
+            got = region_checksums(self.dst.workers[d].regions, runs, 1, n)
+            if not np.array_equal(want, got):
+                return False
+        return True
+
+
+def alternate(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Median seconds of ``a`` and ``b``, timed a, b, a, b, ... after one warm-up each."""
+    a(), b()
+    ta: list[float] = []
+    tb: list[float] = []
+    for _ in range(reps):
+        for fn, out in ((a, ta), (b, tb)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[str, object]:
+    rng = np.random.default_rng(seed)
+    width = args.head_dim * 2  # K|V, in 2-byte elements
+    config = TransferConfig(transports=args.transports, name="bench-pairs-prefill")
+    a = TransferEngine(config)
+    b = TransferEngine(TransferConfig(transports=args.transports, name="bench-pairs-decode"))
+    try:
+        shape = (args.layers, args.kv_heads, width, args.tokens, rng)
+        prefill = Workers(a, src, *shape, fill=1)
+        decode = Workers(b, dst, *shape, fill=0)
+        like = Workers(b, src, *shape, fill=0)
+        move = Move(a, b, prefill, decode, args.tokens, args.batch_mib << 20)
+        base = Move(a, b, prefill, like, args.tokens, args.batch_mib << 20)
+        t_pair, t_base = alternate(move.run, base.run, args.reps)
+        runs = sum(len(p.runs) for p in move.plans.values())
+        base_runs = sum(len(p.runs) for p in base.plans.values())
+        return {
+            "bench": "vllm_pairs",
+            "src": str(src),
+            "dst": str(dst),
+            "kv": [args.layers, args.kv_heads, args.head_dim, 2],
+            "tokens": args.tokens,
+            "bytes": move.bytes,
+            "pairs": len(move.plans),
+            "runs": runs,
+            "mean_run_bytes": round(move.bytes / max(1, runs)),
+            "plan_ms": round(median_ms(move.plan, args.reps), 3),
+            "gbps": round(move.bytes / t_pair / 1e9, 3),
+            "homogeneous_runs": base_runs,
+            "homogeneous_gbps": round(base.bytes / t_base / 1e9, 3),
+            "ratio": round((move.bytes / t_pair) / (base.bytes / t_base), 3),
+            "bytes_checked": move.checked() and base.checked(),
+        }
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--batch-mib", type=int, default=8, help="bytes per posted batch, MiB")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--transports", default="shm")
+    ap.add_argument("--only", default="", help="run the pairs whose 'src->dst' contains this")
+    args = ap.parse_args(argv)
+    print(
+        json.dumps(
+            {
+                "bench": "vllm_pairs",
+                "host": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()},
+                "note": "shared machine: figures are noisy",
+            }
+        ),
+        flush=True,
+    )
+    for i, (src, dst) in enumerate(default_pairs()):
+        if args.only and args.only not in f"{src}->{dst}":
+            continue
+        print(json.dumps(run_pair(args, src, dst, args.seed + i)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

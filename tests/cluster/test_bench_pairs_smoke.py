@@ -1,0 +1,39 @@
+"""The vLLM pairs benchmark runs end to end at a tiny size and the bytes it moves land
+where the decode reads them (its own check, asserted here); no figure is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_the_pairs_benchmark_runs_and_checks_its_bytes():
+    env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvferry.cluster.harness.benchpairs",
+            "--tokens",
+            "100",
+            "--layers",
+            "2",
+            "--reps",
+            "1",
+            "--only",
+            "tp2/b16/NHD->tp1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 2 and "host" in lines[0], lines
+    row = lines[1]
+    assert row["src"] == "tp2/b16/NHD" and row["dst"] == "tp1/b16/NHD", row
+    assert row["bytes_checked"] and row["bytes"] == 2 * 8 * 100 * 512 and row["ratio"] > 0, row

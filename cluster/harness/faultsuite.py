@@ -36,6 +36,11 @@ Matrix (source x point; cells that cannot happen are not run):
                 pages were released, and then serves)
     tp-stall    mid-transfer (one writer of a tensor-parallel group is SIGSTOPped past the
                 abort deadline while the other acks; released on the late ack)
+    shape-*     client, prefill and stall @mid-transfer in clusters whose two shapes
+                differ: prefill pages twice the decode's, so A's writes are runs into
+                pages of another size, from a group of three over two KV heads (one
+                member holds a replica and is no writer; client, prefill) or, for the
+                stall, groups of two over three heads (split 1 + 2)
     dropped     plan, notice, abort (and the ack after it), each message lost once
     duplicated  every-kind (every message sent twice, through an abort)
     reordered   abort (the writer's ABORT overtaken by the owner's)
@@ -126,6 +131,13 @@ PIPELINED = (
 # step time, and takes 16 s to answer.
 PIPELINE_STALL_STEP_S = 5 * STALL_STEP_S
 PIPELINE_STALL_REQUEST_TIMEOUT = 30.0
+# The shapes groups (issue 28): a prefill group of three over two KV heads, so that one
+# member holds a replica and writes nothing, with prefill pages twice the decode's: each
+# writer's bytes land as runs checked per decode page.
+SHAPED = ("--prefill", "3", "--tp", "3", "--kv-heads", "2", "--prefill-page-size", "32")
+# The stalled writer's group must leave another group to serve the victim: two groups of
+# two over three KV heads (split 1 + 2), pages twice the decode's.
+SHAPED_STALL = ("--prefill", "4", "--tp", "2", "--kv-heads", "3", "--prefill-page-size", "32")
 CRASH_POINTS = ("prefill", "before-write", "mid-transfer", "after-write", "after-notice")
 CRASH_SOURCES = ("crash", "owner-crash", "rejoin", "router-crash")
 # The router is the front door: while it is down no request can be answered, so its row
@@ -220,6 +232,39 @@ def scenarios() -> list[Scenario]:
                 f"rank=2:at:after-write:pause:{t}:{HOLD_S}",
             ),
             group="tp-stall",
+        )
+    )
+    # the same faults between unlike shapes (SHAPED): an abort and a failure with a write
+    # in flight, and a writer stalled past the deadline while the other acks
+    t = tag("shape-client", "mid-transfer")
+    out.append(
+        Scenario(
+            "shape-client",
+            "mid-transfer",
+            (f"at:mid-transfer:pause:{t}:{HOLD_S}",),
+            CLIENT_CANCEL_S,
+            group="shapes",
+        )
+    )
+    t = tag("shape-prefill", "mid-transfer")
+    out.append(
+        Scenario(
+            "shape-prefill",
+            "mid-transfer",
+            (f"at:mid-transfer:fail-prefill:{t}:{HOLD_S}",),
+            group="shapes",
+        )
+    )
+    t = tag("shape-stall", "mid-transfer")
+    out.append(
+        Scenario(
+            "shape-stall",
+            "mid-transfer",
+            (
+                f"rank=1:at:mid-transfer:stop:{t}:{TRANSFER_TIMEOUT + ABORT_DEADLINE + 1}",
+                f"rank=2:at:after-write:pause:{t}:{HOLD_S}",
+            ),
+            group="shapes-stall",
         )
     )
     # control messages lost, doubled, overtaken or late, each in a cluster of its own
@@ -384,6 +429,14 @@ GROUPS = (
         "tp-stall",
         6,
         ("--prefill", "4", "--tp", "2", "--fault", f"decode-delay:{STALL_STEP_S}"),
+        "--unsafe-release-on-sever",
+    ),
+    # unlike shapes (SHAPED): router, three prefill ranks (one group), one decode rank
+    Group("shapes", 5, SHAPED),
+    Group(
+        "shapes-stall",
+        6,
+        (*SHAPED_STALL, "--fault", f"decode-delay:{STALL_STEP_S}"),
         "--unsafe-release-on-sever",
     ),
     # the pipelined path (see PIPELINE_CHUNK): an abort and a failure, a corrupted part,
@@ -618,7 +671,7 @@ def _wait_owner_decided(tail: LogTail, sc: Scenario, unsafe: bool, out: Outcome)
     if routed is None:
         return
     rid = re.escape(routed[1])
-    if sc.source in ("stall", "tp-stall"):
+    if sc.source in ("stall", "tp-stall", "shape-stall"):
         _logged(out, lambda: tail.wait_for(rf"request {rid}: writers \[.*severing", 30))
         if unsafe:
             _logged(out, lambda: tail.wait_for(rf"request {rid}: \d+ pages released", 10))

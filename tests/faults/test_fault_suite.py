@@ -84,11 +84,14 @@ def test_scenario_matrix_covers_every_source_and_point():
     pipelined = {f"{source}@mid-pipeline" for source in ("client", "prefill", "stall")}
     assert pipelined | {"integrity@mid-pipeline", "crash@mid-pipeline"} <= names
     assert "owner-crash@mid-pipeline" in names
+    shaped = {f"shape-{source}@mid-transfer" for source in ("client", "prefill", "stall")}
+    assert shaped <= names
     assert {s.name for s in scenarios() if unsafe_scenario(s)} >= {
         "tp-stall@mid-transfer",
         "stall@mid-transfer",
         "partition@mid-transfer",
         *pipelined,
+        *shaped,
     }
     tags = [s.tag for s in scenarios()]
     assert all(a == b or a not in b for a in tags for b in tags), "no tag contains another"

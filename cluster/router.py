@@ -159,6 +159,7 @@ class Router:
         self.ledger = self.core.ledger
         self.requests: dict[str, RoutedRequest] = self.core.requests
         self.rank_stats: dict[int, dict] = {}
+        self.reports: dict[int, int] = {}  # STATS received per rank (/status: how fresh)
         self.last_seen: dict[int, float] = {r: self.clock.now() for r in self.ledger.totals}
         self.unhealthy: dict[int, str] = {}
         # Ranks an owner severed, with the incarnation severed: never routed to again
@@ -468,6 +469,7 @@ class Router:
             "unauthenticated": msg.dropped_unauthenticated or 0,
         }
         self.rank_stats[msg.src] = stats
+        self.reports[msg.src] = self.reports.get(msg.src, 0) + 1
         self.metrics.set_rank_stats(msg.src, self.cards[msg.src].role, stats)
         if msg.src in self.ledger.totals:
             before = self.ledger.inherited.get(msg.src, 0)
@@ -692,6 +694,7 @@ class Router:
             },
             "transports": {r: c.transports for r, c in sorted(self.cards.items())},
             "ranks": self.rank_stats,
+            "reports": dict(self.reports),
             "abort_release": self.abort_release_summary(),
             "context_length": self.context_length,
             "router": self.own_counts(),

@@ -171,10 +171,27 @@ class LocalCluster:
         held = sum(n for rank, n in st["held_pages"].items() if rank not in dead)
         return max(used, held)
 
-    def quiesce(self, timeout_s: float = 20.0, every_rank: bool = False) -> int:
-        """Wait until no rank holds a page (ranks report every 0.5 s); the pages still held.
-        ``every_rank``: as for :meth:`held`."""
+    def fresh_reports(self, timeout_s: float = 5.0) -> list[int]:
+        """Wait until every healthy rank has sent two reports (STATS, every 0.5 s) since
+        this call, so that at least one of them was sent after it: /status and /metrics
+        then show the ranks as of now, not a report already on its way. The ranks that
+        had not by the deadline."""
+        st = self.status()
+        dead = {str(r) for r in st.get("unhealthy", {})}
+        start = {r: n for r, n in st.get("reports", {}).items() if str(r) not in dead}
         deadline = time.monotonic() + timeout_s
+        while True:
+            now = self.status().get("reports", {})
+            late = [int(r) for r, n in start.items() if now.get(r, 0) < n + 2]
+            if not late or time.monotonic() > deadline:
+                return late
+            time.sleep(0.1)
+
+    def quiesce(self, timeout_s: float = 20.0, every_rank: bool = False) -> int:
+        """Wait until no rank holds a page, judged on reports sent after this call
+        (:meth:`fresh_reports`); the pages still held. ``every_rank``: as for :meth:`held`."""
+        deadline = time.monotonic() + timeout_s
+        self.fresh_reports(min(5.0, timeout_s))
         while True:
             held = self.held(every_rank)
             if held == 0 or time.monotonic() > deadline:

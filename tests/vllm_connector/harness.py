@@ -65,8 +65,8 @@ MODULE = "kvferry.cluster.vllm.connector"
 _hash_ready = False
 
 
-def model_dir(root: Path) -> str:
-    d = root / "tiny-llama"
+def model_dir(root: Path, kv_heads: int = KV_HEADS) -> str:
+    d = root / ("tiny-llama" if kv_heads == KV_HEADS else f"tiny-llama-kv{kv_heads}")
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(
         json.dumps(
@@ -76,7 +76,7 @@ def model_dir(root: Path) -> str:
                 "hidden_size": 128,
                 "intermediate_size": 256,
                 "num_attention_heads": 4,
-                "num_key_value_heads": 4,
+                "num_key_value_heads": kv_heads,
                 "num_hidden_layers": LAYERS,
                 "vocab_size": 1000,
                 "max_position_embeddings": 4096,
@@ -126,20 +126,26 @@ def vllm_config(
     return cfg
 
 
-def heads_per_worker(tp: int) -> int:
-    return max(1, KV_HEADS // tp)
+def heads_per_worker(tp: int, kv_heads: int = KV_HEADS) -> int:
+    return max(1, kv_heads // tp)
 
 
-def heads_of(tp: int, rank: int) -> tuple[int, int]:
-    """The model's KV heads ``[lo, hi)`` TP worker ``rank`` holds, as vLLM splits them."""
-    n = heads_per_worker(tp)
-    lo = rank * n if tp <= KV_HEADS else rank * KV_HEADS // tp
+def heads_of(tp: int, rank: int, kv_heads: int = KV_HEADS) -> tuple[int, int]:
+    """The model's KV heads ``[lo, hi)`` TP worker ``rank`` holds, as vLLM splits them
+    (more workers than heads: consecutive workers hold one head each, replicated)."""
+    n = heads_per_worker(tp, kv_heads)
+    lo = rank * n if tp <= kv_heads else rank * kv_heads // tp
     return lo, lo + n
 
 
-def kv_cache_config(num_blocks: int, tp: int = 2, block: int = BLOCK) -> KVCacheConfig:
+def kv_cache_config(
+    num_blocks: int, tp: int = 2, block: int = BLOCK, kv_heads: int = KV_HEADS
+) -> KVCacheConfig:
     spec = FullAttentionSpec(
-        block_size=block, num_kv_heads=heads_per_worker(tp), head_size=HEAD, dtype=torch.float16
+        block_size=block,
+        num_kv_heads=heads_per_worker(tp, kv_heads),
+        head_size=HEAD,
+        dtype=torch.float16,
     )
     names = [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
     return KVCacheConfig(
@@ -196,7 +202,7 @@ ROWS_TOKENS = 1024  # the longest request the cases make, in tokens
 def rows(marker: str, tokens: int) -> torch.Tensor:
     """What the prefill's "model" writes for a request: ``[layers, KV_HEADS, tokens,
     ROW_BYTES]`` uint8, its own bytes for every row of the model, whatever the shape (a
-    token's rows do not depend on ``tokens``)."""
+    token's rows do not depend on ``tokens``; a model of fewer heads uses the first)."""
     if tokens > ROWS_TOKENS:
         raise ValueError(f"{tokens} tokens: the cases make at most {ROWS_TOKENS}")
     g = torch.Generator().manual_seed(zlib.crc32(marker.encode()))
@@ -235,7 +241,8 @@ class Side:
         self.tp, self.block = tp, block
         self.cfg = vllm_config(model, role, engine_id, extra, tp, module, connector, block)
         self.cfg.cache_config.kv_cache_layout = layout
-        self.kcc = kv_cache_config(num_blocks, tp, block)
+        self.kv_heads = int(self.cfg.model_config.get_total_num_kv_heads())
+        self.kcc = kv_cache_config(num_blocks, tp, block, self.kv_heads)
         self.cfg.cache_config.num_gpu_blocks = num_blocks
         self.sched = Scheduler(
             vllm_config=self.cfg,
@@ -275,7 +282,7 @@ class Side:
         """``data`` (:func:`rows`) into ``blocks``: each worker its own heads."""
         tokens = data.shape[2]
         for rank, caches in enumerate(self.caches):
-            lo, hi = heads_of(self.tp, rank)
+            lo, hi = heads_of(self.tp, rank, self.kv_heads)
             for layer, view in enumerate(caches.values()):
                 kernel, slot = _row_index(view, blocks, self.block, tokens)
                 raw = view.view(torch.uint8)

@@ -83,7 +83,8 @@ def own_rows(side: h.Side, rid: str, marker: str) -> bool:
     got = side.first_read[rid]
     want = h.rows(marker, PROMPT)
     return all(
-        torch.equal(g, want[:, slice(*h.heads_of(side.tp, rank))]) for rank, g in enumerate(got)
+        torch.equal(g, want[:, slice(*h.heads_of(side.tp, rank, side.kv_heads))])
+        for rank, g in enumerate(got)
     )
 
 
@@ -398,6 +399,33 @@ def test_pair_corrupted_bytes_fail_the_load(model, pair, when):
 
 def test_pair_rejection_frees_the_prefill_at_once(model, pair):
     prefill, shape = pair
+    row = case_reject(model, prefill, shape)
+    assert row["prefill_freed_s"] is not None and row["prefill_freed_s"] < 2.0, row
+    assert row["blocks_leaked"] == 0, row
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    """A model of 2 KV heads, a prefill of TP 4 (heads 0, 0, 1, 1: two workers hold
+    replicas) into a decode of TP 1: workers 0 and 2 write, workers 1 and 3 are told by a
+    plan of no heads that nothing is wanted from them."""
+    model = h.model_dir(tmp_path_factory.mktemp("model-kv2"), kv_heads=2)
+    p = ShapedPrefill(model, Shape(4, 16, "LBNHC"))
+    yield model, p, Shape(1, 32, "LBHNC")
+    p.close()
+
+
+def test_gqa_replicas_write_once_and_the_others_free_at_once(replicas):
+    model, prefill, shape = replicas
+    row = case_normal(model, prefill, shape, unsafe=False)
+    assert row["foreign_rows_read"] == 0 and not row["failed"], row
+    assert row["blocks_leaked"] == 0, row
+    status = prefill.ask("status")
+    assert not status["holding"] and not status["jobs"], status
+
+
+def test_gqa_replicas_rejection_frees_every_prefill_worker(replicas):
+    model, prefill, shape = replicas
     row = case_reject(model, prefill, shape)
     assert row["prefill_freed_s"] is not None and row["prefill_freed_s"] < 2.0, row
     assert row["blocks_leaked"] == 0, row

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvferry.transfer import TransferConfig, TransferEngine
+from kvferry.transfer import Segment, TransferConfig, TransferEngine
 
 from ..vllm.layout import KVRegions
 from ..vllm.reshape import EngineShape, PairRuns, pairs, plan_pair, region_checksums
@@ -69,7 +69,7 @@ def default_pairs() -> list[tuple[Side, Side]]:
 @dataclass
 class Worker:
     regions: KVRegions
-    segment: object
+    segment: Segment
     blocks: list[int]
     first_head: int
 

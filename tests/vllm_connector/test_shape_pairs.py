@@ -143,14 +143,17 @@ def case_normal(model, prefill: ShapedPrefill, shape: Shape, unsafe: bool) -> di
         d.shutdown()
 
 
-def case_corrupt(model, prefill: ShapedPrefill, shape: Shape, when: str) -> dict[str, Any]:
+def case_corrupt(
+    model, prefill: ShapedPrefill, shape: Shape, when: str, unsafe: bool = False
+) -> dict[str, Any]:
     """``when``: "before-plan", source bytes changed after vLLM handed them over (the
     writer's own check refuses to send them, or the owner's page checksums catch them);
-    "in-flight", changed after the job's checksums (the owner's check of what landed)."""
-    marker = f"x-{when}-{shape}"
+    "in-flight", changed after the job's checksums (the owner's check of what landed).
+    Broken (unsafe): the decode checks nothing."""
+    marker = f"x-{when}-{shape}-{unsafe}"
     params = prefill.ask("prefill", marker, PROMPT)
     prefill.ask("corrupt" if when == "before-plan" else "corrupt_in_flight", marker)
-    d = decode_side(model, shape)
+    d = decode_side(model, shape, unsafe)
     try:
         add(d, "d-x", params)
         steps(d, lambda: finished(d, "d-x"))
@@ -159,6 +162,7 @@ def case_corrupt(model, prefill: ShapedPrefill, shape: Shape, when: str) -> dict
         return record(
             f"{prefill.shape}->{shape}",
             f"corrupted bytes ({when})",
+            "kvferry" + (" (broken: early finished_recving)" if unsafe else ""),
             decoded="d-x" in d.first_read,
             failed=out.finish_reason == FinishReason.ERROR,
             blocks_leaked=leaked(d),
@@ -395,6 +399,12 @@ def test_pair_corrupted_bytes_fail_the_load(model, pair, when):
     prefill, shape = pair
     row = case_corrupt(model, prefill, shape, when)
     assert row["failed"] and not row["decoded"] and row["blocks_leaked"] == 0, row
+
+
+def test_pair_corruption_broken_mode_caught(model, pair):
+    prefill, shape = pair
+    row = case_corrupt(model, prefill, shape, "in-flight", unsafe=True)
+    assert row["decoded"] and not row["failed"], row
 
 
 def test_pair_rejection_frees_the_prefill_at_once(model, pair):

@@ -289,7 +289,11 @@ class WriterHost(WorkerHost):
         except TransferError as exc:
             unreachable = f"{type(exc).__name__}: {exc}"
         prompt = self.prompts.get(rid)
-        ended = jid in self.tombstones or (prompt is not None and decode_rank in prompt.ended)
+        ended = (
+            jid in self.tombstones
+            or rid in self.tombstones  # handed back (e.g. its hold ran out before this plan)
+            or (prompt is not None and decode_rank in prompt.ended)
+        )
         if ended:  # ended here (and flushed): fail the load, and ack at once
             reason = f"request {rid} already ended at prefill worker tp{self.tp_rank}"
             self.link.send(

@@ -138,7 +138,13 @@ class Load:
         return None
 
     def names(self, writers: Iterable[int]) -> str:
-        return ", ".join(f"tp{self.links[w].rank} (pid {self.links[w].pid})" for w in writers)
+        """The prefill workers ``writers`` (numbers in this load) as a log names them."""
+        return ", ".join(
+            f"tp{self.links[w].rank} (pid {self.links[w].pid})"
+            if w < len(self.links)
+            else f"writer {w} (not yet assigned)"
+            for w in writers
+        )
 
     @property
     def writers(self) -> tuple[int, ...]:

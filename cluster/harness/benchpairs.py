@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvferry.engine.tools.bench_checksum import median_seconds
+from kvferry.engine.tools.bench_reshard import alternate
 from kvferry.transfer import Segment, TransferConfig, TransferEngine
 
 from ..vllm.layout import KVRegions
@@ -174,28 +173,6 @@ class Move:
         return True
 
 
-def alternate(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
-    """Median seconds of ``a`` and ``b``, timed a, b, a, b, ... after one warm-up each."""
-    a(), b()
-    ta: list[float] = []
-    tb: list[float] = []
-    for _ in range(reps):
-        for fn, out in ((a, ta), (b, tb)):
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-    return statistics.median(ta), statistics.median(tb)
-
-
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[str, object]:
     rng = np.random.default_rng(seed)
     width = args.head_dim * 2  # K|V, in 2-byte elements
@@ -222,7 +199,7 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
             "pairs": len(move.plans),
             "runs": runs,
             "mean_run_bytes": round(move.bytes / max(1, runs)),
-            "plan_ms": round(median_ms(move.plan, args.reps), 3),
+            "plan_ms": round(median_seconds(move.plan, args.reps) * 1e3, 3),
             "gbps": round(move.bytes / t_pair / 1e9, 3),
             "homogeneous_runs": base_runs,
             "homogeneous_gbps": round(base.bytes / t_base / 1e9, 3),

@@ -116,7 +116,7 @@ def _kv_heads(vllm_config: Any) -> int:
     own times the TP size)."""
     try:
         return int(vllm_config.model_config.get_total_num_kv_heads())
-    except Exception:
+    except (AttributeError, TypeError, ValueError):  # a config without a model (test drivers)
         return 0
 
 

@@ -213,7 +213,7 @@ class OwnerWire:
         if not o.links:
             h.abort_writers(o, source, o.error or reason)
             return
-        payload = h.abort_payload(o, source, reason)
+        payload = h.abort_payload(o.remote["rid"], rid, source, reason)
         for w in to:
             peer = o.links[w].peer
             if peer is not None:
@@ -321,7 +321,6 @@ class OwnerHost(WorkerHost):
         self.load_errors: set[int] = set()
         self.regions: KVRegions | None = None
         self.segments: list[Any] = []
-        self.kv_heads = 0  # the engine's KV heads in all (its TP group's)
         self.gens: torch.Tensor | None = None  # per block: bumped at each plan into it
         self.canaries: torch.Tensor | None = None  # per block: (rid hash, gen, index)
         ports = OwnerPorts(
@@ -657,8 +656,12 @@ class OwnerHost(WorkerHost):
 
     def _shapes(self, hs: dict[str, Any]) -> tuple[EngineShape, EngineShape]:
         """The prefill's and this decode's (KV heads, TP size)."""
-        heads = int(hs.get("kv_heads") or 0) or self.kv_heads
-        return EngineShape(heads, int(hs["tp_size"])), EngineShape(self.kv_heads, self.tp_size)
+        if not hs.get("kv_heads"):
+            raise LayoutError(
+                f"prefill engine {hs.get('engine_id')} gave no KV head count in its handshake"
+            )
+        prefill = EngineShape(int(hs["kv_heads"]), int(hs["tp_size"]))
+        return prefill, EngineShape(self.kv_heads, self.tp_size)
 
     def _links(self, o: Load) -> tuple[list[WriterLink] | None, str]:
         """This load's writers from the prefill's handshake (None while it is on its way),
@@ -680,20 +683,14 @@ class OwnerHost(WorkerHost):
             if card is None:
                 return None, f"prefill engine {hs['engine_id']} has no TP rank {p}"
             link = WriterLink(p, card, heads)
+            if not card.get("regions"):
+                return None, f"prefill worker tp{p} gave no KV geometry in its handshake"
+            theirs = KVRegions.from_wire(card["regions"])
             like = prefill.tp == decode.tp and p == self.tp_rank
-            if like and "regions" not in card:  # a peer that sends no row geometry
-                like = card["layout"] == self.regions.layout and (
-                    card["signature"] == self.regions.signature()
-                )
-                if not like:
-                    return None, (
-                        f"KV layouts refused at handshake: prefill {card['layout']} vs decode "
-                        f"{self.regions.layout} (per-block runs differ)"
-                    )
-            elif not (like and same_blocks(KVRegions.from_wire(card["regions"]), self.regions)):
+            if not (like and same_blocks(theirs, self.regions)):
                 try:
                     link.runs = plan_pair(
-                        KVRegions.from_wire(card["regions"]),
+                        theirs,
                         self.regions,
                         heads,
                         prefill.heads_of(p)[0],
@@ -702,7 +699,7 @@ class OwnerHost(WorkerHost):
                         o.blocks,
                         o.tokens,
                     )
-                except (LayoutError, KeyError) as exc:
+                except LayoutError as exc:
                     return None, f"cannot plan the rows of prefill worker tp{p}: {exc}"
             links.append(link)
         if not links:
@@ -764,18 +761,6 @@ class OwnerHost(WorkerHost):
             bytes(card["address"]) for p, card in sorted(hs["workers"].items()) if p not in writing
         ]
 
-    def abort_payload(self, o: Load, source: AbortSource, reason: str) -> bytes:
-        return wire.encode(
-            wire.ABORT,
-            rid=o.remote["rid"],
-            orid=o.rid,
-            source=source.value,
-            reason=reason,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            kv_heads=self.kv_heads,
-        )
-
     def abort_writers(self, o: Load, source: AbortSource, reason: str) -> None:
         """ABORT to the prefill workers of a load that was never planned: those that
         would write into this worker, and (from TP rank 0) those that write into none
@@ -797,7 +782,7 @@ class OwnerHost(WorkerHost):
             ranks = [self.tp_rank]
             if self.tp_rank == 0:
                 ranks += [r for r in hs["workers"] if r >= self.tp_size]
-        payload = self.abort_payload(o, source, reason)
+        payload = self.abort_payload(o.remote["rid"], o.rid, source, reason)
         for r in ranks:
             w = hs["workers"].get(r)
             if w is not None:

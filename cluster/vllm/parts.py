@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvferry.engine.protocol.ports import Clock
+from kvferry.engine.protocol.words import AbortSource
 
+from . import wire
 from .link import Link
 from .loop import PollTimers, Tombstones
 from .metrics import KvferryStats
@@ -38,3 +40,18 @@ class WorkerHost:
         self.clock = parts.clock
         self.tp_rank, self.tp_size = parts.tp_rank, parts.tp_size
         self.timers = timers
+        self.kv_heads = 0  # the engine's KV heads in all (its TP group's), once attached
+
+    def abort_payload(self, rid: str, orid: str, source: AbortSource, reason: str) -> bytes:
+        """An ABORT from this worker (``rid``: the receiver's request id, ``orid``: ours),
+        with this worker's TP rank and its engine's shape."""
+        return wire.encode(
+            wire.ABORT,
+            rid=rid,
+            orid=orid,
+            source=source.value,
+            reason=reason,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            kv_heads=self.kv_heads,
+        )

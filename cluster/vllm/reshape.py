@@ -89,20 +89,17 @@ class PairRuns:
         return int(self.runs[:, 2].sum())
 
     def batches(self, max_bytes: int) -> list[tuple[int, int, np.ndarray]]:
-        """``(local buffer, remote buffer, runs)`` of at most ``max_bytes`` each (one run
-        over it goes alone), in plan order."""
+        """``(local buffer, remote buffer, runs)`` of at most ``max_bytes`` each (a run
+        longer than that goes alone), in plan order: as many runs a batch as the longest
+        run of the buffer pair allows."""
         out: list[tuple[int, int, np.ndarray]] = []
         pair = self.src_buffer * (1 << 20) + self.dst_buffer
         for key in np.unique(pair):
             which = np.flatnonzero(pair == key)
             runs = self.runs[which]
-            ends = np.cumsum(runs[:, 2])
-            cut = ends // max(1, max_bytes)
-            starts = np.flatnonzero(np.r_[True, cut[1:] != cut[:-1]])
-            for lo, hi in zip(starts, np.r_[starts[1:], len(runs)], strict=True):
-                out.append(
-                    (int(self.src_buffer[which[0]]), int(self.dst_buffer[which[0]]), runs[lo:hi])
-                )
+            per = max(1, max_bytes // max(1, int(runs[:, 2].max())))
+            src, dst = int(self.src_buffer[which[0]]), int(self.dst_buffer[which[0]])
+            out += [(src, dst, runs[lo : lo + per]) for lo in range(0, len(runs), per)]
         return out
 
 
@@ -133,11 +130,8 @@ def _check_pair(src: KVRegions, dst: KVRegions) -> None:
 
 def _segments(first: int, end: int, grains: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Tokens ``[first, end)`` cut at every multiple of each grain: (starts, lengths)."""
-    cuts = [np.arange(first, end, dtype=np.int64)] if 1 in grains else []
-    for g in grains:
-        cuts.append(np.arange(-(-first // g) * g, end, g, dtype=np.int64))
+    cuts = [np.arange(-(-first // g) * g, end, g, dtype=np.int64) for g in grains]
     starts = np.unique(np.concatenate([np.array([first], dtype=np.int64), *cuts]))
-    starts = starts[(starts >= first) & (starts < end)]
     return starts, np.diff(np.r_[starts, end])
 
 

@@ -45,7 +45,15 @@ from . import wire
 from .layout import KVRegions, LayoutError
 from .loop import PollTimers, Timer
 from .parts import WorkerHost, WorkerParts
-from .reshape import EngineShape, PairRuns, owners_of, plan_pair, region_checksums, same_blocks
+from .reshape import (
+    EngineShape,
+    PairRuns,
+    owners_of,
+    pairs,
+    plan_pair,
+    region_checksums,
+    same_blocks,
+)
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -71,7 +79,6 @@ class Prompt:
     ended: set[int] = field(default_factory=set)  # decode ranks whose job ended
     jobs: dict[int, Job] = field(default_factory=dict)  # by decode rank
     hold: Timer | None = None  # the hold timeout while its KV waits for plans
-    sent: bool = False  # reported in finished_sending
 
     @property
     def all_ended(self) -> bool:
@@ -91,7 +98,8 @@ class Job:
     peer: Peer | None = None  # the owner's endpoint
     orid: str = ""  # the request's id at its owner
     plan: dict[str, Any] | None = None
-    heads: tuple[int, ...] = ()  # global heads this job writes (reshaped jobs)
+    decode: EngineShape | None = None  # the planning decode engine's shape
+    heads: tuple[int, ...] = ()  # global heads this job writes (empty: others write them)
     runs: PairRuns | None = None  # reshaped jobs: the rows' runs, planned once
     dst: KVRegions | None = None
     rsegs: list[RemoteSegment] = field(default_factory=list)
@@ -132,17 +140,7 @@ class WriterWire:
         job = h.jobs.get(jid)
         if job is None or owner < 0:
             return
-        payload = wire.encode(
-            wire.ABORT,
-            rid=job.request,
-            orid=job.orid,
-            source=source.value,
-            reason=reason,
-            tp_rank=h.tp_rank,
-            tp_size=h.tp_size,
-            kv_heads=h.kv_heads,
-        )
-        h.link.send(job.peer, payload, jid)
+        h.link.send(job.peer, h.abort_payload(job.request, job.orid, source, reason), jid)
 
     def send_ack(self, jid: str, owner: int, flushed: Callable[[], None] | None) -> None:
         h = self.host
@@ -171,7 +169,6 @@ class WriterHost(WorkerHost):
         self.finished_sending: set[str] = set()
         self.regions: KVRegions | None = None
         self.segments: list[Any] = []
-        self.kv_heads = 0  # the engine's KV heads in all (its TP group's)
         self.remote_segments: dict[int, tuple[KVRegions, list[RemoteSegment]]] = {}
         ports = WriterPorts(
             data=self,
@@ -184,7 +181,8 @@ class WriterHost(WorkerHost):
         self.driver = WriterDriver(ports, wc.WRITER_TABLE, settled=self._settled)
 
     def attach(self, regions: KVRegions, segments: list[Any], kv_heads: int) -> None:
-        """vLLM's KV buffers, registered with the transfer engine; the engine's KV heads."""
+        """vLLM's KV buffers, registered with the transfer engine; the engine's KV heads
+        (:attr:`WorkerHost.kv_heads`)."""
         self.regions, self.segments, self.kv_heads = regions, segments, kv_heads
 
     @property
@@ -296,20 +294,7 @@ class WriterHost(WorkerHost):
         )
         if ended:  # ended here (and flushed): fail the load, and ack at once
             reason = f"request {rid} already ended at prefill worker tp{self.tp_rank}"
-            self.link.send(
-                peer,
-                wire.encode(
-                    wire.ABORT,
-                    rid=rid,
-                    orid=orid,
-                    source=AbortSource.PREFILL.value,
-                    reason=reason,
-                    tp_rank=self.tp_rank,
-                    tp_size=self.tp_size,
-                    kv_heads=self.kv_heads,
-                ),
-                rid,
-            )
+            self.link.send(peer, self.abort_payload(rid, orid, AbortSource.PREFILL, reason), rid)
             self.link.notify(peer, wire.encode(wire.ABORT_ACK, rid=rid, orid=orid), rid)
             return
         prompt = self._prompt(rid)
@@ -324,18 +309,24 @@ class WriterHost(WorkerHost):
                 job, AbortSource.TRANSFER, f"the planning decode is unreachable: {unreachable}"
             )
             return
-        decode = EngineShape(int(m["kv_heads"]) or self.kv_heads, int(m["tp_size"]))
-        refused = self._expect(prompt, decode)
+        job.decode = EngineShape(int(m["kv_heads"]), int(m["tp_size"]))
+        refused = self._expect(prompt, job.decode)
         if not refused and decode_rank not in (prompt.owners or ()):
             refused = (
-                f"decode TP rank {decode_rank}/{decode.tp} planned, but this prefill worker "
-                f"(TP {self.tp_rank}/{self.tp_size}) writes into decode ranks "
+                f"decode TP rank {decode_rank}/{job.decode.tp} planned, but this prefill "
+                f"worker (TP {self.tp_rank}/{self.tp_size}) writes into decode ranks "
                 f"{sorted(prompt.owners or ())} only"
             )
+        if not refused:
+            job.heads = pairs(self.shape, job.decode).get((self.tp_rank, decode_rank), ())
+            if tuple(m["heads"]) != job.heads:
+                refused = (
+                    f"decode TP rank {decode_rank} asks for heads {list(m['heads'])}; this "
+                    f"prefill worker writes it heads {list(job.heads)}"
+                )
         if refused:
             self.fail(job, AbortSource.TRANSFER, f"plan refused: {refused}")
             return
-        job.heads = tuple(int(h) for h in m["heads"])
         try:
             key = msg.sender_incarnation
             if key not in self.remote_segments:
@@ -373,9 +364,7 @@ class WriterHost(WorkerHost):
             job.book.state = WriterState.ABORTED
         elif job is None:
             prompt = prompt or self._prompt(rid)
-            self._expect(
-                prompt, EngineShape(int(m["kv_heads"]) or self.kv_heads, int(m["tp_size"]))
-            )
+            self._expect(prompt, EngineShape(int(m["kv_heads"]), int(m["tp_size"])))
             job = self._new_job(prompt, decode_rank)
             self.stats.abort(m["source"])
         else:
@@ -409,10 +398,10 @@ class WriterHost(WorkerHost):
 
     def _like(self, job: Job) -> bool:
         """Whole blocks go as they are: the same TP rank and size, layout and blocks."""
-        assert self.regions is not None and job.dst is not None and job.plan is not None
+        assert self.regions is not None and job.dst is not None and job.decode is not None
         return (
             job.decode_rank == self.tp_rank
-            and int(job.plan["tp_size"]) == self.tp_size
+            and job.decode.tp == self.tp_size
             and same_blocks(self.regions, job.dst)
         )
 
@@ -467,9 +456,9 @@ class WriterHost(WorkerHost):
         blocks are checked against the checksums taken when vLLM handed them over (a
         block changed since is never sent), then each decode block's region checksum."""
         prompt = job.prompt
-        assert self.regions is not None and job.dst is not None and job.plan is not None
+        assert self.regions is not None and job.dst is not None and job.decode is not None
         assert prompt.src is not None and prompt.checksums is not None
-        decode = EngineShape(int(job.plan["kv_heads"]) or self.kv_heads, int(job.plan["tp_size"]))
+        decode = job.decode
         try:
             runs = plan_pair(
                 self.regions,
@@ -581,17 +570,18 @@ class WriterHost(WorkerHost):
             self._hand_back(prompt)
 
     def _hand_back(self, prompt: Prompt) -> None:
+        """``finished_sending`` for the prompt, once: it leaves :attr:`prompts` and its
+        request and job ids are tombstoned (a late plan or abort finds them)."""
+        if self.prompts.get(prompt.rid) is not prompt:
+            return
         if prompt.hold is not None:
             prompt.hold.cancel()
-        if not prompt.sent:
-            prompt.sent = True
-            self.finished_sending.add(prompt.rid)
-        if self.prompts.get(prompt.rid) is prompt:
-            del self.prompts[prompt.rid]
-            now = self.clock.now()
-            self.tombstones.tombstone(prompt.rid, now)
-            for r in set(prompt.jobs) | set(prompt.owners or ()):
-                self.tombstones.tombstone(job_id(prompt.rid, r), now)
+        self.finished_sending.add(prompt.rid)
+        del self.prompts[prompt.rid]
+        now = self.clock.now()
+        self.tombstones.tombstone(prompt.rid, now)
+        for r in set(prompt.jobs) | set(prompt.owners or ()):
+            self.tombstones.tombstone(job_id(prompt.rid, r), now)
 
     # ------------------------------------------------------------ the report (a port)
     def released(self, jid: str, pages: int, how: Release, justification: Proof) -> None:

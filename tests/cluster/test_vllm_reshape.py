@@ -260,3 +260,21 @@ def test_engines_of_another_model_are_refused_with_both_sides_named():
     )
     with pytest.raises(LayoutError, match="2 KV layers, the decode 1"):
         plan_pair(rp, fewer, [0], 0, 0, list(range(6)), [0], 10)
+
+
+@pytest.mark.parametrize("lengths,max_bytes", [([5, 5, 5], 8), ([16] * 7, 40), ([3, 9, 1, 9], 9)])
+def test_batches_never_exceed_their_bound_and_keep_every_run(lengths, max_bytes):
+    """A batch carries at most ``max_bytes`` (a run longer than that alone), every run
+    once, in plan order; the bucketing by cumulative bytes it replaced put 10 bytes in
+    a batch of 8 for runs of 5, 5, 5."""
+    from kvferry.cluster.vllm.reshape import PairRuns
+
+    n = len(lengths)
+    ln = np.array(lengths, dtype=np.int64)
+    runs = np.stack([np.cumsum(ln) - ln, np.cumsum(ln) - ln, ln], axis=1)
+    zero = np.zeros(n, dtype=np.int64)
+    plan = PairRuns(runs, zero, zero, zero, 4)
+    out = plan.batches(max_bytes)
+    assert all(int(t[:, 2].sum()) <= max(max_bytes, int(t[:, 2].max())) for _, _, t in out)
+    assert all(int(t[:, 2].sum()) <= max_bytes or len(t) == 1 for _, _, t in out)
+    assert np.array_equal(np.concatenate([t for _, _, t in out]), runs)

@@ -122,19 +122,21 @@ def steps(side: h.Side, until, limit_s: float = 30.0, pause: float = 0.002) -> f
     return time.monotonic() - t0
 
 
-def leaked(side: h.Side, limit_s: float = 5.0) -> int:
-    """Blocks the decode still holds once vLLM has had ``limit_s`` of steps to free them
-    (a finished request's blocks come back a step or two after its output): 0 unless a
-    request's blocks are never returned."""
+def leaked(side: h.Side, limit_s: float = 5.0, blocks: int = DECODE_BLOCKS) -> int:
+    """Blocks the decode (of ``blocks`` blocks) still holds once vLLM has had ``limit_s``
+    of steps to free them (a finished request's blocks come back a step or two after its
+    output): 0 unless a request's blocks are never returned."""
     try:
-        steps(side, lambda: side.free_blocks() == DECODE_BLOCKS - 1, limit_s=limit_s)
+        steps(side, lambda: side.free_blocks() == blocks - 1, limit_s=limit_s)
     except TimeoutError:
         pass
-    return DECODE_BLOCKS - 1 - side.free_blocks()
+    return blocks - 1 - side.free_blocks()
 
 
-def add(side: h.Side, rid: str, params: dict[str, Any], max_tokens: int = 2) -> None:
-    side.sched.add_request(h.request(rid, PROMPT, dict(params), max_tokens))
+def add(
+    side: h.Side, rid: str, params: dict[str, Any], max_tokens: int = 2, prompt: int = PROMPT
+) -> None:
+    side.sched.add_request(h.request(rid, prompt, dict(params), max_tokens, side.block))
 
 
 def finished(side: h.Side, rid: str) -> bool:

@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here (.ci/vllm.sh builds its venv)")
 
 import harness as h
+import test_connector as tc
 from test_connector import DECODE_EXTRA, Prefill, finished, steps
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
@@ -59,22 +60,34 @@ class ShapedPrefill(Prefill):
         super().__init__(model, extra, tp=shape.tp, layout=shape.layout, block=shape.block)
 
 
-def decode_side(model: str, shape: Shape, unsafe: bool = False, module: str = h.MODULE) -> h.Side:
+def decode_side(
+    model: str,
+    shape: Shape,
+    unsafe: bool = False,
+    module: str = h.MODULE,
+    blocks: int = DECODE_BLOCKS,
+) -> h.Side:
     return h.Side(
         model,
         "kv_consumer",
         "decode",
         {**DECODE_EXTRA, "unsafe": unsafe},
         tp=shape.tp,
-        num_blocks=DECODE_BLOCKS,
+        num_blocks=blocks,
         layout=shape.layout,
         block=shape.block,
         module=module,
     )
 
 
+def one_request(shape: Shape) -> int:
+    """A decode pool that holds one request of PROMPT tokens, not two (and the null
+    block): a second request waits for the first one's blocks."""
+    return -(-PROMPT // shape.block) + 2
+
+
 def add(side: h.Side, rid: str, params: dict[str, Any], max_tokens: int = 2) -> None:
-    side.sched.add_request(h.request(rid, PROMPT, dict(params), max_tokens, side.block))
+    tc.add(side, rid, params, max_tokens, PROMPT)
 
 
 def own_rows(side: h.Side, rid: str, marker: str) -> bool:
@@ -89,11 +102,7 @@ def own_rows(side: h.Side, rid: str, marker: str) -> bool:
 
 
 def leaked(side: h.Side, limit_s: float = 5.0) -> int:
-    try:
-        steps(side, lambda: side.free_blocks() == DECODE_BLOCKS - 1, limit_s=limit_s)
-    except TimeoutError:
-        pass
-    return DECODE_BLOCKS - 1 - side.free_blocks()
+    return tc.leaked(side, limit_s, DECODE_BLOCKS)
 
 
 def record(pair: str, case: str, connector: str = "kvferry", **row: Any) -> dict[str, Any]:
@@ -206,17 +215,7 @@ def case_first_writer_acks(model, prefill: ShapedPrefill, shape: Shape, broken: 
     pa = prefill.ask("prefill", f"{tag}-a", PROMPT)
     pb = prefill.ask("prefill", f"{tag}-b", PROMPT)
     prefill.ask("run", False)
-    d = h.Side(
-        model,
-        "kv_consumer",
-        "decode",
-        DECODE_EXTRA,
-        tp=shape.tp,
-        num_blocks=-(-PROMPT // shape.block) + 2,  # A, or B, not both (and the null block)
-        layout=shape.layout,
-        block=shape.block,
-        module=module,
-    )
+    d = decode_side(model, shape, module=module, blocks=one_request(shape))
     try:
         add(d, "d-fa", pa)
         steps(d, lambda: _planned(d, "d-fa"))
@@ -267,16 +266,7 @@ def case_abort(model, prefill: ShapedPrefill, shape: Shape, unsafe: bool) -> dic
     pa = prefill.ask("prefill", f"a-{tag}", PROMPT)
     pb = prefill.ask("prefill", f"b-{tag}", PROMPT)
     prefill.ask("run", False)
-    d = h.Side(
-        model,
-        "kv_consumer",
-        "decode",
-        {**DECODE_EXTRA, "unsafe": unsafe},
-        tp=shape.tp,
-        num_blocks=-(-PROMPT // shape.block) + 2,  # A, or B, not both (and the null block)
-        layout=shape.layout,
-        block=shape.block,
-    )
+    d = decode_side(model, shape, unsafe, blocks=one_request(shape))
     try:
         add(d, "d-a", pa)
         steps(d, lambda: _planned(d, "d-a"))

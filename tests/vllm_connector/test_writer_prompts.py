@@ -135,6 +135,7 @@ def decode_regions(tp: int, kv_heads: int = 4) -> dict:
 
 
 def plan(w, rid: str, d_rank: int, d_tp: int, heads: list[int], kv_heads: int = 4) -> None:
+    """A PLAN from decode TP rank ``d_rank`` of ``d_tp`` asking for ``heads``."""
     address = b"decode-%d" % d_rank + d_rank.to_bytes(2, "little")
     m = {
         "k": wire.PLAN,
@@ -236,3 +237,15 @@ def test_a_plan_after_the_hold_ran_out_is_refused_and_revives_nothing():
     kinds = [m["k"] for _, m in link.sent]
     assert kinds == [wire.ABORT, wire.ABORT_ACK] and not w.prompts and not w.jobs
     assert not link.engine.writes
+
+
+def test_a_plan_asking_for_heads_this_worker_does_not_write_is_refused():
+    """Bad input: the heads a job writes follow from the two shapes; a plan naming
+    others is refused with both lists, nothing is written, and the decode is told."""
+    w, link, _ = host(tp=2, rank=0)
+    w.on_send("r", {"blocks": [0, 1, 2], "tokens": TOKENS})
+    plan(w, "r", 0, 1, [2, 3])  # prefill worker 0 of 2 holds heads 0 and 1
+    settle(w)
+    aborts = [m for _, m in link.sent if m["k"] is wire.ABORT]
+    assert len(aborts) == 1 and "asks for heads [2, 3]" in aborts[0]["reason"], aborts
+    assert "writes it heads [0, 1]" in aborts[0]["reason"] and not link.engine.writes

@@ -107,12 +107,15 @@ class Segment:
 @dataclass(eq=False)
 class RemoteSegment:
     """A peer's segment opened on this engine: the unpacked rkey, and, when the memory is
-    mapped into this process (``direct`` is its local address), a direct copy path."""
+    mapped into this process (``direct`` is its local address), a direct copy path; when
+    it is not but the peer's process on this host can be written by the kernel's
+    cross-memory copy, ``cross_memory`` is True."""
 
     peer: Peer
     descriptor: SegmentDescriptor
     rkey: Any = field(repr=False)
     direct: int | None = None
+    cross_memory: bool = False
 
     @property
     def length(self) -> int:

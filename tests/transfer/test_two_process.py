@@ -66,10 +66,11 @@ def test_scattered_read_byte_exact(link):
 
 @pytest.mark.parametrize("transports", ["shm", "tcp"])
 def test_registered_destination_one_sided(transports):
-    """Destination memory registered by the target (not UCX-allocated): puts via cma/tcp."""
-    lk = make_link(transports, mode="register", size=8 << 20)
+    """Destination memory registered by the target (not UCX-allocated), with the
+    cross-memory copy off: puts via UCX's cma/tcp."""
+    lk = make_link(transports, mode="register", size=8 << 20, cross_memory_copy=False)
     try:
-        assert lk.rseg.direct is None
+        assert lk.rseg.direct is None and not lk.rseg.cross_memory
         src = lk.eng.register(np.zeros(4 << 20, dtype=np.uint8))
         for k in range(3):
             assert _round(lk, src, k, npages=64, page=16 << 10)["ok"]
@@ -92,11 +93,13 @@ def test_injected_skipped_page_is_caught(transports, noticed):
         close_link(lk)
 
 
-def _notices_behind_unwaited_writes(mode: str, rounds: int = 6, bytes_must_match: bool = True):
+def _notices_behind_unwaited_writes(
+    mode: str, rounds: int = 6, bytes_must_match: bool = True, **cfg
+):
     """Rounds of a write posted without waiting, then a notice; the target checks the
     bytes on arrival. Returns the link's segment, the engine's counters and the rounds
     whose bytes differed (an assertion instead, unless ``bytes_must_match`` is False)."""
-    lk = make_link("shm", mode=mode, size=8 << 20)
+    lk = make_link("shm", mode=mode, size=8 << 20, **cfg)
     try:
         src = lk.eng.register(np.zeros(4 << 20, dtype=np.uint8))
         torn: list[int] = []
@@ -122,14 +125,19 @@ def _notices_behind_unwaited_writes(mode: str, rounds: int = 6, bytes_must_match
         close_link(lk)
 
 
-@pytest.mark.parametrize("mode", ["allocate", "register"])
-def test_notice_posted_at_once_waits_for_puts_only_when_it_must(mode):
-    """Over the direct path (a UCX-allocated segment mapped here) the copy is done when
-    ``write`` returns, so the notice needs no endpoint flush; after puts through UCX (a
-    registered destination) every notice is flushed."""
-    rseg, c, _ = _notices_behind_unwaited_writes(mode)
+@pytest.mark.parametrize(
+    "mode,cross_memory", [("allocate", True), ("register", True), ("register", False)]
+)
+def test_notice_posted_at_once_waits_for_puts_only_when_it_must(mode, cross_memory):
+    """Over the direct path (a UCX-allocated segment mapped here) and the cross-memory
+    copy (a registered one) the bytes are there when ``write`` returns, so the notice
+    needs no endpoint flush; after puts through UCX every notice is flushed."""
+    rseg, c, _ = _notices_behind_unwaited_writes(mode, cross_memory_copy=cross_memory)
     if mode == "allocate":
         assert rseg.direct is not None and c.notifies_flushed == 0
+    elif cross_memory:
+        assert rseg.cross_memory and c.notifies_flushed == 0
+        assert c.pages_cross_memory == c.pages_direct == 6 * 64
     else:
         assert rseg.direct is None and c.notifies_flushed == c.notifies == 6
 
@@ -139,7 +147,9 @@ def test_a_notice_skipping_its_flush_behind_puts_is_caught(monkeypatch):
     bytes check names the torn pages) or, by luck of timing, arrive after them; the flush
     count catches it either way, so the verdict never depends on which."""
     monkeypatch.setattr(TransferEngine, "_needs_flush", staticmethod(lambda peer: False))
-    rseg, c, torn = _notices_behind_unwaited_writes("register", bytes_must_match=False)
+    rseg, c, torn = _notices_behind_unwaited_writes(
+        "register", bytes_must_match=False, cross_memory_copy=False
+    )
     assert rseg.direct is None
     assert c.notifies == 6 and c.notifies_flushed == 0, (c.notifies, c.notifies_flushed, torn)
 

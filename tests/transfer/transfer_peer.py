@@ -13,6 +13,7 @@ Commands (payload of send/notify, msgpack map):
       {"round": k, "ok": bool, "bad_pages": [...]}.
   {"op": "fill", "seed": s}   fill the segment with pattern(s, 0); reply {"ok": true}.
   {"op": "ping"}              reply {"ok": true}.
+  {"op": "sum"}               reply {"sum": n}: the segment's bytes added up.
   {"op": "exit"}
 """
 
@@ -79,6 +80,8 @@ def run_target(args: argparse.Namespace) -> int:
         elif op == "fill":
             view[:] = pattern(cmd["seed"], 0, view.size)
             reply(sender, {"ok": True})
+        elif op == "sum":
+            reply(sender, {"sum": int(view.sum(dtype=np.uint64))})
         elif op == "ping":
             reply(sender, {"ok": True, "malformed": eng.counters.malformed_messages})
         elif op == "exit":

@@ -8,7 +8,9 @@
  * kvf_get_pages check every page against both segments themselves (kvf_check_pages)
  * before anything is posted. When the remote segment is mapped into this process
  * (ucp_rkey_ptr succeeds: UCX-allocated posix/sysv memory on the same host), pages are
- * copied directly; otherwise each page is one ucp_put_nbx/ucp_get_nbx. */
+ * copied directly; when it lives in a known process on this host (memory the user
+ * registered), the kernel copies up to KVF_CMA_IOVS pages per process_vm_writev; otherwise
+ * each page is one ucp_put_nbx/ucp_get_nbx. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -22,6 +24,7 @@
 #include <time.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 #include <ucp/api/ucp_version.h>
@@ -860,6 +863,119 @@ static ucs_status_t kvf_post_pages(ucp_ep_h ep, int write, int streaming, char *
     return UCS_OK;
 }
 
+/* Pages per cross-memory system call: the kernel's limit on iovecs (UIO_MAXIOV). */
+#define KVF_CMA_IOVS 1024
+
+/* Whether the process behind pidfd has exited (its pidfd polls readable). A pidfd that
+ * cannot be polled counts as exited: nothing is written on a guess. */
+static int kvf_process_exited(int pidfd)
+{
+    struct pollfd p;
+    int r;
+    p.fd = pidfd;
+    p.events = POLLIN;
+    p.revents = 0;
+    do {
+        r = poll(&p, 1, 0);
+    } while (r < 0 && errno == EINTR);
+    return r != 0;
+}
+
+/* The UCX status standing for a cross-memory copy's errno. */
+static ucs_status_t kvf_cma_status(int err)
+{
+    switch (err) {
+    case ESRCH: return UCS_ERR_CONNECTION_RESET;  /* the process is gone */
+    case EFAULT: return UCS_ERR_INVALID_ADDR;     /* not mapped there (any more) */
+    case EPERM: return UCS_ERR_UNSUPPORTED;       /* ptrace rules forbid it */
+    case ENOMEM: return UCS_ERR_NO_MEMORY;
+    default: return UCS_ERR_IO_ERROR;
+    }
+}
+
+/* Moves k (local, remote) iovec pairs of equal lengths, `want` bytes in all, resuming
+ * after a partial transfer; UCS_OK or the status of the call that failed. */
+static ucs_status_t kvf_cma_move(int write, int32_t pid, struct iovec *local,
+                                 struct iovec *remote, int k, size_t want)
+{
+    size_t done = 0;
+    int first = 0;
+    while (done < want) {
+        ssize_t r = write ? process_vm_writev(pid, local + first, (unsigned long)(k - first),
+                                              remote + first, (unsigned long)(k - first), 0)
+                          : process_vm_readv(pid, local + first, (unsigned long)(k - first),
+                                             remote + first, (unsigned long)(k - first), 0);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return kvf_cma_status(errno);
+        }
+        if (r == 0) return UCS_ERR_IO_ERROR;
+        done += (size_t)r;
+        while (r > 0 && first < k) {  /* skip what moved, splitting a pair if need be */
+            size_t step = (size_t)r < local[first].iov_len ? (size_t)r : local[first].iov_len;
+            local[first].iov_base = (char *)local[first].iov_base + step;
+            remote[first].iov_base = (char *)remote[first].iov_base + step;
+            local[first].iov_len -= step;
+            remote[first].iov_len -= step;
+            r -= (ssize_t)step;
+            if (local[first].iov_len == 0) ++first;
+        }
+    }
+    return UCS_OK;
+}
+
+/* Moves the n pages of a checked batch by the kernel's cross-memory copy, KVF_CMA_IOVS a
+ * call. Synchronous: the bytes are at the target when this returns, so nothing needs a
+ * flush. The process is checked through its pidfd before the first call and after the
+ * last (a pid is only reused once its process exited and was reaped, which the first
+ * check excludes up to the call; the second fails a batch whose target died meanwhile). */
+static ucs_status_t kvf_post_pages_cma(int write, int32_t pid, int pidfd, char *local_base,
+                                       uint64_t remote_base, const int64_t *pages, int64_t n,
+                                       int64_t skip, kvf_batch_t *batch)
+{
+    struct iovec local[KVF_CMA_IOVS], remote[KVF_CMA_IOVS];
+    ucs_status_t st;
+    int64_t i = 0;
+    if (kvf_process_exited(pidfd)) {
+        kvf_batch_fail(batch, UCS_ERR_CONNECTION_RESET);
+        return UCS_ERR_CONNECTION_RESET;
+    }
+    while (i < n) {
+        int k = 0;
+        size_t want = 0;
+        for (; i < n && k < KVF_CMA_IOVS; ++i) {
+            const int64_t *t = pages + 3 * i;
+            if (i == skip) continue; /* injected fault: this page is never transferred */
+            batch->posted++;
+            batch->direct++;
+            if (t[2] == 0) continue;
+            local[k].iov_base = local_base + t[0];
+            remote[k].iov_base = (void *)(uintptr_t)(remote_base + (uint64_t)t[1]);
+            local[k].iov_len = remote[k].iov_len = (size_t)t[2];
+            want += (size_t)t[2];
+            ++k;
+        }
+        st = kvf_cma_move(write, pid, local, remote, k, want);
+        if (st != UCS_OK) {
+            kvf_batch_fail(batch, st);
+            return st;
+        }
+    }
+    if (kvf_process_exited(pidfd)) {
+        kvf_batch_fail(batch, UCS_ERR_CONNECTION_RESET);
+        return UCS_ERR_CONNECTION_RESET;
+    }
+    return UCS_OK;
+}
+
+int kvf_cma_probe(int32_t pid, uint64_t remote_addr)
+{
+    char byte;
+    struct iovec local = {&byte, 1};
+    struct iovec remote = {(void *)(uintptr_t)remote_addr, 1};
+    return process_vm_readv(pid, &local, 1, &remote, 1, 0) == 1 ? 0 : errno;
+}
+
 /* Checks every page of param against both segments, then posts them all (*posted: the
  * posting's status). UCS_ERR_OUT_OF_RANGE when a page is out of bounds (nothing posted,
  * batch untouched). */
@@ -876,6 +992,11 @@ static ucs_status_t kvf_check_and_post(ucp_ep_h ep, int write, const kvf_rma_par
         return UCS_ERR_OUT_OF_RANGE;
     }
     batch->bytes = total;
+    if (direct == NULL && (mask & KVF_RMA_PARAM_FIELD_PEER_PROCESS)) {
+        *posted = kvf_post_pages_cma(write, p->peer_pid, p->peer_pidfd, (char *)p->local_base,
+                                     p->remote_base, p->pages, p->npages, skip, batch);
+        return UCS_OK;
+    }
     *posted = kvf_post_pages(ep, write, kvf_streams(streaming_min, total),
                              (char *)p->local_base, kvf_ucp_rkey(p->rkey), p->remote_base,
                              direct, p->pages, p->npages, skip, batch);

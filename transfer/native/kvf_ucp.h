@@ -84,7 +84,8 @@ typedef enum {
     KVF_RMA_PARAM_FIELD_DIRECT_BASE         = 0x01, /* default: post through UCX */
     KVF_RMA_PARAM_FIELD_STREAMING_MIN_BYTES = 0x02, /* default: never stream */
     KVF_RMA_PARAM_FIELD_SKIP_PAGE           = 0x04, /* default: skip none */
-    KVF_RMA_PARAM_FIELD_NOTICE              = 0x08  /* default: no notice (puts only) */
+    KVF_RMA_PARAM_FIELD_NOTICE              = 0x08, /* default: no notice (puts only) */
+    KVF_RMA_PARAM_FIELD_PEER_PROCESS        = 0x10  /* default: post through UCX */
 } kvf_rma_param_field_t;
 
 /* kvf_msg_param_t.flags. */
@@ -175,7 +176,13 @@ typedef struct kvf_msg_param {
  *     streaming stores (negative: never);
  *   skip_page: an injected fault for tests: this page is counted but never transferred;
  *   notice: (puts only) the message to post after the pages, behind an endpoint flush
- *     when a page went through UCX or notice->flags has KVF_MSG_FLAG_FLUSH. */
+ *     when a page went through UCX or notice->flags has KVF_MSG_FLAG_FLUSH;
+ *   peer_pid, peer_pidfd: the remote segment lives in this process on this host (its
+ *     pidfd held open by the caller): pages are moved by the kernel's cross-memory copy,
+ *     up to KVF_CMA_IOVS pages a system call, no UCX request. The pidfd is polled before
+ *     the first call and after the last: a process that exited fails the batch with
+ *     UCS_ERR_CONNECTION_RESET (as a put to a dead process fails). Ignored with
+ *     direct_base. */
 typedef struct kvf_rma_param {
     uint64_t field_mask;    /* kvf_rma_param_field_t */
     uintptr_t local_base;
@@ -189,6 +196,8 @@ typedef struct kvf_rma_param {
     int64_t streaming_min_bytes;
     int64_t skip_page;
     const kvf_msg_param_t *notice;
+    int32_t peer_pid;
+    int32_t peer_pidfd;
 } kvf_rma_param_t;
 
 /* A parsed message envelope (layout in transfer/envelope.py). `error` is
@@ -344,6 +353,10 @@ ucs_status_t kvf_get_pages(kvf_ep_h ep, const kvf_rma_param_t *param, kvf_batch_
 /* An endpoint flush: the batch completes once every earlier put on ep is visible at the
  * target. Returns the posting's status (also recorded in the batch). */
 ucs_status_t kvf_flush(kvf_ep_h ep, kvf_batch_t *batch);
+/* Whether this process may move bytes into process `pid` by cross-memory copy: one byte
+ * read at remote_addr with process_vm_readv. 0, or the errno that refused it (EPERM:
+ * ptrace rules forbid it; ESRCH: no such process; EFAULT: not mapped there). */
+int kvf_cma_probe(int32_t pid, uint64_t remote_addr);
 /* Builds msg's envelope straight into the send buffer and posts it as an eager active
  * message (behind an endpoint flush with KVF_MSG_FLAG_FLUSH: it then cannot overtake any
  * earlier put; the caller may leave the flag out only when no put through UCX can still

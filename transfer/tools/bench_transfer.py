@@ -183,7 +183,7 @@ def cpu_seconds(pid: int) -> float:
 
 # ------------------------------------------------------------------------ initiator
 class Bench:
-    def __init__(self, args, transport: str, dest: str):
+    def __init__(self, args, transport: str, dest: str, cross_memory: bool = True):
         self.args, self.transport, self.dest = args, transport, dest
         cmd = [
             sys.executable,
@@ -217,6 +217,7 @@ class Bench:
                 name="bench-initiator",
                 spin_us=args.spin_us,
                 busy_poll_us=args.busy_poll_us,
+                cross_memory_copy=cross_memory,
             )
         )
         self.replies: list = []
@@ -227,7 +228,13 @@ class Bench:
         )
         self.src_buf = source_pattern(args.src_mib * MiB)
         self.src = self.eng.register(self.src_buf)
-        self.path = "direct" if self.rseg.direct is not None else "ucp_put"
+        self.path = (
+            "direct"
+            if self.rseg.direct is not None
+            else "cross-memory"
+            if self.rseg.cross_memory
+            else "ucp_put"
+        )
         self.transports_used = self.eng.describe()["peers"]["bench-target"]["transports"]
 
     def base(self, copied_bytes: int | None = None, **rec) -> dict:
@@ -547,6 +554,12 @@ def main(argv=None) -> int:
         default="allocate,register",
         help="initiator: destination kinds on shm (tcp uses allocate)",
     )
+    ap.add_argument(
+        "--cross-memory",
+        default="on",
+        help="initiator: into registered memory on shm, the kernel's cross-memory copy "
+        "(on), UCX's puts (off), or both in turn (on,off)",
+    )
     ap.add_argument("--size", type=int, default=256 * MiB)
     ap.add_argument("--src-mib", type=int, default=256)
     ap.add_argument("--dst-mib", type=int, default=256)
@@ -584,8 +597,13 @@ def main(argv=None) -> int:
             cpu_per_op(args, transport, fused)
     for transport in args.transports.split(","):
         dests = args.dests.split(",") if transport == "shm" else ["allocate"]
-        for dest in dests:
-            b = Bench(args, transport, dest)
+        kinds = [
+            (dest, cross == "on")
+            for dest in dests
+            for cross in (args.cross_memory.split(",") if dest == "register" else ["on"])
+        ]
+        for dest, cross_memory in kinds:
+            b = Bench(args, transport, dest, cross_memory)
             try:
                 for npages, page in workloads:
                     b.throughput(npages, page)

@@ -68,7 +68,9 @@ class PeerTable:
         ep = ffi.new("kvf_ep_h *")
         _check(lib.kvf_ep_create(self._worker, info.ucx, ep), "connecting", name)
         peer = Peer(name=name, address=peer_address, info=info, ep=ep[0])
-        if (info.host, info.boot_id, info.pidns) == self._identity and info.pid != os.getpid():
+        # A peer on this host, this process included (engines side by side in one
+        # process): its pidfd watches it and guards the cross-memory copy.
+        if (info.host, info.boot_id, info.pidns) == self._identity:
             try:
                 peer.pidfd = os.pidfd_open(info.pid)
             except (OSError, AttributeError):

@@ -14,8 +14,9 @@ pair, ...; medians): ``homogeneous_gbps``, and ``ratio`` = gbps / homogeneous_gb
 landed are compared with the writers' of their sources (``bytes_checked``). Block tables
 are random permutations; buffers are written once before timing (pre-faulted).
 
-Two engines in this one process over ``--transports`` (default shm; the same put path as
-between two processes on one host). Prints one JSON line per pair, after one with the
+Two engines in this one process over ``--transports`` (default shm; the same path as
+between two processes on one host: the kernel's cross-memory copy into the decode's
+registered buffers, many runs per system call). Prints one JSON line per pair, after one with the
 host's load. Run with ``python -m kvferry.cluster.harness.benchpairs`` or
 ``scripts/bench-pairs.sh``.
 """

@@ -16,7 +16,7 @@ import pytest
 from conftest import close_link, make_link
 from transfer_peer import pattern
 
-from kvferry.transfer import BatchStatus, PeerFailedError
+from kvferry.transfer import BatchStatus, PeerFailedError, TransferConfig, TransferEngine
 
 PAGE_SIZES = (512, 2048, 16 << 10)
 
@@ -150,3 +150,26 @@ def test_cross_memory_copy_can_be_turned_off(cross_memory_copy):
         assert lk.rseg.cross_memory is cross_memory_copy
     finally:
         close_link(lk)
+
+
+def test_engines_side_by_side_in_one_process_use_it_too():
+    """A peer in this very process (benchmarks, in-process hosts) is on this host too:
+    watched through its own pidfd, written by the cross-memory copy, byte-exact."""
+    a = TransferEngine(TransferConfig(transports="shm", name="one"))
+    b = TransferEngine(TransferConfig(transports="shm", name="two"))
+    try:
+        dst_buf = np.zeros(1 << 20, dtype=np.uint8)
+        dst = b.register(dst_buf)
+        peer = a.connect(b.address, name="two")
+        rseg = a.open_segment(peer, dst.descriptor())
+        assert peer.pidfd is not None and rseg.direct is None and rseg.cross_memory
+        src_buf = pattern(21, 0, 1 << 20)
+        src = a.register(src_buf)
+        pages = _mixed_pages(40, 1 << 20, 1 << 20, seed=8)
+        a.write(peer, src, rseg, pages).wait(5.0)
+        for lo, ro, ln in pages:
+            assert np.array_equal(dst_buf[ro : ro + ln], src_buf[lo : lo + ln])
+        assert a.counters.pages_cross_memory == 40
+    finally:
+        a.shutdown()
+        b.shutdown()

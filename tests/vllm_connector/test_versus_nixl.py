@@ -27,6 +27,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here (.ci/vllm.sh builds its venv)")
 
 import harness as h
+import test_shape_pairs as sp
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -44,17 +45,20 @@ ROWS: list[dict[str, Any]] = []
 
 
 class NixlDecode:
-    """A decode engine's real Scheduler with NixlPushConnector (scheduler role only)."""
+    """A decode engine's real Scheduler with NixlPushConnector (scheduler role only), of
+    TP size ``tp`` and ``block``-token blocks, loading from a prefill of TP ``remote_tp``."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, tp: int = 1, block: int = h.BLOCK, remote_tp: int = 1) -> None:
+        self.remote_tp = remote_tp
         self.cfg = h.vllm_config(
             model,
             "kv_consumer",
             "nixl-decode",
             {"push_registration_timeout": WATCHDOG_S},
-            tp=1,
+            tp=tp,
             module=NIXL_MODULE,
             connector="NixlPushConnector",
+            block=block,
         )
         self.kcc = h.kv_cache_config(BLOCKS)
         self.cfg.cache_config.num_gpu_blocks = BLOCKS
@@ -62,7 +66,7 @@ class NixlDecode:
             vllm_config=self.cfg,
             kv_cache_config=self.kcc,
             structured_output_manager=StructuredOutputManager(self.cfg),
-            block_size=h.BLOCK,
+            block_size=block,
             log_stats=True,
         )
         self.metas: list[NixlConnectorMetadata] = []
@@ -93,7 +97,7 @@ class NixlDecode:
         self.sched.connector.shutdown()
 
 
-def nixl_params(rid: str) -> dict[str, Any]:
+def nixl_params(rid: str, remote_tp: int = 1) -> dict[str, Any]:
     """What NixlPushConnector's prefill returns from request_finished (its field names)."""
     return {
         "do_remote_prefill": True,
@@ -103,7 +107,7 @@ def nixl_params(rid: str) -> dict[str, Any]:
         "remote_request_id": rid,
         "remote_host": "127.0.0.1",
         "remote_port": 5600,
-        "tp_size": 1,
+        "tp_size": remote_tp,
         "pp_size": 1,
         "remote_num_tokens": PROMPT,
         "transfer_mode": "push",
@@ -111,7 +115,7 @@ def nixl_params(rid: str) -> dict[str, Any]:
 
 
 def add(d: NixlDecode, rid: str) -> None:
-    d.sched.add_request(h.request(rid, PROMPT, nixl_params(rid), 2))
+    d.sched.add_request(h.request(rid, PROMPT, nixl_params(rid, d.remote_tp), 2))
 
 
 def hold(d: NixlDecode) -> tuple[int, float]:
@@ -130,11 +134,19 @@ def record(case: str, **row: Any) -> dict[str, Any]:
     return row
 
 
+def check_nixl_rows(a: dict[str, Any], b: dict[str, Any], c: dict[str, Any]) -> None:
+    """What is certain from the scheduler's own state, case by case."""
+    assert a["blocks_allocated"] > 0 and a["blocks_held_before_notice"] == a["blocks_allocated"]
+    assert a["blocks_leaked"] == 0, a
+    assert b["blocks_leaked"] == b["blocks_allocated"] > 0, b
+    assert c["decode_blocks_leaked"] == 0 and c["notice_in_step"] is not None, c
+
+
 # ---------------------------------------------------------------------- the NIXL cases
-def nixl_abort(model: str) -> dict[str, Any]:
+def nixl_abort(model: str, **shape: int) -> dict[str, Any]:
     """(a) Abort while waiting for remote KV; the prefill is alive and its completion
     arrives later: how long after that notice are the blocks free?"""
-    d = NixlDecode(model)
+    d = NixlDecode(model, **shape)
     try:
         add(d, "a")
         for _ in range(50):
@@ -167,10 +179,10 @@ def nixl_abort(model: str) -> dict[str, Any]:
         d.shutdown()
 
 
-def nixl_prefill_died(model: str) -> dict[str, Any]:
+def nixl_prefill_died(model: str, **shape: int) -> dict[str, Any]:
     """(b) The registration went out, then the prefill died: no completion ever comes.
     The client aborts too. Do the blocks ever come back?"""
-    d = NixlDecode(model)
+    d = NixlDecode(model, **shape)
     try:
         add(d, "c")
         for _ in range(50):
@@ -198,9 +210,9 @@ def nixl_prefill_died(model: str) -> dict[str, Any]:
         d.shutdown()
 
 
-def nixl_reject(model: str) -> dict[str, Any]:
+def nixl_reject(model: str, **shape: int) -> dict[str, Any]:
     """(c) Rejected before allocation: does the decode tell the prefill, and when?"""
-    d = NixlDecode(model)
+    d = NixlDecode(model, **shape)
     try:
         add(d, "r")
         d.sched.finish_requests("r", RequestStatus.FINISHED_ABORTED)
@@ -271,11 +283,7 @@ def test_versus_nixl(model, tmp_path):
         print(msg)
         pytest.skip(msg)
     a, b, c = nixl_abort(model), nixl_prefill_died(model), nixl_reject(model)
-    # what is certain from the scheduler's own state
-    assert a["blocks_allocated"] > 0 and a["blocks_held_before_notice"] == a["blocks_allocated"]
-    assert a["blocks_leaked"] == 0, a
-    assert b["blocks_leaked"] == b["blocks_allocated"] > 0, b
-    assert c["decode_blocks_leaked"] == 0 and c["notice_in_step"] is not None, c
+    check_nixl_rows(a, b, c)
 
     ours = kvferry_rows()
     for r in ours:
@@ -294,4 +302,34 @@ def test_versus_nixl(model, tmp_path):
     if os.environ.get("KVFERRY_VLLM_TABLE"):
         with open(os.environ["KVFERRY_VLLM_TABLE"], "a") as f:
             f.write("\nkvferry versus NixlPushConnector (scheduler side):\n" + text + "\n")
+            f.write("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("pair_shapes", sp.PAIRS, ids=sp.IDS)
+def test_versus_nixl_between_unlike_shapes(model, pair_shapes, tmp_path):
+    """The same three cases with NixlPushConnector's decode scheduler of the pair's decode
+    shape loading from a prefill of the pair's TP size, beside kvferry's rows for that
+    pair (test_shape_pairs.py, where it ran in this session)."""
+    prefill, decode = pair_shapes
+    shape = {"tp": decode.tp, "block": decode.block, "remote_tp": prefill.tp}
+    try:
+        NixlDecode(model, **shape).shutdown()
+    except Exception as e:
+        msg = f"NixlPushConnector's scheduler side cannot be constructed for {shape}: {e!r}"
+        print(msg)
+        pytest.skip(msg)
+    pair = f"{prefill}->{decode}"
+    nixl = [f(model, **shape) for f in (nixl_abort, nixl_prefill_died, nixl_reject)]
+    check_nixl_rows(*nixl)
+    ours = {r["case"]: r for r in sp.ROWS if r.get("pair") == pair and r["connector"] == "kvferry"}
+    rows: list[dict[str, Any]] = []
+    for case, theirs in zip(CASES, nixl, strict=True):
+        mine = ours.get(case, {"connector": "kvferry", "case": case, "blocks_leaked": "not run"})
+        assert mine.get("blocks_leaked", 0) in (0, "not run"), mine
+        rows += [{**mine, "pair": pair}, {**theirs, "pair": pair}]
+    lines = [json.dumps(r) for r in rows]
+    print("\n" + "\n".join(lines))
+    if os.environ.get("KVFERRY_VLLM_TABLE"):
+        with open(os.environ["KVFERRY_VLLM_TABLE"], "a") as f:
+            f.write(f"\nkvferry versus NixlPushConnector (scheduler side), {pair}:\n")
             f.write("\n".join(lines) + "\n")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .integrity import MODULUS, _native
+from .keysort import lexsort_order
 
 Runs = np.ndarray  # int64 [n, 3]: (local offset, remote offset, length) in bytes
 
@@ -194,7 +195,7 @@ def combine_keyed(
     keys, order, lengths, sums = keys[some], order[some], lengths[some], sums[some]
     if len(keys) == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    by = np.lexsort((order, keys))
+    by = lexsort_order(order, keys)
     keys, order, lengths, sums = keys[by], order[by], lengths[by], sums[by]
     same = keys[1:] == keys[:-1]
     if bool((same & (order[1:] < order[:-1] + lengths[:-1])).any()):

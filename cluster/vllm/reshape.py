@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvferry.engine.keysort import lexsort_order
 from kvferry.engine.reshard import KVShape, PoolLayout, ReshardError, assign_heads, head_span
 from kvferry.engine.run_checksum import combine_keyed, run_checksums, word_unit
 
@@ -212,7 +213,7 @@ def _coalesce(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Sorted by (buffers, block, local offset); neighbours contiguous on both sides, in
     the same buffers and the same decode block, merged."""
-    by = np.lexsort((so, key, dbuf, sbuf))
+    by = lexsort_order(so, key, dbuf, sbuf)
     so, do, ln, sbuf, dbuf, key = so[by], do[by], ln[by], sbuf[by], dbuf[by], key[by]
     follows = (
         (sbuf[1:] == sbuf[:-1])

@@ -291,7 +291,8 @@ class TransferEngine:
         """UCX version and library, build source (which UCX and why), the UCP API it was
         built against, what that build lacks, requested transports and options (and those
         this UCX lacks), the RDMA devices and transports (``transports="rdma"``), the
-        failure horizon, and the transports each connected peer's endpoint uses."""
+        failure horizon, and the transports each connected peer's endpoint uses (and how many of
+        its segments each data path serves)."""
         out: dict[str, Any] = {
             "ucx_version": ffi.string(lib.kvf_version_string()).decode(),
             "ucx_library": ffi.string(lib.kvf_library_path()).decode(),
@@ -309,6 +310,7 @@ class TransferEngine:
                     "state": p.state.value,
                     "transports": p.transports,
                     "transports_from": p.transports_from,
+                    "segment_paths": dict(p.segment_paths),
                 }
                 for p in self.peers.by_address.values()
             },
@@ -462,6 +464,8 @@ class TransferEngine:
                     self._prefault(peer, rseg)
         if rseg.direct is None:
             rseg.cross_memory = self._cross_memory_possible(peer, desc)
+        path = rseg.path
+        peer.segment_paths[path] = peer.segment_paths.get(path, 0) + 1
         return rseg
 
     def _cross_memory_possible(self, peer: Peer, desc: SegmentDescriptor) -> bool:

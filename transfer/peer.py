@@ -38,6 +38,9 @@ class Peer:
     last_liveness_check: float = 0.0
     # kvf_rkey_h of the segments opened on this peer: destroyed before the endpoint
     rkeys: list[Any] = field(default_factory=list, repr=False)
+    # Segments opened on this peer by the path their pages take: "direct" (mapped
+    # here), "cross-memory" (the kernel's copy) or "ucp_put" (UCX's puts).
+    segment_paths: dict[str, int] = field(default_factory=dict)
     # Handles (kvf_batch_t *) whose completion a notice must wait for: batches that
     # posted puts through UCX, and notices still waiting for their flush. Empty: every
     # earlier write to this peer went through the direct (load/store) path and is

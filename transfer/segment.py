@@ -118,6 +118,14 @@ class RemoteSegment:
     cross_memory: bool = False
 
     @property
+    def path(self) -> str:
+        """How pages reach it: ``"direct"`` (mapped here), ``"cross-memory"`` (the
+        kernel's copy into the peer's process) or ``"ucp_put"`` (one UCX put each)."""
+        if self.direct is not None:
+            return "direct"
+        return "cross-memory" if self.cross_memory else "ucp_put"
+
+    @property
     def length(self) -> int:
         return self.descriptor.length
 

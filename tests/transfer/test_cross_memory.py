@@ -44,6 +44,8 @@ def test_registered_destination_written_and_read_by_cross_memory_copy():
     lk = make_link("shm", mode="register", size=64 << 20)
     try:
         assert lk.rseg.direct is None and lk.rseg.cross_memory
+        assert lk.rseg.path == "cross-memory"
+        assert lk.eng.describe()["peers"]["target"]["segment_paths"] == {"cross-memory": 1}
         src = lk.eng.register(np.zeros(64 << 20, dtype=np.uint8))
         written = 0
         for k, n in enumerate((1, 1023, 1024, 1025, 3000)):
@@ -75,7 +77,7 @@ def test_tcp_keeps_the_operators_transport():
     """Transports without shared memory: the registered destination gets UCX's puts."""
     lk = make_link("tcp", mode="register", size=8 << 20)
     try:
-        assert not lk.rseg.cross_memory
+        assert not lk.rseg.cross_memory and lk.rseg.path == "ucp_put"
         src = lk.eng.register(np.zeros(8 << 20, dtype=np.uint8))
         pages = _mixed_pages(64, src.length, lk.rseg.length, seed=3)
         src.as_numpy()[:] = pattern(21, 0, src.length)

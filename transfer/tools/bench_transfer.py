@@ -228,13 +228,7 @@ class Bench:
         )
         self.src_buf = source_pattern(args.src_mib * MiB)
         self.src = self.eng.register(self.src_buf)
-        self.path = (
-            "direct"
-            if self.rseg.direct is not None
-            else "cross-memory"
-            if self.rseg.cross_memory
-            else "ucp_put"
-        )
+        self.path = self.rseg.path
         self.transports_used = self.eng.describe()["peers"]["bench-target"]["transports"]
 
     def base(self, copied_bytes: int | None = None, **rec) -> dict:

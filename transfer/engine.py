@@ -74,7 +74,6 @@ import itertools
 import logging
 import math
 import os
-import re
 import secrets
 import socket
 import time
@@ -151,11 +150,6 @@ log = logging.getLogger("kvferry.transfer")
 def _check(status: int, what: str, peer: str | None = None) -> None:
     if status != 0:
         raise ucx_error(int(status), what, peer)
-
-
-def _words(transports: str) -> set[str]:
-    """The transport names in an endpoint's description (``"posix/memory, cma/memory"``)."""
-    return {w for w in re.split(r"[^A-Za-z0-9_]+", transports) if w}
 
 
 def _host_identity() -> tuple[str, str, int]:
@@ -477,7 +471,7 @@ class TransferEngine:
             and desc.memory_type == MemoryType.HOST.value
             and peer.pidfd is not None
             and desc.length > 0
-            and "cma" in _words(peer.transports)
+            and "cma" in ucxinfo.lane_transports(peer.transports)
         ):
             return False
         err = lib.kvf_cma_probe(peer.info.pid, desc.base)

@@ -191,6 +191,12 @@ def lanes_from_print_info(text: str) -> str:
     return ",".join(seen)
 
 
+def lane_transports(lanes: str) -> set[str]:
+    """The transport names in an endpoint's lanes ``"tl/dev,..."`` (as
+    :func:`endpoint_transports` gives them): ``{"posix", "cma", ...}``."""
+    return {lane.split("/", 1)[0].strip() for lane in lanes.split(",") if lane.strip()}
+
+
 def endpoint_transports(ep: Any) -> tuple[str, str]:
     """(transports "tl/dev,...", how they were read) of a ucp endpoint."""
     buf = ffi.new("char[]", 1 << 14)

@@ -36,3 +36,9 @@ def test_every_throughput_row_checks_the_bytes_at_the_target(skip, capsys):
     assert [r["op"] for r in rows] == ["write", "bulk", "kv-burst"]
     assert all(r["verified"] == "byte-exact" and r["gbps"] > 0 for r in rows)
     assert rows[2]["descriptors"] == 4 * 8 * 2 * 2 and rows[2]["ceiling_ratio"] > 0
+
+
+def test_cross_memory_flag_takes_on_off_lists_and_refuses_anything_else():
+    assert bt._on_off_list("on,off") == ["on", "off"] and bt._on_off_list("off") == ["off"]
+    with pytest.raises(argparse.ArgumentTypeError, match="expected on, off"):
+        bt._on_off_list("yes")

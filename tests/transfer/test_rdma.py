@@ -173,6 +173,16 @@ def test_lanes_from_print_info():
     assert ucxinfo.lanes_from_print_info(text) == "tcp/lo,tcp/eth0,rc_mlx5/mlx5_0:1"
 
 
+def test_lane_transports_names_each_lanes_transport():
+    assert ucxinfo.lane_transports("sysv/memory,posix/memory,cma/memory") == {
+        "sysv",
+        "posix",
+        "cma",
+    }
+    assert ucxinfo.lane_transports("tcp/lo,rc_mlx5/mlx5_0:1") == {"tcp", "rc_mlx5"}
+    assert ucxinfo.lane_transports("") == set()
+
+
 def test_peer_transports_are_read_on_this_ucx():
     with (
         TransferEngine(TransferConfig(transports="tcp", name="a")) as a,

@@ -179,18 +179,28 @@ def any_job_ends_the_prompt(monkeypatch) -> None:
     monkeypatch.setattr(writer_host.Prompt, "all_ended", property(lambda p: bool(p.ended)))
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_blocks_go_back_only_once_every_planning_decode_worker_ended(monkeypatch, broken):
-    """Prefill TP 1 into decode TP 2: both decode workers plan from this one worker."""
+def two_decode_workers(monkeypatch, broken: bool, step) -> tuple[Any, Any, bool]:
+    """Prefill TP 1 into decode TP 2: a prompt handed over, then ``step(w, decode_rank)``
+    for decode worker 0 and then 1. Returns the host, its link and whether the prompt
+    went back after the first worker's step alone. Broken: any job's end hands it back."""
     if broken:
         any_job_ends_the_prompt(monkeypatch)
     w, link, _ = host(tp=1, rank=0)
     w.on_send("r", {"blocks": [0, 1, 2], "tokens": TOKENS})
-    plan(w, "r", 0, 2, [0, 1])
+    step(w, 0)
     settle(w)
     after_first = "r" in w.finished_sending
-    plan(w, "r", 1, 2, [2, 3])
+    step(w, 1)
     settle(w)
+    return w, link, after_first
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_blocks_go_back_only_once_every_planning_decode_worker_ended(monkeypatch, broken):
+    """Both decode workers plan from this one worker."""
+    w, link, after_first = two_decode_workers(
+        monkeypatch, broken, lambda w, d: plan(w, "r", d, 2, [2 * d, 2 * d + 1])
+    )
     assert after_first is broken  # safe: held for the second decode worker's job
     if not broken:  # (broken: the second plan finds the prompt gone and is refused)
         notices = [m for _, m in link.sent if m["k"] is wire.NOTICE]
@@ -200,15 +210,7 @@ def test_blocks_go_back_only_once_every_planning_decode_worker_ended(monkeypatch
 @pytest.mark.parametrize("broken", [False, True])
 def test_a_rejection_ends_every_job_at_once(monkeypatch, broken):
     """Both decode workers' aborts (nothing planned) free the prompt without the hold."""
-    if broken:
-        any_job_ends_the_prompt(monkeypatch)
-    w, link, _ = host(tp=1, rank=0)
-    w.on_send("r", {"blocks": [0, 1, 2], "tokens": TOKENS})
-    abort(w, "r", 0, 2)
-    settle(w)
-    after_first = "r" in w.finished_sending
-    abort(w, "r", 1, 2)
-    settle(w)
+    w, link, after_first = two_decode_workers(monkeypatch, broken, lambda w, d: abort(w, "r", d, 2))
     acks = [a for a, m in link.sent if m["k"] is wire.ABORT_ACK]
     assert sorted(acks) == [b"decode-0\x00\x00", b"decode-1\x01\x00"]
     assert "r" in w.finished_sending and not w.prompts

@@ -537,6 +537,15 @@ def memcpy_ceiling(args, npages: int, page: int) -> None:
         )
 
 
+def _on_off_list(text: str) -> list[str]:
+    """``--cross-memory``: "on", "off" or a comma list of them, in the order to run."""
+    values = [v.strip() for v in text.split(",")]
+    bad = [v for v in values if v not in ("on", "off")]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected on, off or on,off (got {bad})")
+    return values
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=["initiator", "target"], default="initiator")
@@ -551,6 +560,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--cross-memory",
         default="on",
+        type=_on_off_list,
         help="initiator: into registered memory on shm, the kernel's cross-memory copy "
         "(on), UCX's puts (off), or both in turn (on,off)",
     )
@@ -594,7 +604,7 @@ def main(argv=None) -> int:
         kinds = [
             (dest, cross == "on")
             for dest in dests
-            for cross in (args.cross_memory.split(",") if dest == "register" else ["on"])
+            for cross in (args.cross_memory if dest == "register" else ["on"])
         ]
         for dest, cross_memory in kinds:
             b = Bench(args, transport, dest, cross_memory)

@@ -96,13 +96,14 @@ class Reassembly:
     def complete(self) -> bool:
         return len(self.parts) == chunk_count(self.total, self.size)
 
-    def joined(self) -> tuple[list[int], ...]:
-        """Every list, whole, as a list (an optional list that arrived empty stays empty)."""
-        out: list[list[int]] = [[] for _ in range(self.width)]
-        for chunk in self._in_order():
-            for i, values in enumerate(chunk):
-                out[i].extend(values)
-        return tuple(out)
+    def joined(self) -> tuple[np.ndarray, ...]:
+        """Every list, whole, as an int64 array (an optional list that arrived empty stays
+        empty)."""
+        chunks = self._in_order()
+        return tuple(
+            np.concatenate([np.asarray(c[i], dtype=np.int64) for c in chunks])
+            for i in range(self.width)
+        )
 
     def joined_array(self) -> np.ndarray:
         """The single list, whole, from chunks that are numpy arrays (a prompt's tokens)."""

@@ -75,9 +75,9 @@ class Notice:
     """One writer's whole completion notice, rebuilt from its chunks."""
 
     tokens: int
-    pages: list[int]
-    generations: list[int]
-    checksums: list[int]
+    pages: np.ndarray  # int64, as the wire decodes them
+    generations: np.ndarray
+    checksums: np.ndarray  # empty: integrity checks off
     bytes: int
     prefill_ms: float | None
 
@@ -89,9 +89,9 @@ class NoticePart:
 
     writer: int
     offset: int
-    pages: list[int]
-    generations: list[int]
-    checksums: list[int]
+    pages: np.ndarray  # int64, as the wire decodes them
+    generations: np.ndarray
+    checksums: np.ndarray
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from kvferry.engine.admission import pages_needed
 from kvferry.engine.integrity import (
     CanaryTable,
     IntegrityError,
+    PageList,
     page_checksums,
 )
 from kvferry.engine.kernels.ownership import (
@@ -212,7 +213,7 @@ class DecodePath(ReadPath):
 
     def _checks(
         self, req: OwnedRequest, writer: int
-    ) -> tuple[Planned, Callable[[Sequence[int]], torch.Tensor], int]:
+    ) -> tuple[Planned, Callable[[PageList], torch.Tensor], int]:
         """What ``writer`` must write for ``req``, how the bytes that landed in its pages
         are checksummed, and how many pages a step checks. A writer whose pages hold
         another number of tokens (``--prefill-page-size``) writes its heads as runs; its
@@ -240,7 +241,7 @@ class DecodePath(ReadPath):
         unit = word_unit(shape.vector_bytes)
         page_of = runs[:, 1] // pool.page_bytes
 
-        def checksums_of(chunk: Sequence[int]) -> torch.Tensor:
+        def checksums_of(chunk: PageList) -> torch.Tensor:
             mine = runs[np.isin(page_of, list(chunk))]
             got, sums = region_checksums(pool.kv, mine, pool.page_bytes, unit, read=1)
             by_page = dict(zip(got.tolist(), sums.tolist(), strict=True))

@@ -1,4 +1,4 @@
-"""The control messages between ranks (codec ``kvf.cluster`` version 1).
+"""The control messages between ranks (codec ``kvf.cluster`` version 2).
 
 Every message carries a header: the sender's rank, its incarnation and a per-sender
 sequence number, so a receiver drops duplicates and messages of a stale incarnation and
@@ -16,7 +16,9 @@ Flow of one request (router R, prefill writers W1..Wt, decode owner D):
 
 PREFILL, PLAN and NOTICE carry lists as long as the prompt; each is cut into chunks of
 ``offset`` and ``total`` (see :mod:`.chunks`), so that no prompt the context length
-admits ever makes a message too big to send.
+admits ever makes a message too big to send. Pages, generations and checksums travel as
+int64 arrays (packed bytes, read-only numpy arrays once decoded): a million-token prompt's
+plan and notice then cost the ranks microseconds a chunk, not a Python object a page.
     D -> R   TOKENS(rid, offset, tokens) ..., DONE(rid, outcome, error, count)
     any -> * ABORT(rid, reason);  W -> D ABORT_ACK(rid) after the writer's flush
     W/D -> R RELEASED(rid, pages)                 the rank freed the request's pages
@@ -37,7 +39,7 @@ MAX_TOKENS_PER_MESSAGE = 1 << 20  # generated tokens in one TOKENS message
 MAX_ERROR_CHARS = 4096  # DONE.error
 MAX_REASON_CHARS = 1024  # ABORT.reason, SEVERED.reason
 
-CODEC = Codec("kvf.cluster", version=1, max_bytes=16 << 20)
+CODEC = Codec("kvf.cluster", version=2, max_bytes=16 << 20)
 
 _RID = Field(FieldType.STR, max_len=MAX_REQUEST_ID)
 _HEADER = dict(src=Field(FieldType.INT), inc=Field(FieldType.UINT64), seq=Field(FieldType.UINT64))
@@ -67,8 +69,8 @@ PLAN = CODEC.kind(
     rid=_RID,
     offset=Field(FieldType.INT),  # of this chunk's first page in the plan
     total=Field(FieldType.INT),  # pages in the whole plan
-    pages=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
-    generations=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
+    pages=Field(FieldType.INT64_ARRAY, max_len=PAGES_PER_CHUNK),
+    generations=Field(FieldType.INT64_ARRAY, max_len=PAGES_PER_CHUNK),
 )
 NOTICE = CODEC.kind(
     Kind.NOTICE,
@@ -77,9 +79,9 @@ NOTICE = CODEC.kind(
     tokens=Field(FieldType.INT),  # prompt positions whose KV was written
     offset=Field(FieldType.INT),  # of this chunk's first page in the notice
     total=Field(FieldType.INT),  # pages the writer wrote in all
-    pages=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
-    generations=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
-    checksums=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),  # empty: checks off
+    pages=Field(FieldType.INT64_ARRAY, max_len=PAGES_PER_CHUNK),
+    generations=Field(FieldType.INT64_ARRAY, max_len=PAGES_PER_CHUNK),
+    checksums=Field(FieldType.INT64_ARRAY, max_len=PAGES_PER_CHUNK),  # empty: checks off
     bytes=Field(FieldType.INT),  # bytes the writer posted (checked by the owner)
     prefill_ms=Field(FieldType.FLOAT, optional=True),
 )  # the writer's prefill compute time
@@ -88,9 +90,9 @@ NOTICE_PART = CODEC.kind(
     **_HEADER,
     rid=_RID,
     offset=Field(FieldType.INT),  # of the part's first page in the writer's pages
-    pages=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
-    generations=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
-    checksums=Field(FieldType.INT_LIST, max_len=PAGES_PER_CHUNK),
+    pages=Field(FieldType.INT64_ARRAY, max_len=PAGES_PER_CHUNK),
+    generations=Field(FieldType.INT64_ARRAY, max_len=PAGES_PER_CHUNK),
+    checksums=Field(FieldType.INT64_ARRAY, max_len=PAGES_PER_CHUNK),
 )  # pipelined: these pages landed (flush first); later writes may still be in flight
 TOKENS = CODEC.kind(
     Kind.TOKENS,

@@ -58,8 +58,8 @@ class WriteJob:
     router_inc: int = 0  # the router incarnation that sent its PREFILL (0: not yet)
     tokens: np.ndarray | None = None  # int32 prompt tokens
     src_pages: list[int] = field(default_factory=list)
-    dst_pages: list[int] | None = None
-    dst_generations: list[int] | None = None
+    dst_pages: np.ndarray | None = None  # the owner's plan: int64 page ids
+    dst_generations: np.ndarray | None = None
     checksums: list[int] = field(default_factory=list)
     posted_bytes: int = 0
     sent_pages: int = 0  # prompt pages written (all, unless a fault)

@@ -13,7 +13,7 @@ The fault layer's protocol points (``before-write``, ``mid-transfer``, ``after-w
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -243,7 +243,7 @@ class PrefillPath(WritePath):
         pool = self.pool
         return KVShape(pool.layers, pool.kv_heads, pool.head_dim, pool.kv.element_size())
 
-    def _runs_into(self, job: WriteJob, dst_pages: list[int]) -> np.ndarray:
+    def _runs_into(self, job: WriteJob, dst_pages: Sequence[int] | np.ndarray) -> np.ndarray:
         """``[n, 3]`` runs of this writer's heads of the whole prompt into ``dst_pages``."""
         assert job.tokens is not None
         return heads_between_pools(

@@ -21,6 +21,7 @@ import logging
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from kvferry.engine.protocol.proof import is_justified
 from kvferry.engine.protocol.routing import Ledger, Routed, RouterCore, RouterPorts
 from kvferry.engine.protocol.words import AbortSource, Answer, Kind
 from kvferry.engine.tokenizer import decode as detokenize
-from kvferry.engine.tokenizer import encode as tokenize
+from kvferry.engine.tokenizer import encode_array as tokenize
 from kvferry.transfer.wire import Message
 
 from . import messages as m
@@ -261,8 +262,9 @@ class Router:
     async def submit(self, prompt: str, max_tokens: int) -> RoutedRequest:
         """Admit and dispatch; raises AdmissionRejected (400) or Unavailable (503)."""
         rid = self.new_request_id()
+        arrived = self.clock.now()  # time to first token counts from here
         tokens = tokenize(prompt)
-        req = Request(rid, tokens, max_tokens)
+        req = Request(rid, cast(list[int], tokens), max_tokens)  # an array serves as one
         try:
             self.check_admission(rid, len(tokens), max_tokens)
         except AdmissionRejected as exc:
@@ -304,7 +306,7 @@ class Router:
                 pass
         owner, writers = placement
         req.transition(S.ADMITTED)
-        routed = RoutedRequest(req, owner, writers, self.clock.now())
+        routed = RoutedRequest(req, owner, writers, arrived)
         self.requests[rid] = routed
         self.ledger.reserve(owner, rid, need)
         for w in writers:
@@ -337,13 +339,24 @@ class Router:
         return routed
 
     def _dispatch(
-        self, routed: RoutedRequest, prompt: str, tokens: list[int], max_tokens: int
+        self, routed: RoutedRequest, prompt: str, tokens: np.ndarray, max_tokens: int
     ) -> None:
-        """PREFILL (the prompt in chunks) to every writer, ASSIGN to the owner."""
+        """ASSIGN to the owner, then PREFILL (the prompt in chunks) to every writer: the
+        owner allocates and plans while the prompt travels, so a long prompt's plan is at
+        its writers before their prefill makes the first part final."""
         rid, owner = routed.rid, routed.owner
         self.rt.faults.raise_at("router-dispatch", prompt)
         packed = np.asarray(tokens, dtype="<i4")
         owner_inc = self.cards[owner].incarnation
+        self.rt.send(
+            owner,
+            m.ASSIGN,
+            rid=rid,
+            prompt_len=len(tokens),
+            max_tokens=max_tokens,
+            writers=routed.writers,
+            last_token=int(tokens[-1]),
+        )
         for w in routed.writers:
             for lo, hi in spans(len(packed), TOKENS_PER_CHUNK):
                 self.rt.send(
@@ -356,15 +369,6 @@ class Router:
                     owner=owner,
                     owner_inc=owner_inc,
                 )
-        self.rt.send(
-            owner,
-            m.ASSIGN,
-            rid=rid,
-            prompt_len=len(tokens),
-            max_tokens=max_tokens,
-            writers=routed.writers,
-            last_token=tokens[-1],
-        )
 
     # ------------------------------------------------------------------ the core's ports
     def send_abort(

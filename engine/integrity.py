@@ -40,9 +40,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from .allocator import PageGrant
+
+# Page ids as a host holds them: a list, or an int64 array (decoded from the wire)
+PageList = Sequence[int] | npt.NDArray[np.int64]
 
 MODULUS = (1 << 31) - 1
 _WORD_MASK = (1 << 32) - 1
@@ -235,8 +240,9 @@ class CanaryTable:
         row = self.table[page].tolist()
         return None if row[0] == self.EMPTY else Canary(*row)
 
-    def rows(self, pages: Sequence[int]) -> torch.Tensor:
-        return self.table[torch.as_tensor(list(pages), dtype=torch.int64)].clone()
+    def rows(self, pages: PageList) -> torch.Tensor:
+        index = torch.from_numpy(np.asarray(pages, dtype=np.int64).reshape(-1))
+        return self.table[index].clone()
 
     def load(self, pages: Sequence[int], rows: torch.Tensor) -> None:
         self._write(pages, rows.to(torch.int64))
@@ -245,7 +251,7 @@ class CanaryTable:
         """Pages whose stamped canary differs from the expected one."""
         if len(pages) != len(expected):
             raise ValueError(f"{len(pages)} pages but {len(expected)} expected canaries")
-        if not pages:
+        if len(pages) == 0:
             return []
         want = torch.tensor(
             [[c.request_id_hash, c.generation, c.page_index] for c in expected], dtype=torch.int64

@@ -262,7 +262,7 @@ def _pages_needed(tokens: int, page_size: int) -> int:
 
 
 def _page_table(
-    pages: Sequence[int], tokens: int, page_size: int, side: str, rank: int
+    pages: Sequence[int] | IntArray, tokens: int, page_size: int, side: str, rank: int
 ) -> IntArray:
     """The first ``ceil(tokens / page_size)`` pages of one rank's list, as int64, after
     checking they exist, are not negative and are distinct (a repeated page would be
@@ -440,8 +440,8 @@ def heads_between_pools(
     shape: KVShape,
     heads: tuple[int, int],
     tokens: int,
-    src: tuple[int, Sequence[int]],
-    dst: tuple[int, Sequence[int]],
+    src: tuple[int, Sequence[int] | IntArray],
+    dst: tuple[int, Sequence[int] | IntArray],
 ) -> Runs:
     """The runs that carry heads ``[lo, hi)`` of a request's ``tokens`` tokens from one
     pool to another, where both pools hold every KV head (HND pages, as a cluster's prefill

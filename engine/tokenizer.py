@@ -8,6 +8,8 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterable
 
+import numpy as np
+
 BYTE_TOKENS = 256
 BOS = 256
 EOS = 257
@@ -20,6 +22,12 @@ SPECIAL_NAMES = {BOS: "<bos>", EOS: "<eos>", PAD: "<pad>", CONFLICT: "<conflict>
 
 def encode(text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+
+def encode_array(text: str) -> np.ndarray:
+    """:func:`encode` as int32 (``[len]``), made in numpy: a million-token prompt in a
+    millisecond, not a Python int per token."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype("<i4")
 
 
 def decode(tokens: Iterable[int], *, show_specials: bool = True) -> str:

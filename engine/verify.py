@@ -19,13 +19,14 @@ the host turns that into the protocol's CORRUPT and the request fails without a 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from .integrity import IntegrityError, check_transferred_length, request_id_hash
+from .integrity import IntegrityError, PageList, check_transferred_length, request_id_hash
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,9 @@ class Notice:
 
     writer: int
     tokens: int
-    pages: Sequence[int]
-    generations: Sequence[int]
-    checksums: Sequence[int]
+    pages: PageList
+    generations: PageList
+    checksums: PageList
     bytes: int
 
 
@@ -48,8 +49,8 @@ class Planned:
 
     rid: str
     tokens: int
-    pages: Sequence[int]
-    generations: Sequence[int]
+    pages: PageList
+    generations: PageList
     bytes: int
     unit: str = "page"
 
@@ -58,15 +59,13 @@ def check_notice(planned: Planned, notice: Notice) -> None:
     """Checks 1-3 (length, pages and generations, bytes); IntegrityError on the first
     that fails."""
     check_transferred_length(planned.rid, planned.tokens, notice.tokens)
-    if list(notice.pages) != list(planned.pages) or list(notice.generations) != list(
-        planned.generations
-    ):
+    if not _same(notice.pages, planned.pages) or not _same(notice.generations, planned.generations):
         raise IntegrityError(
             planned.rid,
             f"writer rank {notice.writer} wrote {len(notice.pages)} {planned.unit}s "
-            f"{list(notice.pages)[:8]} generations {list(notice.generations)[:8]}; the "
+            f"{_head(notice.pages)} generations {_head(notice.generations)}; the "
             f"prompt of {planned.tokens} tokens needs {len(planned.pages)}: "
-            f"{list(zip(planned.pages, planned.generations, strict=True))[:8]}",
+            f"{list(zip(_head(planned.pages), _head(planned.generations), strict=True))}",
         )
     if notice.bytes != planned.bytes:
         raise IntegrityError(
@@ -76,7 +75,21 @@ def check_notice(planned: Planned, notice: Notice) -> None:
         )
 
 
-def expected_canary_rows(rid: str, generations: Sequence[int], first: int = 0) -> torch.Tensor:
+def _ints(values: PageList) -> npt.NDArray[np.int64]:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _same(a: PageList, b: PageList) -> bool:
+    """The same integers in the same order (lists or arrays, compared in numpy)."""
+    return len(a) == len(b) and bool(np.array_equal(_ints(a), _ints(b)))
+
+
+def _head(values: PageList, n: int = 8) -> list[int]:
+    """The first ``n`` of ``values`` as plain ints, for a message."""
+    return [int(x) for x in _ints(values)[:n]]
+
+
+def expected_canary_rows(rid: str, generations: PageList, first: int = 0) -> torch.Tensor:
     """``[n, 3]`` int64: the canary rows (request id hash, generation, index) the pages
     of ``rid``'s allocation must carry, in page-list order, from its page ``first``."""
     gens = np.asarray(generations, dtype=np.int64).reshape(-1)
@@ -93,38 +106,38 @@ def check_canaries(planned: Planned, rows: torch.Tensor, first: int = 0) -> None
     the request's own; IntegrityError naming the pages that differ."""
     expected = expected_canary_rows(planned.rid, planned.generations, first)
     bad = rows.to(torch.int64).cpu() != expected
-    wrong = bad.any(dim=1).nonzero().flatten().tolist()
-    if wrong:
-        pages = [planned.pages[i] for i in wrong]
-        raise IntegrityError(planned.rid, f"canary mismatch on {planned.unit}s {pages[:8]}")
+    wrong = bad.any(dim=1).nonzero().flatten()[:8].numpy()
+    if len(wrong):
+        pages = _ints(planned.pages)[wrong].tolist()
+        raise IntegrityError(planned.rid, f"canary mismatch on {planned.unit}s {pages}")
 
 
 def check_part(
     planned: Planned,
     writer: int,
     offset: int,
-    pages: Sequence[int],
-    generations: Sequence[int],
-    checksums: Sequence[int],
+    pages: PageList,
+    generations: PageList,
+    checksums: PageList,
 ) -> Planned:
     """Check 2 for a pipelined part of a writer's notice (pages ``offset ..`` of it,
     landed before the rest): exactly the planned pages and generations at that place, one
     checksum a page. Returns the part as a plan of its own, for checks 4 and 5 (canaries
     from index ``offset``, then :func:`checksum_steps`)."""
     n, total = len(pages), len(planned.pages)
-    want_pages = list(planned.pages[offset : offset + n])
-    want_gens = list(planned.generations[offset : offset + n])
+    want_pages = _ints(planned.pages)[max(0, offset) : max(0, offset) + n]
+    want_gens = _ints(planned.generations)[max(0, offset) : max(0, offset) + n]
     if (
         offset < 0
         or offset + n > total
-        or list(pages) != want_pages
-        or list(generations) != want_gens
+        or not _same(pages, want_pages)
+        or not _same(generations, want_gens)
     ):
         raise IntegrityError(
             planned.rid,
             f"writer rank {writer}'s notice part names {n} {planned.unit}s from index "
-            f"{offset}: {list(pages)[:8]} generations {list(generations)[:8]}; the plan of "
-            f"{total} has there {list(zip(want_pages, want_gens, strict=True))[:8]}",
+            f"{offset}: {_head(pages)} generations {_head(generations)}; the plan of "
+            f"{total} has there {list(zip(_head(want_pages), _head(want_gens), strict=True))}",
         )
     if len(checksums) != n:
         raise IntegrityError(
@@ -139,7 +152,7 @@ def check_part(
 def checksum_steps(
     planned: Planned,
     notice: Notice,
-    checksums_of: Callable[[Sequence[int]], torch.Tensor],
+    checksums_of: Callable[[PageList], torch.Tensor],
     per_step: int,
 ) -> Iterator[None]:
     """Check 5, ``per_step`` pages a step (yields between steps): ``checksums_of(pages)``
@@ -151,14 +164,14 @@ def checksum_steps(
             f"writer rank {notice.writer} sent {len(notice.checksums)} checksums for "
             f"{len(notice.pages)} {planned.unit}s",
         )
-    want = torch.tensor(list(notice.checksums), dtype=torch.int64)
-    pages = list(notice.pages)
+    want = torch.from_numpy(_ints(notice.checksums).copy())
+    pages = _ints(notice.pages)
     bad: list[int] = []
     for start in range(0, len(pages), max(1, per_step)):
         chunk = pages[start : start + max(1, per_step)]
         got = checksums_of(chunk).cpu()
-        differ = (got != want[start : start + len(chunk)]).nonzero().flatten().tolist()
-        bad += [chunk[i] for i in differ]
+        differ = (got != want[start : start + len(chunk)]).nonzero().flatten().numpy()
+        bad += chunk[differ].tolist()
         yield
     if bad:
         raise IntegrityError(
@@ -172,7 +185,7 @@ def check_all(
     planned: Planned,
     notice: Notice,
     canary_rows: torch.Tensor | None,
-    checksums_of: Callable[[Sequence[int]], torch.Tensor] | None,
+    checksums_of: Callable[[PageList], torch.Tensor] | None,
 ) -> None:
     """Checks 1-5 at once (the canary and checksum checks only when their inputs are
     given: integrity checks on); for a host that verifies a short prompt in one go."""

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvferry.cluster.processes import DRAIN_S, process_gone
-from kvferry.engine.integrity import IntegrityError, page_checksums, request_id_hash
+from kvferry.engine.integrity import IntegrityError, PageList, page_checksums, request_id_hash
 from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol.owner import OwnerBook, OwnerEvent, OwnerState
 from kvferry.engine.protocol.owner_driver import (
@@ -273,15 +273,17 @@ class VerifyPath:
         if link.runs is None:
             planned_bytes = len(o.blocks) * regions.block_bytes
 
-            def checksums_of(blocks: Sequence[int]) -> torch.Tensor:
-                return page_checksums(regions.block_bytes_of(blocks), list(range(len(blocks))))
+            def checksums_of(blocks: PageList) -> torch.Tensor:
+                return page_checksums(
+                    regions.block_bytes_of(list(blocks)), list(range(len(blocks)))
+                )
 
         else:
             runs = link.runs
             planned_bytes = runs.bytes
             landed: dict[int, int] = {}
 
-            def checksums_of(blocks: Sequence[int]) -> torch.Tensor:
+            def checksums_of(blocks: PageList) -> torch.Tensor:
                 if not landed:
                     values = region_checksums(regions, runs, 1, len(o.blocks))
                     landed.update(zip(o.blocks, values.tolist(), strict=True))

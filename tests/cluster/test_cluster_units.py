@@ -135,7 +135,7 @@ def test_decoding_random_bytes_raises_only_wire_errors(data):
     st.sampled_from(sorted(m.KINDS)),
 )
 def test_decoding_mistyped_fields_is_refused_or_valid(fields, kind):
-    data = msgpack.packb(["kvf.cluster", 1, kind, fields], use_bin_type=True)
+    data = msgpack.packb(["kvf.cluster", m.CODEC.version, kind, fields], use_bin_type=True)
     try:
         msg = m.decode(data)
     except WireError:
@@ -146,7 +146,7 @@ def test_decoding_mistyped_fields_is_refused_or_valid(fields, kind):
 def test_decoding_refuses_other_versions_and_oversize():
     good = m.encode(m.ABORT_ACK.make(**HEADER, rid="r"))
     obj = msgpack.unpackb(good)
-    obj[1] = 2
+    obj[1] = m.CODEC.version + 1
     with pytest.raises(WireError, match="version"):
         m.decode(msgpack.packb(obj))
     with pytest.raises(WireError):

@@ -100,7 +100,7 @@ def test_a_planned_writer_posts_parts_while_it_computes_and_notices_them():
     kinds = [k for k in rt.kinds() if k in ("NOTICE_PART", "NOTICE")]
     assert kinds == ["NOTICE_PART"] * 3 + ["NOTICE"]
     parts = [f for _, k, f in rt.sent if k == "NOTICE_PART"]
-    assert [(f["offset"], f["pages"]) for f in parts] == [
+    assert [(f["offset"], list(f["pages"])) for f in parts] == [
         (0, PLANNED[0:2]),
         (2, PLANNED[2:4]),
         (4, PLANNED[4:6]),
@@ -109,11 +109,11 @@ def test_a_planned_writer_posts_parts_while_it_computes_and_notices_them():
     page_bytes = writer.pool.page_bytes
     assert (written // page_bytes).tolist() == PLANNED  # each page once, in order
     notice = next(f for _, k, f in rt.sent if k == "NOTICE")
-    assert notice["total"] == 7 and notice["pages"] == PLANNED
+    assert notice["total"] == 7 and list(notice["pages"]) == PLANNED
     assert notice["bytes"] == 7 * page_bytes
     src = writer.allocator.pages_of("p1") if writer.allocator.pages_of("p1") else None
     assert src is None  # freed once the notice flushed
-    assert [c for f in parts for c in f["checksums"]] == notice["checksums"][:6]
+    assert [c for f in parts for c in f["checksums"]] == list(notice["checksums"][:6])
 
 
 def test_a_writer_planned_after_its_prefill_writes_at_once_without_parts():
@@ -147,7 +147,7 @@ def test_part_checksums_are_the_source_pages_checksums():
     # pages: the last one's slots past the prompt hold whatever its pool held)
     pool = KVPool(model.pool_config(PAGE, 8))
     model.prefill(pool.kv, np.arange(PROMPT), list(range(7)))
-    assert notice["checksums"][:6] == page_checksums(pool.kv, list(range(6))).tolist()
+    assert list(notice["checksums"][:6]) == page_checksums(pool.kv, list(range(6))).tolist()
 
 
 @pytest.mark.parametrize("drains", [True, False], ids=["drains", "broken-acks-in-flight"])

@@ -189,3 +189,84 @@ def test_a_protocol_word_outside_its_enum_is_refused_and_a_good_one_decodes_to_t
     with pytest.raises(WireError, match="not one of freed, acked"):
         checked.decode(bad)
     assert loose.decode(bad).how == "gone"  # the test catches a field left unchecked
+
+
+# ---------------------------------------------------------------- int64 arrays
+import numpy as np  # noqa: E402
+
+arrays = Codec("kvf.test.arrays", version=1, max_bytes=4096)
+PLAN = arrays.kind(
+    "PLAN",
+    pages=Field(FieldType.INT64_ARRAY, max_len=32),
+    sums=Field(FieldType.INT64_ARRAY, max_len=4),
+)
+int64s = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=32)
+
+
+@given(int64s, st.lists(st.integers(-(2**63), 2**63 - 1), max_size=4), st.booleans())
+def test_int64_arrays_round_trip_from_lists_and_arrays(pages, sums, as_array):
+    made = PLAN.make(
+        pages=np.array(pages, dtype=np.int64) if as_array else pages,
+        sums=tuple(sums),
+    )
+    back = arrays.decode(arrays.encode(made))
+    assert back == made
+    assert back.pages.dtype == np.int64 and back.pages.tolist() == pages
+    assert back.sums.tolist() == sums
+
+
+def test_an_int64_array_made_or_decoded_is_the_messages_own():
+    source = np.array([1, 2, 3], dtype=np.int64)
+    made = PLAN.make(pages=source, sums=[])
+    source[0] = 99
+    assert made.pages.tolist() == [1, 2, 3]
+    back = arrays.decode(arrays.encode(made))
+    back.pages[0] = 7  # writable, and nobody else's
+    assert made.pages.tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ([True, 1], "int64"),
+        ([2**63], "int64"),
+        ([1.5], "int64"),
+        (["1"], "int64"),
+        (list(range(33)), "33 items exceed the limit 32"),
+        (np.zeros((2, 2), dtype=np.int64), "1-D integer array"),
+        (np.zeros(3, dtype=np.float64), "1-D integer array"),
+        (np.array([2**64 - 1], dtype=np.uint64), "int64"),
+        (np.zeros(33, dtype=np.int64), "33 items exceed the limit 32"),
+        ("123", "expected an int64 array"),
+    ],
+)
+def test_an_int64_array_field_refuses_what_is_not_int64s(value, why):
+    with pytest.raises(WireError, match=why):
+        PLAN.make(pages=value, sums=[])
+
+
+@pytest.mark.parametrize(
+    "raw, why",
+    [
+        (b"\x00" * 7, "not a whole number of int64 items"),
+        (b"\x00" * 8 * 33, "33 items exceed the limit 32"),
+        ([1, 2], "int64 array"),  # a list on the wire is not this field's form
+        ("x" * 8, "int64 array"),
+    ],
+)
+def test_decoding_an_int64_array_refuses_bad_bytes(raw, why):
+    data = msgpack.packb(["kvf.test.arrays", 1, "PLAN", {"pages": raw, "sums": b""}])
+    with pytest.raises(WireError, match=why):
+        arrays.decode(data)
+
+
+@settings(max_examples=300)
+@given(int64s, st.data())
+def test_mutated_array_messages_never_crash(pages, data):
+    raw = bytearray(arrays.encode(PLAN.make(pages=pages, sums=[1])))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    _only_wire_errors(bytes(raw[:cut]), arrays)
+    _only_wire_errors(bytes(raw), arrays)

@@ -49,6 +49,7 @@ from kvferry.cluster.prefill import PrefillRank, WriteJob
 from kvferry.cluster.prefill_path import COMPUTING, PREFILL_SLICE_S, WritePath
 from kvferry.cluster.receive import Refusal, refusal
 from kvferry.cluster.runtime import DRAIN_S, ControlCounters
+from kvferry.engine.integrity import PageList
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
 from kvferry.engine.protocol.words import Kind
@@ -393,7 +394,7 @@ class SimRuntime:
         if self.rank not in self.world.crashed:
             self.on_send_failure(rank, exc)
 
-    def write(self, rank: int, rid: str, pages: list[int], generation: int, nbytes: int):
+    def write(self, rank: int, rid: str, pages: PageList, generation: int, nbytes: int):
         """Post a one-sided write of ``nbytes`` into ``pages`` of ``rank``'s pool."""
         return self.world.post_write(self.rank, rank, rid, pages, generation, nbytes)
 

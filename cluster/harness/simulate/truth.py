@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvferry.engine.allocator import PageAllocator
+from kvferry.engine.integrity import PageList
 
 
 @dataclass
@@ -24,7 +25,7 @@ class Write:
     writer: int
     owner: int
     rid: str
-    pages: list[int]
+    pages: PageList
     generation: int
     landed: bool = False
     dropped: bool = False  # its writer crashed before it landed
@@ -62,7 +63,7 @@ class Truth:
         w.landed = True
         self._settle(w)
         pages = w.pages
-        if not pages:
+        if len(pages) == 0:
             return
         if alloc.owner(pages[0]) == w.rid and alloc.generation(pages[0]) == w.generation:
             return  # still the request's own pages (they are released all at once)

@@ -13,6 +13,7 @@ from typing import Any
 from kvferry.cluster.launch import STATS_INTERVAL_S
 from kvferry.cluster.topology import Topology
 from kvferry.engine.admission import pages_needed
+from kvferry.engine.integrity import PageList
 from kvferry.engine.protocol.owner import OwnerState
 from kvferry.engine.protocol.words import Answer, Release
 
@@ -164,7 +165,7 @@ class World:
 
     # ------------------------------------------------------------------ writes
     def post_write(
-        self, writer: int, owner: int, rid: str, pages: list[int], generation: int, nbytes: int
+        self, writer: int, owner: int, rid: str, pages: PageList, generation: int, nbytes: int
     ) -> SimBatch:
         w = Write(writer, owner, rid, pages, generation)
         self.truth.posted(w)

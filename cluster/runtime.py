@@ -91,6 +91,7 @@ log = logging.getLogger("kvferry.cluster")
 DEDUP_WINDOW = 4096
 UNAUTHENTICATED_LOGGED = 256  # sender addresses whose unauthenticated messages were logged
 WATCH_POLL_S = 0.0005  # the longest sleep while a watched batch is pending
+BUSY_DRAIN_US = 2000  # the longest a busy rank's pump takes what keeps arriving
 
 
 class LocalSendError(Exception):
@@ -709,7 +710,12 @@ class RankRuntime:
         timeout_s = 0.0 if deferred or settled else self.sleep_bound(timeout_s)
         progressed = 0
         try:
-            progressed = self.engine.progress(timeout_s, stay_awake)
+            # With deferred work the rank computes between pumps (prefill steps, checks):
+            # take what the wire brings now, all of it, or a plan of many fragments would
+            # cross one queue's worth a step (a 1 MiB PLAN chunk took a million-token
+            # prefill's whole length to arrive).
+            drain_us = BUSY_DRAIN_US if deferred else 0
+            progressed = self.engine.progress(timeout_s, stay_awake, drain_us=drain_us)
         except TransferError as exc:
             log.error("rank %d: progress failed: %s", self.rank, exc)
         if self._watches:

@@ -145,6 +145,9 @@ from .runs import as_runs, check_runs
 from .segment import RemoteSegment, Segment, SegmentDescriptor
 
 log = logging.getLogger("kvferry.transfer")
+# A draining progress stops once no event came for this long: past a busy sender's
+# 5 us nap and its refill of the transport's queue, well under any step's length.
+DRAIN_IDLE_US = 50
 
 
 def _check(status: int, what: str, peer: str | None = None) -> None:
@@ -832,16 +835,20 @@ class TransferEngine:
         self._inbox.clear()
         return out
 
-    def progress(self, timeout_s: float = 0, stay_awake: bool = False) -> int:
+    def progress(self, timeout_s: float = 0, stay_awake: bool = False, drain_us: int = 0) -> int:
         """Drive UCX and deliver incoming messages. With ``timeout_s > 0`` and nothing to
         do, polls for ``spin_us`` and for as long as the last activity is within
         ``busy_poll_us`` (a message then costs no wake-up), then sleeps on the event fd
         for the rest of ``timeout_s`` (an idle engine burns no CPU). ``stay_awake``
         polls for all of ``timeout_s`` (napping 5 µs between polls): for a caller
         that expects a message soon, since waking a sleeping thread, and on a VM its
-        halted vCPU, can take milliseconds."""
+        halted vCPU, can take milliseconds. ``drain_us`` (with no timeout): while events
+        keep coming, progress for up to that long (see ``kvf_worker_progress_drain``), for
+        a caller that computes for milliseconds between polls."""
         self._require_open()
-        if timeout_s <= 0:
+        if timeout_s <= 0 and drain_us > 0:
+            n = int(lib.kvf_worker_progress_drain(self._worker, drain_us, DRAIN_IDLE_US))
+        elif timeout_s <= 0:
             n = int(lib.kvf_worker_progress(self._worker))
         else:
             count = self._wait_count

@@ -292,7 +292,7 @@ class _Engine:
         self.sent.append(_Sent())
         return self.sent[-1]
 
-    def progress(self, timeout_s: float = 0, stay_awake: bool = False) -> int:
+    def progress(self, timeout_s: float = 0, stay_awake: bool = False, drain_us: int = 0) -> int:
         arriving, self.arriving = self.arriving, []
         for payload in arriving:
             self.handler(b"rank1", payload)

@@ -206,7 +206,7 @@ class _RecordingEngine:
     def quiesce(self, peer) -> _Pending:
         return _Pending(done=True)
 
-    def progress(self, timeout_s: float = 0, stay_awake: bool = False) -> int:
+    def progress(self, timeout_s: float = 0, stay_awake: bool = False, drain_us: int = 0) -> int:
         return 0
 
 

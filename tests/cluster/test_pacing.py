@@ -56,7 +56,9 @@ def test_a_decoding_owner_keeps_progressing_while_the_wire_is_busy(drains, monke
         for i in range(20)
     ]
 
-    def progress(timeout_s=0, stay_awake=False):  # one message per poll, as a busy socket
+    def progress(
+        timeout_s=0, stay_awake=False, drain_us=0
+    ):  # one message per poll, as a busy socket
         if arrivals:
             engine.handler(b"rank1", arrivals.pop(0))
             return 1

@@ -118,7 +118,7 @@ class _Engine:
     def quiesce(self, peer) -> _Done:
         return _Done()
 
-    def progress(self, timeout_s: float = 0, stay_awake: bool = False) -> int:
+    def progress(self, timeout_s: float = 0, stay_awake: bool = False, drain_us: int = 0) -> int:
         return 0
 
     def close(self, peer, force: bool = False) -> None:

@@ -4,6 +4,8 @@ against an injected fault (a skipped page) to show they can fail."""
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import numpy as np
 import pytest
@@ -186,3 +188,40 @@ def test_direct_copies_byte_exact_either_side_of_the_streaming_threshold(streami
             assert _noticed_round(lk, src, k + 10, npages, page)["ok"]
     finally:
         close_link(lk)
+
+
+BIG = 200 << 10  # under the target's message limit, still many fragments
+
+
+def _steps_until_reply(link, n: int, drain_us: int, step_s: float = 0.002) -> int:
+    """Polls for reply ``n`` the way a busy rank does: one progress call between steps
+    of ``step_s`` of compute; returns the steps it took (bounded)."""
+    for step in range(1, 2000):
+        link.eng.progress(0, drain_us=drain_us)
+        if len(link.replies) > n:
+            return step
+        until = time.perf_counter() + step_s
+        while time.perf_counter() < until:  # compute, holding the CPU as a prefill does
+            pass
+    raise AssertionError(f"no reply after 2000 steps (drain_us={drain_us})")
+
+
+@pytest.mark.parametrize("transports", ["shm"])
+def test_a_draining_progress_takes_a_big_message_between_two_steps(transports):
+    """A message of many fragments crosses a transport's queue a burst at a time, each
+    burst at the receiver's progress: a rank that progresses once per step of compute
+    took a 1 MiB PLAN chunk over many steps (here: 200 KiB). Progress with ``drain_us`` keeps taking
+    fragments while they come (the sender refills the queue as it progresses), so the
+    message arrives in fewer steps than with one progress per step (``drain_us=0``, the
+    broken mode here)."""
+    link = make_link(transports)
+    try:
+        steps = {}
+        for drain_us in (2000, 0):
+            n = len(link.replies)
+            link.eng.send(link.peer, msgpack.packb({"op": "big", "n": BIG})).wait(5.0)
+            steps[drain_us] = _steps_until_reply(link, n, drain_us)
+            assert len(link.replies[n]["big"]) == BIG
+        assert steps[0] > steps[2000], steps  # 9 against 2-4 here
+    finally:
+        close_link(link)

@@ -14,6 +14,7 @@ Commands (payload of send/notify, msgpack map):
   {"op": "fill", "seed": s}   fill the segment with pattern(s, 0); reply {"ok": true}.
   {"op": "ping"}              reply {"ok": true}.
   {"op": "sum"}               reply {"sum": n}: the segment's bytes added up.
+  {"op": "big", "n": n}       reply {"big": n bytes}: a message of many fragments.
   {"op": "exit"}
 """
 
@@ -84,6 +85,8 @@ def run_target(args: argparse.Namespace) -> int:
             reply(sender, {"sum": int(view.sum(dtype=np.uint64))})
         elif op == "ping":
             reply(sender, {"ok": True, "malformed": eng.counters.malformed_messages})
+        elif op == "big":
+            reply(sender, {"big": bytes(cmd["n"])})
         elif op == "exit":
             state["exit"] = True
 

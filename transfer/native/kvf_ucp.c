@@ -340,6 +340,24 @@ unsigned kvf_worker_progress(kvf_worker_h w)
     return n;
 }
 
+unsigned kvf_worker_progress_drain(kvf_worker_h w, int max_us, int idle_us)
+{
+    int64_t start = kvf_now_us(), now = start, last = start;
+    unsigned total = 0, n;
+    for (;;) {
+        n = ucp_worker_progress(w->worker);
+        if (!n && !total) return 0; /* nothing on the wire: no spinning */
+        now = kvf_now_us();
+        if (n) {
+            total += n;
+            last = now;
+        }
+        if (now - start >= max_us || now - last >= idle_us) break;
+    }
+    if (total) w->last_activity_us = last;
+    return total;
+}
+
 /* A short nap between polls once the spin window is over, where a sched_yield() loop
  * kept its CPU busy: a target yield-spinning while its peer copied pages cut the copy to
  * 10 GB/s against 15.9 with naps (two vCPUs that seem to share a host core), and a yielding

@@ -278,6 +278,7 @@ class _Engine:
         self.sent: list[_Sent] = []
         self.arriving: list[bytes] = []  # delivered by the next progress
         self.handler = None
+        self.drains: list[int] = []  # each progress call's drain_us
 
     def set_message_handler(self, fn) -> None:
         self.handler = fn
@@ -293,6 +294,7 @@ class _Engine:
         return self.sent[-1]
 
     def progress(self, timeout_s: float = 0, stay_awake: bool = False, drain_us: int = 0) -> int:
+        self.drains.append(drain_us)
         arriving, self.arriving = self.arriving, []
         for payload in arriving:
             self.handler(b"rank1", payload)
@@ -317,6 +319,26 @@ def _runtime(engine: _Engine) -> RankRuntime:
         for r in (0, 1)
     }
     return RankRuntime(0, engine, cards)
+
+
+def test_a_pump_drains_the_wire_only_when_back_from_a_step_of_compute(monkeypatch):
+    """A rank with deferred work that was away from the wire for a step of compute
+    (``DRAIN_AFTER_S`` or more) drains what keeps arriving; one that polls often, or has
+    nothing deferred, makes one pass (draining there delays its own work)."""
+    from kvferry.cluster import runtime as runtime_module
+
+    now = [100.0]
+    monkeypatch.setattr(runtime_module.time, "monotonic", lambda: now[0])
+    engine = _Engine()
+    rt = _runtime(engine)
+    rt.pump(0)  # nothing deferred
+    rt.defer(lambda: None)
+    now[0] += runtime_module.DRAIN_AFTER_S / 10
+    rt.pump(0)  # deferred, but polled a moment ago
+    rt.defer(lambda: None)
+    now[0] += runtime_module.DRAIN_AFTER_S * 6  # a 30 ms prefill step
+    rt.pump(0)
+    assert engine.drains == [0, 0, runtime_module.BUSY_DRAIN_US]
 
 
 @pytest.mark.parametrize("watched", [True, False], ids=["watched", "broken-unwatched"])

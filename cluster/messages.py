@@ -17,8 +17,9 @@ Flow of one request (router R, prefill writers W1..Wt, decode owner D):
 PREFILL, PLAN and NOTICE carry lists as long as the prompt; each is cut into chunks of
 ``offset`` and ``total`` (see :mod:`.chunks`), so that no prompt the context length
 admits ever makes a message too big to send. Pages, generations and checksums travel as
-int64 arrays (packed bytes, read-only numpy arrays once decoded): a million-token prompt's
-plan and notice then cost the ranks microseconds a chunk, not a Python object a page.
+int64 arrays (packed bytes; each decoded message holds arrays of its own): a million-token
+prompt's plan and notice then cost the ranks microseconds a chunk, not a Python object a
+page.
     D -> R   TOKENS(rid, offset, tokens) ..., DONE(rid, outcome, error, count)
     any -> * ABORT(rid, reason);  W -> D ABORT_ACK(rid) after the writer's flush
     W/D -> R RELEASED(rid, pages)                 the rank freed the request's pages

@@ -17,9 +17,10 @@ Example::
     msg.request_id, msg["seq"]
 
 Long lists of integers (a plan's pages, a notice's checksums) are ``INT64_ARRAY`` fields:
-little-endian int64 bytes on the wire, a numpy array of the message's own once decoded. They decode
-without a Python object per item, so a 65,536-page notice costs microseconds, not the tens
-of milliseconds an ``INT_LIST`` of the same length takes to check and unpack.
+little-endian int64 bytes on the wire, a numpy array of the message's own once decoded.
+They decode without a Python object per item, so a 65,536-page notice costs about a
+millisecond, not the tens of milliseconds an ``INT_LIST`` of the same length takes to
+check and unpack.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ goal figure ``ttft_over_machine`` = ttft / max(prefill, raw transfer): what the 
 its checks and the handover cost on top of what the machine must do anyway. Time to first
 token counts from the request's arrival at the router (its tokenizing and any wait for
 pages included), and the first token is a decode step over the whole prompt, which that
-floor leaves out: ``ttft_over_machine_and_step`` divides by the floor plus one step. And a decode
-step at that context (``step_ms``: the answer's time after its first token, per token)
-beside the model's attention alone over a context as long (``attention_ms``, timed in this
-process on a pool of the same shape), with ``step_over_attention``.
+floor leaves out: ``ttft_over_machine_and_step`` divides by the floor plus one step. And
+a decode step at that context (``step_ms``: the answer's time after its first token, per
+token) beside the model's attention alone over a context as long (``attention_ms``, timed
+in this process on a pool of the same shape), with ``step_over_attention``.
 
 ``--shape`` picks the model's KV shape: ``shrunk`` (above: 48 bytes a token), ``serve``
 (the serve defaults: 1 layer, 2 KV heads, head dim 32, fp32: 512 bytes a token) or

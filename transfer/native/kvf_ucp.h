@@ -271,9 +271,10 @@ ucs_status_t kvf_worker_arm(kvf_worker_h worker);
 /* One ucp_worker_progress(); returns the number of events it processed. */
 unsigned kvf_worker_progress(kvf_worker_h worker);
 /* Progresses while events keep coming: until idle_us passed without one, or max_us in
- * all; returns at once when the first pass finds nothing. For a caller that runs long steps between polls: a message of many fragments
- * (each pass takes only as many as the transport's queue holds, and its sender refills
- * it as it progresses) then crosses in one poll instead of one fragment burst a step.
+ * all; returns at once when the first pass finds nothing. For a caller that runs long
+ * steps between polls: a message of many fragments (each pass takes only as many as the
+ * transport's queue holds, and its sender refills it as it progresses) then crosses in
+ * one poll instead of one fragment burst a step.
  * Returns the events processed. The caller releases the GIL around it (cffi does). */
 unsigned kvf_worker_progress_drain(kvf_worker_h worker, int max_us, int idle_us);
 /* Progresses; if nothing happened, polls until the later of now + spin_us and the end

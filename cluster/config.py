@@ -25,6 +25,7 @@ class ServeConfig:
     prefill_chunk_tokens: int | None = None  # replay model: tokens a prefill step writes
     # protocol
     tp: int = 1
+    decode_tp: int = 1  # decode ranks per decode group, each holding its share of the heads
     prefill: int | None = None
     transports: str | None = None  # UCX transports: "shm", "tcp" or None for UCX's choice
     request_timeout_s: float = 60.0  # front door deadline for one request
@@ -152,6 +153,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tp", type=positive_int, default=d.tp, help="tensor-parallel size of a prefill group"
+    )
+    p.add_argument(
+        "--decode-tp",
+        type=positive_int,
+        default=d.decode_tp,
+        help="tensor-parallel size of a decode group: each member holds its share of the KV "
+        "heads in a pool of its own (with more members than heads, members share a head) "
+        "and owns its pages; any --tp writes into any --decode-tp. The replay model only: "
+        "a llama decode step would need every head at each layer (default %(default)s)",
     )
     p.add_argument(
         "--transports",

@@ -231,12 +231,16 @@ class DecodeRank(RankBooks):
         integrity: bool = True,
         clock: Clock | None = None,
         prefill_tp: int | None = None,
+        decode_member: tuple[int, int, int] | None = None,
         **options: Any,
     ) -> DecodeRank:
         """The service's decode rank: ``model`` decodes over ``pool``, whose pages the
         rank's writers (writing members of prefill groups of ``prefill_tp``) fill and whose
-        canaries and checksums it checks (I5, unless ``integrity`` is off); ``options``
-        are the rank's own (deadlines, the broken modes, the batch)."""
+        canaries and checksums it checks (I5, unless ``integrity`` is off);
+        ``decode_member`` is (decode_tp, position, the model's KV heads) when the rank is
+        a member of a decode group holding its share of the heads; ``options`` are the
+        rank's own (deadlines, the broken modes, the batch)."""
+        decode_tp, position, model_kv_heads = decode_member or (1, 0, None)
         clock = clock or MonotonicClock()
         unsafe = bool(options.get("unsafe", False))
         path = DecodePath(
@@ -248,6 +252,9 @@ class DecodeRank(RankBooks):
             integrity=integrity,
             unsafe=unsafe,
             prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
+            position=position,
+            model_kv_heads=model_kv_heads,
         )
         return cls(runtime, path, pool, router, clock=clock, **options)
 

@@ -48,7 +48,7 @@ from kvferry.engine.verify import (
 
 from . import messages as m
 from .sliced import run_in_slices
-from .topology import group_heads
+from .topology import HeadSplit
 
 if TYPE_CHECKING:
     from kvferry.engine.protocol.owner_driver import OwnerDriver
@@ -148,9 +148,22 @@ class DecodePath(ReadPath):
         integrity: bool = True,
         unsafe: bool = False,
         prefill_tp: int | None = None,
+        decode_tp: int = 1,
+        position: int = 0,
+        model_kv_heads: int | None = None,
     ) -> None:
         self.rt = runtime
         self.prefill_tp = prefill_tp  # the prefill groups' size (None: every writer listed)
+        # this rank's place in its decode group: it holds HeadSplit.owner_heads(position)
+        # of the model's kv_heads, the pool's own kv_heads
+        self.decode_tp, self.position = decode_tp, position
+        self.model_kv_heads = model_kv_heads or pool.kv_heads
+        held = HeadSplit(self.model_kv_heads, 1, decode_tp).owner_heads(position)
+        if held[1] - held[0] != pool.kv_heads:
+            raise ValueError(
+                f"member {position} of a decode group of {decode_tp} holds heads {held} of "
+                f"{self.model_kv_heads}, but its pool has {pool.kv_heads} KV heads"
+            )
         self.model = model
         self.pool = pool
         self.router = router
@@ -264,11 +277,12 @@ class DecodePath(ReadPath):
         return planned, view
 
     def writing_heads(self, writers: int) -> list[tuple[int, int]]:
-        """The heads each of a request's ``writers`` writes, in order: the writing members
-        of a prefill group of ``prefill_tp`` (members sharing a head with an earlier one
-        write nothing and are not listed: :func:`.topology.group_heads`)."""
-        tp = self.prefill_tp or writers
-        return [h for h in group_heads(tp, self.pool.kv_heads) if h is not None]
+        """The heads each of a request's ``writers`` writes into this rank's pool, in
+        order and numbered in it: the members of a prefill group of ``prefill_tp`` that
+        write into this member of its decode group (members sharing a head with an
+        earlier one write nothing and are not listed: :class:`.topology.HeadSplit`)."""
+        split = HeadSplit(self.model_kv_heads, self.prefill_tp or writers, self.decode_tp)
+        return [split.local_heads(w, self.position) for w in split.writers_of(self.position)]
 
     def writers_mismatch(self, req: OwnedRequest) -> str | None:
         """Why ``req``'s writer list cannot be the writing members of one prefill group

@@ -109,12 +109,14 @@ def job_command(
 
 
 def topology_of(world: int, serve_args: list[str]) -> Topology:
-    """The cluster's roles from its size and the serve options' --prefill and --tp."""
+    """The cluster's roles from its size and the serve options' --prefill, --tp and
+    --decode-tp."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--prefill", type=int, default=None)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--decode-tp", type=int, default=1)
     known, _ = p.parse_known_args(serve_args)
-    return Topology.for_world(world, known.prefill, known.tp)
+    return Topology.for_world(world, known.prefill, known.tp, known.decode_tp)
 
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})

@@ -36,6 +36,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -58,6 +59,7 @@ from .hostid import this_host
 from .metrics import ClusterMetrics
 from .models import build_model, pool_config
 from .prefill import PrefillRank
+from .prefill_path import Route
 from .rendezvous import (
     FAIL_PREFIX,
     CardRefused,
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        topology = Topology.for_world(world, cfg.prefill, cfg.tp)
+        topology = Topology.for_world(world, cfg.prefill, cfg.tp, cfg.decode_tp)
     except ValueError as exc:  # every rank sees the same: each says why and stops
         print(f"kvferry serve: error: {exc}", file=sys.stderr)
         return 2
@@ -243,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     context_length = cfg.context_length
     try:
         if role is not Role.ROUTER:
-            model = build_model(cfg)
+            held = None  # a decode group's member holds its share of the heads
+            if role is Role.DECODE:
+                lo, hi = topology.split(cfg.kv_heads).owner_heads(topology.decode_member(rank)[1])
+                held = hi - lo
+            model = build_model(cfg, kv_heads=held)
             pcfg = pool_config(cfg, model, prefill=role is Role.PREFILL)
             segment = engine.allocate(pcfg.total_bytes)
             pool = KVPool.from_buffer(pcfg, segment.as_torch())
@@ -377,6 +383,7 @@ def serve_worker(
             max_batch_bytes=batch_bound(cfg.abort_deadline_s),
             batch_target_s=cfg.abort_deadline_s / 10,
             integrity=cfg.integrity,
+            routes=write_routes(topology, index, model.kv_heads),
         )
         # the owners' pools mapped now, not by the first request's first write
         runtime.open_segments(r for r, card in runtime.cards.items() if card.role is Role.DECODE)
@@ -392,6 +399,7 @@ def serve_worker(
             unsafe=cfg.unsafe_free_on_abort,
             release_on_sever=cfg.unsafe_release_on_sever,
             prefill_tp=cfg.tp,
+            decode_member=(cfg.decode_tp, topology.decode_member(runtime.rank)[1], cfg.kv_heads),
         )
     runtime.set_handlers(
         {**worker.handlers, Kind.SHUTDOWN: lambda msg: stop.set("SHUTDOWN from the router")},
@@ -402,6 +410,25 @@ def serve_worker(
     run_worker(runtime, worker, decode=role is Role.DECODE, stopped=lambda: stop.stop)
     log.info("rank %d stopping: %s", runtime.rank, stop.reason)
     return 0
+
+
+def write_routes(topology: Topology, position: int, kv_heads: int) -> Callable[[int], Route]:
+    """For prefill member ``position``: what it writes into a decode rank (the heads of
+    their pair in :class:`~.topology.HeadSplit`, into that member's share)."""
+    split = topology.split(kv_heads)
+
+    def route(owner: int) -> Route:
+        member = topology.decode_member(owner)[1]
+        heads = split.pairs.get((position, member))
+        if heads is None:
+            raise ValueError(
+                f"prefill member {position} of {topology.tp} writes nothing into decode "
+                f"member {member} of {topology.decode_tp} (rank {owner}) for {kv_heads} KV "
+                f"heads; its writers are members {split.writers_of(member)}"
+            )
+        return Route(heads, split.owner_heads(member))
+
+    return route
 
 
 def run_worker(

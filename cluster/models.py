@@ -9,14 +9,23 @@ from kvferry.engine.replay import PREFILL_CHUNK_TOKENS
 from .config import ServeConfig
 
 
-def build_model(cfg: ServeConfig) -> PagedModel:
+def build_model(cfg: ServeConfig, kv_heads: int | None = None) -> PagedModel:
     """The same weights on every rank: the replay model is hand-built, the Llama-style
-    model is seeded, so prefill and decode ranks compute consistent KV."""
+    model is seeded, so prefill and decode ranks compute consistent KV. ``kv_heads``: the
+    heads a member of a decode group holds (default all of ``cfg.kv_heads``); only the
+    replay model splits its decode (each head answers alone, the router combines)."""
+    if cfg.model != "replay" and cfg.decode_tp > 1:
+        raise ValueError(
+            f"--decode-tp {cfg.decode_tp} with --model {cfg.model}: a llama decode step needs "
+            "the attention of every KV head at each layer (an all-reduce across the decode "
+            "group), which kvferry's decode ranks do not run; use --model replay or "
+            "--decode-tp 1"
+        )
     if cfg.model == "replay":
         return ReplayModel(
             ReplayConfig(
                 layers=cfg.layers,
-                kv_heads=cfg.kv_heads,
+                kv_heads=kv_heads or cfg.kv_heads,
                 q_per_kv=max(1, cfg.q_heads // cfg.kv_heads),
                 head_dim=cfg.head_dim,
                 max_positions=max(2, cfg.context_length),

@@ -20,6 +20,7 @@ Upholds:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ from .books import RankBooks
 from .chunks import PAGES_PER_CHUNK, Reassembly
 from .clock import MonotonicClock
 from .ports import AllocatorSource, RankWriterWire, RouterReport
-from .prefill_path import PREFILL_SLICE_S, PrefillPath, WritePath
+from .prefill_path import PREFILL_SLICE_S, PrefillPath, Route, WritePath
 from .runtime import RankRuntime
 
 log = logging.getLogger("kvferry.cluster")
@@ -149,9 +150,12 @@ class PrefillRank(RankBooks):
         prefill_slice_s: float = PREFILL_SLICE_S,
         batch_target_s: float = 0.5,
         clock: Clock | None = None,
+        routes: Callable[[int], Route] | None = None,
     ) -> PrefillRank:
         """The service's prefill rank: ``model`` computes heads ``head_range`` of a
-        prompt's KV into ``pool``, written into owners' pools through ``runtime``."""
+        prompt's KV into ``pool``, written into owners' pools through ``runtime``;
+        ``routes`` says which of them go to an owner rank, and into a pool of which heads
+        (default: all of them, into a pool of every head)."""
         clock = clock or MonotonicClock()
         path = PrefillPath(
             runtime,
@@ -163,6 +167,7 @@ class PrefillRank(RankBooks):
             integrity=integrity and not unsafe,
             prefill_slice_s=prefill_slice_s,
             batches=BatchSizer(target_s=batch_target_s, max_bytes=max_batch_bytes),
+            routes=routes,
         )
         return cls(runtime, path, pool, router=router, clock=clock)
 

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvferry.engine.integrity import page_checksums
-from kvferry.engine.pool import KVPool, coalesce_runs
+from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol import writer as core
 from kvferry.engine.protocol.ports import Clock
 from kvferry.engine.protocol.words import AbortSource
 from kvferry.engine.protocol.writer import WriterEvent, WriterState
-from kvferry.engine.reshard import KVShape, heads_between_pools
+from kvferry.engine.reshard import KVShape, heads_between_pools, page_runs, span_geometry
 from kvferry.engine.run_checksum import region_checksums, word_unit
 from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
 from kvferry.transfer.wire import Message
@@ -129,7 +130,7 @@ class WritePath:
         if not job.queued():
             return True
         assert job.queue is not None
-        rows = max(1, self.batches.batch_bytes(job.owner) // self.row_bytes)
+        rows = max(1, self.batches.batch_bytes(job.owner) // self.run_bytes(job))
         chunk, job.queue = job.queue[:rows], job.queue[rows:]
         nbytes, posted_at = self._batch_bytes(chunk), self.clock.now()
         try:
@@ -145,6 +146,10 @@ class WritePath:
 
         self.rt.watch(batch, written, rid=job.rid)
         return True
+
+    def run_bytes(self, job: WriteJob) -> int:
+        """Bytes of one row of the job's queue (a batch takes a whole number of rows)."""
+        return self.row_bytes
 
     def _batch_bytes(self, rows: np.ndarray) -> int:
         return int(rows[:, 2].sum())
@@ -190,6 +195,30 @@ class WritePath:
             )
 
 
+@dataclass(frozen=True)
+class Route:
+    """What a writer writes into one owner: its heads ``heads`` (the model's numbering),
+    into a pool that holds heads ``dst_heads`` (all of them, or a decode member's share)."""
+
+    heads: tuple[int, int]
+    dst_heads: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """One page's runs of a route (same page size on both sides): in-page offsets at the
+    source and the destination and lengths, ``[r]`` int64 each; the owner's page bytes."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+    dst_page_bytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        return int(self.length[0])
+
+
 class PrefillPath(WritePath):
     """The service's path: the model computes the KV of this writer's heads into its
     pool, the transfer engine writes them into the owner's pool."""
@@ -206,6 +235,7 @@ class PrefillPath(WritePath):
         integrity: bool = True,
         prefill_slice_s: float = PREFILL_SLICE_S,
         batches: BatchSizer,
+        routes: Callable[[int], Route] | None = None,
     ) -> None:
         self.rt = runtime
         self.model = model
@@ -216,10 +246,39 @@ class PrefillPath(WritePath):
         self.integrity = integrity
         self.prefill_slice_s = prefill_slice_s
         self.batches = batches
-        runs = coalesce_runs(pool.head_slice_runs(0, *head_range))
-        self._run_offsets = np.array([off for off, _ in runs], dtype=np.int64)
-        self._run_lengths = np.array([n for _, n in runs], dtype=np.int64)
-        self.row_bytes = int(self._run_lengths[0])
+        # owner rank -> what this writer writes there (default: its heads, into a pool
+        # of every head); a writer into a decode group has one route per member
+        self._route_of = routes or (lambda owner: Route(head_range, (0, pool.kv_heads)))
+        self._routes: dict[int, _Runs] = {}
+        self.row_bytes = self._runs(self.heads, (0, pool.kv_heads)).row_bytes
+
+    # -------------------------------------------------------------- routes
+    def route(self, job: WriteJob) -> Route:
+        """What this writer writes into the job's owner: which heads, into a pool of which
+        heads."""
+        return self._route_of(job.owner)
+
+    def _runs(self, heads: tuple[int, int], dst_heads: tuple[int, int]) -> _Runs:
+        key = (*heads, *dst_heads)
+        runs = self._routes.get(key)  # type: ignore[call-overload]
+        if runs is None:
+            shape = self._kv_shape()
+            pattern = page_runs(shape, self.pool.page_size, heads, dst_heads)
+            dst_page_bytes = span_geometry(shape, self.pool.page_size, dst_heads).page_bytes
+            runs = self._routes[key] = _Runs(  # type: ignore[index]
+                pattern[:, 0].copy(),
+                pattern[:, 1].copy(),
+                pattern[:, 2].copy(),
+                dst_page_bytes,
+            )
+        return runs
+
+    def _job_runs(self, job: WriteJob) -> _Runs:
+        r = self.route(job)
+        return self._runs(r.heads, r.dst_heads)
+
+    def run_bytes(self, job: WriteJob) -> int:
+        return self._job_runs(job).row_bytes
 
     # -------------------------------------------------------------- reshaped writes
     def _owner_page_size(self, job: WriteJob) -> int:
@@ -246,16 +305,21 @@ class PrefillPath(WritePath):
     def _runs_into(self, job: WriteJob, dst_pages: Sequence[int] | np.ndarray) -> np.ndarray:
         """``[n, 3]`` runs of this writer's heads of the whole prompt into ``dst_pages``."""
         assert job.tokens is not None
+        route = self.route(job)
         return heads_between_pools(
             self._kv_shape(),
-            self.heads,
+            route.heads,
             len(job.tokens),
             (self.pool.page_size, job.src_pages),
             (self._owner_page_size(job), dst_pages),
+            dst_heads=route.dst_heads,
         )
 
     def _dst_page_bytes(self, job: WriteJob) -> int:
-        return self.pool.page_bytes // self.pool.page_size * self._owner_page_size(job)
+        shape = self._kv_shape()
+        return span_geometry(
+            shape, self._owner_page_size(job), self.route(job).dst_heads
+        ).page_bytes
 
     def _region_checksums(self, job: WriteJob) -> list[int]:
         """Per destination page of the prompt, in order, the checksum of what this writer
@@ -336,7 +400,7 @@ class PrefillPath(WritePath):
             self.pool.kv,
             torch.from_numpy(job.tokens.astype(np.int64)),
             job.src_pages,
-            head_range=self.heads,
+            head_range=self.route(job).heads,
         )
         final = _FinalPages(self.model, len(job.tokens), self.pool.page_size)
         if self.rt.faults.enabled and self.rt.faults.plan_first(job.rid, job.tokens):
@@ -375,7 +439,7 @@ class PrefillPath(WritePath):
             job.checksums = self._region_checksums(job)
             yield
             return
-        view = self._view()
+        view = self._view(job)
         per_step = max(1, CHECKSUM_SLICE_BYTES // (view[0].numel() * view.element_size()))
         # pages posted in parts were checksummed then; the rest now, a slice a step
         for start in range(len(job.checksums), len(job.src_pages), per_step):
@@ -384,22 +448,23 @@ class PrefillPath(WritePath):
             )
             yield
 
-    def _view(self) -> torch.Tensor:
-        """The pool as this writer's heads: what it checksums and sends."""
-        lo, hi = self.heads
+    def _view(self, job: WriteJob) -> torch.Tensor:
+        """The pool as the heads this writer sends the job's owner: what it checksums."""
+        lo, hi = self.route(job).heads
         return self.pool.kv[:, :, :, lo:hi]
 
     # -------------------------------------------------------------- writing
     def _triples(self, job: WriteJob, lo: int, hi: int) -> np.ndarray:
         """``[pages x runs, 3]`` int64: (local offset, remote offset, length) of every run
-        of this writer's heads in its pages ``[lo, hi)``."""
+        of this writer's heads in its pages ``[lo, hi)``, into the owner's pages (whose
+        page may hold fewer heads: a member of a decode group)."""
         assert job.dst_pages is not None
-        pb = self.pool.page_bytes
+        runs = self._job_runs(job)
         src = np.asarray(job.src_pages[lo:hi], dtype=np.int64)
         dst = np.asarray(job.dst_pages[lo:hi], dtype=np.int64)
-        local = (src[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
-        remote = (dst[:, None] * pb + self._run_offsets[None, :]).reshape(-1)
-        lengths = np.broadcast_to(self._run_lengths, (len(src), len(self._run_lengths))).reshape(-1)
+        local = (src[:, None] * self.pool.page_bytes + runs.src[None, :]).reshape(-1)
+        remote = (dst[:, None] * runs.dst_page_bytes + runs.dst[None, :]).reshape(-1)
+        lengths = np.broadcast_to(runs.length, (len(src), len(runs.length))).reshape(-1)
         return np.stack([local, remote, lengths], axis=1)
 
     def post_writes(self, job: WriteJob) -> None:
@@ -411,7 +476,9 @@ class PrefillPath(WritePath):
         assert job.tokens is not None
         faults = self.rt.faults
         if not job.posted_pages:  # no part went before: the whole prompt goes now
-            faults.tamper_source(job.rid, job.tokens, self.pool, job.src_pages, self.heads)
+            faults.tamper_source(
+                job.rid, job.tokens, self.pool, job.src_pages, self.route(job).heads
+            )
             job.sent_pages = faults.pages_to_write(job.rid, job.tokens, self.dst_pages_needed(job))
         job.part = None  # a part still in flight is covered by the notice now
         if job.posted_pages >= job.sent_pages:  # every page went in parts
@@ -477,10 +544,11 @@ class PrefillPath(WritePath):
             return
         if self.integrity:
             assert len(job.checksums) == lo
-            job.checksums.extend(page_checksums(self._view(), job.src_pages[lo:hi]).tolist())
+            job.checksums.extend(page_checksums(self._view(job), job.src_pages[lo:hi]).tolist())
         faults = self.rt.faults
         if faults.enabled and lo == 0:  # corrupt-page: the first part carries the damage
-            faults.tamper_source(job.rid, job.tokens, self.pool, job.src_pages[lo:hi], self.heads)
+            heads = self.route(job).heads
+            faults.tamper_source(job.rid, job.tokens, self.pool, job.src_pages[lo:hi], heads)
         triples = self._triples(job, lo, hi)
         job.posted_bytes += int(triples[:, 2].sum())
         job.posted_pages, job.part, job.queue = hi, (lo, hi), triples

@@ -29,7 +29,13 @@ from kvferry.engine.admission import AdmissionRejected, admit, pages_needed
 from kvferry.engine.lifecycle import Request, RequestState
 from kvferry.engine.protocol.ports import Clock
 from kvferry.engine.protocol.proof import is_justified
-from kvferry.engine.protocol.routing import Ledger, Routed, RouterCore, RouterPorts
+from kvferry.engine.protocol.routing import (
+    GroupAnswer,
+    Ledger,
+    Routed,
+    RouterCore,
+    RouterPorts,
+)
 from kvferry.engine.protocol.words import AbortSource, Answer, Kind
 from kvferry.engine.tokenizer import decode as detokenize
 from kvferry.engine.tokenizer import encode_array as tokenize
@@ -131,6 +137,7 @@ class Router:
         self.rt = runtime
         # the model's KV heads: the members of a prefill group that write them (None: all)
         self.kv_heads = kv_heads
+        self.split = topology.split(kv_heads) if kv_heads is not None else None
         self.fence_severed = fence_severed
         self.clock = clock or MonotonicClock()  # the time the router's rules read
         self.topology = topology
@@ -204,35 +211,54 @@ class Router:
         """The live ranks that have not reported to this router yet (admission waits)."""
         return sorted(self.awaiting_reports - set(self.unhealthy))
 
-    def _pick(self, prompt_len: int, need_decode: int) -> tuple[int, list[int]] | None:
+    def _pick(self, prompt_len: int, need_decode: int) -> list[tuple[int, list[int]]] | None:
+        """A decode group and a prefill group with room: per member of the decode group,
+        (its rank, the prefill ranks that write into it). A prefill rank that writes into
+        several members holds the prompt's pages once for each."""
         if self.waiting_for_reports():
             return None
         need_prefill = pages_needed(prompt_len, 0, self.prefill_page_size)
+        owners_per_writer = [
+            max(1, len(self.split.owners_of(w))) if self.split else 1
+            for w in range(self.topology.tp)
+        ]
         decodes = [
-            r
-            for r in self.topology.decode_ranks
-            if r not in self.unhealthy and self.ledger.free(r) >= need_decode
+            g
+            for g in self.topology.decode_groups
+            if not set(g) & set(self.unhealthy)
+            and min(self.ledger.free(r) for r in g) >= need_decode
         ]
         groups = [
             g
             for g in self.topology.prefill_groups
             if not set(g) & set(self.unhealthy)
-            and min(self.ledger.free(r) for r in g) >= need_prefill
+            and all(
+                self.ledger.free(r) >= need_prefill * k
+                for r, k in zip(g, owners_per_writer, strict=True)
+            )
         ]
         if not decodes or not groups:
             return None
         turn = next(self._rr)
-        owner = max(decodes, key=lambda r: (self.ledger.free(r), -((r + turn) % len(decodes))))
+        owners = max(
+            decodes,
+            key=lambda g: (min(self.ledger.free(r) for r in g), -((g[0] + turn) % len(decodes))),
+        )
         group = max(
             groups, key=lambda g: (min(self.ledger.free(r) for r in g), -(turn % len(groups)))
         )
         if self.kv_heads is None:
-            return owner, list(group)
-        return owner, self.topology.writers_in(group, self.kv_heads)
+            return [(owner, list(group)) for owner in owners]
+        return [
+            (owner, self.topology.writers_in(group, self.kv_heads, position))
+            for position, owner in enumerate(owners)
+        ]
 
     def check_admission(self, rid: str, prompt_len: int, max_tokens: int) -> None:
         """I1: raise AdmissionRejected if this request can never fit anywhere."""
-        healthy_decode = [r for r in self.topology.decode_ranks if r not in self.unhealthy]
+        healthy_decode = [
+            r for g in self.topology.decode_groups if not set(g) & set(self.unhealthy) for r in g
+        ]
         healthy_prefill = [
             g for g in self.topology.prefill_groups if not set(g) & set(self.unhealthy)
         ]
@@ -304,14 +330,8 @@ class Router:
                 await asyncio.wait_for(self._capacity_changed.wait(), remaining)
             except TimeoutError:
                 pass
-        owner, writers = placement
-        req.transition(S.ADMITTED)
-        routed = RoutedRequest(req, owner, writers, arrived)
-        self.requests[rid] = routed
-        self.ledger.reserve(owner, rid, need)
-        for w in writers:
-            self.ledger.reserve(w, rid, pages_needed(len(tokens), 0, self.prefill_page_size))
-        req.transition(S.PREFILLING)
+        members = self._place(req, placement, arrived, len(tokens), need)
+        routed = members[0]
         routed.deadline = asyncio.get_running_loop().call_later(
             self.request_timeout_s,
             lambda: self.abort(
@@ -319,15 +339,19 @@ class Router:
             ),
         )
         log.info(
-            "request %s: %d prompt tokens, max_tokens %d -> prefill %s, decode %d",
+            "request %s: %d prompt tokens, max_tokens %d -> %s",
             rid,
             len(tokens),
             max_tokens,
-            writers,
-            owner,
+            "; ".join(
+                f"{'' if member is routed else member.rid + ': '}prefill {member.writers}, "
+                f"decode {member.owner}"
+                for member in members
+            ),
         )
         try:
-            self._dispatch(routed, prompt, tokens, max_tokens)
+            for member in members:
+                self._dispatch(member, prompt, tokens, max_tokens)
         except Exception as exc:
             if self.rt.faults.swallow_errors:
                 raise
@@ -337,6 +361,39 @@ class Router:
             log.error("request %s: %s", rid, reason, exc_info=exc)
             self.abort(rid, AbortSource.INTERNAL, reason)
         return routed
+
+    def _place(
+        self,
+        req: Request,
+        placement: list[tuple[int, list[int]]],
+        arrived: float,
+        prompt_len: int,
+        need: int,
+    ) -> list[RoutedRequest]:
+        """The routed request, one per owner: a decode group's members each get a request
+        of their own (``rid.1``, ``rid.2``, ...; the first is ``rid`` itself, the client's),
+        bound by one :class:`~kvferry.engine.protocol.routing.GroupAnswer`. Their pages are
+        reserved here."""
+        members = []
+        for position, (owner, writers) in enumerate(placement):
+            member_req = (
+                req
+                if position == 0
+                else Request(f"{req.request_id}.{position}", req.prompt_tokens, req.max_tokens)
+            )
+            member_req.transition(S.ADMITTED)
+            routed = RoutedRequest(member_req, owner, writers, arrived)
+            self.requests[routed.rid] = routed
+            self.ledger.reserve(owner, routed.rid, need)
+            for w in writers:
+                self.ledger.reserve(
+                    w, routed.rid, pages_needed(prompt_len, 0, self.prefill_page_size)
+                )
+            member_req.transition(S.PREFILLING)
+            members.append(routed)
+        if len(members) > 1:
+            GroupAnswer(members)
+        return members
 
     def _dispatch(
         self, routed: RoutedRequest, prompt: str, tokens: np.ndarray, max_tokens: int
@@ -382,6 +439,9 @@ class Router:
         return asyncio.get_running_loop().call_later(delay_s, fn)
 
     def tokens(self, routed: RoutedRequest, chunk: list[int]) -> None:
+        if routed.first_token_at is None:
+            routed.first_token_at = self.clock.now()
+            self.metrics.ttft.observe(routed.first_token_at - routed.submitted_at)
         routed.req.output_tokens.extend(chunk)
         routed.events.put_nowait(("tokens", chunk))
 
@@ -443,12 +503,8 @@ class Router:
             self.metrics.abort_from_router.observe(ms / 1e3)
 
     def _on_tokens(self, msg: Message) -> None:
-        routed = self.core.live(msg.rid)
-        if routed is None:
+        if self.core.live(msg.rid) is None:
             return
-        if routed.first_token_at is None:
-            routed.first_token_at = self.clock.now()
-            self.metrics.ttft.observe(routed.first_token_at - routed.submitted_at)
         self.core.on_tokens(msg.rid, msg.offset, list(msg.tokens))
 
     def _on_done(self, msg: Message) -> None:

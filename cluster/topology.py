@@ -2,9 +2,11 @@
 
 Rank 0 is the router (front door). Ranks 1..P are prefill ranks, grouped into
 tensor-parallel groups of ``tp`` consecutive ranks; each member of a group computes its
-share of the KV heads and writes it into the same destination pages (members that share a
-head, when ``tp`` exceeds the KV heads, write it once: :func:`group_heads`). Ranks P+1..P+D are
-decode ranks; each owns the pages it allocates.
+share of the KV heads. Ranks P+1..P+D are decode ranks, grouped into tensor-parallel
+groups of ``decode_tp`` consecutive ranks; each member holds its share of the heads in a
+pool of its own and owns the pages it allocates there. Which prefill member writes which
+heads into which decode member is :class:`HeadSplit` (every head a decode member holds
+comes from exactly one prefill member; members that share a head write it once).
 """
 
 from __future__ import annotations
@@ -30,6 +32,58 @@ def head_range(position: int, group_size: int, kv_heads: int) -> tuple[int, int]
     return head_span(KVShape(1, kv_heads, 1, 1), group_size, position)
 
 
+@dataclass(frozen=True)
+class HeadSplit:
+    """How a request's KV heads go from a prefill group of ``tp`` members into a decode
+    group of ``decode_tp`` members (:func:`kvferry.engine.reshard.assign_heads`): each
+    (writer position, owner position) pair that exchanges bytes carries one contiguous
+    range of heads. With ``decode_tp == 1`` this is :func:`group_heads`."""
+
+    kv_heads: int
+    tp: int = 1
+    decode_tp: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.kv_heads, self.tp, self.decode_tp) < 1:
+            raise TopologyError(
+                f"a head split needs kv_heads, tp and decode_tp >= 1; got {self.kv_heads}, "
+                f"{self.tp}, {self.decode_tp}"
+            )
+
+    @functools.cached_property
+    def pairs(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """``(writer position, owner position) -> (lo, hi)``: the heads the writer writes
+        into that owner, in the model's numbering."""
+        shape = KVShape(1, self.kv_heads, 1, 1)
+        out = {}
+        for pair, heads in assign_heads(
+            shape, PoolLayout(self.tp, 1), PoolLayout(self.decode_tp, 1)
+        ).items():
+            lo, hi = heads[0], heads[-1] + 1
+            assert hi - lo == len(heads), f"heads {heads} of pair {pair} are not contiguous"
+            out[pair] = (lo, hi)
+        return out
+
+    def owner_heads(self, position: int) -> tuple[int, int]:
+        """The heads ``[lo, hi)`` decode member ``position`` holds in its pool."""
+        return head_span(KVShape(1, self.kv_heads, 1, 1), self.decode_tp, position)
+
+    def writers_of(self, owner: int) -> list[int]:
+        """The positions of the prefill members that write into decode member ``owner``,
+        ascending."""
+        return [w for (w, o) in self.pairs if o == owner]
+
+    def owners_of(self, writer: int) -> list[int]:
+        """The positions of the decode members prefill member ``writer`` writes into."""
+        return [o for (w, o) in self.pairs if w == writer]
+
+    def local_heads(self, writer: int, owner: int) -> tuple[int, int]:
+        """The heads ``writer`` writes into ``owner``, numbered in the owner's pool."""
+        lo, hi = self.pairs[(writer, owner)]
+        base = self.owner_heads(owner)[0]
+        return lo - base, hi - base
+
+
 @functools.cache
 def group_heads(group_size: int, kv_heads: int) -> tuple[tuple[int, int] | None, ...]:
     """Per member of a prefill group, the KV heads ``[lo, hi)`` it writes into a decode
@@ -38,11 +92,8 @@ def group_heads(group_size: int, kv_heads: int) -> tuple[tuple[int, int] | None,
     it, and the others are no writers of the request at all (the router sends them
     nothing and no owner waits for them). Every head is written by exactly one member
     (:func:`kvferry.engine.reshard.assign_heads`, into one decode rank)."""
-    pairs = assign_heads(KVShape(1, kv_heads, 1, 1), PoolLayout(group_size, 1), PoolLayout(1, 1))
-    out: list[tuple[int, int] | None] = [None] * group_size
-    for (member, _), heads in pairs.items():
-        out[member] = (heads[0], heads[-1] + 1)
-    return tuple(out)
+    pairs = HeadSplit(kv_heads, group_size, 1).pairs
+    return tuple(pairs.get((member, 0)) for member in range(group_size))
 
 
 class TopologyError(ValueError):
@@ -55,17 +106,24 @@ class Topology:
     prefill: int
     decode: int
     tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
-        if self.prefill < 1 or self.decode < 1 or self.tp < 1:
+        if self.prefill < 1 or self.decode < 1 or self.tp < 1 or self.decode_tp < 1:
             raise TopologyError(
-                f"need at least one prefill and one decode rank and tp >= 1; got "
-                f"prefill={self.prefill} decode={self.decode} tp={self.tp}"
+                f"need at least one prefill and one decode rank, tp >= 1 and decode_tp >= 1; "
+                f"got prefill={self.prefill} decode={self.decode} tp={self.tp} "
+                f"decode_tp={self.decode_tp}"
             )
         if self.prefill % self.tp:
             raise TopologyError(
                 f"prefill ranks ({self.prefill}) must be a multiple of the tensor-parallel "
                 f"size ({self.tp})"
+            )
+        if self.decode % self.decode_tp:
+            raise TopologyError(
+                f"decode ranks ({self.decode}) must be a multiple of the decode "
+                f"tensor-parallel size ({self.decode_tp})"
             )
         if self.world_size != 1 + self.prefill + self.decode:
             raise TopologyError(
@@ -74,16 +132,32 @@ class Topology:
             )
 
     @classmethod
-    def for_world(cls, world_size: int, prefill: int | None, tp: int = 1) -> Topology:
-        """Fill in the decode count (and the prefill count, if absent) from the world size."""
+    def for_world(
+        cls, world_size: int, prefill: int | None, tp: int = 1, decode_tp: int = 1
+    ) -> Topology:
+        """Fill in the decode count (and the prefill count, if absent: about half the
+        workers, whole groups on both sides) from the world size."""
         if world_size < 3:
             raise TopologyError(
                 f"a cluster needs at least 3 ranks (router, prefill, decode); "
                 f"world size is {world_size}"
             )
-        if prefill is None:
-            prefill = tp * max(1, (world_size - 1) // (2 * tp))
-        return cls(world_size=world_size, prefill=prefill, decode=world_size - 1 - prefill, tp=tp)
+        if prefill is None:  # the most prefill groups up to half, or the fewest past it
+            workers = world_size - 1
+            fits = [
+                p
+                for p in range(tp, workers, tp)
+                if workers - p >= decode_tp and (workers - p) % decode_tp == 0
+            ]
+            fits.sort(key=lambda p: (p > workers / 2, abs(p - workers / 2)))
+            prefill = fits[0] if fits else tp
+        return cls(
+            world_size=world_size,
+            prefill=prefill,
+            decode=world_size - 1 - prefill,
+            tp=tp,
+            decode_tp=decode_tp,
+        )
 
     def role(self, rank: int) -> Role:
         if not 0 <= rank < self.world_size:
@@ -112,9 +186,27 @@ class Topology:
         ranks = self.prefill_ranks
         return [ranks[i : i + self.tp] for i in range(0, len(ranks), self.tp)]
 
-    def writers_in(self, group: list[int], kv_heads: int) -> list[int]:
-        """The members of ``group`` that write a request's KV (see :func:`group_heads`)."""
-        return [r for r, heads in zip(group, group_heads(self.tp, kv_heads), strict=True) if heads]
+    @property
+    def decode_groups(self) -> list[list[int]]:
+        """Each decode group's ranks, in TP order (member i holds
+        ``HeadSplit.owner_heads(i)``)."""
+        ranks = self.decode_ranks
+        return [ranks[i : i + self.decode_tp] for i in range(0, len(ranks), self.decode_tp)]
+
+    def split(self, kv_heads: int) -> HeadSplit:
+        return HeadSplit(kv_heads, self.tp, self.decode_tp)
+
+    def writers_in(self, group: list[int], kv_heads: int, owner_position: int = 0) -> list[int]:
+        """The members of prefill ``group`` that write a request's KV into decode member
+        ``owner_position`` (see :class:`HeadSplit`)."""
+        return [group[w] for w in self.split(kv_heads).writers_of(owner_position)]
+
+    def decode_member(self, rank: int) -> tuple[int, int]:
+        """(group index, position in the group) of a decode rank."""
+        if self.role(rank) is not Role.DECODE:
+            raise TopologyError(f"rank {rank} is not a decode rank")
+        offset = rank - 1 - self.prefill
+        return offset // self.decode_tp, offset % self.decode_tp
 
     def group_of(self, rank: int) -> tuple[int, int]:
         """(group index, position in the group) of a prefill rank."""

@@ -164,8 +164,19 @@ def rank_geometry(shape: KVShape, layout: PoolLayout, rank: int) -> RankGeometry
     """The byte strides of rank ``rank``'s page (``[layers, 2, n, P, D]`` or
     ``[layers, 2, P, n, D]``, ``n`` its local heads)."""
     lo, hi = head_span(shape, layout.tp, rank)
-    n, p, vb = hi - lo, layout.page_size, shape.vector_bytes
-    if layout.order is Order.HND:
+    return span_geometry(shape, layout.page_size, (lo, hi), layout.order)
+
+
+def span_geometry(
+    shape: KVShape, page_size: int, heads: tuple[int, int], order: Order = Order.HND
+) -> RankGeometry:
+    """The byte strides of a page of ``page_size`` tokens that holds KV heads
+    ``[lo, hi)`` in ``order``."""
+    lo, hi = heads
+    if not 0 <= lo < hi <= shape.kv_heads:
+        raise ReshardError(f"heads [{lo}, {hi}) outside the {shape.kv_heads} KV heads")
+    n, p, vb = hi - lo, page_size, shape.vector_bytes
+    if order is Order.HND:
         head_stride, token_stride = p * vb, vb
     else:
         head_stride, token_stride = vb, n * vb
@@ -442,19 +453,24 @@ def heads_between_pools(
     tokens: int,
     src: tuple[int, Sequence[int] | IntArray],
     dst: tuple[int, Sequence[int] | IntArray],
+    dst_heads: tuple[int, int] | None = None,
 ) -> Runs:
     """The runs that carry heads ``[lo, hi)`` of a request's ``tokens`` tokens from one
-    pool to another, where both pools hold every KV head (HND pages, as a cluster's prefill
-    and decode ranks do) but their page sizes differ: ``src`` and ``dst`` are each
-    ``(page_size, page list)``. Only slots of tokens ``< tokens`` are written. The
-    destination offsets depend only on ``dst`` (an owner that does not know the writer's
-    pages can plan the same bytes with any source list of the right length)."""
+    pool to another (HND pages, as a cluster's prefill and decode ranks have): the source
+    pool holds every KV head, the destination pool ``dst_heads`` (default every head: a
+    member of a decode TP group holds its share), and their page sizes may differ: ``src``
+    and ``dst`` are each ``(page_size, page list)``. Only slots of tokens ``< tokens`` are
+    written. The destination offsets depend only on ``dst`` (an owner that does not know
+    the writer's pages can plan the same bytes with any source list of the right length)."""
     lo, hi = heads
+    dlo, dhi = dst_heads or (0, shape.kv_heads)
     if not 0 <= lo < hi <= shape.kv_heads:
         raise ReshardError(f"heads [{lo}, {hi}) outside the {shape.kv_heads} KV heads")
+    if not dlo <= lo < hi <= dhi:
+        raise ReshardError(f"heads [{lo}, {hi}) outside the destination's heads [{dlo}, {dhi})")
     (src_size, src_pages), (dst_size, dst_pages) = src, dst
-    gw = rank_geometry(shape, PoolLayout(1, src_size), 0)
-    go = rank_geometry(shape, PoolLayout(1, dst_size), 0)
+    gw = span_geometry(shape, src_size, (0, shape.kv_heads))
+    go = span_geometry(shape, dst_size, (dlo, dhi))
     tables = (
         _page_table(src_pages, tokens, src_size, "prefill", 0),
         _page_table(dst_pages, tokens, dst_size, "decode", 0),
@@ -463,6 +479,27 @@ def heads_between_pools(
         return np.zeros((0, 3), dtype=np.int64)
     hs = np.arange(lo, hi, dtype=np.int64)
     return _pair_runs(shape, gw, go, hs, tokens, tables)
+
+
+def page_runs(
+    shape: KVShape, page_size: int, heads: tuple[int, int], dst_heads: tuple[int, int]
+) -> Runs:
+    """``[r, 3]``: the runs (offset in the source page, offset in the destination page,
+    length) that carry heads ``[lo, hi)`` of one whole page between two HND pools of
+    the same page size, the source holding every head and the destination ``dst_heads``:
+    what a writer repeats for each page of a prompt (``page * page_bytes`` added on each
+    side). Runs merge only where both sides are contiguous."""
+    lo, hi = heads
+    dlo, dhi = dst_heads
+    if not (0 <= lo < hi <= shape.kv_heads and dlo <= lo and hi <= dhi <= shape.kv_heads):
+        raise ReshardError(
+            f"heads [{lo}, {hi}) outside the destination's heads [{dlo}, {dhi}) of {shape.kv_heads}"
+        )
+    gw = span_geometry(shape, page_size, (0, shape.kv_heads))
+    go = span_geometry(shape, page_size, (dlo, dhi))
+    pat = _pattern(shape, gw, go, np.arange(lo, hi, dtype=np.int64), page_size)
+    assert not pat.src_index.any() and not pat.dst_index.any(), "one page, one page"
+    return np.stack([pat.src_offset, pat.dst_offset, pat.length], axis=1)
 
 
 # --- the reference: slow and obviously correct, for the tests only ---------------------

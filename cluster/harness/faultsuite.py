@@ -53,6 +53,9 @@ Matrix (source x point; cells that cannot happen are not run):
                 PIPELINE_CHUNK): its first part posted, half of it in flight, the rest
                 of the prompt still computing (integrity: the first part corrupted
                 after its checksums, caught by the owner's check of that part)
+    #decode-tp-2 client, prefill, stall, crash and owner-crash @mid-transfer with A decoded by
+                a decode group of two (``--decode-tp 2``): two owners, one answer; the
+                owner-crash row kills one of the two owners
     partition   mid-transfer (two nodes, tcp: the link to the owner's node goes down with the
                 writer's second half in flight; the owner severs the writer at the deadline
                 but, unable to prove a remote writer stopped, keeps the pages quarantined
@@ -70,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import http.client
 import json
 import re
@@ -159,14 +163,15 @@ class Scenario:
     expect_a: str = "error"  # error | any (the client may win the race) | rejected
     group: str = "main"  # which cluster runs it
     prompt: int = PROMPT  # A's prompt length
+    shape: str | None = None  # the row repeats a fault in a cluster of another shape
 
     @property
     def name(self) -> str:
-        return f"{self.source}@{self.point}"
+        return f"{self.source}@{self.point}" + (f"#{self.shape}" if self.shape else "")
 
     @property
     def tag(self) -> str:
-        return f"~{self.source}.{self.point}~"
+        return f"~{self.source}.{self.point}" + (f".{self.shape}" if self.shape else "") + "~"
 
     @property
     def in_flight(self) -> bool:
@@ -334,6 +339,7 @@ def scenarios() -> list[Scenario]:
             group="pipeline-domains",
         )
     )
+    out += decode_group_scenarios()
     # failure domains: a rank dies, the rest serves, it comes back
     for point in CRASH_POINTS:
         out.append(
@@ -379,6 +385,35 @@ def scenarios() -> list[Scenario]:
         )
     )
     return out
+
+
+DECODE_TP = "decode-tp-2"  # the decode-group rows' shape
+
+
+def decode_group_scenarios() -> list[Scenario]:
+    """Faults with A decoded by a decode group of two (``--decode-tp 2``): two owners,
+    each with pages of its own and the writer's sub-request into it, one answer. An abort
+    while the owners wait with a write in flight, a writer that fails, a writer stalled
+    past the deadline, a writer killed, and one of the two owners killed (the other's
+    pages stay quarantined until the writer's in-flight half landed and it acked)."""
+
+    def row(source: str, action: str, group: str, **kw) -> Scenario:
+        sc = Scenario(source, "mid-transfer", (), group=group, shape=DECODE_TP, **kw)
+        return dataclasses.replace(sc, faults=(action.format(tag=sc.tag),))
+
+    stalled = TRANSFER_TIMEOUT + ABORT_DEADLINE + 1
+    return [
+        row(
+            "client",
+            f"at:mid-transfer:pause:{{tag}}:{HOLD_S}",
+            "decode-tp",
+            cancel_after=CLIENT_CANCEL_S,
+        ),
+        row("prefill", f"at:mid-transfer:fail-prefill:{{tag}}:{HOLD_S}", "decode-tp"),
+        row("stall", f"at:mid-transfer:stop:{{tag}}:{stalled}", "decode-tp-stall"),
+        row("crash", "at:mid-transfer:kill:{tag}", "decode-tp-domains"),
+        row("owner-crash", f"at:mid-transfer:pause:{{tag}}:{HOLD_S}", "decode-tp-domains"),
+    ]
 
 
 # ------------------------------------------------------------------ cluster handling
@@ -492,6 +527,30 @@ GROUPS = (
     ),
     Group("reordered-abort", 3, ("--fault", "reorder:ABORT")),
     Group("delayed-abort-ack", 3, ("--fault", f"delay:ABORT_ACK:{ABORT_DEADLINE + 1}")),
+    # decode groups of two (issue 28): router, a prefill rank, one decode group; with two
+    # prefill ranks for the stall; as failure domains, two of each (two decode groups)
+    Group("decode-tp", 4, ("--prefill", "1", "--decode-tp", "2")),
+    Group(
+        "decode-tp-stall",
+        5,
+        ("--prefill", "2", "--decode-tp", "2", "--fault", f"decode-delay:{STALL_STEP_S}"),
+        "--unsafe-release-on-sever",
+    ),
+    Group(
+        "decode-tp-domains",
+        7,
+        (
+            "--prefill",
+            "2",
+            "--decode-tp",
+            "2",
+            "--transports",
+            "tcp",
+            "--abort-deadline",
+            str(DOMAIN_ABORT_DEADLINE),
+        ),
+        domains=(2, 4),
+    ),
     # failure domains: each rank its own torchrun job, restarted when it dies
     Group(
         "domains",
@@ -567,13 +626,17 @@ class Outcome:
     front_door_down_s: float | None = None  # a router crash: until /health answered again
 
     wrong_answer: bool = False  # B answered 200 with bytes that are not its replay
+    # B failed because the members of its decode group read different tokens: one of them
+    # read bytes B never wrote (the group's combine caught it before the client did)
+    members_disagreed: bool = False
     releases: dict[str, float] = field(default_factory=dict)  # by justification, this row
 
     @property
     def leak(self) -> bool:
         """Another request's bytes reached an answer: its marker, or (a tensor-parallel
-        writer's late half, which carries only some KV heads) the victim's replay broken."""
-        return bool(self.foreign) or self.wrong_answer
+        writer's late half, which carries only some KV heads) the victim's replay broken,
+        or the members of the victim's decode group read different tokens."""
+        return bool(self.foreign) or self.wrong_answer or self.members_disagreed
 
     @property
     def passed(self) -> bool:
@@ -706,6 +769,7 @@ def _check_b_and_after(
     ranks the router no longer routes to, see :meth:`LocalCluster.held`), the counters."""
     if out.b_status != 200:
         out.problems.append(f"B: expected 200, got {out.b_status}: {str(body_b)[:200]}")
+        out.members_disagreed = "decode group members disagree" in str(body_b)
     elif body_b.get("text") != expected_replay(pair.prompt_b, PROMPT):
         out.wrong_answer = True
         out.problems.append("B: answered 200 with a wrong replay")
@@ -836,6 +900,7 @@ def run_crash(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: int) -> 
             paused = rf"fault: request (\S+): pause at {sc.point}"
             rid = _logged(out, lambda: tail.wait_for(paused, 30)[1])
             if rid is not None:
+                rid = client_rid(rid)
                 placed = tail.wait_for(
                     rf"request {re.escape(rid)}: .* -> prefill \[(\d+)[^\]]*\], decode (\d+)", 5
                 )
@@ -893,6 +958,11 @@ def run_router_crash(cluster: LocalCluster, sc: Scenario, unsafe: bool, index: i
         out.problems.append(f"nothing logged of request {rid} after the router died")
     out.seconds = time.monotonic() - t0
     return out
+
+
+def client_rid(rid: str) -> str:
+    """The client's request id of a decode group member's request (``rid.1`` -> ``rid``)."""
+    return re.sub(r"\.\d+$", "", rid)
 
 
 def _post_or_lost(cluster: LocalCluster, prompt: str, max_tokens: int):
@@ -1107,15 +1177,16 @@ def _run_group(
 
 
 def _print_skip(sc: Scenario, unsafe: bool, reason: str) -> None:
-    print(f"{sc.name:<26} {'UNSAFE' if unsafe else 'safe':<6} skipped: {reason}", flush=True)
+    print(f"{sc.name:<34} {'UNSAFE' if unsafe else 'safe':<6} skipped: {reason}", flush=True)
 
 
 def _print_row(r: Outcome) -> None:
     mode = "UNSAFE" if r.unsafe else "safe"
     verdict = ("LEAK" if r.leak else "no leak") if r.unsafe else ("pass" if r.passed else "FAIL")
     print(
-        f"{r.scenario:<26} {mode:<6} A={r.a_status!s:<4} B={r.b_status!s:<4} "
-        f"foreign={len(r.foreign):<2}{' (B wrong)' if r.wrong_answer else ''} "
+        f"{r.scenario:<34} {mode:<6} A={r.a_status!s:<4} B={r.b_status!s:<4} "
+        f"foreign={len(r.foreign):<2}{' (B wrong)' if r.wrong_answer else ''}"
+        f"{' (B: members disagree)' if r.members_disagreed else ''} "
         f"held={r.held_after:<4} {r.seconds:5.1f}s  {verdict}"
         + ("" if r.passed or r.unsafe else f"  {'; '.join(r.problems)[:200]}"),
         flush=True,

@@ -22,6 +22,12 @@ Rules kept here:
 - A request is forgotten once it is terminal and no rank holds pages for it.
 - A rank lost (severed, unreachable, exited) aborts the live requests it can still harm:
   those it owns, and those it writes that are not decoding yet.
+- A request decoded by a TP group of owners is one member request per owner, each a
+  protocol instance of its own (its writers, its pages, its quarantine, its acks), bound
+  by a :class:`GroupAnswer`: the client gets token ``i`` once every member has produced
+  it, the same; members that disagree fail the request; any member that ends without
+  ok ends every other (an abort reaching one owner reaches them all, and through their
+  fan-outs every writer); ok once every member finished ok with the same count.
 """
 
 from __future__ import annotations
@@ -101,6 +107,8 @@ class Routed:
     placed: int = 0  # tokens standing in order
     early: dict[int, list[int]] = field(default_factory=dict)  # chunks ahead of a gap
     aborted_at: float | None = None  # when this router fanned the abort out (its clock)
+    group: GroupAnswer | None = None  # a member of a request decoded by a TP group
+    member: int = 0  # its position in the group
 
     @property
     def rid(self) -> str:
@@ -109,6 +117,28 @@ class Routed:
     @property
     def ranks(self) -> list[int]:
         return [self.owner, *self.writers]
+
+
+@dataclass
+class GroupAnswer:
+    """The one answer of a request decoded by a TP group: ``members`` in group order
+    (``members[0]`` stands for the request towards the client), each member's tokens in
+    order so far, and how many the client has."""
+
+    members: list[Any]
+    streams: list[list[int]] = field(default_factory=list)
+    given: int = 0  # tokens the client has
+    finished: set[int] = field(default_factory=set)  # members that finished ok
+    answered: bool = False
+
+    def __post_init__(self) -> None:
+        self.streams = [[] for _ in self.members]
+        for i, routed in enumerate(self.members):
+            routed.group, routed.member = self, i
+
+    @property
+    def lead(self) -> Any:
+        return self.members[0]
 
 
 class RouterWire(Protocol):
@@ -177,9 +207,77 @@ class RouterCore(Generic[R]):
         if routed.deadline is not None:
             routed.deadline.cancel()
         self.ledger.end(routed.rid, routed.ranks)
-        self.ports.client.done(routed, outcome, error)
+        if routed.group is None:
+            self.ports.client.done(routed, outcome, error)
+        else:
+            self._member_ended(routed, outcome, error)
         self.forget_if_released(routed)
         return True
+
+    # ------------------------------------------------------------------ decode groups
+    def _member_ended(self, routed: R, outcome: Answer, error: str | None) -> None:
+        """A member of a group answered: the group is ok once all are, with the same
+        count; one that is not ends the others, and the client hears the first."""
+        group = routed.group
+        assert group is not None
+        if outcome is Answer.OK:
+            group.finished.add(routed.member)
+            if len(group.finished) < len(group.members) or group.answered:
+                return
+            counts = sorted({len(s) for s in group.streams})
+            if counts == [group.given]:
+                self._answer_group(group, Answer.OK, None, None)
+            else:
+                error = f"the decode group's members answered {counts} tokens"
+                self._answer_group(group, Answer.FAILED, error, None)
+            return
+        source = routed.abort_source or AbortSource.PEER
+        reason = f"decode group member {routed.rid} (rank {routed.owner}) ended: {error}"
+        if not group.answered:
+            said = error if routed is group.lead else reason
+            self._answer_group(group, outcome, said, routed.abort_source)
+        for other in group.members:
+            if other is not routed:
+                self.abort(other.rid, source, reason)
+
+    def _answer_group(
+        self, group: GroupAnswer, outcome: Answer, error: str | None, source: AbortSource | None
+    ) -> None:
+        """The client's answer, once: on the lead's record, which the client holds (a
+        lead that finished ok itself still answers what its group came to)."""
+        group.answered = True
+        lead = group.lead
+        lead.outcome, lead.error, lead.abort_source = outcome, error, source
+        self.ports.client.done(lead, outcome, error)
+
+    def _give(self, routed: R, chunk: list[int]) -> None:
+        """Tokens placed in order for ``routed``: to the client, or for a group member,
+        into the group's combine (token ``i`` goes out once every member has it)."""
+        group = routed.group
+        if group is None:
+            self.ports.client.tokens(routed, chunk)
+            return
+        group.streams[routed.member].extend(chunk)
+        upto = min(len(s) for s in group.streams)
+        if upto <= group.given or group.answered:
+            return
+        first = group.streams[0]
+        for other, stream in zip(group.members[1:], group.streams[1:], strict=True):
+            if stream[group.given : upto] != first[group.given : upto]:
+                at = next(i for i in range(group.given, upto) if stream[i] != first[i])
+                self._group_fails(
+                    group,
+                    f"decode group members disagree at token {at}: rank {group.lead.owner} "
+                    f"has {first[at]}, rank {other.owner} has {stream[at]}",
+                )
+                return
+        chunk, group.given = first[group.given : upto], upto
+        self.ports.client.tokens(group.lead, chunk)
+
+    def _group_fails(self, group: GroupAnswer, reason: str) -> None:
+        lead = group.lead
+        if self.live(lead.rid) is not None:
+            self.abort(lead.rid, AbortSource.INTEGRITY, reason)  # the others follow
 
     def abort(self, rid: str, source: AbortSource, reason: str) -> R | None:
         """Abort a live request: ABORT to its writers and owner, answered as the source
@@ -242,7 +340,9 @@ class RouterCore(Generic[R]):
         while routed.placed in routed.early:
             chunk = routed.early.pop(routed.placed)
             routed.placed += len(chunk)
-            self.ports.client.tokens(routed, chunk)
+            self._give(routed, chunk)
+            if not routed.req.live:
+                return routed
         self.complete_if_whole(routed)
         return routed
 

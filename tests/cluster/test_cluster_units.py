@@ -14,7 +14,14 @@ from kvferry.cluster.harness.workload import MARKER_RE, expected_replay, make_pr
 from kvferry.cluster.rendezvous import RankCard, RendezvousError
 from kvferry.cluster.router import Ledger
 from kvferry.cluster.runtime import RankRuntime
-from kvferry.cluster.topology import Role, Topology, TopologyError, group_heads, head_range
+from kvferry.cluster.topology import (
+    HeadSplit,
+    Role,
+    Topology,
+    TopologyError,
+    group_heads,
+    head_range,
+)
 from kvferry.engine.protocol.words import Kind
 from kvferry.engine.tokenizer import encode as tokenize
 from kvferry.transfer import BatchStatus, PeerFailedError, WireError
@@ -71,6 +78,38 @@ def test_group_heads_cover_every_head_once_for_any_pair(tp, kv_heads):
     written = sorted(h for lo_hi in writes if lo_hi for h in range(*lo_hi))
     assert written == list(range(kv_heads))
     assert sum(w is not None for w in writes) == min(tp, kv_heads)
+
+
+def test_topology_decode_groups():
+    t = Topology(world_size=7, prefill=2, decode=4, tp=1, decode_tp=2)
+    assert t.decode_groups == [[3, 4], [5, 6]]
+    assert t.decode_member(6) == (1, 1)
+    with pytest.raises(TopologyError, match="multiple of the decode tensor-parallel size"):
+        Topology(world_size=6, prefill=2, decode=3, decode_tp=2)
+    # the default prefill count leaves whole decode groups
+    assert Topology.for_world(7, None, decode_tp=2).decode == 4
+    assert Topology.for_world(6, None, tp=1, decode_tp=4).decode == 4
+    assert Topology.for_world(8, None, tp=2, decode_tp=3).decode == 3
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("decode_tp", [1, 2, 4])
+@pytest.mark.parametrize("kv_heads", [1, 2, 3, 4, 8])
+def test_head_split_gives_every_owner_each_of_its_heads_from_one_writer(tp, decode_tp, kv_heads):
+    split = HeadSplit(kv_heads, tp, decode_tp)
+    for owner in range(decode_tp):
+        lo, hi = split.owner_heads(owner)
+        got = sorted(h for w in split.writers_of(owner) for h in range(*split.pairs[(w, owner)]))
+        assert got == list(range(lo, hi))  # each head it holds, once
+        for w in split.writers_of(owner):  # a writer writes only heads it holds
+            wlo, whi = head_range(w, tp, kv_heads)
+            plo, phi = split.pairs[(w, owner)]
+            assert wlo <= plo < phi <= whi
+            llo, lhi = split.local_heads(w, owner)
+            assert (llo, lhi) == (plo - lo, phi - lo) and 0 <= llo < lhi <= hi - lo
+    assert {w for w in range(tp) if split.owners_of(w)} == {w for (w, _) in split.pairs}
+    if decode_tp == 1:  # a decode rank of every head: the prefill group's writers
+        assert [split.pairs.get((w, 0)) for w in range(tp)] == list(group_heads(tp, kv_heads))
 
 
 # ---------------------------------------------------------------- wire

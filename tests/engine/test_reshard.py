@@ -28,7 +28,9 @@ from kvferry.engine.reshard import (
     ReshardPlan,
     assign_heads,
     head_span,
+    heads_between_pools,
     normalize,
+    page_runs,
     plan,
     plan_reference,
 )
@@ -497,3 +499,97 @@ def test_torch_pools_reassemble_too():
             flat[remote : remote + n] = data[local : local + n]
     for t in range(tokens):
         assert torch.equal(out[dst_pages[0][t // 32], :, :, t % 32], logical[t])
+
+
+# --- into a member of a decode group: a destination pool holding some of the heads -----
+def _pool(pages: int, layers: int, heads: int, page_size: int, dim: int) -> np.ndarray:
+    return np.zeros((pages, layers, 2, heads, page_size, dim), dtype=np.float32)
+
+
+def _apply(runs: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+    s, d = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
+    for lo, ro, n in runs.tolist():
+        d[ro : ro + n] = s[lo : lo + n]
+
+
+def _tokens_of(pool: np.ndarray, pages: np.ndarray, tokens: int) -> np.ndarray:
+    """``[layers, 2, heads, tokens, dim]``: the prompt's KV read through a page table."""
+    page_size = pool.shape[4]
+    rows = [pool[pages[t // page_size], :, :, :, t % page_size] for t in range(tokens)]
+    return np.stack(rows, axis=3)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(1, 2),  # layers
+    st.integers(1, 5),  # kv heads
+    st.sampled_from([1, 2, 4]),  # decode tp
+    st.sampled_from([2, 4, 8]),  # source page size
+    st.sampled_from([2, 4, 8]),  # destination page size
+    st.integers(1, 40),  # tokens
+    st.data(),
+)
+def test_heads_into_a_decode_members_pool_land_on_its_heads(
+    layers, kv_heads, decode_tp, src_size, dst_size, tokens, data
+):
+    """Runs from a pool of every head into a member's pool of heads ``[dlo, dhi)``: each
+    head of the pair lands at its place among the member's heads, for every token, and
+    nothing else of the member's pool is touched; with equal page sizes, ``page_runs``
+    repeated per page writes the same bytes (tokens past the prompt aside). Broken mode:
+    the same runs planned as if the member held every head put bytes elsewhere."""
+    dim = 3
+    shape = KVShape(layers, kv_heads, dim, 4)
+    member = data.draw(st.integers(0, decode_tp - 1))
+    dlo, dhi = head_span(shape, decode_tp, member)
+    lo = data.draw(st.integers(dlo, dhi - 1))
+    hi = data.draw(st.integers(lo + 1, dhi))
+    src_pages = np.array(
+        data.draw(st.permutations(range(-(-tokens // src_size) + 2)))[: -(-tokens // src_size)]
+    )
+    dst_pages = np.array(
+        data.draw(st.permutations(range(-(-tokens // dst_size) + 2)))[: -(-tokens // dst_size)]
+    )
+    src = (
+        np.arange(
+            (len(src_pages) + 2) * layers * 2 * kv_heads * src_size * dim, dtype=np.float32
+        ).reshape(len(src_pages) + 2, layers, 2, kv_heads, src_size, dim)
+        + 1
+    )
+    dst = _pool(len(dst_pages) + 2, layers, dhi - dlo, dst_size, dim)
+    runs = heads_between_pools(
+        shape, (lo, hi), tokens, (src_size, src_pages), (dst_size, dst_pages), dst_heads=(dlo, dhi)
+    )
+    _apply(runs, src, dst)
+    got = _tokens_of(dst, dst_pages, tokens)
+    want = _tokens_of(src, src_pages, tokens)
+    assert np.array_equal(got[:, :, lo - dlo : hi - dlo], want[:, :, lo:hi])
+    untouched = np.ones(dst.shape, dtype=bool)
+    for t in range(tokens):
+        untouched[dst_pages[t // dst_size], :, :, lo - dlo : hi - dlo, t % dst_size] = False
+    assert not dst[untouched].any()
+    if src_size == dst_size:
+        per_page = _pool(len(dst_pages) + 2, layers, dhi - dlo, dst_size, dim)
+        pattern = page_runs(shape, src_size, (lo, hi), (dlo, dhi))
+        pb_src, pb_dst = src[0].nbytes, per_page[0].nbytes
+        for s_page, d_page in zip(src_pages.tolist(), dst_pages.tolist(), strict=True):
+            shifted = pattern + np.array([s_page * pb_src, d_page * pb_dst, 0])
+            _apply(shifted, src, per_page)
+        assert np.array_equal(_tokens_of(per_page, dst_pages, tokens), got)
+    if (dlo, dhi) != (0, kv_heads):  # broken: planned as if the member held every head
+        wrong = _pool(len(dst_pages) + 2, layers, kv_heads, dst_size, dim)
+        broken = heads_between_pools(
+            shape, (lo, hi), tokens, (src_size, src_pages), (dst_size, dst_pages)
+        )
+        _apply(broken, src, wrong)
+        flat = wrong.reshape(-1)[: dst.size].reshape(dst.shape)
+        assert not np.array_equal(_tokens_of(flat, dst_pages, tokens), got)
+
+
+def test_heads_outside_the_destinations_are_refused():
+    shape = KVShape(1, 4, 8, 2)
+    with pytest.raises(
+        ReshardError, match=r"heads \[1, 3\) outside the destination's heads \[2, 4\)"
+    ):
+        heads_between_pools(shape, (1, 3), 4, (4, [0]), (4, [0]), dst_heads=(2, 4))
+    with pytest.raises(ReshardError, match="outside the destination's heads"):
+        page_runs(shape, 4, (0, 2), (1, 3))

@@ -1,0 +1,185 @@
+"""The router with a decode group of two (``--decode-tp 2``), against a recording runtime:
+one request becomes a member request per owner (``rid``, ``rid.1``), each with its own
+pages and writers; the client gets token ``i`` once both members produced it, the same;
+a member that fails or disagrees ends the other (ABORT to its owner and writers). Broken
+mode: a group whose failing member leaves its sibling running is caught."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_protocol_units import STATS, RecordingRuntime, _card
+
+from kvferry.cluster import messages as m
+from kvferry.cluster.metrics import ClusterMetrics
+from kvferry.cluster.router import Router
+from kvferry.cluster.topology import Topology
+from kvferry.engine.protocol.routing import RouterCore
+from kvferry.engine.protocol.words import Answer
+
+WRITER, OWNER_0, OWNER_1 = 1, 2, 3
+TEXT = "a decode group answers once"
+
+
+def _router() -> tuple[Router, RecordingRuntime]:
+    cards = {0: _card(0, "router"), 1: _card(1, "prefill")}
+    cards |= {r: _card(r, "decode") for r in (OWNER_0, OWNER_1)}
+    rt = RecordingRuntime(rank=0, cards=cards)
+    router = Router(
+        rt,
+        Topology(4, 1, 2, decode_tp=2),
+        cards,
+        context_length=1024,
+        request_timeout_s=30,
+        admission_wait_s=1,
+        metrics=ClusterMetrics(),
+        kv_heads=2,
+    )
+    for r in (WRITER, OWNER_0, OWNER_1):
+        rt.deliver(m.STATS, src=r, **STATS)
+    return router, rt
+
+
+def _tokens(rt, owner: int, rid: str, text: str, offset: int = 0) -> None:
+    rt.deliver(m.TOKENS, src=owner, rid=rid, offset=offset, tokens=list(text.encode()))
+
+
+def _done(rt, owner: int, rid: str, count: int, outcome: str = "finished", error=None) -> None:
+    rt.deliver(
+        m.DONE, src=owner, rid=rid, outcome=outcome, error=error, count=count, transfer_ms=None
+    )
+
+
+def _aborts(rt) -> set[tuple[int, str]]:
+    return {(rank, f["rid"]) for rank, k, f in rt.sent if k == "ABORT"}
+
+
+def test_one_request_per_member_each_with_its_pages_and_writers():
+    async def run():
+        router, rt = _router()
+        routed = await router.submit(TEXT, len(TEXT))
+        assigns = {(rank, f["rid"]): f["writers"] for rank, k, f in rt.sent if k == "ASSIGN"}
+        assert assigns == {(OWNER_0, routed.rid): [WRITER], (OWNER_1, f"{routed.rid}.1"): [WRITER]}
+        prefills = {(rank, f["rid"], f["owner"]) for rank, k, f in rt.sent if k == "PREFILL"}
+        assert prefills == {(WRITER, routed.rid, OWNER_0), (WRITER, f"{routed.rid}.1", OWNER_1)}
+        held = router.ledger.held
+        assert set(held[WRITER]) == {routed.rid, f"{routed.rid}.1"}  # its pages for each
+        assert set(held[OWNER_0]) == {routed.rid} and set(held[OWNER_1]) == {f"{routed.rid}.1"}
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("first", [OWNER_0, OWNER_1])
+def test_the_client_gets_a_token_once_both_members_have_it(first):
+    async def run():
+        router, rt = _router()
+        routed = await router.submit(TEXT, len(TEXT))
+        rids = {OWNER_0: routed.rid, OWNER_1: f"{routed.rid}.1"}
+        second = OWNER_1 if first == OWNER_0 else OWNER_0
+        _tokens(rt, first, rids[first], TEXT)
+        _done(rt, first, rids[first], len(TEXT))
+        assert routed.text == "" and routed.events.empty()  # one member alone: nothing
+        _tokens(rt, second, rids[second], TEXT[:10])
+        assert routed.text == TEXT[:10]
+        _tokens(rt, second, rids[second], TEXT[10:], offset=10)
+        _done(rt, second, rids[second], len(TEXT))
+        assert routed.outcome == Answer.OK and routed.text == TEXT
+        assert _aborts(rt) == set()
+
+    asyncio.run(run())
+
+
+def test_members_that_disagree_fail_the_request_and_both_are_aborted():
+    async def run():
+        router, rt = _router()
+        routed = await router.submit(TEXT, len(TEXT))
+        _tokens(rt, OWNER_0, routed.rid, TEXT)
+        _tokens(rt, OWNER_1, f"{routed.rid}.1", TEXT[:5] + "X" + TEXT[6:])
+        assert routed.outcome == Answer.FAILED
+        assert "members disagree at token 5" in routed.error
+        assert routed.text == ""  # nothing of a stretch the members disagree in
+        rid = routed.rid
+        assert _aborts(rt) == {
+            (OWNER_0, rid),
+            (WRITER, rid),
+            (OWNER_1, f"{rid}.1"),
+            (WRITER, f"{rid}.1"),
+        }
+
+    asyncio.run(run())
+
+
+def _one_member_fails() -> tuple[Router, RecordingRuntime, object]:
+    async def run():
+        router, rt = _router()
+        routed = await router.submit(TEXT, len(TEXT))
+        _done(rt, OWNER_1, f"{routed.rid}.1", 0, outcome="failed", error="integrity: torn")
+        return router, rt, routed
+
+    return asyncio.run(run())
+
+
+def test_a_failing_member_ends_the_other():
+    router, rt, routed = _one_member_fails()
+    assert routed.outcome == Answer.FAILED and "integrity: torn" in routed.error
+    assert (OWNER_0, routed.rid) in _aborts(rt) and (WRITER, routed.rid) in _aborts(rt)
+    assert not any(r.req.live for r in router.requests.values())
+
+
+def test_broken_a_failing_member_that_leaves_its_sibling_running_is_caught(monkeypatch):
+    def answer_only(self, routed, outcome, error):
+        group = routed.group
+        if outcome is not Answer.OK and not group.answered:
+            self._answer_group(group, outcome, error, routed.abort_source)
+
+    monkeypatch.setattr(RouterCore, "_member_ended", answer_only)
+    router, rt, routed = _one_member_fails()
+    assert routed.outcome == Answer.FAILED  # the client is answered ...
+    assert (OWNER_0, routed.rid) not in _aborts(rt)  # ... but the lead's owner never told
+    assert any(r.req.live for r in router.requests.values())
+
+
+def test_the_clients_abort_reaches_every_member():
+    async def run():
+        router, rt = _router()
+        routed = await router.submit(TEXT, len(TEXT))
+        router.abort(routed.rid, "client", "went away")
+        rid = routed.rid
+        assert _aborts(rt) == {
+            (OWNER_0, rid),
+            (WRITER, rid),
+            (OWNER_1, f"{rid}.1"),
+            (WRITER, f"{rid}.1"),
+        }
+        assert routed.outcome == Answer.ABORTED
+
+    asyncio.run(run())
+
+
+def test_a_lead_that_finished_ok_answers_what_its_group_came_to():
+    async def run():
+        router, rt = _router()
+        routed = await router.submit(TEXT, len(TEXT))
+        _tokens(rt, OWNER_0, routed.rid, TEXT)
+        _done(rt, OWNER_0, routed.rid, len(TEXT))
+        _done(rt, OWNER_1, f"{routed.rid}.1", 0, outcome="failed", error="transfer: timeout")
+        events = [routed.events.get_nowait() for _ in range(routed.events.qsize())]
+        assert events[-1][:2] == ("done", Answer.FAILED)
+        assert routed.outcome == Answer.FAILED and "transfer: timeout" in routed.error
+        assert routed.text == ""  # nothing reached the client: the other member had none
+
+    asyncio.run(run())
+
+
+def test_members_that_answer_different_counts_fail():
+    async def run():
+        router, rt = _router()
+        routed = await router.submit(TEXT, len(TEXT))
+        _tokens(rt, OWNER_0, routed.rid, TEXT)
+        _done(rt, OWNER_0, routed.rid, len(TEXT))
+        _tokens(rt, OWNER_1, f"{routed.rid}.1", TEXT[:8])
+        _done(rt, OWNER_1, f"{routed.rid}.1", 8)
+        assert routed.outcome == Answer.FAILED and "[8, 27]" in routed.error
+
+    asyncio.run(run())

@@ -86,12 +86,21 @@ def test_scenario_matrix_covers_every_source_and_point():
     assert "owner-crash@mid-pipeline" in names
     shaped = {f"shape-{source}@mid-transfer" for source in ("client", "prefill", "stall")}
     assert shaped <= names
+    grouped = {
+        f"{source}@mid-transfer#{faultsuite.DECODE_TP}"
+        for source in ("client", "prefill", "stall", "crash", "owner-crash")
+    }  # a decode group of two: abort while waiting, writer failed, stalled, killed;
+    assert grouped <= names  # one of the two owners killed
     assert {s.name for s in scenarios() if unsafe_scenario(s)} >= {
         "tp-stall@mid-transfer",
         "stall@mid-transfer",
         "partition@mid-transfer",
         *pipelined,
         *shaped,
+        *{
+            f"{source}@mid-transfer#{faultsuite.DECODE_TP}"
+            for source in ("client", "prefill", "stall")
+        },
     }
     tags = [s.tag for s in scenarios()]
     assert all(a == b or a not in b for a in tags for b in tags), "no tag contains another"

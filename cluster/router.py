@@ -218,10 +218,7 @@ class Router:
         if self.waiting_for_reports():
             return None
         need_prefill = pages_needed(prompt_len, 0, self.prefill_page_size)
-        owners_per_writer = [
-            max(1, len(self.split.owners_of(w))) if self.split else 1
-            for w in range(self.topology.tp)
-        ]
+        owners_per_writer = self._owners_per_writer()
         decodes = [
             g
             for g in self.topology.decode_groups
@@ -284,6 +281,27 @@ class Router:
                 f"prompt needs {prompt_len} positions, more than a prefill "
                 f"pool can hold ({prefill_cap} tokens)",
             )
+        shares = max(self._owners_per_writer())
+        if shares > 1 and shares * pages_needed(prompt_len, 0, self.prefill_page_size) > (
+            prefill_cap // self.prefill_page_size
+        ):
+            raise AdmissionRejected(
+                rid,
+                prompt_len,
+                max_tokens,
+                self.context_length,
+                prefill_cap // shares,
+                f"prompt needs {prompt_len} positions once for each of the {shares} decode "
+                f"group members a prefill rank writes into, more than a prefill pool can "
+                f"hold ({prefill_cap} tokens)",
+            )
+
+    def _owners_per_writer(self) -> list[int]:
+        """Per prefill group member, the decode group members it writes into: it holds
+        the prompt's pages once for each (their heads in pages of their own)."""
+        if self.split is None:
+            return [1] * self.topology.tp
+        return [max(1, len(self.split.owners_of(w))) for w in range(self.topology.tp)]
 
     async def submit(self, prompt: str, max_tokens: int) -> RoutedRequest:
         """Admit and dispatch; raises AdmissionRejected (400) or Unavailable (503)."""

@@ -29,8 +29,10 @@ in this process on a pool of the same shape), with ``step_over_attention``.
 ``realistic`` (8 layers, 8 KV heads, head dim 128, bf16: 32 KiB a token). ``--prompts``
 with ``--context-length`` serves those prompt lengths instead of the cases below.
 
+``--decode-tp N`` decodes every prompt with a decode group of N members.
+
     python -m kvferry.cluster.harness.longcontext [--only NAME] [--shape S]
-        [--prompts N,N --context-length C] [--log-dir DIR]
+        [--prompts N,N --context-length C] [--decode-tp N] [--log-dir DIR]
 """
 
 from __future__ import annotations
@@ -99,23 +101,32 @@ CASES = (
 
 
 def check_case(
-    case: Case, log_dir: Path, shape: Shape = SHAPES["shrunk"], raw: bool = False
+    case: Case,
+    log_dir: Path,
+    shape: Shape = SHAPES["shrunk"],
+    raw: bool = False,
+    decode_tp: int = 1,
 ) -> list[dict]:
     """Serve every prompt of ``case`` on a fresh cluster; one result per prompt. ``raw``:
-    also time the raw engine write of each served prompt's KV bytes."""
+    also time the raw engine write of each served prompt's KV bytes. ``decode_tp``: the
+    prompt is decoded by a decode group of that many members (each holding its share of
+    the heads: pools of ``decode_tp`` x the context in tokens, as many bytes as one pool of
+    every head; the prefill rank holds the prompt once per member)."""
     args = [
         *shape.args(),
         "--context-length",
         str(case.context_length),
         "--pool-tokens",
-        str(case.context_length),
+        str(case.context_length * decode_tp),
         "--page-size",
         str(case.page_size),
         "--request-timeout",
         "600",
     ]
+    if decode_tp > 1:
+        args += ["--prefill", "1", "--decode-tp", str(decode_tp)]
     (log_dir / case.name).mkdir(parents=True, exist_ok=True)
-    cluster = start(3, args, log_dir / case.name, startup_s=180.0)
+    cluster = start(2 + decode_tp, args, log_dir / case.name, startup_s=180.0)
     results = []
     try:
         lengths = [*case.prompts, case.over_pool]
@@ -140,6 +151,7 @@ def check_case(
                     "bench": "long_context",
                     "case": case.name,
                     "shape": shape.__dict__,
+                    "decode_tp": decode_tp,
                     "context_length": case.context_length,
                     "page_size": case.page_size,
                     "prompt_tokens": length,
@@ -282,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument(
+        "--decode-tp",
+        type=int,
+        default=1,
+        help="decode the prompts with a decode group of this many members (default 1)",
+    )
+    parser.add_argument(
         "--no-raw",
         action="store_true",
         help="skip the raw engine write beside each prompt (and the goal figure)",
@@ -298,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for case in cases:
         if not args.only or case.name in args.only:
-            results += check_case(case, log_dir, shape, raw=not args.no_raw)
+            results += check_case(
+                case, log_dir, shape, raw=not args.no_raw, decode_tp=args.decode_tp
+            )
     failed = [r for r in results if not r["ok"]]
     print(
         json.dumps(

@@ -183,3 +183,20 @@ def test_members_that_answer_different_counts_fail():
         assert routed.outcome == Answer.FAILED and "[8, 27]" in routed.error
 
     asyncio.run(run())
+
+
+def test_a_prompt_whose_shares_cannot_fit_a_prefill_pool_is_refused_before_allocation():
+    """The prefill rank writes into both members, holding the prompt's pages once for
+    each: a prompt over half its pool can never be placed (I1: 400, nothing sent)."""
+    from kvferry.engine.admission import AdmissionRejected
+
+    async def run():
+        router, rt = _router()  # pools of 64 pages of 16 tokens
+        sent = len(rt.sent)
+        with pytest.raises(AdmissionRejected, match="once for each of the 2 decode group"):
+            await router.submit("x" * (33 * 16), 8)
+        assert len(rt.sent) == sent
+        routed = await router.submit("x" * (31 * 16), 8)  # 31 pages twice: fits
+        assert routed.req.live
+
+    asyncio.run(run())

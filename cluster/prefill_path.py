@@ -206,8 +206,9 @@ class Route:
 
 @dataclass(frozen=True)
 class _Runs:
-    """One page's runs of a route (same page size on both sides): in-page offsets at the
-    source and the destination and lengths, ``[r]`` int64 each; the owner's page bytes."""
+    """One page's runs of a route (same page size on both sides): offsets in the page at
+    the source (from the pool's storage) and the destination, and lengths, ``[r]`` int64
+    each; the owner's page bytes."""
 
     src: np.ndarray
     dst: np.ndarray
@@ -249,33 +250,37 @@ class PrefillPath(WritePath):
         # owner rank -> what this writer writes there (default: its heads, into a pool
         # of every head); a writer into a decode group has one route per member
         self._route_of = routes or (lambda owner: Route(head_range, (0, pool.kv_heads)))
-        self._routes: dict[int, _Runs] = {}
-        self.row_bytes = self._runs(self.heads, (0, pool.kv_heads)).row_bytes
+        self._routes: dict[int, Route] = {}  # by owner rank
+        self._page_runs: dict[Route, _Runs] = {}
+        self._src_base = int(pool.kv.storage_offset()) * pool.kv.element_size()
+        self.row_bytes = self._runs(Route(head_range, (0, pool.kv_heads))).row_bytes
 
     # -------------------------------------------------------------- routes
     def route(self, job: WriteJob) -> Route:
         """What this writer writes into the job's owner: which heads, into a pool of which
-        heads."""
-        return self._route_of(job.owner)
+        heads (raises ValueError, naming both, for an owner it writes nothing into)."""
+        route = self._routes.get(job.owner)
+        if route is None:
+            route = self._routes[job.owner] = self._route_of(job.owner)
+        return route
 
-    def _runs(self, heads: tuple[int, int], dst_heads: tuple[int, int]) -> _Runs:
-        key = (*heads, *dst_heads)
-        runs = self._routes.get(key)  # type: ignore[call-overload]
+    def _runs(self, route: Route) -> _Runs:
+        """The route's runs of one page, planned once."""
+        runs = self._page_runs.get(route)
         if runs is None:
             shape = self._kv_shape()
-            pattern = page_runs(shape, self.pool.page_size, heads, dst_heads)
-            dst_page_bytes = span_geometry(shape, self.pool.page_size, dst_heads).page_bytes
-            runs = self._routes[key] = _Runs(  # type: ignore[index]
-                pattern[:, 0].copy(),
+            pattern = page_runs(shape, self.pool.page_size, route.heads, route.dst_heads)
+            dst_bytes = span_geometry(shape, self.pool.page_size, route.dst_heads).page_bytes
+            runs = self._page_runs[route] = _Runs(
+                pattern[:, 0] + self._src_base,
                 pattern[:, 1].copy(),
                 pattern[:, 2].copy(),
-                dst_page_bytes,
+                dst_bytes,
             )
         return runs
 
     def _job_runs(self, job: WriteJob) -> _Runs:
-        r = self.route(job)
-        return self._runs(r.heads, r.dst_heads)
+        return self._runs(self.route(job))
 
     def run_bytes(self, job: WriteJob) -> int:
         return self._job_runs(job).row_bytes

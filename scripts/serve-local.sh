@@ -17,12 +17,13 @@
 #                    answered 503 at once, and every rank has exited when this returns
 # Options after -- go to the ranks (see `kvferry serve --help`), e.g.
 #   scripts/serve-local.sh --nproc 4 -- --prefill 2 --tp 2 --context-length 8192
+#   scripts/serve-local.sh --nproc 5 -- --prefill 2 --tp 2 --decode-tp 2 --kv-heads 4
 #   scripts/serve-local.sh -- --api-key-file key.txt   # the front door wants Bearer <key>
 # The cluster secret: --secret-file FILE after --, or KVFERRY_SECRET_FILE / KVFERRY_SECRET;
 # when none is given, a fresh one is made for this cluster in RUN_DIR/secret (mode 600).
 # Prints the URL on stdout when healthy; exits non-zero, with the log's tail, if it is not.
 set -euo pipefail
-case "${1:-}" in -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+case "${1:-}" in -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 nproc=3; port=8000; run_dir=""; wait_s=120; stop=0; single=0; restarts=3; serve_args=()
 while [ $# -gt 0 ]; do
     case "$1" in

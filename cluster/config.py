@@ -26,6 +26,7 @@ class ServeConfig:
     # protocol
     tp: int = 1
     decode_tp: int = 1  # decode ranks per decode group, each holding its share of the heads
+    kv_replicated: bool = False  # MLA-style: every TP member on both sides holds every head
     prefill: int | None = None
     transports: str | None = None  # UCX transports: "shm", "tcp" or None for UCX's choice
     request_timeout_s: float = 60.0  # front door deadline for one request
@@ -160,8 +161,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.decode_tp,
         help="tensor-parallel size of a decode group: each member holds its share of the KV "
         "heads in a pool of its own (with more members than heads, members share a head) "
-        "and owns its pages; any --tp writes into any --decode-tp. The replay model only: "
-        "a llama decode step would need every head at each layer (default %(default)s)",
+        "and owns its pages; any --tp writes into any --decode-tp. With --model llama only "
+        "with --kv-replicated: a llama decode step needs every head at each layer "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-replicated",
+        action="store_true",
+        help="MLA-style KV, replicated across tensor parallelism: every member of a prefill "
+        "or decode group holds every KV head; each decode member takes the whole KV from one "
+        "prefill member (the others write nothing into it and it waits for none of them), "
+        "and decodes alone, with any model",
     )
     p.add_argument(
         "--transports",

@@ -64,6 +64,7 @@ from .clock import MonotonicClock
 from .decode_path import DecodePath, ReadPath, StepPlan
 from .ports import RankOwnerWire
 from .runtime import RankRuntime
+from .topology import HeadSplit
 
 log = logging.getLogger("kvferry.cluster")
 
@@ -231,16 +232,15 @@ class DecodeRank(RankBooks):
         integrity: bool = True,
         clock: Clock | None = None,
         prefill_tp: int | None = None,
-        decode_member: tuple[int, int, int] | None = None,
+        decode_member: tuple[HeadSplit, int] | None = None,
         **options: Any,
     ) -> DecodeRank:
         """The service's decode rank: ``model`` decodes over ``pool``, whose pages the
         rank's writers (writing members of prefill groups of ``prefill_tp``) fill and whose
         canaries and checksums it checks (I5, unless ``integrity`` is off);
-        ``decode_member`` is (decode_tp, position, the model's KV heads) when the rank is
-        a member of a decode group holding its share of the heads; ``options`` are the
-        rank's own (deadlines, the broken modes, the batch)."""
-        decode_tp, position, model_kv_heads = decode_member or (1, 0, None)
+        ``decode_member`` is (the cluster's head split, this rank's position in its decode
+        group): what it holds and who writes it; ``options`` are the rank's own
+        (deadlines, the broken modes, the batch)."""
         clock = clock or MonotonicClock()
         unsafe = bool(options.get("unsafe", False))
         path = DecodePath(
@@ -252,9 +252,7 @@ class DecodeRank(RankBooks):
             integrity=integrity,
             unsafe=unsafe,
             prefill_tp=prefill_tp,
-            decode_tp=decode_tp,
-            position=position,
-            model_kv_heads=model_kv_heads,
+            member=decode_member,
         )
         return cls(runtime, path, pool, router, clock=clock, **options)
 

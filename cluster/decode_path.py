@@ -148,22 +148,23 @@ class DecodePath(ReadPath):
         integrity: bool = True,
         unsafe: bool = False,
         prefill_tp: int | None = None,
-        decode_tp: int = 1,
-        position: int = 0,
-        model_kv_heads: int | None = None,
+        member: tuple[HeadSplit, int] | None = None,
     ) -> None:
         self.rt = runtime
         self.prefill_tp = prefill_tp  # the prefill groups' size (None: every writer listed)
-        # this rank's place in its decode group: it holds HeadSplit.owner_heads(position)
-        # of the model's kv_heads, the pool's own kv_heads
-        self.decode_tp, self.position = decode_tp, position
-        self.model_kv_heads = model_kv_heads or pool.kv_heads
-        held = HeadSplit(self.model_kv_heads, 1, decode_tp).owner_heads(position)
-        if held[1] - held[0] != pool.kv_heads:
-            raise ValueError(
-                f"member {position} of a decode group of {decode_tp} holds heads {held} of "
-                f"{self.model_kv_heads}, but its pool has {pool.kv_heads} KV heads"
-            )
+        # this rank's place in its decode group: it holds split.owner_heads(position) of
+        # the model's heads, its pool's own kv_heads (None: every head, one writer group
+        # of prefill_tp)
+        self.split: HeadSplit | None = member[0] if member else None
+        self.position = member[1] if member else 0
+        if self.split is not None:
+            held = self.split.owner_heads(self.position)
+            if held[1] - held[0] != pool.kv_heads:
+                raise ValueError(
+                    f"member {self.position} of a decode group of {self.split.decode_tp} "
+                    f"holds heads {held} of {self.split.kv_heads}, but its pool has "
+                    f"{pool.kv_heads} KV heads"
+                )
         self.model = model
         self.pool = pool
         self.router = router
@@ -281,7 +282,7 @@ class DecodePath(ReadPath):
         order and numbered in it: the members of a prefill group of ``prefill_tp`` that
         write into this member of its decode group (members sharing a head with an
         earlier one write nothing and are not listed: :class:`.topology.HeadSplit`)."""
-        split = HeadSplit(self.model_kv_heads, self.prefill_tp or writers, self.decode_tp)
+        split = self.split or HeadSplit(self.pool.kv_heads, self.prefill_tp or writers)
         return [split.local_heads(w, self.position) for w in split.writers_of(self.position)]
 
     def writers_mismatch(self, req: OwnedRequest) -> str | None:

@@ -80,7 +80,7 @@ from .store import (
     spec_of,
 )
 from .supervise import fork_rank
-from .topology import Role, Topology, head_range
+from .topology import HeadSplit, Role, Topology
 from .wakeup import EngineWaker
 
 log = logging.getLogger("kvferry.cluster")
@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         if role is not Role.ROUTER:
             held = None  # a decode group's member holds its share of the heads
             if role is Role.DECODE:
-                lo, hi = topology.split(cfg.kv_heads).owner_heads(topology.decode_member(rank)[1])
+                split = topology.split(cfg.kv_heads, cfg.kv_replicated)
+                lo, hi = split.owner_heads(topology.decode_member(rank)[1])
                 held = hi - lo
             model = build_model(cfg, kv_heads=held)
             pcfg = pool_config(cfg, model, prefill=role is Role.PREFILL)
@@ -372,18 +373,19 @@ def serve_worker(
     worker: PrefillRank | DecodeRank
     if role is Role.PREFILL:
         _, index = topology.group_of(runtime.rank)
+        split = topology.split(model.kv_heads, cfg.kv_replicated)
         worker = PrefillRank.serving(
             runtime,
             model,
             pool,
             segment,
-            head_range(index, cfg.tp, model.kv_heads),
+            split.writer_heads(index),
             router,
             unsafe=cfg.unsafe_free_on_abort,
             max_batch_bytes=batch_bound(cfg.abort_deadline_s),
             batch_target_s=cfg.abort_deadline_s / 10,
             integrity=cfg.integrity,
-            routes=write_routes(topology, index, model.kv_heads),
+            routes=write_routes(topology, split, index),
         )
         # the owners' pools mapped now, not by the first request's first write
         runtime.open_segments(r for r, card in runtime.cards.items() if card.role is Role.DECODE)
@@ -399,7 +401,10 @@ def serve_worker(
             unsafe=cfg.unsafe_free_on_abort,
             release_on_sever=cfg.unsafe_release_on_sever,
             prefill_tp=cfg.tp,
-            decode_member=(cfg.decode_tp, topology.decode_member(runtime.rank)[1], cfg.kv_heads),
+            decode_member=(
+                topology.split(cfg.kv_heads, cfg.kv_replicated),
+                topology.decode_member(runtime.rank)[1],
+            ),
         )
     runtime.set_handlers(
         {**worker.handlers, Kind.SHUTDOWN: lambda msg: stop.set("SHUTDOWN from the router")},
@@ -412,10 +417,9 @@ def serve_worker(
     return 0
 
 
-def write_routes(topology: Topology, position: int, kv_heads: int) -> Callable[[int], Route]:
+def write_routes(topology: Topology, split: HeadSplit, position: int) -> Callable[[int], Route]:
     """For prefill member ``position``: what it writes into a decode rank (the heads of
-    their pair in :class:`~.topology.HeadSplit`, into that member's share)."""
-    split = topology.split(kv_heads)
+    their pair in ``split``, into that member's share)."""
 
     def route(owner: int) -> Route:
         member = topology.decode_member(owner)[1]
@@ -423,8 +427,8 @@ def write_routes(topology: Topology, position: int, kv_heads: int) -> Callable[[
         if heads is None:
             raise ValueError(
                 f"prefill member {position} of {topology.tp} writes nothing into decode "
-                f"member {member} of {topology.decode_tp} (rank {owner}) for {kv_heads} KV "
-                f"heads; its writers are members {split.writers_of(member)}"
+                f"member {member} of {topology.decode_tp} (rank {owner}) for {split.kv_heads} "
+                f"KV heads; its writers are members {split.writers_of(member)}"
             )
         return Route(heads, split.owner_heads(member))
 
@@ -522,6 +526,7 @@ async def serve_router(
         metrics=metrics,
         fence_severed=cfg.fence_severed,
         kv_heads=cfg.kv_heads,
+        kv_replicated=cfg.kv_replicated,
     )
     for row in router.capacity_table():
         metrics.capacity.labels(str(row["rank"]), row["role"]).set(row["capacity_tokens"])

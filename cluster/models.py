@@ -14,12 +14,12 @@ def build_model(cfg: ServeConfig, kv_heads: int | None = None) -> PagedModel:
     model is seeded, so prefill and decode ranks compute consistent KV. ``kv_heads``: the
     heads a member of a decode group holds (default all of ``cfg.kv_heads``); only the
     replay model splits its decode (each head answers alone, the router combines)."""
-    if cfg.model != "replay" and cfg.decode_tp > 1:
+    if cfg.model != "replay" and cfg.decode_tp > 1 and not cfg.kv_replicated:
         raise ValueError(
             f"--decode-tp {cfg.decode_tp} with --model {cfg.model}: a llama decode step needs "
             "the attention of every KV head at each layer (an all-reduce across the decode "
-            "group), which kvferry's decode ranks do not run; use --model replay or "
-            "--decode-tp 1"
+            "group), which kvferry's decode ranks do not run; use --model replay, "
+            "--decode-tp 1, or --kv-replicated (every member holds every head)"
         )
     if cfg.model == "replay":
         return ReplayModel(

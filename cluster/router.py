@@ -133,11 +133,12 @@ class Router:
         clock: Clock | None = None,
         fence_severed: FencePolicy = FencePolicy.RESTART,
         kv_heads: int | None = None,
+        kv_replicated: bool = False,
     ) -> None:
         self.rt = runtime
         # the model's KV heads: the members of a prefill group that write them (None: all)
         self.kv_heads = kv_heads
-        self.split = topology.split(kv_heads) if kv_heads is not None else None
+        self.split = topology.split(kv_heads, kv_replicated) if kv_heads is not None else None
         self.fence_severed = fence_severed
         self.clock = clock or MonotonicClock()  # the time the router's rules read
         self.topology = topology
@@ -244,10 +245,10 @@ class Router:
         group = max(
             groups, key=lambda g: (min(self.ledger.free(r) for r in g), -(turn % len(groups)))
         )
-        if self.kv_heads is None:
+        if self.split is None:
             return [(owner, list(group)) for owner in owners]
         return [
-            (owner, self.topology.writers_in(group, self.kv_heads, position))
+            (owner, [group[w] for w in self.split.writers_of(position)])
             for position, owner in enumerate(owners)
         ]
 

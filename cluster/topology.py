@@ -37,11 +37,15 @@ class HeadSplit:
     """How a request's KV heads go from a prefill group of ``tp`` members into a decode
     group of ``decode_tp`` members (:func:`kvferry.engine.reshard.assign_heads`): each
     (writer position, owner position) pair that exchanges bytes carries one contiguous
-    range of heads. With ``decode_tp == 1`` this is :func:`group_heads`."""
+    range of heads. With ``decode_tp == 1`` this is :func:`group_heads`. ``replicated``:
+    the KV is replicated across TP (MLA's latent cache): every member on both sides holds
+    every head, and each decode member takes all of it from one prefill member (the
+    others write nothing into it, and it waits for no other)."""
 
     kv_heads: int
     tp: int = 1
     decode_tp: int = 1
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         if min(self.kv_heads, self.tp, self.decode_tp) < 1:
@@ -54,7 +58,7 @@ class HeadSplit:
     def pairs(self) -> dict[tuple[int, int], tuple[int, int]]:
         """``(writer position, owner position) -> (lo, hi)``: the heads the writer writes
         into that owner, in the model's numbering."""
-        shape = KVShape(1, self.kv_heads, 1, 1)
+        shape = self._shape
         out = {}
         for pair, heads in assign_heads(
             shape, PoolLayout(self.tp, 1), PoolLayout(self.decode_tp, 1)
@@ -64,9 +68,17 @@ class HeadSplit:
             out[pair] = (lo, hi)
         return out
 
+    @property
+    def _shape(self) -> KVShape:
+        return KVShape(1, self.kv_heads, 1, 1, replicated=self.replicated)
+
     def owner_heads(self, position: int) -> tuple[int, int]:
         """The heads ``[lo, hi)`` decode member ``position`` holds in its pool."""
-        return head_span(KVShape(1, self.kv_heads, 1, 1), self.decode_tp, position)
+        return head_span(self._shape, self.decode_tp, position)
+
+    def writer_heads(self, position: int) -> tuple[int, int]:
+        """The heads ``[lo, hi)`` prefill member ``position`` holds and computes."""
+        return head_span(self._shape, self.tp, position)
 
     def writers_of(self, owner: int) -> list[int]:
         """The positions of the prefill members that write into decode member ``owner``,
@@ -193,13 +205,15 @@ class Topology:
         ranks = self.decode_ranks
         return [ranks[i : i + self.decode_tp] for i in range(0, len(ranks), self.decode_tp)]
 
-    def split(self, kv_heads: int) -> HeadSplit:
-        return HeadSplit(kv_heads, self.tp, self.decode_tp)
+    def split(self, kv_heads: int, replicated: bool = False) -> HeadSplit:
+        return HeadSplit(kv_heads, self.tp, self.decode_tp, replicated)
 
-    def writers_in(self, group: list[int], kv_heads: int, owner_position: int = 0) -> list[int]:
+    def writers_in(
+        self, group: list[int], kv_heads: int, owner_position: int = 0, replicated: bool = False
+    ) -> list[int]:
         """The members of prefill ``group`` that write a request's KV into decode member
         ``owner_position`` (see :class:`HeadSplit`)."""
-        return [group[w] for w in self.split(kv_heads).writers_of(owner_position)]
+        return [group[w] for w in self.split(kv_heads, replicated).writers_of(owner_position)]
 
     def decode_member(self, rank: int) -> tuple[int, int]:
         """(group index, position in the group) of a decode rank."""

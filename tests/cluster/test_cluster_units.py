@@ -112,6 +112,18 @@ def test_head_split_gives_every_owner_each_of_its_heads_from_one_writer(tp, deco
         assert [split.pairs.get((w, 0)) for w in range(tp)] == list(group_heads(tp, kv_heads))
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("decode_tp", [1, 2, 4])
+def test_replicated_kv_gives_each_owner_every_head_from_one_writer(tp, decode_tp):
+    split = HeadSplit(1, tp, decode_tp, replicated=True)
+    for owner in range(decode_tp):
+        assert split.owner_heads(owner) == (0, 1)
+        assert split.writers_of(owner) == [owner * tp // decode_tp]
+        assert split.local_heads(owner * tp // decode_tp, owner) == (0, 1)
+    assert all(split.writer_heads(w) == (0, 1) for w in range(tp))
+    assert sum(len(split.owners_of(w)) for w in range(tp)) == decode_tp  # one copy each
+
+
 # ---------------------------------------------------------------- wire
 HEADER = dict(src=3, inc=(1 << 64) - 1, seq=7)
 

@@ -56,6 +56,9 @@ Matrix (source x point; cells that cannot happen are not run):
     #decode-tp-2 client, prefill, stall, crash and owner-crash @mid-transfer with A decoded by
                 a decode group of two (``--decode-tp 2``): two owners, one answer; the
                 owner-crash row kills one of the two owners
+    #kv-replicated client @mid-transfer between groups of two holding replicated KV
+                (``--kv-replicated``): each owner written by one member, waiting for
+                no other
     partition   mid-transfer (two nodes, tcp: the link to the owner's node goes down with the
                 writer's second half in flight; the owner severs the writer at the deadline
                 but, unable to prove a remote writer stopped, keeps the pages quarantined
@@ -388,6 +391,7 @@ def scenarios() -> list[Scenario]:
 
 
 DECODE_TP = "decode-tp-2"  # the decode-group rows' shape
+KV_REPLICATED = "kv-replicated"  # MLA-style KV: every member holds every head
 
 
 def decode_group_scenarios() -> list[Scenario]:
@@ -395,10 +399,11 @@ def decode_group_scenarios() -> list[Scenario]:
     each with pages of its own and the writer's sub-request into it, one answer. An abort
     while the owners wait with a write in flight, a writer that fails, a writer stalled
     past the deadline, a writer killed, and one of the two owners killed (the other's
-    pages stay quarantined until the writer's in-flight half landed and it acked)."""
+    pages stay quarantined until the writer's in-flight half landed and it acked); and
+    an abort between groups of two that hold replicated KV."""
 
-    def row(source: str, action: str, group: str, **kw) -> Scenario:
-        sc = Scenario(source, "mid-transfer", (), group=group, shape=DECODE_TP, **kw)
+    def row(source: str, action: str, group: str, shape: str = DECODE_TP, **kw) -> Scenario:
+        sc = Scenario(source, "mid-transfer", (), group=group, shape=shape, **kw)
         return dataclasses.replace(sc, faults=(action.format(tag=sc.tag),))
 
     stalled = TRANSFER_TIMEOUT + ABORT_DEADLINE + 1
@@ -413,6 +418,13 @@ def decode_group_scenarios() -> list[Scenario]:
         row("stall", f"at:mid-transfer:stop:{{tag}}:{stalled}", "decode-tp-stall"),
         row("crash", "at:mid-transfer:kill:{tag}", "decode-tp-domains"),
         row("owner-crash", f"at:mid-transfer:pause:{{tag}}:{HOLD_S}", "decode-tp-domains"),
+        row(
+            "client",
+            f"at:mid-transfer:pause:{{tag}}:{HOLD_S}",
+            "kv-replicated",
+            KV_REPLICATED,
+            cancel_after=CLIENT_CANCEL_S,
+        ),
     ]
 
 
@@ -535,6 +547,13 @@ GROUPS = (
         5,
         ("--prefill", "2", "--decode-tp", "2", "--fault", f"decode-delay:{STALL_STEP_S}"),
         "--unsafe-release-on-sever",
+    ),
+    # replicated KV: groups of two on both sides, each decode member written by one
+    # prefill member, the other assigned nothing
+    Group(
+        "kv-replicated",
+        5,
+        ("--prefill", "2", "--tp", "2", "--decode-tp", "2", "--kv-heads", "1", "--kv-replicated"),
     ),
     Group(
         "decode-tp-domains",

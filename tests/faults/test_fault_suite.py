@@ -91,6 +91,7 @@ def test_scenario_matrix_covers_every_source_and_point():
         for source in ("client", "prefill", "stall", "crash", "owner-crash")
     }  # a decode group of two: abort while waiting, writer failed, stalled, killed;
     assert grouped <= names  # one of the two owners killed
+    assert f"client@mid-transfer#{faultsuite.KV_REPLICATED}" in names
     assert {s.name for s in scenarios() if unsafe_scenario(s)} >= {
         "tp-stall@mid-transfer",
         "stall@mid-transfer",

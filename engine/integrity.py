@@ -167,12 +167,40 @@ def page_checksums_native(kv: torch.Tensor, pages: torch.Tensor | Sequence[int])
     return out
 
 
+GATHER_BYTES = 32 << 20  # pages copied dense at a time for the native checksum
+
+
 def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """One int64 checksum per listed page (``[n]``, on kv's device); see the module doc.
-    Native on CPU pools it takes (:func:`native_supports`), else the torch reference."""
+    Native on CPU pools it takes (:func:`native_supports`); native on a dense copy for
+    CPU views whose pages are not dense inside (:func:`page_checksums_gathered`); else
+    the torch reference."""
     if native_supports(kv):
         return page_checksums_native(kv, pages)
+    if native_supports(kv[:1].contiguous()):
+        return page_checksums_gathered(kv, pages)
     return page_checksums_reference(kv, pages)
+
+
+def page_checksums_gathered(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """:func:`page_checksums_reference`'s values for a CPU view whose pages are not dense
+    inside (a writer's share of the heads, ``pool[:, :, :, lo:hi]``): the listed pages are
+    copied into a dense buffer, ``GATHER_BYTES`` at a time, and checksummed natively. The
+    values are the same, since the checksum reads a page's elements in their logical
+    order. Pages outside the pool raise IndexError."""
+    pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).to("cpu")
+    out = torch.empty(pages.numel(), dtype=torch.int64)
+    if pages.numel() == 0:
+        return out
+    if bool(((pages < 0) | (pages >= kv.shape[0])).any()):
+        raise IndexError(f"pages outside [0, {kv.shape[0]})")
+    per_chunk = max(1, GATHER_BYTES // max(1, kv[0].numel() * kv.element_size()))
+    for start in range(0, pages.numel(), per_chunk):
+        dense = kv[pages[start : start + per_chunk]].contiguous()  # a gather, then dense
+        out[start : start + per_chunk] = page_checksums_native(
+            dense, torch.arange(dense.shape[0], dtype=torch.int64)
+        )
+    return out
 
 
 # --- canaries ------------------------------------------------------------------------

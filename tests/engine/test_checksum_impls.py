@@ -7,7 +7,8 @@ Cases: random bytes viewed as float32, bfloat16, float16, int8 and uint8; page s
 hit the word path and the byte path (byte counts not a multiple of 4), the native
 blocks' edges (16-word groups, 4096-word blocks) and their tails; page lists with repeats;
 pools that are views with any page stride, offsets that leave words unaligned, and pages
-that are not dense inside (the public function then falls back to the reference).
+that are not dense inside (a writer's share of the heads, a transposed page), which the
+public function checksums natively on a dense copy of the listed pages.
 
 The comparison is shown to work: a reference with one bit of its word mask dropped, and
 a native call that leaves out a page's last word, are each caught by the same strategy
@@ -191,7 +192,50 @@ def test_largest_words_over_many_blocks():
     assert mismatches(big, [0], without_triton(), page_checksums_reference) == []
 
 
-def test_pages_not_dense_inside_fall_back_to_the_reference():
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(DTYPES),
+    st.integers(1, 3),  # layers
+    st.integers(1, 5),  # heads
+    st.sampled_from([1, 3, 16]),  # page size
+    st.sampled_from([1, 5, 32]),  # head dim
+    st.data(),
+)
+def test_a_share_of_the_heads_is_checksummed_natively_on_a_dense_copy(
+    dtype, layers, heads, page, dim, data
+):
+    """A writer's heads ``pool[:, :, :, lo:hi]``: pages not dense inside, so the public
+    function copies the listed pages dense (in chunks) and runs the native checksum; the
+    values are the reference's."""
+    lo = data.draw(st.integers(0, heads - 1))
+    hi = data.draw(st.integers(lo + 1, heads))
+    size = torch.empty(0, dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
+    raw = torch.randint(0, 256, (6, layers, 2, heads, page, dim * size), generator=gen)
+    view = raw.to(torch.uint8).view(dtype)[:, :, :, lo:hi]
+    pages = data.draw(st.lists(st.integers(0, 5), max_size=10))
+    impls = {"gathered": integrity.page_checksums_gathered, "public": page_checksums}
+    assert mismatches(view, pages, impls, page_checksums_reference) == []
+
+
+def test_the_gathered_checksum_across_chunks_and_its_broken_mode_is_caught(monkeypatch):
+    """Chunks of one page each give the same values; a gather that loses the pages'
+    order (sorted, repeats dropped) is caught by the same comparison."""
+    pool = make_pool(5, torch.float32, 6, 2 * 2 * 3 * 4 * 8, 0, 0, "random")
+    view = pool.reshape(6, 2, 2, 3, 4, 8)[:, :, :, 1:3]
+    pages = [4, 0, 4, 2]
+    monkeypatch.setattr(integrity, "GATHER_BYTES", 1)
+    impls = {"gathered": integrity.page_checksums_gathered, "public": page_checksums}
+    assert mismatches(view, pages, impls, page_checksums_reference) == []
+    real = integrity.page_checksums_gathered
+
+    def broken(kv, listed):
+        return real(kv, sorted(set(listed)) + [0] * (len(listed) - len(set(listed))))
+
+    assert mismatches(view, pages, {"broken": broken}, page_checksums_reference) == ["broken"]
+
+
+def test_pages_not_dense_inside_are_checksummed_on_a_dense_copy():
     kv = make_pool(3, torch.float32, 4, 48, 0, 0, "random").reshape(4, 6, 8).transpose(1, 2)
     assert not integrity.native_supports(kv)
     assert torch.equal(page_checksums(kv, [3, 3, 1]), page_checksums_reference(kv, [3, 3, 1]))

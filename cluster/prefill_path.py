@@ -242,7 +242,6 @@ class PrefillPath(WritePath):
         self.model = model
         self.pool = pool
         self.segment = segment
-        self.heads = head_range
         self.clock = clock
         self.integrity = integrity
         self.prefill_slice_s = prefill_slice_s
@@ -253,7 +252,6 @@ class PrefillPath(WritePath):
         self._routes: dict[int, Route] = {}  # by owner rank
         self._page_runs: dict[Route, _Runs] = {}
         self._src_base = int(pool.kv.storage_offset()) * pool.kv.element_size()
-        self.row_bytes = self._runs(Route(head_range, (0, pool.kv_heads))).row_bytes
 
     # -------------------------------------------------------------- routes
     def route(self, job: WriteJob) -> Route:

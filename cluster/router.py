@@ -136,8 +136,8 @@ class Router:
         kv_replicated: bool = False,
     ) -> None:
         self.rt = runtime
-        # the model's KV heads: the members of a prefill group that write them (None: all)
-        self.kv_heads = kv_heads
+        # who writes which heads into which decode member (None: every member of a
+        # prefill group writes into a decode rank of every head)
         self.split = topology.split(kv_heads, kv_replicated) if kv_heads is not None else None
         self.fence_severed = fence_severed
         self.clock = clock or MonotonicClock()  # the time the router's rules read

@@ -24,20 +24,13 @@ class Role(enum.StrEnum):
     DECODE = "decode"
 
 
-def head_range(position: int, group_size: int, kv_heads: int) -> tuple[int, int]:
-    """The KV heads ``[lo, hi)`` that member ``position`` of a prefill group of
-    ``group_size`` holds and computes: ``kv_heads / group_size`` each when that divides,
-    else some hold one more; with more members than heads, consecutive members hold the
-    same one head (replicated GQA). See :func:`kvferry.engine.reshard.head_span`."""
-    return head_span(KVShape(1, kv_heads, 1, 1), group_size, position)
-
-
 @dataclass(frozen=True)
 class HeadSplit:
     """How a request's KV heads go from a prefill group of ``tp`` members into a decode
     group of ``decode_tp`` members (:func:`kvferry.engine.reshard.assign_heads`): each
     (writer position, owner position) pair that exchanges bytes carries one contiguous
-    range of heads. With ``decode_tp == 1`` this is :func:`group_heads`. ``replicated``:
+    range of heads; with ``decode_tp == 1``, writers that share a head with an earlier
+    member (``tp`` above the heads) write nothing and are no writers at all. ``replicated``:
     the KV is replicated across TP (MLA's latent cache): every member on both sides holds
     every head, and each decode member takes all of it from one prefill member (the
     others write nothing into it, and it waits for no other)."""
@@ -94,18 +87,6 @@ class HeadSplit:
         lo, hi = self.pairs[(writer, owner)]
         base = self.owner_heads(owner)[0]
         return lo - base, hi - base
-
-
-@functools.cache
-def group_heads(group_size: int, kv_heads: int) -> tuple[tuple[int, int] | None, ...]:
-    """Per member of a prefill group, the KV heads ``[lo, hi)`` it writes into a decode
-    rank (which holds every head), or None for a member that writes nothing: where
-    members share a head (more members than heads), the first member holding it writes
-    it, and the others are no writers of the request at all (the router sends them
-    nothing and no owner waits for them). Every head is written by exactly one member
-    (:func:`kvferry.engine.reshard.assign_heads`, into one decode rank)."""
-    pairs = HeadSplit(kv_heads, group_size, 1).pairs
-    return tuple(pairs.get((member, 0)) for member in range(group_size))
 
 
 class TopologyError(ValueError):
@@ -194,7 +175,7 @@ class Topology:
 
     @property
     def prefill_groups(self) -> list[list[int]]:
-        """Each group's ranks, in TP order (member i holds heads ``head_range(i, tp, H)``)."""
+        """Each group's ranks, in TP order (member i holds ``HeadSplit.writer_heads(i)``)."""
         ranks = self.prefill_ranks
         return [ranks[i : i + self.tp] for i in range(0, len(ranks), self.tp)]
 
@@ -207,13 +188,6 @@ class Topology:
 
     def split(self, kv_heads: int, replicated: bool = False) -> HeadSplit:
         return HeadSplit(kv_heads, self.tp, self.decode_tp, replicated)
-
-    def writers_in(
-        self, group: list[int], kv_heads: int, owner_position: int = 0, replicated: bool = False
-    ) -> list[int]:
-        """The members of prefill ``group`` that write a request's KV into decode member
-        ``owner_position`` (see :class:`HeadSplit`)."""
-        return [group[w] for w in self.split(kv_heads, replicated).writers_of(owner_position)]
 
     def decode_member(self, rank: int) -> tuple[int, int]:
         """(group index, position in the group) of a decode rank."""

@@ -130,12 +130,17 @@ def _native() -> tuple[Any, Any] | None:
 def native_supports(kv: torch.Tensor) -> bool:
     """True when :func:`page_checksums` runs the native checksum on ``kv``: a CPU pool
     ``[pages, ...]`` with each page dense inside (pages at any stride), module built."""
+    return _native_reads(kv) and kv[0].is_contiguous()
+
+
+def _native_reads(kv: torch.Tensor) -> bool:
+    """A CPU pool ``[pages, ...]`` whose pages the native checksum can read, in place when
+    each is dense inside, else from a dense copy (:func:`page_checksums_gathered`)."""
     return (
         kv.device.type == "cpu"
         and kv.layout == torch.strided
         and kv.dim() > 0
         and kv.shape[0] > 0
-        and kv[0].is_contiguous()
         and _native() is not None
     )
 
@@ -177,7 +182,7 @@ def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> tor
     the torch reference."""
     if native_supports(kv):
         return page_checksums_native(kv, pages)
-    if native_supports(kv[:1].contiguous()):
+    if _native_reads(kv):
         return page_checksums_gathered(kv, pages)
     return page_checksums_reference(kv, pages)
 

@@ -137,18 +137,6 @@ def check_pool_shape(kv: torch.Tensor, layers: int, kv_heads: int, head_dim: int
         )
 
 
-def coalesce_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Merge byte runs ``(offset, nbytes)`` that touch. Of :meth:`KVPool.head_slice_runs`:
-    a writer of every head copies each page as one run instead of one per (layer, K/V)."""
-    out: list[tuple[int, int]] = []
-    for off, n in runs:
-        if out and out[-1][0] + out[-1][1] == off:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((off, n))
-    return out
-
-
 def expandable_segments_requested(settings: str) -> bool:
     """Whether allocator settings (``PYTORCH_ALLOC_CONF`` syntax) turn expandable
     segments on."""
@@ -325,22 +313,6 @@ class KVPool:
         self._check_page(page)
         base = int(self.kv.storage_offset()) * self.kv.element_size()
         return base + page * self.page_bytes, self.page_bytes
-
-    def head_slice_runs(self, page: int, head_lo: int, head_hi: int) -> list[tuple[int, int]]:
-        """Byte runs ``(offset, nbytes)`` inside kv's storage of heads ``[head_lo, head_hi)``
-        of one page: one run per (layer, K/V), in layer-major, K-then-V order."""
-        self._check_page(page)
-        if not 0 <= head_lo < head_hi <= self.kv_heads:
-            raise ValueError(f"head range [{head_lo}, {head_hi}) outside [0, {self.kv_heads})")
-        esize = self.kv.element_size()
-        s0, s1, s2, s3 = (self.kv.stride(i) * esize for i in range(4))
-        base = int(self.kv.storage_offset()) * esize + page * s0 + head_lo * s3
-        nbytes = (head_hi - head_lo) * s3
-        return [
-            (base + layer * s1 + kv_index * s2, nbytes)
-            for layer in range(self.layers)
-            for kv_index in range(2)
-        ]
 
     def _check_page(self, page: int) -> None:
         if not 0 <= page < self.num_pages:

@@ -21,9 +21,9 @@ the rank's own (ranks with more heads have bigger pages).
 **Which heads a rank holds** (:func:`head_span`), for ``K = kv_heads`` over ``tp`` ranks:
 
 - split, ``tp <= K``: rank ``r`` holds ``[r*K // tp, (r+1)*K // tp)``; contiguous ranges
-  that cover every head once. When ``tp`` divides ``K`` that is
-  :func:`kvferry.cluster.topology.head_range` (``K/tp`` heads each); when it does not,
-  some ranks hold one head more (``K=3, tp=2``: ``[0, 1)`` and ``[1, 3)``).
+  that cover every head once: ``K/tp`` heads each when ``tp`` divides ``K`` (the
+  cluster's ``HeadSplit`` uses this span on both sides); when it does not, some ranks
+  hold one head more (``K=3, tp=2``: ``[0, 1)`` and ``[1, 3)``).
 - replicated GQA, ``tp > K``: rank ``r`` holds the one head ``r*K // tp``; consecutive
   ranks share a head (``K=2, tp=4``: heads 0, 0, 1, 1), as vLLM partitions GQA weights
   and as its NixlConnector reads them (``_physical_head_range``).

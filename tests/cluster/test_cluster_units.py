@@ -19,8 +19,6 @@ from kvferry.cluster.topology import (
     Role,
     Topology,
     TopologyError,
-    group_heads,
-    head_range,
 )
 from kvferry.engine.protocol.words import Kind
 from kvferry.engine.tokenizer import encode as tokenize
@@ -60,21 +58,25 @@ def test_topology_refuses_bad_shapes(kwargs):
         (4, 1, [(0, 1), None, None, None]),
     ],
 )
-def test_group_heads_every_head_written_once(tp, kv_heads, writes):
-    assert list(group_heads(tp, kv_heads)) == writes
+def test_a_prefill_group_writes_every_head_into_one_decode_rank_once(tp, kv_heads, writes):
+    split = HeadSplit(kv_heads, tp)
+    assert _writes(split) == writes
     written = [h for lo_hi in writes if lo_hi for h in range(*lo_hi)]
     assert written == list(range(kv_heads))
     for position, lo_hi in enumerate(writes):  # a writer writes exactly what it holds
-        assert lo_hi is None or lo_hi == head_range(position, tp, kv_heads)
-    t = Topology(world_size=2 + tp, prefill=tp, decode=1, tp=tp)
-    group = t.prefill_groups[0]
-    assert t.writers_in(group, kv_heads) == [r for r, h in zip(group, writes, strict=True) if h]
+        assert lo_hi is None or lo_hi == split.writer_heads(position)
+    assert split.writers_of(0) == [w for w, h in enumerate(writes) if h]
+
+
+def _writes(split: HeadSplit) -> list[tuple[int, int] | None]:
+    """Per prefill member, the heads it writes into decode member 0 (None: nothing)."""
+    return [split.pairs.get((w, 0)) for w in range(split.tp)]
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 8), st.integers(1, 9))
-def test_group_heads_cover_every_head_once_for_any_pair(tp, kv_heads):
-    writes = group_heads(tp, kv_heads)
+def test_a_prefill_group_covers_every_head_once_for_any_pair(tp, kv_heads):
+    writes = _writes(HeadSplit(kv_heads, tp))
     written = sorted(h for lo_hi in writes if lo_hi for h in range(*lo_hi))
     assert written == list(range(kv_heads))
     assert sum(w is not None for w in writes) == min(tp, kv_heads)
@@ -102,14 +104,14 @@ def test_head_split_gives_every_owner_each_of_its_heads_from_one_writer(tp, deco
         got = sorted(h for w in split.writers_of(owner) for h in range(*split.pairs[(w, owner)]))
         assert got == list(range(lo, hi))  # each head it holds, once
         for w in split.writers_of(owner):  # a writer writes only heads it holds
-            wlo, whi = head_range(w, tp, kv_heads)
+            wlo, whi = split.writer_heads(w)
             plo, phi = split.pairs[(w, owner)]
             assert wlo <= plo < phi <= whi
             llo, lhi = split.local_heads(w, owner)
             assert (llo, lhi) == (plo - lo, phi - lo) and 0 <= llo < lhi <= hi - lo
     assert {w for w in range(tp) if split.owners_of(w)} == {w for (w, _) in split.pairs}
-    if decode_tp == 1:  # a decode rank of every head: the prefill group's writers
-        assert [split.pairs.get((w, 0)) for w in range(tp)] == list(group_heads(tp, kv_heads))
+    if decode_tp == 1:  # a decode rank of every head: each member's own heads, or none
+        assert all(h is None or h == split.writer_heads(w) for w, h in enumerate(_writes(split)))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

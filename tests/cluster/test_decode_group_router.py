@@ -1,12 +1,16 @@
 """The router with a decode group of two (``--decode-tp 2``), against a recording runtime:
 one request becomes a member request per owner (``rid``, ``rid.1``), each with its own
 pages and writers; the client gets token ``i`` once both members produced it, the same;
-a member that fails or disagrees ends the other (ABORT to its owner and writers). Broken
-mode: a group whose failing member leaves its sibling running is caught."""
+a member that fails or disagrees ends the other (ABORT to its owner and writers); a
+prompt whose per-member shares cannot fit a prefill pool is refused before anything is
+sent (I1). Broken modes: a group whose failing member leaves its sibling running, and an
+admission that counts the prompt's pages once, are caught."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from test_protocol_units import STATS, RecordingRuntime, _card
@@ -15,6 +19,7 @@ from kvferry.cluster import messages as m
 from kvferry.cluster.metrics import ClusterMetrics
 from kvferry.cluster.router import Router
 from kvferry.cluster.topology import Topology
+from kvferry.engine.admission import AdmissionRejected
 from kvferry.engine.protocol.routing import RouterCore
 from kvferry.engine.protocol.words import Answer
 
@@ -55,26 +60,40 @@ def _aborts(rt) -> set[tuple[int, str]]:
     return {(rank, f["rid"]) for rank, k, f in rt.sent if k == "ABORT"}
 
 
-def test_one_request_per_member_each_with_its_pages_and_writers():
+def _submitted(
+    then: Callable[[Router, RecordingRuntime, Any], None] = lambda router, rt, routed: None,
+) -> tuple[Router, RecordingRuntime, Any]:
+    """A fresh router with TEXT submitted; ``then(router, rt, routed)`` runs inside its
+    event loop (the router's timers need one)."""
+
     async def run():
         router, rt = _router()
         routed = await router.submit(TEXT, len(TEXT))
-        assigns = {(rank, f["rid"]): f["writers"] for rank, k, f in rt.sent if k == "ASSIGN"}
-        assert assigns == {(OWNER_0, routed.rid): [WRITER], (OWNER_1, f"{routed.rid}.1"): [WRITER]}
-        prefills = {(rank, f["rid"], f["owner"]) for rank, k, f in rt.sent if k == "PREFILL"}
-        assert prefills == {(WRITER, routed.rid, OWNER_0), (WRITER, f"{routed.rid}.1", OWNER_1)}
-        held = router.ledger.held
-        assert set(held[WRITER]) == {routed.rid, f"{routed.rid}.1"}  # its pages for each
-        assert set(held[OWNER_0]) == {routed.rid} and set(held[OWNER_1]) == {f"{routed.rid}.1"}
+        then(router, rt, routed)
+        return router, rt, routed
 
-    asyncio.run(run())
+    return asyncio.run(run())
+
+
+def _every_member(rid: str) -> set[tuple[int, str]]:
+    """ABORT to each member's owner and writer."""
+    return {(OWNER_0, rid), (WRITER, rid), (OWNER_1, f"{rid}.1"), (WRITER, f"{rid}.1")}
+
+
+def test_one_request_per_member_each_with_its_pages_and_writers():
+    router, rt, routed = _submitted()
+    assigns = {(rank, f["rid"]): f["writers"] for rank, k, f in rt.sent if k == "ASSIGN"}
+    assert assigns == {(OWNER_0, routed.rid): [WRITER], (OWNER_1, f"{routed.rid}.1"): [WRITER]}
+    prefills = {(rank, f["rid"], f["owner"]) for rank, k, f in rt.sent if k == "PREFILL"}
+    assert prefills == {(WRITER, routed.rid, OWNER_0), (WRITER, f"{routed.rid}.1", OWNER_1)}
+    held = router.ledger.held
+    assert set(held[WRITER]) == {routed.rid, f"{routed.rid}.1"}  # its pages for each
+    assert set(held[OWNER_0]) == {routed.rid} and set(held[OWNER_1]) == {f"{routed.rid}.1"}
 
 
 @pytest.mark.parametrize("first", [OWNER_0, OWNER_1])
 def test_the_client_gets_a_token_once_both_members_have_it(first):
-    async def run():
-        router, rt = _router()
-        routed = await router.submit(TEXT, len(TEXT))
+    def then(router, rt, routed):
         rids = {OWNER_0: routed.rid, OWNER_1: f"{routed.rid}.1"}
         second = OWNER_1 if first == OWNER_0 else OWNER_0
         _tokens(rt, first, rids[first], TEXT)
@@ -87,37 +106,27 @@ def test_the_client_gets_a_token_once_both_members_have_it(first):
         assert routed.outcome == Answer.OK and routed.text == TEXT
         assert _aborts(rt) == set()
 
-    asyncio.run(run())
+    _submitted(then)
 
 
 def test_members_that_disagree_fail_the_request_and_both_are_aborted():
-    async def run():
-        router, rt = _router()
-        routed = await router.submit(TEXT, len(TEXT))
+    def then(router, rt, routed):
         _tokens(rt, OWNER_0, routed.rid, TEXT)
         _tokens(rt, OWNER_1, f"{routed.rid}.1", TEXT[:5] + "X" + TEXT[6:])
-        assert routed.outcome == Answer.FAILED
-        assert "members disagree at token 5" in routed.error
-        assert routed.text == ""  # nothing of a stretch the members disagree in
-        rid = routed.rid
-        assert _aborts(rt) == {
-            (OWNER_0, rid),
-            (WRITER, rid),
-            (OWNER_1, f"{rid}.1"),
-            (WRITER, f"{rid}.1"),
-        }
 
-    asyncio.run(run())
+    _, rt, routed = _submitted(then)
+    assert routed.outcome == Answer.FAILED
+    assert "members disagree at token 5" in routed.error
+    assert routed.text == ""  # nothing of a stretch the members disagree in
+    assert _aborts(rt) == _every_member(routed.rid)
 
 
-def _one_member_fails() -> tuple[Router, RecordingRuntime, object]:
-    async def run():
-        router, rt = _router()
-        routed = await router.submit(TEXT, len(TEXT))
-        _done(rt, OWNER_1, f"{routed.rid}.1", 0, outcome="failed", error="integrity: torn")
-        return router, rt, routed
-
-    return asyncio.run(run())
+def _one_member_fails() -> tuple[Router, RecordingRuntime, Any]:
+    return _submitted(
+        lambda router, rt, routed: _done(
+            rt, OWNER_1, f"{routed.rid}.1", 0, outcome="failed", error="integrity: torn"
+        )
+    )
 
 
 def test_a_failing_member_ends_the_other():
@@ -141,62 +150,71 @@ def test_broken_a_failing_member_that_leaves_its_sibling_running_is_caught(monke
 
 
 def test_the_clients_abort_reaches_every_member():
-    async def run():
-        router, rt = _router()
-        routed = await router.submit(TEXT, len(TEXT))
-        router.abort(routed.rid, "client", "went away")
-        rid = routed.rid
-        assert _aborts(rt) == {
-            (OWNER_0, rid),
-            (WRITER, rid),
-            (OWNER_1, f"{rid}.1"),
-            (WRITER, f"{rid}.1"),
-        }
-        assert routed.outcome == Answer.ABORTED
-
-    asyncio.run(run())
+    _, rt, routed = _submitted(
+        lambda router, rt, routed: router.abort(routed.rid, "client", "went away")
+    )
+    assert _aborts(rt) == _every_member(routed.rid)
+    assert routed.outcome == Answer.ABORTED
 
 
 def test_a_lead_that_finished_ok_answers_what_its_group_came_to():
-    async def run():
-        router, rt = _router()
-        routed = await router.submit(TEXT, len(TEXT))
+    def then(router, rt, routed):
         _tokens(rt, OWNER_0, routed.rid, TEXT)
         _done(rt, OWNER_0, routed.rid, len(TEXT))
         _done(rt, OWNER_1, f"{routed.rid}.1", 0, outcome="failed", error="transfer: timeout")
-        events = [routed.events.get_nowait() for _ in range(routed.events.qsize())]
-        assert events[-1][:2] == ("done", Answer.FAILED)
-        assert routed.outcome == Answer.FAILED and "transfer: timeout" in routed.error
-        assert routed.text == ""  # nothing reached the client: the other member had none
 
-    asyncio.run(run())
+    _, _, routed = _submitted(then)
+    events = [routed.events.get_nowait() for _ in range(routed.events.qsize())]
+    assert events[-1][:2] == ("done", Answer.FAILED)
+    assert routed.outcome == Answer.FAILED and "transfer: timeout" in routed.error
+    assert routed.text == ""  # nothing reached the client: the other member had none
 
 
 def test_members_that_answer_different_counts_fail():
-    async def run():
-        router, rt = _router()
-        routed = await router.submit(TEXT, len(TEXT))
+    def then(router, rt, routed):
         _tokens(rt, OWNER_0, routed.rid, TEXT)
         _done(rt, OWNER_0, routed.rid, len(TEXT))
         _tokens(rt, OWNER_1, f"{routed.rid}.1", TEXT[:8])
         _done(rt, OWNER_1, f"{routed.rid}.1", 8)
-        assert routed.outcome == Answer.FAILED and "[8, 27]" in routed.error
 
-    asyncio.run(run())
+    _, _, routed = _submitted(then)
+    assert routed.outcome == Answer.FAILED and "[8, 27]" in routed.error
+
+
+def _submit_over_half_a_pool() -> tuple[RecordingRuntime, int, Any]:
+    """A prompt of 33 pages into pools of 64 pages of 16 tokens: the prefill rank would
+    hold it twice (66 pages). The runtime, what it had sent before, and the request (or
+    the refusal)."""
+
+    async def run():
+        router, rt = _router()
+        sent = len(rt.sent)
+        try:
+            return rt, sent, await router.submit("x" * (33 * 16), 8)
+        except AdmissionRejected as exc:
+            return rt, sent, exc
+
+    return asyncio.run(run())
 
 
 def test_a_prompt_whose_shares_cannot_fit_a_prefill_pool_is_refused_before_allocation():
     """The prefill rank writes into both members, holding the prompt's pages once for
     each: a prompt over half its pool can never be placed (I1: 400, nothing sent)."""
-    from kvferry.engine.admission import AdmissionRejected
+    rt, sent, refused = _submit_over_half_a_pool()
+    assert isinstance(refused, AdmissionRejected)
+    assert "once for each of the 2 decode group" in str(refused)
+    assert len(rt.sent) == sent
 
-    async def run():
-        router, rt = _router()  # pools of 64 pages of 16 tokens
-        sent = len(rt.sent)
-        with pytest.raises(AdmissionRejected, match="once for each of the 2 decode group"):
-            await router.submit("x" * (33 * 16), 8)
-        assert len(rt.sent) == sent
-        routed = await router.submit("x" * (31 * 16), 8)  # 31 pages twice: fits
-        assert routed.req.live
+    async def fits():
+        router, _ = _router()
+        return await router.submit("x" * (31 * 16), 8)  # 31 pages twice: fits
 
-    asyncio.run(run())
+    assert asyncio.run(fits()).req.live
+
+
+def test_broken_an_admission_that_counts_the_prompt_once_is_caught(monkeypatch):
+    """Broken mode: the router counts a prefill rank's pages once per request; the prompt
+    is admitted, placed and sent, and its second share finds no pages at the writer."""
+    monkeypatch.setattr(Router, "_owners_per_writer", lambda self: [1] * self.topology.tp)
+    rt, sent, routed = _submit_over_half_a_pool()
+    assert not isinstance(routed, AdmissionRejected) and len(rt.sent) > sent

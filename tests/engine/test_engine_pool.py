@@ -2,7 +2,6 @@ import pytest
 import torch
 
 from kvferry.engine import KVPool, PoolConfig, PoolShapeError
-from kvferry.engine.pool import coalesce_runs
 
 
 def test_pool_shape_and_capacity_come_from_the_tensor():
@@ -50,38 +49,6 @@ def test_from_buffer_views_without_copy():
     assert buffer.count_nonzero() > 0
     with pytest.raises(PoolShapeError):
         KVPool.from_buffer(config, torch.zeros(config.total_bytes - 1, dtype=torch.uint8))
-
-
-def test_head_slice_runs_cover_exactly_the_heads():
-    config = PoolConfig(
-        layers=3, kv_heads=4, head_dim=4, page_size=2, num_pages=5, dtype=torch.bfloat16
-    )
-    pool = KVPool(config, zero=True)
-    page, lo, hi = 3, 1, 3
-    pool.kv[page, :, :, lo:hi] = 1.0
-    raw = pool.kv.view(-1).view(torch.uint8)
-    runs = pool.head_slice_runs(page, lo, hi)
-    assert len(runs) == 3 * 2
-    marked = torch.zeros_like(raw, dtype=torch.bool)
-    for offset, nbytes in runs:
-        marked[offset : offset + nbytes] = True
-    # every non-zero byte is inside a run, and every run is all written data
-    assert bool((raw[~marked] == 0).all())
-    for offset, nbytes in runs:
-        assert bool((raw[offset : offset + nbytes].view(torch.bfloat16) == 1.0).all())
-    assert sum(n for _, n in runs) == 3 * 2 * 2 * 2 * 4 * 2
-
-
-def test_coalesced_runs_are_one_per_page_for_every_head_and_unchanged_for_some():
-    config = PoolConfig(
-        layers=3, kv_heads=4, head_dim=4, page_size=2, num_pages=5, dtype=torch.bfloat16
-    )
-    pool = KVPool(config, zero=True)
-    page_bytes = pool.kv[0].numel() * pool.kv.element_size()
-    assert coalesce_runs(pool.head_slice_runs(2, 0, 4)) == [(2 * page_bytes, page_bytes)]
-    some = pool.head_slice_runs(2, 1, 3)
-    assert coalesce_runs(some) == some  # separate runs stay separate
-    assert coalesce_runs([(0, 4), (4, 4), (16, 4), (20, 2)]) == [(0, 8), (16, 6)]
 
 
 def test_page_view_and_bounds():

@@ -17,9 +17,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvferry.cluster.topology import head_range
+from kvferry.cluster.topology import HeadSplit
 from kvferry.engine import reshard
-from kvferry.engine.pool import KVPool, PoolConfig, coalesce_runs
+from kvferry.engine.pool import KVPool, PoolConfig
 from kvferry.engine.reshard import (
     KVShape,
     Order,
@@ -236,14 +236,15 @@ def test_head_span(kv_heads, tp, replicated, spans):
 
 
 @pytest.mark.parametrize(("kv_heads", "tp"), [(8, 1), (8, 2), (8, 4), (4, 4), (16, 4)])
-def test_head_span_is_head_range_when_tp_divides(kv_heads, tp):
+def test_head_span_is_k_over_tp_each_when_tp_divides(kv_heads, tp):
     """When tp divides the heads, each rank holds K/tp of them, in rank order (the
-    cluster's head_range is this same span)."""
+    cluster's HeadSplit gives its members this same span)."""
     shape = KVShape(1, kv_heads, 4, 2)
     per = kv_heads // tp
     expected = [(r * per, (r + 1) * per) for r in range(tp)]
     assert [head_span(shape, tp, r) for r in range(tp)] == expected
-    assert [head_range(r, tp, kv_heads) for r in range(tp)] == expected
+    split = HeadSplit(kv_heads, tp)
+    assert [split.writer_heads(r) for r in range(tp)] == expected
 
 
 @pytest.mark.parametrize(
@@ -362,10 +363,23 @@ def test_broken_dropped_last_partial_page_is_caught(case):
 
 
 def _triples_today(kv_heads: int, tp: int, writer: int, pages: int, src, dst) -> np.ndarray:
-    """What cluster/prefill.py's ``_triples`` builds for one writer (full-width pools)."""
+    """The cluster writer's runs of one page between full-width pools, worked out from the
+    pool's strides here (one run per (layer, K/V), merged where they touch), repeated for
+    each page as its ``_triples`` does."""
     config = PoolConfig(layers=2, kv_heads=kv_heads, head_dim=4, page_size=16, num_pages=64)
     pool = KVPool(config, zero=True)
-    runs = coalesce_runs(pool.head_slice_runs(0, *head_range(writer, tp, kv_heads)))
+    lo, hi = head_span(KVShape(1, kv_heads, 1, 1), tp, writer)
+    size = pool.kv.element_size()
+    s1, s2, s3 = (pool.kv.stride(i) * size for i in (1, 2, 3))
+    per_lc = [
+        (layer * s1 + kv * s2 + lo * s3, (hi - lo) * s3) for layer in range(2) for kv in (0, 1)
+    ]
+    runs: list[tuple[int, int]] = []
+    for off, n in per_lc:
+        if runs and runs[-1][0] + runs[-1][1] == off:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((off, n))
     offsets = np.array([off for off, _ in runs], dtype=np.int64)
     lengths = np.array([n for _, n in runs], dtype=np.int64)
     pb = pool.page_bytes
@@ -593,3 +607,29 @@ def test_heads_outside_the_destinations_are_refused():
         heads_between_pools(shape, (1, 3), 4, (4, [0]), (4, [0]), dst_heads=(2, 4))
     with pytest.raises(ReshardError, match="outside the destination's heads"):
         page_runs(shape, 4, (0, 2), (1, 3))
+
+
+def test_page_runs_cover_exactly_the_heads_of_a_page():
+    """Into a pool of every head: the source side of ``page_runs`` covers exactly heads
+    ``[lo, hi)`` of the page, one run per (layer, K/V) for some heads, and the whole page
+    as one run for every head."""
+    config = PoolConfig(
+        layers=3, kv_heads=4, head_dim=4, page_size=2, num_pages=5, dtype=torch.bfloat16
+    )
+    pool = KVPool(config, zero=True)
+    shape = KVShape(3, 4, 4, 2)
+    lo, hi = 1, 3
+    pool.kv[0, :, :, lo:hi] = 1.0
+    raw = pool.kv[0].reshape(-1).view(torch.uint8)
+    runs = page_runs(shape, 2, (lo, hi), (0, 4))
+    assert len(runs) == 3 * 2
+    assert np.array_equal(runs[:, 0], runs[:, 1])  # the same place in a pool of every head
+    marked = torch.zeros_like(raw, dtype=torch.bool)
+    for offset, _, nbytes in runs.tolist():
+        marked[offset : offset + nbytes] = True
+    assert bool((raw[~marked] == 0).all())  # every written byte is inside a run
+    for offset, _, nbytes in runs.tolist():
+        assert bool((raw[offset : offset + nbytes].view(torch.bfloat16) == 1.0).all())
+    assert int(runs[:, 2].sum()) == 3 * 2 * 2 * 2 * 4 * 2
+    page_bytes = pool.kv[0].numel() * pool.kv.element_size()
+    assert page_runs(shape, 2, (0, 4), (0, 4)).tolist() == [[0, 0, page_bytes]]

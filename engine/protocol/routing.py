@@ -275,9 +275,13 @@ class RouterCore(Generic[R]):
         self.ports.client.tokens(group.lead, chunk)
 
     def _group_fails(self, group: GroupAnswer, reason: str) -> None:
-        lead = group.lead
-        if self.live(lead.rid) is not None:
-            self.abort(lead.rid, AbortSource.INTEGRITY, reason)  # the others follow
+        """The members disagree: the client's answer fails with the reason (even when
+        the lead itself already finished ok), and every live member is aborted."""
+        if not group.answered:
+            source = AbortSource.INTEGRITY
+            self._answer_group(group, Answer.FAILED, f"{source}: {reason}", source)
+        for member in group.members:
+            self.abort(member.rid, AbortSource.INTEGRITY, reason)
 
     def abort(self, rid: str, source: AbortSource, reason: str) -> R | None:
         """Abort a live request: ABORT to its writers and owner, answered as the source

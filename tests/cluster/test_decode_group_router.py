@@ -21,7 +21,7 @@ from kvferry.cluster.router import Router
 from kvferry.cluster.topology import Topology
 from kvferry.engine.admission import AdmissionRejected
 from kvferry.engine.protocol.routing import RouterCore
-from kvferry.engine.protocol.words import Answer
+from kvferry.engine.protocol.words import AbortSource, Answer
 
 WRITER, OWNER_0, OWNER_1 = 1, 2, 3
 TEXT = "a decode group answers once"
@@ -119,6 +119,36 @@ def test_members_that_disagree_fail_the_request_and_both_are_aborted():
     assert "members disagree at token 5" in routed.error
     assert routed.text == ""  # nothing of a stretch the members disagree in
     assert _aborts(rt) == _every_member(routed.rid)
+
+
+def _lead_finishes_then_the_other_disagrees():
+    def then(router, rt, routed):
+        _tokens(rt, OWNER_0, routed.rid, TEXT)
+        _done(rt, OWNER_0, routed.rid, len(TEXT))
+        _tokens(rt, OWNER_1, f"{routed.rid}.1", TEXT[:5] + "X" + TEXT[6:])
+        _done(rt, OWNER_1, f"{routed.rid}.1", len(TEXT))
+
+    return _submitted(then)
+
+
+def test_a_disagreement_after_the_lead_finished_fails_the_request_as_one():
+    _, rt, routed = _lead_finishes_then_the_other_disagrees()
+    assert routed.outcome == Answer.FAILED
+    assert "members disagree at token 5" in routed.error
+    assert (OWNER_1, f"{routed.rid}.1") in _aborts(rt)
+
+
+def test_broken_a_disagreement_left_to_the_lead_alone_is_caught(monkeypatch):
+    """Broken mode: only a live lead is aborted on a disagreement (a lead that finished
+    ok leaves it unsaid); the request then fails for the wrong reason."""
+
+    def lead_only(self, group, reason):
+        if self.live(group.lead.rid) is not None:
+            self.abort(group.lead.rid, AbortSource.INTEGRITY, reason)
+
+    monkeypatch.setattr(RouterCore, "_group_fails", lead_only)
+    _, _, routed = _lead_finishes_then_the_other_disagrees()
+    assert "members disagree" not in (routed.error or "")
 
 
 def _one_member_fails() -> tuple[Router, RecordingRuntime, Any]:

@@ -11,7 +11,7 @@
 #   scripts/gpu-check.sh --tune          the decode kernel's tuning sweep instead: each tuning
 #                                        checked, timed on the goal cases, the best timed as
 #                                        the main run times the default (--tunings A,B: those)
-#   scripts/gpu-check.sh --tuning NAME   the main run at another tuning (n64-w4-s2-p2-m256)
+#   scripts/gpu-check.sh --tuning NAME   the main run at another tuning (n128-w4-s3-p2-m256)
 #   scripts/gpu-check.sh --help-python   the Python options (--budget, --iters, --seed, ...)
 # Python: $KVFERRY_PYTHON, else .venv/bin/python when it has torch, else python3. Needs
 # torch and triton; kvferry comes from this checkout (no install): transfer/, engine/ and

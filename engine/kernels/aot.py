@@ -195,6 +195,7 @@ def _source(v: Variant, divisibility: bool = True) -> Any:
             "BLOCK": v.tuning.block_n,
             "CHECK": v.check,
             "UPCAST": False,
+            "CHECK_TILES": False,
         }
     elif v.kernel == "combine":
         fn = triton_decode._combine_kernel

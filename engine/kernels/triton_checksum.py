@@ -62,8 +62,12 @@ def _checksum_kernel(
     base = words_ptr + page * stride_page
     i0 = c * (BLOCK * STEPS)
     offs = tl.arange(0, BLOCK)
-    s1 = tl.zeros([BLOCK], dtype=tl.int64)
-    s2 = tl.zeros([BLOCK], dtype=tl.int64)
+    # Per lane, over the steps s = 0..STEPS-1: run = sum w_s and tri = sum (STEPS - s) w_s
+    # (the running sum added up once a step), so that sum s * w_s = STEPS * run - tri. Two
+    # integer adds a word; the positions' weights and the folds mod P come once, after
+    # the loop. Bounds: w < 2^32, run < 2^(32+log2 STEPS), tri < 2^(32+2 log2 STEPS).
+    run = tl.zeros([BLOCK], dtype=tl.int64)
+    tri = tl.zeros([BLOCK], dtype=tl.int64)
     for step in range(STEPS):
         i = i0 + step * BLOCK + offs
         ok = i < words_per_page
@@ -79,10 +83,15 @@ def _checksum_kernel(
                 w = w & 255
             else:
                 w = w & 4294967295
-        w = _fold(w)  # w mod P, below 2^31
-        s1 += w  # at most STEPS values below 2^31 per lane: no overflow
-        s2 += _fold(w * (i + 1).to(tl.int64))
-    t1 = _fold(tl.sum(s1, axis=0))
+        run += w
+        tri += run
+    # Word (step s, lane l) sits at i = i0 + s * BLOCK + l and weighs i + 1:
+    # s2 = sum_l (i0 + l + 1) * run_l + BLOCK * (STEPS * run_l - tri_l), all mod P.
+    run_p = _fold(run)
+    lane_w = _fold((i0 + offs + 1).to(tl.int64))
+    shifted = _fold(_fold(run_p * STEPS) + (2147483647 - _fold(tri)))  # STEPS*run - tri mod P
+    s2 = _fold(_fold(lane_w * run_p) + _fold(shifted * BLOCK))
+    t1 = _fold(tl.sum(run_p, axis=0))
     t2 = _fold(tl.sum(s2, axis=0))
     out = part_ptr + (p.to(tl.int64) * chunks + c) * 2
     tl.store(out, t1)

@@ -25,8 +25,11 @@ bf16 arithmetic is wrong, and for fp32 pools, every operand is fp32 (``UPCAST``)
 Page offsets are int64 (``page * page_stride`` passes 2^31 elements in large pools), page
 ids are clamped into ``[0, num_pages)`` so a corrupt table never reads outside the pool,
 and with ``CHECK`` each page's canary is compared with the sequence's expectation (see
-:mod:`.ownership`); the check only adds loads and a predicated atomic per program, never
-touches the arithmetic, so a clean run is bit-identical with it on and off.
+:mod:`.ownership`): in one pass over the program's pages before its attention loop (a
+chunk of page ids, canary rows and generations loaded at once), or inside the loop at
+each page's first row (``check_placement="tiles"``). The check only adds loads and a
+predicated atomic per program, never touches the arithmetic, so a clean run is
+bit-identical with it on and off.
 
 The grid and split count depend only on shapes (``width``, never ``seq_lens``' values), so
 a launch needs no host sync.
@@ -64,9 +67,29 @@ _INDEX = tl.constexpr(WRONG_INDEX)
 _OOP = tl.constexpr(OUT_OF_POOL)
 _BEYOND = tl.constexpr(BEYOND_TABLE)
 _NONE = tl.constexpr(2147483647)
+# Pages checked per step of the check's pass (the default placement, "pages").
+CHECK_PAGES = tl.constexpr(256)
+CHECK_PLACEMENTS = ("pages", "tiles")
 # The compiled kernel of each kind's latest launch (registers, spills).
 LAUNCHED: dict[str, Any] = {}
 _TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _page_kinds(canary_ptr, gen_row, page, safe, col, ok, want_rid, num_pages):
+    """The ownership kinds of pages ``page`` (clamped: ``safe``) at logical columns ``col``
+    where ``ok``: the canary row's request id, generation and index against what the
+    sequence expects, and the page id against the pool (0 where not ``ok``)."""
+    crow = canary_ptr + safe.to(tl.int64) * 3
+    c_rid = tl.load(crow, mask=ok, other=0)
+    c_gen = tl.load(crow + 1, mask=ok, other=0)
+    c_idx = tl.load(crow + 2, mask=ok, other=0)
+    w_gen = tl.load(gen_row + col, mask=ok, other=0)
+    kind = tl.where(c_rid != want_rid, _FOREIGN, 0)
+    kind = kind | tl.where(c_gen != w_gen, _STALE, 0)
+    kind = kind | tl.where(c_idx != col.to(tl.int64), _INDEX, 0)
+    kind = tl.where((page < 0) | (page >= num_pages), _OOP, kind)
+    return tl.where(ok, kind, 0)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -105,6 +128,7 @@ def _decode_split_kernel(
     BLOCK: tl.constexpr,
     CHECK: tl.constexpr,
     UPCAST: tl.constexpr,
+    CHECK_TILES: tl.constexpr = False,
 ):
     """q ``[B, QH, D]``; k/v ``[pages, kv_heads, page_size, D]`` views of one layer
     (``page_size = 1 << page_shift``); table ``[B, width]`` int32; with one split, out
@@ -144,10 +168,29 @@ def _decode_split_kernel(
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
     bad_bits = tl.zeros([BLOCK], dtype=tl.int32)
     bad_first = tl.full([BLOCK], _NONE, dtype=tl.int32)
-    if CHECK:
-        want_rid = tl.load(rid_ptr + b)
+    page_bits = tl.zeros([CHECK_PAGES], dtype=tl.int32)
+    page_first = tl.full([CHECK_PAGES], _NONE, dtype=tl.int32)
     head_off = kvh.to(tl.int64) * stride_head
     table_row = table_ptr + b.to(tl.int64) * stride_tb
+    if CHECK:
+        want_rid = tl.load(rid_ptr + b)
+        if not CHECK_TILES:
+            # One pass over the slice's pages before the attention: every page id, canary
+            # row and expected generation of a chunk is loaded at once, so the check costs
+            # two memory round trips per CHECK_PAGES pages instead of sitting in the loop.
+            # A page that straddles two splits is checked by both (same answer).
+            c = tl.arange(0, CHECK_PAGES)
+            first_col = start >> page_shift
+            end_col = (end + page_mask) >> page_shift  # one past the last page read
+            gen_row = gen_ptr + b.to(tl.int64) * stride_gb
+            for c0 in range(first_col, end_col, CHECK_PAGES):
+                col = c0 + c
+                ok = col < end_col
+                page = tl.load(table_row + col, mask=ok, other=0)
+                safe = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+                kind = _page_kinds(canary_ptr, gen_row, page, safe, col, ok, want_rid, num_pages)
+                page_bits = page_bits | kind
+                page_first = tl.minimum(page_first, tl.where(kind != 0, col, _NONE))
 
     for n0 in range(start, end, BLOCK):
         t = n0 + n
@@ -155,18 +198,18 @@ def _decode_split_kernel(
         col = t >> page_shift
         page = tl.load(table_row + col, mask=valid, other=0)
         safe = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        if CHECK:
+        if CHECK and CHECK_TILES:
             head_row = valid & ((t & page_mask) == 0)
-            crow = canary_ptr + safe.to(tl.int64) * 3
-            c_rid = tl.load(crow, mask=head_row, other=0)
-            c_gen = tl.load(crow + 1, mask=head_row, other=0)
-            c_idx = tl.load(crow + 2, mask=head_row, other=0)
-            w_gen = tl.load(gen_ptr + b.to(tl.int64) * stride_gb + col, mask=head_row, other=0)
-            kind = tl.where(c_rid != want_rid, _FOREIGN, 0)
-            kind = kind | tl.where(c_gen != w_gen, _STALE, 0)
-            kind = kind | tl.where(c_idx != col.to(tl.int64), _INDEX, 0)
-            kind = tl.where((page < 0) | (page >= num_pages), _OOP, kind)
-            kind = tl.where(head_row, kind, 0)
+            kind = _page_kinds(
+                canary_ptr,
+                gen_ptr + b.to(tl.int64) * stride_gb,
+                page,
+                safe,
+                col,
+                head_row,
+                want_rid,
+                num_pages,
+            )
             bad_bits = bad_bits | kind
             bad_first = tl.minimum(bad_first, tl.where(kind != 0, col, _NONE))
         row = (
@@ -192,8 +235,8 @@ def _decode_split_kernel(
         m_i = m_new
 
     if CHECK:
-        bits = tl.reduce_or(bad_bits, axis=0)
-        first = tl.min(bad_first, axis=0)
+        bits = tl.reduce_or(bad_bits, axis=0) | tl.reduce_or(page_bits, axis=0)
+        first = tl.minimum(tl.min(bad_first, axis=0), tl.min(page_first, axis=0))
         if split == 0:
             if seq_len > max_tokens:
                 bits = bits | _BEYOND
@@ -359,12 +402,17 @@ def paged_decode_attention(
     num_splits: int | None = None,
     tuning: DecodeTuning = DEFAULT,
     out: torch.Tensor | None = None,
+    check_placement: str = "pages",
 ) -> torch.Tensor:
     """Triton paged decode attention; see the module doc. ``ownership`` turns the page check
     on; ``num_splits`` overrides ``tuning``'s split heuristic (1: no combine kernel);
     ``tuning`` sets the tile, warps and stages (:mod:`.tuning`); ``out`` is an optional
-    ``[batch, q_heads, head_dim]`` q.dtype output."""
+    ``[batch, q_heads, head_dim]`` q.dtype output. ``check_placement``: ``"pages"`` checks
+    a program's pages in one pass before its attention loop, ``"tiles"`` inside the loop
+    at each page's first row (kernel v1; kept to time the two against each other)."""
     _check(q, kv, layer, page_table, seq_lens)
+    if check_placement not in CHECK_PLACEMENTS:
+        raise ValueError(f"check_placement {check_placement!r} not in {CHECK_PLACEMENTS}")
     batch, q_heads, head_dim = q.shape
     num_pages, _, _, kv_heads, page_size, _ = kv.shape
     group = q_heads // kv_heads
@@ -444,6 +492,7 @@ def paged_decode_attention(
         BLOCK=block_n,
         CHECK=ownership is not None,
         UPCAST=upcast,
+        CHECK_TILES=check_placement == "tiles",
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
     )

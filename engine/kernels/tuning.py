@@ -4,7 +4,7 @@ run times.
 A :class:`DecodeTuning` holds what a launch chooses beyond the shapes: positions per step
 (``block_n``, a tile of ``[block_n, head_dim]`` K and V per step), warps per program,
 software-pipeline stages, and the split heuristic (programs per SM to aim for, and the
-fewest positions a split may hold). Its name, ``n64-w4-s2-p2-m256``, is how the sm_90
+fewest positions a split may hold). Its name, ``n64-w4-s2-p4-m256``, is how the sm_90
 compile, the device run and an operator's ``--tuning`` spell it; :meth:`DecodeTuning.parse`
 reads it back. ``DEFAULT`` is what every launch uses unless told otherwise; an operator
 tells otherwise with ``KVFERRY_DECODE_TUNING=<name>`` (:func:`active`), e.g. with the pick
@@ -89,7 +89,12 @@ class DecodeTuning:
         return int(max(1, min(want, cap, MAX_SPLITS)))
 
 
-DEFAULT = DecodeTuning()
+# The device's pick (engine/GPU.md, "Tuning"): kernel v1's tile, warps and stages aiming
+# for 4 programs per SM instead of 2. On an H200 it read 0.91 of copy at 1 x 131072 (0.75
+# at 2 programs per SM), 0.90 at 16 x 8192 (0.86-0.89) and 0.82-0.83 at 64 x 2048 (0.92-
+# 0.94, where it splits in two what one split covers), in two runs; the sweep's best over
+# the two goal cases (n128-w4-s3-p2-m256) was within 2 % there and lower at 64 x 2048.
+DEFAULT = DecodeTuning(programs_per_sm=4)
 ENV = "KVFERRY_DECODE_TUNING"
 
 

@@ -33,6 +33,7 @@ Exit status: 0 when every check passed, 1 when one failed, 2 without a CUDA devi
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import json
 import os
@@ -90,6 +91,40 @@ def cuda_time(fn: Callable[[], object], warmup: int, iters: int, repeat: int = 1
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / repeat)
     return statistics.median(times)
+
+
+def cuda_time_interleaved(
+    fns: dict[str, Callable[[], object]], warmup: int, iters: int, repeat: int = 10
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Median seconds of each ``fn``, timed in turns: each round times every function once
+    (``repeat`` calls back to back, by CUDA events), in an order that rotates, so a drift
+    of the clocks or of a neighbour's load falls on all of them alike. Also returns the
+    rounds' samples, for ratios taken round by round."""
+    names = list(fns)
+    if DEV == "cpu":
+        return {n: cuda_time(fns[n], warmup, iters, repeat) for n in names}, {}
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(iters):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeat):
+                fns[name]()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) / 1e3 / repeat)
+    return {n: statistics.median(v) for n, v in samples.items()}, samples
+
+
+def paired_cost(samples: dict[str, list[float]], name: str, base: str) -> float | None:
+    """The median over rounds of ``name``'s time over ``base``'s in the same round, less 1."""
+    if not samples:
+        return None
+    return statistics.median(a / b for a, b in zip(samples[name], samples[base], strict=True)) - 1
 
 
 # --- inputs ----------------------------------------------------------------------------
@@ -465,23 +500,28 @@ def attention_case(
     own = fresh()
     head_dim = q.shape[2]
     splits = triton_decode.choose_splits(batch, kv_heads, context, kv.device, tuning)
-    results = {}
-    for name, fn in (
-        (
-            "triton",
-            lambda: triton_decode.paged_decode_attention(
-                q, kv, 1, table, seq_lens, out=out, tuning=tuning
-            ),
+    variants: dict[str, Callable[[], object]] = {
+        "triton": lambda: triton_decode.paged_decode_attention(
+            q, kv, 1, table, seq_lens, out=out, tuning=tuning
         ),
-        (
-            "triton+check",
-            lambda: triton_decode.paged_decode_attention(
-                q, kv, 1, table, seq_lens, out=out, ownership=own, tuning=tuning
-            ),
+        "triton+check": lambda: triton_decode.paged_decode_attention(
+            q, kv, 1, table, seq_lens, out=out, ownership=own, tuning=tuning
         ),
-    ):
-        t = cuda_time(fn, warmup, iters)
-        results[name] = t
+        # kernel v1's placement of the check (inside the loop), for comparison
+        "triton+check tiles": lambda: triton_decode.paged_decode_attention(
+            q,
+            kv,
+            1,
+            table,
+            seq_lens,
+            out=out,
+            ownership=own,
+            tuning=tuning,
+            check_placement="tiles",
+        ),
+    }
+    results, samples = cuda_time_interleaved(variants, warmup, iters)
+    for name, t in results.items():
         emit(
             "attention",
             case=f"{batch}x{context}",
@@ -572,6 +612,9 @@ def attention_case(
         "summary",
         case=f"{batch}x{context}",
         check_cost=results["triton+check"] / results["triton"] - 1,
+        check_cost_tiles=results["triton+check tiles"] / results["triton"] - 1,
+        check_cost_paired=paired_cost(samples, "triton+check", "triton"),
+        check_cost_tiles_paired=paired_cost(samples, "triton+check tiles", "triton"),
         vs_torch=(torch_best / results["triton"]) if torch_best else None,
     )
     return flex_fn
@@ -639,9 +682,12 @@ def transfer_target(spec: dict[str, Any]) -> int:
     try:
         eng = TransferEngine(
             TransferConfig(
-                transports=spec["transports"],
-                name="gpu-check-target",
-                memory_types=("host", "cuda") if cuda_ucx else ("host",),
+                **{
+                    "transports": "shm",
+                    "name": "gpu-check-target",
+                    "memory_types": ("host", "cuda") if cuda_ucx else ("host",),
+                    **spec["config"],
+                }
             )
         )
         hello["address"] = eng.address.hex()
@@ -677,11 +723,16 @@ def transfer_target(spec: dict[str, Any]) -> int:
 
 
 def _transfer_run(
-    mode: str, copy_gbs: float, warmup: int, iters: int, sizes: tuple[int, int]
+    mode: str,
+    copy_gbs: float,
+    warmup: int,
+    iters: int,
+    sizes: tuple[int, int],
+    config: dict[str, Any],
 ) -> None:
     """One page-transfer measurement: a target process, this process the writer; pages
     scattered over the target's pool, each iteration flushed and noticed; bytes checked
-    at the target after."""
+    at the target after. ``config``: TransferConfig fields for both engines."""
     from kvferry.transfer import SegmentDescriptor, TransferConfig, TransferEngine
 
     pages, page_bytes = sizes
@@ -692,8 +743,8 @@ def _transfer_run(
         "mode": mode,
         "pages": pages,
         "page_bytes": page_bytes,
-        "transports": "shm",
-        "timeout_s": 120.0,
+        "config": config,
+        "timeout_s": 35.0,
     }
     cmd = [sys.executable, "-m", "kvferry.engine.tools.gpu_check", "--transfer-target"]
     proc = subprocess.Popen(
@@ -707,9 +758,12 @@ def _transfer_run(
         cuda_ucx = device == "cuda" and mode == "ucx"
         eng = TransferEngine(
             TransferConfig(
-                transports="shm",
-                name="gpu-check-writer",
-                memory_types=("host", "cuda") if cuda_ucx else ("host",),
+                **{
+                    "transports": "shm",
+                    "name": "gpu-check-writer",
+                    "memory_types": ("host", "cuda") if cuda_ucx else ("host",),
+                    **config,
+                }
             )
         )
         src = _pool_buffer(nbytes, device)
@@ -734,8 +788,10 @@ def _transfer_run(
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(hello["ipc"]))
             memory = cupy.cuda.UnownedMemory(ptr, nbytes, None)
             array = cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
-            dst = torch.as_tensor(array, device="cuda").view(pages, page_bytes)
-            rows, index = src.view(pages, page_bytes), torch.tensor(perm, device="cuda")
+            # rows of 8-byte words: the index copy moves one element per thread
+            dst = torch.as_tensor(array, device="cuda").view(torch.int64).view(pages, -1)
+            rows = src.view(torch.int64).view(pages, -1)
+            index = torch.tensor(perm, device="cuda")
             stream = torch.cuda.Stream()
 
             def once() -> None:
@@ -795,28 +851,179 @@ def _transfer_run(
             eng.shutdown()
 
 
+# Each attempt runs in a writer process of its own, so that a crash inside UCX or the CUDA
+# driver (a signal, not an exception) is a failed attempt with its stderr, not the end of
+# the run; the first crash is run once more under a debugger for its native stack. The
+# UCX attempts after the first tell the crash's place apart: the same transfer waiting by
+# busy polling alone (never arming the worker's event fd), then without cuda_ipc (device
+# memory staged by cuda_copy). The CUDA IPC path (CuPy) runs last in every case.
+TRANSFER_ATTEMPTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("ucx", "ucx", {}),
+    ("ucx, busy polling", "ucx", {"spin_us": 600_000_000}),
+    ("ucx, no cuda_ipc", "ucx", {"transports": "sm,self,cuda_copy"}),
+    ("cuda-ipc", "cuda-ipc", {}),
+)
+WRITER_TIMEOUT_S = 45.0
+DEBUG_TIMEOUT_S = 120.0
+
+
 def page_transfer(copy_gbs: float, warmup: int, iters: int) -> None:
     """GPU page transfer between two processes on one GPU through kvferry's transfer
-    engine over UCX (cuda_ipc); when UCX's CUDA transports cannot run, the exact error is
-    recorded and the pages move through CUDA IPC memory handles (CuPy's runtime API),
-    flushed and noticed the same way. A dry run moves host memory through the UCX path."""
+    engine over UCX (cuda_ipc), then through CUDA IPC memory handles (CuPy's runtime API),
+    flushed and noticed the same way; a UCX attempt that fails records its exact error and
+    the next one runs. A dry run moves host memory through the UCX path."""
     sizes = (64, 64 << 10) if SMALL else (256, 2 << 20)  # 2 MiB: a page of 32 layers
-    try:
-        _transfer_run("ucx", copy_gbs, warmup, iters, sizes)
+    attempts = TRANSFER_ATTEMPTS if DEV == "cuda" else TRANSFER_ATTEMPTS[:1]
+    moved, ucx_done, debugged = False, False, False
+    for label, mode, config in attempts:
+        if mode == "ucx" and ucx_done:
+            continue
+        spec = {
+            "mode": mode,
+            "copy_gbs": copy_gbs,
+            "warmup": warmup,
+            "iters": iters,
+            "sizes": list(sizes),
+            "dry": DEV != "cuda",
+            "config": config,
+            "label": label,
+        }
+        error, crashed = _writer_process(spec)
+        if error is None:
+            moved = True
+            ucx_done |= mode == "ucx"
+            continue
+        emit("transfer", path=label, ok=False, error=error)
+        if crashed and not debugged:
+            debugged = True
+            native_stack(spec)
+    check("page transfer: a path moved the pages", moved)
+
+
+def _writer_process(spec: dict[str, Any]) -> tuple[str | None, bool]:
+    """Run one attempt in a writer process; its rows join this run's. Returns (None when
+    it measured the transfer, else what went wrong: the exit signal and the end of its
+    stderr; whether it died of a signal)."""
+    import signal
+    import tempfile
+
+    cmd = [sys.executable, "-m", "kvferry.engine.tools.gpu_check", "--transfer-writer"]
+    env = dict(os.environ)
+    with tempfile.TemporaryFile("w+") as errfile:
+        proc = subprocess.Popen(
+            [*cmd, json.dumps(spec)],
+            stdout=subprocess.PIPE,
+            stderr=errfile,
+            text=True,
+            env=env,
+            start_new_session=True,  # the target it starts goes with it on a timeout
+        )
+        try:
+            out, _ = proc.communicate(timeout=WRITER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        try:  # a target left behind by a writer that crashed
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        errfile.seek(0)
+        stderr = errfile.read()
+    if stderr:
+        sys.stderr.write(stderr)
+    measured = False
+    for line in out.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        kind = row.pop("kind", None)
+        if kind == "check":
+            check(row.pop("name"), row.pop("ok"), **row)
+        elif kind is not None:
+            if kind == "transfer":
+                measured |= "gb_s" in row
+                row["path"] = spec["label"]
+            emit(kind, **row)
+    if measured:
+        return None, False
+    rc = proc.returncode
+    crashed = rc is not None and rc < 0
+    how = f"signal {signal.Signals(-rc).name}" if crashed else f"exit {rc}"
+    tail = " | ".join(stderr.strip().splitlines()[-12:])
+    return f"writer process ended with {how} before a measurement: {tail[-1500:]}", crashed
+
+
+def native_stack(spec: dict[str, Any]) -> None:
+    """The attempt once more under a debugger (cuda-gdb or gdb, whichever is there): the
+    native stack of the thread that crashed, as a ``native_stack`` row."""
+    import shutil
+
+    debugger = shutil.which("cuda-gdb") or shutil.which("gdb")
+    if debugger is None:
+        emit("native_stack", path=spec["label"], available=False, reason="no gdb or cuda-gdb")
         return
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        emit("transfer", path="ucx", ok=False, error=error)
-        if DEV != "cuda":
-            check("page transfer ucx (host memory, dry run)", False, error=error)
-            return
+    cmd = [
+        debugger,
+        "-q",
+        "-batch",
+        "-ex",
+        "set pagination off",
+        "-ex",
+        "handle SIGPIPE SIGUSR1 SIGUSR2 SIG32 SIG33 SIG34 SIG35 SIG36 nostop noprint pass",
+        "-ex",
+        "run",
+        "-ex",
+        "bt 40",
+        "--args",
+        sys.executable,
+        "-m",
+        "kvferry.engine.tools.gpu_check",
+        "--transfer-writer",
+        json.dumps(spec),
+    ]
     try:
-        _transfer_run("cuda-ipc", copy_gbs, warmup, iters, sizes)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=DEBUG_TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
+        text = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        parts = [
+            p.decode(errors="replace") if isinstance(p, bytes) else p or ""
+            for p in (exc.stdout, exc.stderr)
+        ]
+        text = "".join(parts) + f"\n(debugger stopped at {DEBUG_TIMEOUT_S} s)"
+    frames = [ln for ln in text.splitlines() if ln.startswith("#") or "signal" in ln.lower()]
+    emit("native_stack", path=spec["label"], debugger=debugger, frames=frames[:60])
+    for line in frames[:60]:
+        print(f"  {line[:200]}", file=sys.stderr)
+
+
+def transfer_writer(spec: dict[str, Any]) -> int:
+    """The writer process of one attempt (see :func:`page_transfer`)."""
+    global DEV, SMALL
+    if spec["dry"]:
+        DEV, SMALL = "cpu", True
+    try:
+        _transfer_run(
+            spec["mode"],
+            spec["copy_gbs"],
+            spec["warmup"],
+            spec["iters"],
+            tuple(spec["sizes"]),
+            spec["config"],
+        )
     except Exception as exc:
-        check("page transfer cuda-ipc", False, error=f"{type(exc).__name__}: {exc}")
+        print(f"gpu-check writer: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 # --- report --------------------------------------------------------------------------
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f} %"
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
@@ -833,7 +1040,7 @@ def goals(say: Callable[[str], None]) -> None:
             if vs is not None:
                 say(f"goal {case}: >= 2x the torch baseline: {vs:.2f}x {_met(vs >= 2)}")
     for case, r in summ.items():
-        cost = r["check_cost"]
+        cost = r["check_cost_paired"] if r.get("check_cost_paired") is not None else r["check_cost"]
         say(f"goal {case}: ownership check costs <= 3 %: {100 * cost:+.1f} % {_met(cost <= 0.03)}")
     for r in RESULTS:
         if r["kind"] == "checksum":
@@ -862,7 +1069,14 @@ def table() -> None:
             _row(f"{r['case']} {r['impl']}", r, f"splits {r['splits']}" if "splits" in r else "")
         elif r["kind"] == "summary":
             vs = f"{r['vs_torch']:.2f}x the best torch baseline" if r["vs_torch"] else "no baseline"
-            _row(f"{r['case']} summary", None, f"check costs {100 * r['check_cost']:+.1f} %, {vs}")
+            _row(
+                f"{r['case']} summary",
+                None,
+                f"check costs {100 * r['check_cost']:+.1f} % "
+                f"(in the loop: {100 * r['check_cost_tiles']:+.1f} %; round by round "
+                f"{_pct(r.get('check_cost_paired'))} / {_pct(r.get('check_cost_tiles_paired'))})"
+                f", {vs}",
+            )
         elif r["kind"] == "checksum":
             _row("checksum, whole pool", r)
         elif r["kind"] == "transfer" and "gb_s" in r:
@@ -928,6 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tunings", help="with --tune: only these tunings, comma-separated (default: the sweep)"
     )
     parser.add_argument("--transfer-target", help=argparse.SUPPRESS)  # the target process
+    parser.add_argument("--transfer-writer", help=argparse.SUPPRESS)  # one attempt's writer
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -946,8 +1161,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     t0 = time.monotonic()
     global DEV, SMALL
+    faulthandler.enable()  # a crash in native code prints where Python was
     if args.transfer_target:
         return transfer_target(json.loads(args.transfer_target))
+    if args.transfer_writer:
+        return transfer_writer(json.loads(args.transfer_writer))
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
         DEV, SMALL = "cpu", True

@@ -30,7 +30,7 @@ from . import gpu_check as gc
 GOAL_CASES = ((1, 131072), (16, 8192))
 CASES = (*GOAL_CASES, (64, 2048))
 SMALL_CASES = ((1, 512), (2, 256))
-DRY_RUN_TUNINGS = ("n64-w4-s2-p2-m256", "n128-w4-s2-p4-m256", "n256-w8-s3-p1-m256")
+DRY_RUN_TUNINGS = ("n64-w4-s2-p4-m256", "n128-w4-s2-p4-m256", "n256-w8-s3-p1-m256")
 
 
 def select(names: str | None) -> list[DecodeTuning]:

@@ -54,7 +54,7 @@ def test_the_page_transfer_moves_host_pages_between_two_processes(monkeypatch):
     monkeypatch.setattr(gpu_check, "DEV", "cpu")
     monkeypatch.setattr(gpu_check, "RESULTS", [])
     monkeypatch.setattr(gpu_check, "FAILED", [])
-    gpu_check._transfer_run("ucx", 1.0, 1, 2, (8, 4096))
+    gpu_check._transfer_run("ucx", 1.0, 1, 2, (8, 4096), {})
     checks = [r for r in gpu_check.RESULTS if r["kind"] == "check"]
     assert gpu_check.FAILED == [] and len(checks) == 2 and all(r["ok"] for r in checks)
     (row,) = [r for r in gpu_check.RESULTS if r["kind"] == "transfer"]
@@ -90,7 +90,11 @@ def test_the_tuning_sweep_runs_whole_on_cpu():
     (pick,) = [r for r in rows if r["kind"] == "tuned" and r["case"] == "goal cases"]
     assert pick["best"] in DRY_RUN_TUNINGS
     again = {(r["case"], r["impl"]) for r in rows if r["kind"] == "attention"}
-    assert again == {(c, i) for c in cases for i in ("triton", "triton+check", "torch gather+sdpa")}
+    assert again == {
+        (c, i)
+        for c in cases
+        for i in ("triton", "triton+check", "triton+check tiles", "torch gather+sdpa")
+    }
     assert all(r["tuning"] == pick["best"] for r in rows if r.get("impl", "").startswith("triton"))
     assert f"best over the goal cases: {pick['best']}" in proc.stdout
 
@@ -138,4 +142,4 @@ gc.compare_registers(
         ("decode-bf16-d128-g4-nocheck", True),
         ("decode-bf16-d128-g4-check", False),
     ]
-    assert rows[1]["jit"] == 7 and rows[1]["aot"] > 7 and rows[1]["tuning"] == "n64-w4-s2-p2-m256"
+    assert rows[1]["jit"] == 7 and rows[1]["aot"] > 7 and rows[1]["tuning"] == "n64-w4-s2-p4-m256"

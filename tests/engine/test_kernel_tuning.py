@@ -76,11 +76,13 @@ def test_splits_stay_within_bounds(t, batch, kv_heads, max_tokens, sms):
         assert s in (MAX_SPLITS, max(1, max_tokens // t.min_split_tokens))
 
 
-def test_the_default_is_the_kernel_v1_launch():
-    assert DEFAULT.name == "n64-w4-s2-p2-m256"
-    # an H200's 132 SMs, 8 KV heads: 1 x 131072 splits into 33, 16 x 8192 into 3
-    assert DEFAULT.splits(1, 8, 131072, 132) == 33
-    assert DEFAULT.splits(16, 8, 8192, 132) == 3
+def test_the_default_is_the_device_pick():
+    """Kernel v1's compiled variant, aiming for 4 programs per SM (engine/GPU.md)."""
+    assert DEFAULT.name == "n64-w4-s2-p4-m256"
+    assert DEFAULT.compile_key == (64, 4, 2)
+    # an H200's 132 SMs, 8 KV heads: 1 x 131072 splits into 66, 16 x 8192 into 5
+    assert DEFAULT.splits(1, 8, 131072, 132) == 66
+    assert DEFAULT.splits(16, 8, 8192, 132) == 5
 
 
 def test_the_sweep_starts_with_the_default_and_holds_each_tuning_once():

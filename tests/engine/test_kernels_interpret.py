@@ -236,20 +236,23 @@ def owned_case(seed: int = 11, page_size: int = 16, lens=(70, 33, 0, 100)):
     return kv, table, seq_lens, q, canaries, rids, grants
 
 
-def run_both(kv, table, seq_lens, q, canaries, rids, grants, splits=2):
+def run_both(kv, table, seq_lens, q, canaries, rids, grants, splits=2, placement="pages"):
     """The kernel's and the reference's ownership results, and the kernel's output."""
     own = PageOwnership.for_requests(canaries, rids, grants, width=table.shape[1])
     ref = PageOwnership.for_requests(canaries, rids, grants, width=table.shape[1])
-    out = td.paged_decode_attention(q, kv, 0, table, seq_lens, num_splits=splits, ownership=own)
+    out = td.paged_decode_attention(
+        q, kv, 0, table, seq_lens, num_splits=splits, ownership=own, check_placement=placement
+    )
     check_ownership_reference(table, seq_lens, kv.shape[4], kv.shape[0], ref)
     assert torch.equal(own.errors, ref.errors) and torch.equal(own.first_bad, ref.first_bad)
     return own, out
 
 
+@pytest.mark.parametrize("placement", td.CHECK_PLACEMENTS)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_clean_run_is_bit_identical_with_check_on_and_off(splits):
+def test_clean_run_is_bit_identical_with_check_on_and_off(splits, placement):
     kv, table, seq_lens, q, canaries, rids, grants = owned_case()
-    own, checked = run_both(kv, table, seq_lens, q, canaries, rids, grants, splits)
+    own, checked = run_both(kv, table, seq_lens, q, canaries, rids, grants, splits, placement)
     assert own.failures() == []
     assert bool((own.first_bad == NO_BAD_PAGE).all())
     plain = td.paged_decode_attention(q, kv, 0, table, seq_lens, num_splits=splits)
@@ -265,6 +268,11 @@ def corrupt(kind: str, table, canaries: CanaryTable, num_pages: int):
         row = canaries.get(page)
         canaries.stamp([page], [type(row)(row.request_id_hash ^ 1, row.generation, row.page_index)])
         return 0, FOREIGN_REQUEST, 2
+    if kind == "last_page":  # the last page, partly filled (positions 64-69)
+        page = int(table[0, 4])
+        row = canaries.get(page)
+        canaries.stamp([page], [type(row)(row.request_id_hash ^ 1, row.generation, row.page_index)])
+        return 0, FOREIGN_REQUEST, 4
     if kind == "stale":
         page = int(table[0, 2])
         row = canaries.get(page)
@@ -290,6 +298,8 @@ def corrupt(kind: str, table, canaries: CanaryTable, num_pages: int):
     "kind, splits",
     [
         ("foreign", 3),
+        ("last_page", 1),
+        ("last_page", 3),
         ("stale", 1),
         ("swapped", 3),
         ("out_of_pool_high", 1),
@@ -297,11 +307,12 @@ def corrupt(kind: str, table, canaries: CanaryTable, num_pages: int):
         ("never_stamped", 1),
     ],
 )
-def test_each_mismatch_kind_is_flagged(kind, splits):
+@pytest.mark.parametrize("placement", td.CHECK_PLACEMENTS)
+def test_each_mismatch_kind_is_flagged(kind, splits, placement):
     kv, table, seq_lens, q, canaries, rids, grants = owned_case()
     clean = reference(q, kv, 0, table, seq_lens)
     seq, bits, first = corrupt(kind, table, canaries, kv.shape[0])
-    own, out = run_both(kv, table, seq_lens, q, canaries, rids, grants, splits)
+    own, out = run_both(kv, table, seq_lens, q, canaries, rids, grants, splits, placement)
     assert own.failures() == [(seq, bits, first)]
     assert bool(torch.isfinite(out).all()), "a corrupt table still reads inside the pool"
     others = [b for b in range(len(rids)) if b != seq]
@@ -322,13 +333,14 @@ def test_swapped_generations_equal_is_a_wrong_index():
     assert own.failures() == [(0, WRONG_INDEX, 1)]
 
 
-def test_pages_past_the_sequence_are_not_checked_and_longer_than_table_is():
+@pytest.mark.parametrize("placement", td.CHECK_PLACEMENTS)
+def test_pages_past_the_sequence_are_not_checked_and_longer_than_table_is(placement):
     kv, table, seq_lens, q, canaries, rids, grants = owned_case()
     table[1, 3] = kv.shape[0] + 100  # sequence 1 has 33 positions: 3 pages; column 3 is padding
-    own, _ = run_both(kv, table, seq_lens, q, canaries, rids, grants)
+    own, _ = run_both(kv, table, seq_lens, q, canaries, rids, grants, placement=placement)
     assert own.failures() == []
     seq_lens[2] = table.shape[1] * 16 + 1  # the empty sequence now claims more than its row holds
-    own, _ = run_both(kv, table, seq_lens, q, canaries, rids, grants)
+    own, _ = run_both(kv, table, seq_lens, q, canaries, rids, grants, placement=placement)
     assert own.failures() == [(2, OUT_OF_POOL | BEYOND_TABLE, 0)]  # its row is padding (-1)
 
 

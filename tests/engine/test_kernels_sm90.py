@@ -87,12 +87,13 @@ def test_every_compile_point_of_the_tuning_sweep_compiles_without_spills():
 @need_cuobjdump
 def test_a_tile_past_the_sweep_rule_spills():
     """The rule the sweep keeps (block_n at most 32 rows per warp) is what keeps spills out:
-    one step past it, 128 positions on 2 warps, spills and is reported as a violation."""
+    one step past it, 128 positions on 2 warps (at 3 stages), spills and is reported as a
+    violation."""
     from kvferry.engine.kernels.tuning import MAX_ROWS_PER_WARP, DecodeTuning
 
-    past = DecodeTuning(block_n=128, num_warps=2, num_stages=2)
+    past = DecodeTuning(block_n=128, num_warps=2, num_stages=3)
     assert past.block_n > MAX_ROWS_PER_WARP * past.num_warps
     rc, reports, stderr = run_aot("--tuning", past.name, "--only", "decode-bf16-d128-g4-check")
     assert rc == 1 and len(reports) == 1, stderr[-2000:]
-    assert reports[0]["variant"] == "decode-bf16-d128-g4-check@n128-w2-s2"
+    assert reports[0]["variant"] == "decode-bf16-d128-g4-check@n128-w2-s3"
     assert reports[0]["spill_ops"] > 0 and any("spills" in v for v in reports[0]["violations"])

@@ -131,8 +131,10 @@ GO = PointDecision(Decision.GO)
 class HeldWrite:
     """An injected in-flight write (``at:mid-transfer``, ``at:mid-pipeline``): posted as
     far as the writer knows, landed later (after its seconds, or right after the writer's
-    next write to the same owner). It settles, like a batch, only once it has landed, so
-    a flush waits for it, as a posted one-sided write would.
+    next write of another request into any of the same remote bytes: over what that
+    write put there, whatever size the writer's batches have then). It settles, like a
+    batch, only once it has landed, so a flush waits for it, as a posted one-sided write
+    would.
 
     It is bound like a real post: to the owner's incarnation whose pages it was posted
     into, with the endpoint and remote segment of that moment. It lands through them;
@@ -164,6 +166,20 @@ class HeldWrite:
         self.batch: Any = None  # the real batch, when it lands by a real post
         self.failure: str | None = None  # why it could not land
         self.timer: Any = None
+
+    def overlaps(self, triples: np.ndarray) -> bool:
+        """Whether any (local, remote, length) run of ``triples`` shares a remote byte with
+        this write's runs."""
+        posted = np.asarray(triples, dtype=np.int64).reshape(-1, 3)
+        if posted.size == 0 or self.triples.size == 0:
+            return False
+        order = np.argsort(self.triples[:, 1], kind="stable")
+        starts = self.triples[order, 1]
+        ends = starts + self.triples[order, 2]  # runs of one write do not overlap
+        p_start, p_end = posted[:, 1], posted[:, 1] + posted[:, 2]
+        last = np.searchsorted(starts, p_end, side="left") - 1  # last run starting before
+        ok = last >= 0
+        return bool((ends[last[ok]] > p_start[ok]).any())
 
     def peek(self) -> BatchStatus:
         if self.batch is not None:
@@ -283,8 +299,9 @@ class FaultHooks:
         everything is posted now."""
         return triples, None
 
-    def wrote(self, rt: Any, owner: int, rid: str) -> None:
-        """After a write of request ``rid`` posted to ``owner``."""
+    def wrote(self, rt: Any, owner: int, rid: str, triples: np.ndarray) -> None:
+        """After a write of request ``rid`` posted to ``owner``: (local, remote, length)
+        ``triples``."""
 
     def forget(self, rid: str) -> None:
         """The request ended at this rank."""
@@ -506,7 +523,7 @@ class FaultPlan(FaultHooks):
     ) -> tuple[np.ndarray, HeldWrite | None]:
         """Any action injected at ``point`` holds the second half of the write in flight:
         it lands after the action's seconds, or right after the writer's next write of
-        another request to the same owner (see :meth:`wrote`)."""
+        another request into the same remote bytes (see :meth:`wrote`)."""
         mid = self.at(point, self._text(rid, tokens)) if self.points else None
         if mid is None or len(triples) < 2:
             return triples, None
@@ -522,11 +539,15 @@ class FaultPlan(FaultHooks):
         self._in_flight.setdefault(owner, []).append(held)
         return triples[:half], held
 
-    def wrote(self, rt: Any, owner: int, rid: str) -> None:
-        """An in-flight (held) write of another request to the same owner lands right
-        after this one: the fault that makes a late write overwrite reused pages."""
+    def wrote(self, rt: Any, owner: int, rid: str, triples: np.ndarray) -> None:
+        """An in-flight (held) write of another request into any of the remote bytes this
+        write of ``rid`` just covered lands right after it: the fault that makes a late
+        write overwrite reused pages. Landing on the first write to the owner instead
+        would depend on how many pages the writer's batch carried then, which its
+        measured rate sets: a smaller batch than usual (a loaded machine) left the reused
+        pages to a later batch, which wrote them over the late write."""
         waiting = self._in_flight.get(owner, [])
-        for held in [h for h in waiting if h.rid != rid]:
+        for held in [h for h in waiting if h.rid != rid and h.overlaps(triples)]:
             waiting.remove(held)
             held.land(rt)
 

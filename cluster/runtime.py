@@ -547,7 +547,7 @@ class RankRuntime:
             )
         batch = self.engine.write(self.peer(rank), local, remote, pages)
         if self.faults.enabled:
-            self.faults.wrote(self, rank, rid)
+            self.faults.wrote(self, rank, rid, pages)
         return batch
 
     def quiesce(self, rank: int) -> Batch:

@@ -568,6 +568,9 @@ class TransferEngine:
             mask |= native.RMA_PARAM_FIELD_SKIP_PAGE
             param.skip_page = self.config.fault_skip_page % n
         cross_memory = False
+        if seg.is_cuda:  # UCX picks its protocol by it: never a CPU copy of device bytes
+            mask |= native.RMA_PARAM_FIELD_LOCAL_MEMORY_TYPE
+            param.local_memory_type = native.MEMORY_TYPE_CUDA
         if rseg.direct is not None and not seg.is_cuda:
             mask |= native.RMA_PARAM_FIELD_DIRECT_BASE
             param.direct_base = rseg.direct

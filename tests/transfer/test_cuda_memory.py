@@ -19,10 +19,12 @@ from kvferry.transfer import (
     TransferEngine,
     memtypes,
 )
+from kvferry.transfer._native import lib
 from kvferry.transfer.errors import UcxError
 from kvferry.transfer.memtypes import MemoryType, UcxMemoryReport
 
 HOST_ONLY, HOST_AND_CUDA = 1 << 0, (1 << 0) | (1 << 1)
+UCS_MEMORY_TYPE_HOST, UCS_MEMORY_TYPE_CUDA = 0, 1  # ucs_memory_type_t
 
 
 def fake_ucx(tmp_path, with_module: bool) -> str:
@@ -146,8 +148,10 @@ def settle(batch, *engines):
 
 def test_a_write_from_a_cuda_segment_waits_for_its_producer_first():
     """A segment marked CUDA (host bytes here, so the CPU can check them) waits on the
-    stream before anything is posted, never takes the direct CPU copy, and its notice
-    still arrives after the pages. A host segment waits on nothing."""
+    stream before anything is posted, never takes the direct CPU copy, tells UCX its
+    requests' local buffer is CUDA memory (UCX picks the protocol by it: a device pointer
+    passed as host memory is read by the CPU, a crash), and its notice still arrives
+    after the pages. A host segment waits on nothing and is host memory to UCX."""
     src = TransferEngine(TransferConfig(transports="shm", name="src"))
     dst = TransferEngine(TransferConfig(transports="shm", name="dst"))
     try:
@@ -164,6 +168,7 @@ def test_a_write_from_a_cuda_segment_waits_for_its_producer_first():
             peer, local, rseg, [[0, 0, 4096], [8192, 4096, 4096]], b"n", stream=stream
         )
         assert stream.seen == [before] and src.counters.stream_syncs == 1
+        assert lib.kvf_rma_ucs_memory_type(src._rma_param) == UCS_MEMORY_TYPE_CUDA
         got = []
         dst.set_message_handler(lambda sender, payload: got.append(payload))
         assert settle(batch, src, dst) == "COMPLETED" and src.counters.pages_direct == 0
@@ -179,6 +184,7 @@ def test_a_write_from_a_cuda_segment_waits_for_its_producer_first():
             "COMPLETED"
         )
         assert len(stream.seen) == 1 and src.counters.pages_direct == 1
+        assert lib.kvf_rma_ucs_memory_type(src._rma_param) == UCS_MEMORY_TYPE_HOST
         # an opened CUDA descriptor never gets the direct (CPU) path either
         cuda_desc = SegmentDescriptor(**{**target.descriptor().__dict__, "memory_type": "cuda"})
         assert src.open_segment(peer, cuda_desc).direct is None

@@ -782,20 +782,30 @@ static ucs_status_t kvf_track(ucs_status_ptr_t p, kvf_batch_t *b)
     return UCS_OK;
 }
 
-static void kvf_param_init(ucp_request_param_t *param, kvf_batch_t *b)
+static void kvf_param_init(ucp_request_param_t *param, kvf_batch_t *b,
+                           ucs_memory_type_t memory_type)
 {
     memset(param, 0, sizeof(*param));
     param->op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                           UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     param->cb.send = kvf_op_done;
     param->user_data = b;
-    param->memory_type = UCS_MEMORY_TYPE_HOST;
+    param->memory_type = memory_type;
+}
+
+int32_t kvf_rma_ucs_memory_type(const kvf_rma_param_t *p)
+{
+    if ((p->field_mask & KVF_RMA_PARAM_FIELD_LOCAL_MEMORY_TYPE) &&
+        p->local_memory_type == KVF_MEMORY_TYPE_CUDA) {
+        return UCS_MEMORY_TYPE_CUDA;
+    }
+    return UCS_MEMORY_TYPE_HOST;
 }
 
 ucs_status_t kvf_flush(kvf_ep_h ep, kvf_batch_t *batch)
 {
     ucp_request_param_t param;
-    kvf_param_init(&param, batch);
+    kvf_param_init(&param, batch, UCS_MEMORY_TYPE_HOST);
     param.op_attr_mask &= ~(uint32_t)UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     return kvf_track(ucp_ep_flush_nbx(kvf_ucp_ep(ep), &param), batch);
 }
@@ -844,14 +854,15 @@ static int kvf_streams(int64_t streaming_min_bytes, int64_t total)
 /* Posts the n pages of a checked batch: direct copies when direct_base is set, else one
  * ucp_put_nbx/ucp_get_nbx each; stops at the first posting error (in the batch too). */
 static ucs_status_t kvf_post_pages(ucp_ep_h ep, int write, int streaming, char *local_base,
-                                   ucp_rkey_h rkey, uint64_t remote_base, char *direct_base,
+                                   ucs_memory_type_t local_type, ucp_rkey_h rkey,
+                                   uint64_t remote_base, char *direct_base,
                                    const int64_t *pages, int64_t n, int64_t skip,
                                    kvf_batch_t *batch)
 {
     ucp_request_param_t param;
     ucs_status_t st;
     int64_t i;
-    kvf_param_init(&param, batch);
+    kvf_param_init(&param, batch, local_type);
     if (!write && direct_base != NULL) __atomic_thread_fence(__ATOMIC_ACQUIRE);
     for (i = 0; i < n; ++i) {
         const int64_t *t = pages + 3 * i;
@@ -1009,6 +1020,10 @@ static ucs_status_t kvf_check_and_post(ucp_ep_h ep, int write, const kvf_rma_par
     if (kvf_check_pages(p->pages, p->npages, p->local_length, p->remote_length, &total) >= 0) {
         return UCS_ERR_OUT_OF_RANGE;
     }
+    if (kvf_rma_ucs_memory_type(p) != UCS_MEMORY_TYPE_HOST &&
+        (direct != NULL || (mask & KVF_RMA_PARAM_FIELD_PEER_PROCESS))) {
+        return UCS_ERR_INVALID_PARAM; /* device memory is never copied by the CPU */
+    }
     batch->bytes = total;
     if (direct == NULL && (mask & KVF_RMA_PARAM_FIELD_PEER_PROCESS)) {
         *posted = kvf_post_pages_cma(write, p->peer_pid, p->peer_pidfd, (char *)p->local_base,
@@ -1016,8 +1031,10 @@ static ucs_status_t kvf_check_and_post(ucp_ep_h ep, int write, const kvf_rma_par
         return UCS_OK;
     }
     *posted = kvf_post_pages(ep, write, kvf_streams(streaming_min, total),
-                             (char *)p->local_base, kvf_ucp_rkey(p->rkey), p->remote_base,
-                             direct, p->pages, p->npages, skip, batch);
+                             (char *)p->local_base,
+                             (ucs_memory_type_t)kvf_rma_ucs_memory_type(p),
+                             kvf_ucp_rkey(p->rkey), p->remote_base, direct, p->pages,
+                             p->npages, skip, batch);
     return UCS_OK;
 }
 

@@ -85,7 +85,8 @@ typedef enum {
     KVF_RMA_PARAM_FIELD_STREAMING_MIN_BYTES = 0x02, /* default: never stream */
     KVF_RMA_PARAM_FIELD_SKIP_PAGE           = 0x04, /* default: skip none */
     KVF_RMA_PARAM_FIELD_NOTICE              = 0x08, /* default: no notice (puts only) */
-    KVF_RMA_PARAM_FIELD_PEER_PROCESS        = 0x10  /* default: post through UCX */
+    KVF_RMA_PARAM_FIELD_PEER_PROCESS        = 0x10, /* default: post through UCX */
+    KVF_RMA_PARAM_FIELD_LOCAL_MEMORY_TYPE   = 0x20  /* default: local_base is host memory */
 } kvf_rma_param_field_t;
 
 /* kvf_msg_param_t.flags. */
@@ -182,7 +183,10 @@ typedef struct kvf_msg_param {
  *     up to KVF_CMA_IOVS pages a system call, no UCX request. The pidfd is polled before
  *     the first call and after the last: a process that exited fails the batch with
  *     UCS_ERR_CONNECTION_RESET (as a put to a dead process fails). Ignored with
- *     direct_base. */
+ *     direct_base;
+ *   local_memory_type: the kvf_memory_type_t of the local segment, which every UCX
+ *     request of the batch tells UCX (its protocol depends on it: a device pointer
+ *     passed as host memory is read by the CPU). Host memory when not set. */
 typedef struct kvf_rma_param {
     uint64_t field_mask;    /* kvf_rma_param_field_t */
     uintptr_t local_base;
@@ -198,7 +202,12 @@ typedef struct kvf_rma_param {
     const kvf_msg_param_t *notice;
     int32_t peer_pid;
     int32_t peer_pidfd;
+    int32_t local_memory_type; /* kvf_memory_type_t */
 } kvf_rma_param_t;
+
+/* The ucs_memory_type_t that the UCX requests of a batch with these parameters carry for
+ * the local buffer (UCS_MEMORY_TYPE_HOST unless local_memory_type says CUDA). */
+int32_t kvf_rma_ucs_memory_type(const kvf_rma_param_t *param);
 
 /* A parsed message envelope (layout in transfer/envelope.py). `error` is
  * KVF_ENVELOPE_OK for a well-formed envelope, else a kvf_envelope_error_t; the pointers

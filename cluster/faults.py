@@ -70,7 +70,7 @@ import random
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,9 +130,10 @@ GO = PointDecision(Decision.GO)
 
 class HeldWrite:
     """An injected in-flight write (``at:mid-transfer``, ``at:mid-pipeline``): posted as
-    far as the writer knows, landed later (after its seconds, or right after the writer's
-    next write of another request into any of the same remote bytes: over what that
-    write put there, whatever size the writer's batches have then). It settles, like a
+    far as the writer knows, landed later: after its seconds, or right after the writer's
+    next write of another request into any of the same remote bytes (over what that write
+    put there, whatever size the writer's batches have then), or once another request
+    wrote to the owner without touching them (its final notice). It settles, like a
     batch, only once it has landed, so a flush waits for it, as a posted one-sided write
     would.
 
@@ -302,6 +303,9 @@ class FaultHooks:
     def wrote(self, rt: Any, owner: int, rid: str, triples: np.ndarray) -> None:
         """After a write of request ``rid`` posted to ``owner``: (local, remote, length)
         ``triples``."""
+
+    def noticed(self, rt: Any, owner: int, rid: str) -> None:
+        """After request ``rid``'s final notice to ``owner`` (its last write)."""
 
     def forget(self, rid: str) -> None:
         """The request ended at this rank."""
@@ -523,7 +527,8 @@ class FaultPlan(FaultHooks):
     ) -> tuple[np.ndarray, HeldWrite | None]:
         """Any action injected at ``point`` holds the second half of the write in flight:
         it lands after the action's seconds, or right after the writer's next write of
-        another request into the same remote bytes (see :meth:`wrote`)."""
+        another request into the same remote bytes (see :meth:`wrote`), or once another
+        request's writes to the owner ended without touching them (:meth:`noticed`)."""
         mid = self.at(point, self._text(rid, tokens)) if self.points else None
         if mid is None or len(triples) < 2:
             return triples, None
@@ -546,8 +551,18 @@ class FaultPlan(FaultHooks):
         would depend on how many pages the writer's batch carried then, which its
         measured rate sets: a smaller batch than usual (a loaded machine) left the reused
         pages to a later batch, which wrote them over the late write."""
+        self._land(rt, owner, lambda h: h.rid != rid and h.overlaps(triples))
+
+    def noticed(self, rt: Any, owner: int, rid: str) -> None:
+        """Request ``rid`` wrote all it writes to ``owner`` and none of it touched a held
+        write of another request (else that landed with it): the held write lands now,
+        into pages nobody else holds (a quarantine keeps them), as it would while the
+        owner waits for its writer's ack."""
+        self._land(rt, owner, lambda h: h.rid != rid)
+
+    def _land(self, rt: Any, owner: int, which: Callable[[HeldWrite], bool]) -> None:
         waiting = self._in_flight.get(owner, [])
-        for held in [h for h in waiting if h.rid != rid and h.overlaps(triples)]:
+        for held in [h for h in waiting if which(h)]:
             waiting.remove(held)
             held.land(rt)
 

@@ -462,7 +462,10 @@ class RankRuntime:
     def notify(self, rank: int, kind: MessageKind, **fields) -> Batch | None:
         """Flush every earlier write to ``rank``, then deliver the message. The batch
         returned completes once the flush (and the send) did."""
-        return self._deliver(rank, kind.name, self._fill(rank, kind, fields), flushed=True)
+        batch = self._deliver(rank, kind.name, self._fill(rank, kind, fields), flushed=True)
+        if kind is messages.NOTICE and self.faults.enabled:
+            self.faults.noticed(self, rank, str(fields.get("rid")))
+        return batch
 
     def _deliver(self, rank: int, kind: str, data: bytes, flushed: bool) -> Batch | None:
         """The fault seam: what the network does with one outgoing message (dropped,

@@ -1,9 +1,12 @@
 """When the fault suite's held (in-flight) write lands: right after the writer's next write
-of another request into any of the same remote bytes, never on a write elsewhere. The
-fault suite's unsafe rows show a leak only if the late write lands over the reused pages
-after their new owner's bytes; landing on the next write to the owner, whatever pages it
-carried, left the reused pages to a later batch on a loaded machine (smaller batches),
-which wrote them over the late write and hid the leak."""
+of another request into any of the same remote bytes, or once another request's writes to
+that owner ended (its final notice) without touching them; never on another request's
+write elsewhere while that request may still write. The fault suite's unsafe rows show a
+leak only if the late write lands over the reused pages after their new owner's bytes;
+landing on the next write to the owner, whatever pages it carried, left the reused pages
+to a later batch on a loaded machine (smaller batches), which wrote them over the late
+write and hid the leak. Its safe rows need the late write to land before the owner's
+abort deadline, which the other request's end of writing gives them."""
 
 from __future__ import annotations
 
@@ -64,3 +67,16 @@ def test_the_next_write_lands_only_the_held_writes_it_covers(monkeypatch):
     assert landed == ["A"] and plan._in_flight[1] == [c]
     plan.wrote(None, 1, "B", runs([(9 * PAGE, PAGE)]))
     assert landed == ["A", "C"] and plan._in_flight[2] == [other_owner]
+
+
+def test_another_requests_final_notice_lands_what_it_did_not_touch(monkeypatch):
+    landed: list[str] = []
+    monkeypatch.setattr(HeldWrite, "land", lambda self, rt: landed.append(self.rid))
+    plan = FaultPlan.parse([])
+    a, elsewhere = held("A", [4, 5]), held("D", [4], owner=2)
+    plan._in_flight = {1: [a], 2: [elsewhere]}
+    plan.wrote(None, 1, "B", runs([(0, 4 * PAGE)]))  # B's pages are others (a quarantine)
+    plan.noticed(None, 1, "A")  # A's own notice lands nothing of A's
+    assert landed == []
+    plan.noticed(None, 1, "B")  # B wrote all it writes there
+    assert landed == ["A"] and plan._in_flight == {1: [], 2: [elsewhere]}

@@ -237,7 +237,9 @@ class LlamaModel(PrefillByLayers):
         ownership: PageOwnership | None = None,
     ) -> torch.Tensor:
         """Write each input token's K/V at its position, attend over ``0 .. position``;
-        logits ``[batch, vocab]`` fp32. With ``ownership`` every page read is checked."""
+        logits ``[batch, vocab]`` fp32. With ``ownership`` every page read is checked, in the
+        first layer's attention (every layer reads the same pages through the same table,
+        and canaries change only between steps)."""
         self._check_pool(kv)
         positions = positions.to(device=self.device, dtype=torch.int64)
         tokens = tokens.to(device=self.device, dtype=torch.int64)
@@ -252,7 +254,12 @@ class LlamaModel(PrefillByLayers):
             q, k, v = self._qkv(block, h, positions)
             write_kv_tokens(kv, layer, k.to(kv.device), v.to(kv.device), pages, slots)
             attn = paged_decode_attention(
-                q.to(kv.device), kv, layer, table, seq_lens, ownership=ownership
+                q.to(kv.device),
+                kv,
+                layer,
+                table,
+                seq_lens,
+                ownership=ownership if layer == 0 else None,
             )
             h = h + attn.to(self.device).reshape(h.shape[0], -1) @ block.wo
             h = h + self._mlp(block, h)

@@ -154,7 +154,8 @@ class ReplayModel(PrefillByLayers):
     ) -> torch.Tensor:
         """Token stored at ``targets[b]`` of each sequence, read by attention alone: ``[batch]``.
         With ``ownership`` every page read is checked (the kernel's flags, see
-        :func:`paged_decode_attention`)."""
+        :func:`paged_decode_attention`), in the first layer's attention: every layer reads
+        the same pages through the same table, and canaries change only between steps."""
         self._check_pool(kv)
         q = (
             self.key_codes(targets.to(kv.device))[:, None, :]
@@ -164,7 +165,13 @@ class ReplayModel(PrefillByLayers):
         votes = []
         for layer in range(self.layers):
             out = paged_decode_attention(
-                q, kv, layer, page_table, seq_lens, scale=self.scale, ownership=ownership
+                q,
+                kv,
+                layer,
+                page_table,
+                seq_lens,
+                scale=self.scale,
+                ownership=ownership if layer == 0 else None,
             )  # [B, qh, d]
             votes.append(out[..., :TOKEN_BITS])
         bits = torch.stack(votes)  # [layers, B, qh, TOKEN_BITS]

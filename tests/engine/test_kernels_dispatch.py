@@ -130,3 +130,31 @@ def test_unsupported_shapes_fall_back_to_the_reference(monkeypatch):
     assert torch.equal(
         paged_decode_attention(q, kv, 0, table, seq_lens), reference(q, kv, 0, table, seq_lens)
     )
+
+
+@pytest.mark.parametrize("name", ["replay", "llama"])
+def test_a_models_step_checks_ownership_in_its_first_layer_only(monkeypatch, name):
+    """Every layer reads the same pages through the same table, and canaries change only
+    between steps: the check runs once a step (in the first layer's attention), not once
+    a layer, and still every step."""
+    seen: list[tuple[int, object]] = []
+
+    def recording(q, kv, layer, table, seq_lens, scale=None, *, ownership=None):
+        seen.append((layer, ownership))
+        return torch.zeros_like(q)
+
+    module = replay if name == "replay" else llama
+    monkeypatch.setattr(module, "paged_decode_attention", recording)
+    if name == "replay":
+        model = replay.ReplayModel(replay.ReplayConfig(layers=3))
+    else:
+        model = llama.LlamaModel(llama.LlamaConfig(layers=3))
+    pool = torch.zeros(4, 3, 2, model.kv_heads, 16, model.head_dim)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    own = object()
+    args = (pool, table, torch.tensor([5]), torch.tensor([7]))
+    if name == "replay":
+        model.decode_step(*args, torch.tensor([3]), ownership=own)
+    else:
+        model.decode_step(*args, ownership=own)
+    assert seen == [(0, own), (1, None), (2, None)]

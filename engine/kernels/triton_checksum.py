@@ -98,9 +98,17 @@ def _checksum_kernel(
     tl.store(out + 1, t2)
 
 
-def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> torch.Tensor:
+def page_checksums(
+    kv: torch.Tensor,
+    pages: torch.Tensor | Sequence[int],
+    *,
+    block: int = BLOCK,
+    steps: int = CHUNK_STEPS,
+    num_warps: int = 4,
+) -> torch.Tensor:
     """One int64 checksum per listed page, ``[n]`` on kv's device; kv ``[pages, ...]`` with
-    each page dense inside."""
+    each page dense inside. ``block`` (words a step, a power of two), ``steps`` (steps a
+    program) and ``num_warps`` shape the launch only: any of them gives the same values."""
     pages = torch.as_tensor(pages, dtype=torch.int64, device=kv.device).reshape(-1)
     n = pages.numel()
     if n == 0:
@@ -121,7 +129,7 @@ def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> tor
     )  # [pool pages, elements], a view
     words = flat.view(torch.int32 if as_words and not compose else torch.uint8)  # a view
     per_page = page_bytes // unit
-    chunks = -(-per_page // (BLOCK * CHUNK_STEPS))
+    chunks = -(-per_page // (block * steps))
     part = torch.empty(n, chunks, 2, dtype=torch.int64, device=kv.device)
     LAUNCHED["checksum"] = _checksum_kernel[(n, chunks)](
         words,
@@ -130,11 +138,11 @@ def page_checksums(kv: torch.Tensor, pages: torch.Tensor | Sequence[int]) -> tor
         part,
         per_page,
         chunks,
-        BLOCK=BLOCK,
-        STEPS=CHUNK_STEPS,
+        BLOCK=block,
+        STEPS=steps,
         BYTES=not as_words,
         COMPOSE=compose,
-        num_warps=4,
+        num_warps=num_warps,
     )
     sums = part.sum(dim=1) % MODULUS  # [n, 2]: at most chunks values below P each
     return sums[:, 0] * (1 << 31) + sums[:, 1]

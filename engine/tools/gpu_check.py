@@ -620,6 +620,17 @@ def attention_case(
     return flex_fn
 
 
+# The checksum kernel's launches timed beside its default (words a step, steps a
+# program, warps): each must give the default's values; the best is for the next default.
+CHECKSUM_LAUNCHES: tuple[tuple[int, int, int], ...] = (
+    (1024, 16, 4),  # the default
+    (2048, 16, 8),
+    (1024, 64, 4),
+    (4096, 8, 8),
+    (512, 32, 4),
+)
+
+
 def checksum_bandwidth(copy_gbs: float, warmup: int, iters: int) -> None:
     from kvferry.engine.kernels import triton_checksum
 
@@ -627,15 +638,30 @@ def checksum_bandwidth(copy_gbs: float, warmup: int, iters: int) -> None:
         16 if SMALL else 16384, 2, 2, 8, 16, 128, dtype=torch.bfloat16, device=DEV
     ).normal_()  # 2 GiB
     pages = torch.arange(kv.shape[0], device=DEV)
-    t = cuda_time(lambda: triton_checksum.page_checksums(kv, pages), warmup, iters)
     nbytes = kv.numel() * kv.element_size()
-    emit(
-        "checksum",
-        bytes=nbytes,
-        seconds=t,
-        gb_s=nbytes / t / 1e9,
-        of_copy=nbytes / t / 1e9 / copy_gbs,
-    )
+    launches = CHECKSUM_LAUNCHES[:2] if SMALL else CHECKSUM_LAUNCHES
+    want = triton_checksum.page_checksums(kv, pages)
+    fns: dict[str, Callable[[], object]] = {}
+    for block, steps, warps in launches:
+        name = f"b{block}-s{steps}-w{warps}"
+
+        def run(block: int = block, steps: int = steps, warps: int = warps) -> torch.Tensor:
+            return triton_checksum.page_checksums(
+                kv, pages, block=block, steps=steps, num_warps=warps
+            )
+
+        check(f"checksum launch {name} equals the default's", torch.equal(run(), want))
+        fns[name] = run
+    times, _ = cuda_time_interleaved(fns, warmup, iters)
+    for i, (name, t) in enumerate(times.items()):
+        emit(
+            "checksum" if i == 0 else "checksum_launch",
+            launch=name,
+            bytes=nbytes,
+            seconds=t,
+            gb_s=nbytes / t / 1e9,
+            of_copy=nbytes / t / 1e9 / copy_gbs,
+        )
 
 
 # --- GPU page transfer -------------------------------------------------------------
@@ -1078,7 +1104,9 @@ def table() -> None:
                 f", {vs}",
             )
         elif r["kind"] == "checksum":
-            _row("checksum, whole pool", r)
+            _row("checksum, whole pool", r, r.get("launch", ""))
+        elif r["kind"] == "checksum_launch":
+            _row("checksum, another launch", r, r["launch"])
         elif r["kind"] == "transfer" and "gb_s" in r:
             _row(
                 f"page transfer {r['path']}", r, f"{r['pages']} x {r['page_bytes']} B, 2 processes"

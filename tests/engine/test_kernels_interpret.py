@@ -370,6 +370,17 @@ def test_checksum_equals_reference(dtype):
     assert torch.equal(tc.page_checksums(kv, pages), page_checksums(kv, pages))
 
 
+@pytest.mark.parametrize("block, steps", [(512, 32), (2048, 4), (4096, 1)])
+def test_checksum_launch_shape_changes_no_value(block, steps):
+    """Words a step and steps a program shape the launch only (the running sums' weights
+    follow them): values equal the reference's."""
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randint(-(2**31), 2**31 - 1, (5, 9_000), generator=gen, dtype=torch.int64)
+    words = big.to(torch.int32)
+    got = tc.page_checksums(words, [4, 0, 2], block=block, steps=steps, num_warps=4)
+    assert torch.equal(got, page_checksums(words, [4, 0, 2]))
+
+
 def test_checksum_multi_chunk_pages_and_strided_pool():
     """Pages of several programs' chunks, in a pool that is a view (pages at a stride)."""
     gen = torch.Generator().manual_seed(3)

@@ -70,50 +70,79 @@ def check(name: str, ok: bool, **fields) -> None:
         FAILED.append(name)
 
 
-def cuda_time(fn: Callable[[], object], warmup: int, iters: int, repeat: int = 10) -> float:
-    """Median seconds of one ``fn`` by CUDA events, after ``warmup`` runs; each sample
-    times ``repeat`` calls back to back, so the host's launch cost overlaps the GPU's work."""
+def cuda_time(
+    fn: Callable[[], object], warmup: int, iters: int, repeat: int = 10, name: str = ""
+) -> float:
+    """Median seconds of one ``fn``: on CUDA by events around ``repeat`` calls captured in
+    one CUDA graph (see :func:`graphed`), after ``warmup`` runs; on CPU (a dry run) one
+    call by the wall clock."""
     if DEV == "cpu":
         fn()
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    times, _ = cuda_time_interleaved({name or "fn": fn}, warmup, iters, repeat)
+    return next(iter(times.values()))
+
+
+def as_graph(fn: Callable[[], object], repeat: int) -> Callable[[], object]:
+    """``repeat`` calls of ``fn`` captured in one CUDA graph, replayed as one call: the GPU's
+    time alone, not the host's launches (a split launch's host work, its partials'
+    allocations and the combine kernel's launch, can take as long as the kernel, and a
+    timing of eager calls then measures the host). Raises what the capture raised."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # allocations and compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         for _ in range(repeat):
             fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / repeat)
-    return statistics.median(times)
+    return graph.replay
+
+
+def graphed(name: str, fn: Callable[[], object], repeat: int) -> tuple[Callable[[], object], int]:
+    """What a sample calls and how often: the graph of ``repeat`` calls once, or, where the
+    capture fails (a host sync inside ``fn``), ``fn`` itself ``repeat`` times, said in a
+    ``timing`` row."""
+    try:
+        return as_graph(fn, repeat), 1
+    except Exception as error:
+        torch.cuda.synchronize()
+        emit("timing", name=name, graph=False, reason=f"{type(error).__name__}: {error}"[:300])
+        return fn, repeat
 
 
 def cuda_time_interleaved(
-    fns: dict[str, Callable[[], object]], warmup: int, iters: int, repeat: int = 10
+    fns: dict[str, Callable[[], object]],
+    warmup: int,
+    iters: int,
+    repeat: int = 10,
+    graph: bool = True,
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Median seconds of each ``fn``, timed in turns: each round times every function once
-    (``repeat`` calls back to back, by CUDA events), in an order that rotates, so a drift
-    of the clocks or of a neighbour's load falls on all of them alike. Also returns the
-    rounds' samples, for ratios taken round by round."""
+    (``repeat`` calls in one CUDA graph, by CUDA events; see :func:`graphed`; eager calls
+    without ``graph``, for work that syncs the host or runs long enough), in an order
+    that rotates, so a drift of the clocks or of a neighbour's load falls on all of them
+    alike. Also returns the rounds' samples, for ratios taken round by round."""
     names = list(fns)
     if DEV == "cpu":
         return {n: cuda_time(fns[n], warmup, iters, repeat) for n in names}, {}
+    runs: dict[str, tuple[Callable[[], object], int]] = {}
     for name in names:
         for _ in range(warmup):
             fns[name]()
+        runs[name] = graphed(name, fns[name], repeat) if graph else (fns[name], repeat)
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {n: [] for n in names}
     for i in range(iters):
         for name in names[i % len(names) :] + names[: i % len(names)]:
+            fn, calls = runs[name]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(repeat):
-                fns[name]()
+            for _ in range(calls):
+                fn()
             end.record()
             end.synchronize()
             samples[name].append(start.elapsed_time(end) / 1e3 / repeat)
@@ -652,7 +681,8 @@ def checksum_bandwidth(copy_gbs: float, warmup: int, iters: int) -> None:
 
         check(f"checksum launch {name} equals the default's", torch.equal(run(), want))
         fns[name] = run
-    times, _ = cuda_time_interleaved(fns, warmup, iters)
+    # eager: its bounds check syncs the host, and a launch takes over half a millisecond
+    times, _ = cuda_time_interleaved(fns, warmup, iters, graph=False)
     for i, (name, t) in enumerate(times.items()):
         emit(
             "checksum" if i == 0 else "checksum_launch",

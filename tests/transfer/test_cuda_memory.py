@@ -207,3 +207,43 @@ def test_cuda_tensor_registers_as_cuda_memory():  # pragma: no cover - GPU machi
         assert eng.describe()["memory_types"]["registered"]["cuda"]["bytes"] == 1 << 20
     finally:
         eng.shutdown()
+
+
+def test_the_native_layer_never_copies_device_memory_with_the_cpu():
+    """A batch whose local segment is CUDA memory is refused (UCS_ERR_INVALID_PARAM, nothing
+    posted) when it names a direct mapping or a cross-memory peer: those are CPU copies.
+    The engine never asks for them; the native layer holds the line on its own."""
+    from kvferry.transfer import _native as native
+    from kvferry.transfer._native import ffi
+
+    src = TransferEngine(TransferConfig(transports="shm", name="src"))
+    dst = TransferEngine(TransferConfig(transports="shm", name="dst"))
+    try:
+        target = dst.allocate(1 << 16)
+        local = src.register(np.zeros(1 << 16, dtype=np.uint8))
+        peer = src.connect(dst.address)
+        rseg = src.open_segment(peer, target.descriptor())
+        assert rseg.direct is not None
+        pages = np.array([[0, 0, 4096]], dtype=np.int64)
+        for extra in ("direct", "cross-memory", None):
+            param = ffi.new("kvf_rma_param_t *")
+            param.field_mask = native.RMA_PARAM_FIELD_LOCAL_MEMORY_TYPE
+            param.local_memory_type = native.MEMORY_TYPE_CUDA
+            param.local_base, param.local_length = local.base, local.length
+            param.rkey, param.remote_base, param.remote_length = rseg.rkey, rseg.base, rseg.length
+            param.pages, param.npages = ffi.from_buffer("int64_t[]", pages), 1
+            if extra == "direct":
+                param.field_mask |= native.RMA_PARAM_FIELD_DIRECT_BASE
+                param.direct_base = rseg.direct
+            elif extra == "cross-memory":
+                param.field_mask |= native.RMA_PARAM_FIELD_PEER_PROCESS
+                param.peer_pid, param.peer_pidfd = os.getpid(), -1
+            else:
+                assert lib.kvf_rma_ucs_memory_type(param) == UCS_MEMORY_TYPE_CUDA
+                continue  # through UCX: allowed (not posted here: host bytes marked CUDA)
+            handle = ffi.new("kvf_batch_t *")
+            assert lib.kvf_put_pages(peer.ep, param, handle) == -5  # UCS_ERR_INVALID_PARAM
+            assert handle.posted == 0
+    finally:
+        src.shutdown()
+        dst.shutdown()

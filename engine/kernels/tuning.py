@@ -24,7 +24,9 @@ WARPS = (2, 4, 8)
 STAGES = (1, 2, 3, 4)
 SWEEP_STAGES = (1, 2, 3)  # 4 compiles to what 3 does for this loop (sm_90, same registers/smem)
 MAX_ROWS_PER_WARP = 32  # block_n / num_warps past this spills on sm_90 at head dim 128
-PROGRAMS_PER_SM = (1, 2, 4, 8)
+# 3: one split at 64 x 2048 with 8 KV heads (512 programs on 132 SMs), where 4 made a
+# second split that cost 11 % on an H200, and still several at long single prompts
+PROGRAMS_PER_SM = (1, 2, 3, 4, 8)
 MAX_SPLITS = 128  # the combine kernel's partials per (batch, head), [B, QH, S, D] fp32
 _NAME = re.compile(r"^n(\d+)-w(\d+)-s(\d+)-p(\d+)-m(\d+)$")
 

@@ -37,7 +37,7 @@ def test_a_name_reads_back_as_its_tuning(t):
         ({"block_n": 32}, "block_n 32 not in (64, 128, 256)"),
         ({"num_warps": 16}, "num_warps 16 not in (2, 4, 8)"),
         ({"num_stages": 0}, "num_stages 0"),
-        ({"programs_per_sm": 3}, "programs_per_sm 3"),
+        ({"programs_per_sm": 5}, "programs_per_sm 5"),
         (
             {"min_split_tokens": 100},
             "min_split_tokens 100 must be a positive multiple of block_n 64",

@@ -219,12 +219,12 @@ class PrefillRank(RankBooks):
             return
         assert job.tokens is not None
         try:
-            grants = self.allocator.allocate(job.rid, self.path.pages_for(len(job.tokens)))
+            pages = self.allocator.allocate_pages(job.rid, self.path.pages_for(len(job.tokens)))
         except OutOfPages as exc:
             self._fail(job, AbortSource.PREFILL, f"prefill pool out of pages: {exc}")
             return
         self.allocations += 1
-        job.src_pages = [g.page for g in grants]
+        job.src_pages = pages
         self._feed(job, WriterEvent.PROMPT)
 
     def _on_plan(self, msg: Message) -> None:

@@ -24,6 +24,20 @@ def test_allocate_is_all_or_nothing_and_lowest_first():
     assert alloc.pages_of("b") == [] and alloc.counts()["free"] == 5
 
 
+def test_allocating_pages_alone_grants_what_allocate_would():
+    """Same pages in the same order and the same generation numbers as grants would have,
+    for a short request (heap pops) and a long one (one sort)."""
+    with_grants, pages_only = PageAllocator(200), PageAllocator(200)
+    for rid, n in (("a", 3), ("b", 150), ("c", 0), ("d", 20)):
+        grants = with_grants.allocate(rid, n)
+        pages = pages_only.allocate_pages(rid, n)
+        assert pages == [g.page for g in grants]
+        assert [pages_only.generation(p) for p in pages] == [g.generation for g in grants]
+    with_grants.free("b")
+    pages_only.free("b")
+    assert pages_only.allocate_pages("e", 40) == [g.page for g in with_grants.allocate("e", 40)]
+
+
 def test_generations_increase_at_every_allocation():
     alloc = PageAllocator(4)
     first = alloc.allocate("a", 2)
@@ -111,6 +125,22 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert g.generation > self.last_generation.get(g.page, 0)
             self.last_generation[g.page] = g.generation
             self.model[g.page] = (PageState.OWNED, rid)
+
+    @rule(rid=REQUESTS, n=st.integers(0, 14))
+    def allocate_pages(self, rid, n):
+        """The pages alone: the same books as a grant (owned, a fresh generation)."""
+        if n > self._free_count():
+            with pytest.raises(OutOfPages):
+                self.alloc.allocate_pages(rid, n)
+            return
+        pages = self.alloc.allocate_pages(rid, n)
+        assert len(pages) == n == len(set(pages))
+        for page in pages:
+            assert page not in self.model
+            generation = self.alloc.generation(page)
+            assert generation > self.last_generation.get(page, 0)
+            self.last_generation[page] = generation
+            self.model[page] = (PageState.OWNED, rid)
 
     @rule(rid=REQUESTS)
     def free_all(self, rid):

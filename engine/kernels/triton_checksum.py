@@ -29,6 +29,7 @@ import triton.language as tl
 MODULUS = (1 << 31) - 1
 BLOCK = 1024  # words per step
 CHUNK_STEPS = 16  # steps per program
+NUM_WARPS = 4
 LAUNCHED: dict[str, Any] = {}  # the compiled kernel of the latest launch (registers, spills)
 
 
@@ -104,7 +105,7 @@ def page_checksums(
     *,
     block: int = BLOCK,
     steps: int = CHUNK_STEPS,
-    num_warps: int = 4,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """One int64 checksum per listed page, ``[n]`` on kv's device; kv ``[pages, ...]`` with
     each page dense inside. ``block`` (words a step, a power of two), ``steps`` (steps a

@@ -91,7 +91,7 @@ class DecodeTuning:
         return int(max(1, min(want, cap, MAX_SPLITS)))
 
 
-# The device's pick (engine/GPU.md, "Tuning"): kernel v1's tile, warps and stages aiming
+# The device's pick (engine/GPU.md, "On the H200"): kernel v1's tile, warps and stages aiming
 # for 4 programs per SM instead of 2. On an H200 it read 0.91 of copy at 1 x 131072 (0.75
 # at 2 programs per SM), 0.90 at 16 x 8192 (0.86-0.89) and 0.82-0.83 at 64 x 2048 (0.92-
 # 0.94, where it splits in two what one split covers), in two runs; the sweep's best over

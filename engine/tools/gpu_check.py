@@ -43,13 +43,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvferry.engine.kernels.tuning import DEFAULT as DEFAULT_TUNING
 from kvferry.engine.kernels.tuning import DecodeTuning
 from kvferry.engine.kernels.tuning import active as active_tuning
+
+if TYPE_CHECKING:
+    from kvferry.transfer import TransferConfig
 
 DEV = "cuda"  # "cpu" in a dry run (--dry-run: the interpreter, small shapes, wall-clock timings)
 SMALL = False
@@ -70,9 +73,7 @@ def check(name: str, ok: bool, **fields) -> None:
         FAILED.append(name)
 
 
-def cuda_time(
-    fn: Callable[[], object], warmup: int, iters: int, repeat: int = 10, name: str = ""
-) -> float:
+def cuda_time(fn: Callable[[], object], warmup: int, iters: int, repeat: int = 10) -> float:
     """Median seconds of one ``fn``: on CUDA by events around ``repeat`` calls captured in
     one CUDA graph (see :func:`graphed`), after ``warmup`` runs; on CPU (a dry run) one
     call by the wall clock."""
@@ -81,8 +82,8 @@ def cuda_time(
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
-    times, _ = cuda_time_interleaved({name or "fn": fn}, warmup, iters, repeat)
-    return next(iter(times.values()))
+    times, _ = cuda_time_interleaved({"fn": fn}, warmup, iters, repeat)
+    return times["fn"]
 
 
 def as_graph(fn: Callable[[], object], repeat: int) -> Callable[[], object]:
@@ -651,8 +652,7 @@ def attention_case(
 
 # The checksum kernel's launches timed beside its default (words a step, steps a
 # program, warps): each must give the default's values; the best is for the next default.
-CHECKSUM_LAUNCHES: tuple[tuple[int, int, int], ...] = (
-    (1024, 16, 4),  # the default
+CHECKSUM_OTHER_LAUNCHES: tuple[tuple[int, int, int], ...] = (
     (2048, 16, 8),
     (1024, 64, 4),
     (4096, 8, 8),
@@ -668,7 +668,9 @@ def checksum_bandwidth(copy_gbs: float, warmup: int, iters: int) -> None:
     ).normal_()  # 2 GiB
     pages = torch.arange(kv.shape[0], device=DEV)
     nbytes = kv.numel() * kv.element_size()
-    launches = CHECKSUM_LAUNCHES[:2] if SMALL else CHECKSUM_LAUNCHES
+    default = (triton_checksum.BLOCK, triton_checksum.CHUNK_STEPS, triton_checksum.NUM_WARPS)
+    others = CHECKSUM_OTHER_LAUNCHES[:1] if SMALL else CHECKSUM_OTHER_LAUNCHES
+    launches = (default, *others)
     want = triton_checksum.page_checksums(kv, pages)
     fns: dict[str, Callable[[], object]] = {}
     for block, steps, warps in launches:
@@ -723,29 +725,31 @@ def _read_line(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
     return row
 
 
+def _engine_config(name: str, cuda: bool, config: dict[str, Any]) -> TransferConfig:
+    """Either side's engine settings: shared memory, CUDA memory when ``cuda``, then the
+    attempt's own ``config`` fields over them."""
+    from kvferry.transfer import TransferConfig
+
+    memory_types = ("host", "cuda") if cuda else ("host",)
+    return TransferConfig(
+        **{"transports": "shm", "memory_types": memory_types, **config}, name=name
+    )
+
+
 def transfer_target(spec: dict[str, Any]) -> int:
     """The target process of the page transfer: a pool of its own (CUDA, or host in a dry
     run), registered with its transfer engine (``mode="ucx"``) or exported as a CUDA IPC
     memory handle (``mode="cuda-ipc"``); prints its hello line, counts notices, checks the
     final notice's checksums against the bytes that landed, prints the result, and keeps
     its memory until the initiator closes stdin."""
-    from kvferry.transfer import TransferConfig, TransferEngine
+    from kvferry.transfer import TransferEngine
 
     device, mode, page_bytes = spec["device"], spec["mode"], spec["page_bytes"]
     buf = _pool_buffer(spec["pages"] * page_bytes, device)
     cuda_ucx = device == "cuda" and mode == "ucx"
     hello: dict[str, Any] = {}
     try:
-        eng = TransferEngine(
-            TransferConfig(
-                **{
-                    "transports": "shm",
-                    "name": "gpu-check-target",
-                    "memory_types": ("host", "cuda") if cuda_ucx else ("host",),
-                    **spec["config"],
-                }
-            )
-        )
+        eng = TransferEngine(_engine_config("gpu-check-target", cuda_ucx, spec["config"]))
         hello["address"] = eng.address.hex()
         if mode == "ucx":
             hello["segment"] = eng.register(buf).descriptor().pack().hex()
@@ -789,7 +793,7 @@ def _transfer_run(
     """One page-transfer measurement: a target process, this process the writer; pages
     scattered over the target's pool, each iteration flushed and noticed; bytes checked
     at the target after. ``config``: TransferConfig fields for both engines."""
-    from kvferry.transfer import SegmentDescriptor, TransferConfig, TransferEngine
+    from kvferry.transfer import SegmentDescriptor, TransferEngine
 
     pages, page_bytes = sizes
     nbytes = pages * page_bytes
@@ -812,16 +816,7 @@ def _transfer_run(
         if "error" in hello:
             raise RuntimeError(f"the target process: {hello['error']}")
         cuda_ucx = device == "cuda" and mode == "ucx"
-        eng = TransferEngine(
-            TransferConfig(
-                **{
-                    "transports": "shm",
-                    "name": "gpu-check-writer",
-                    "memory_types": ("host", "cuda") if cuda_ucx else ("host",),
-                    **config,
-                }
-            )
-        )
+        eng = TransferEngine(_engine_config("gpu-check-writer", cuda_ucx, config))
         src = _pool_buffer(nbytes, device)
         src.random_(0, 256)
         peer = eng.connect(bytes.fromhex(hello["address"]), name="gpu-check-target")
@@ -964,14 +959,12 @@ def _writer_process(spec: dict[str, Any]) -> tuple[str | None, bool]:
     import tempfile
 
     cmd = [sys.executable, "-m", "kvferry.engine.tools.gpu_check", "--transfer-writer"]
-    env = dict(os.environ)
     with tempfile.TemporaryFile("w+") as errfile:
         proc = subprocess.Popen(
             [*cmd, json.dumps(spec)],
             stdout=subprocess.PIPE,
             stderr=errfile,
             text=True,
-            env=env,
             start_new_session=True,  # the target it starts goes with it on a timeout
         )
         try:

@@ -112,32 +112,23 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _free_count(self):
         return 12 - len(self.model)
 
-    @rule(rid=REQUESTS, n=st.integers(0, 14))
-    def allocate(self, rid, n):
+    @rule(rid=REQUESTS, n=st.integers(0, 14), pages_only=st.booleans())
+    def allocate(self, rid, n, pages_only):
+        """``allocate`` or ``allocate_pages`` (the pages alone): the same books either way
+        (owned, a fresh generation, read back through ``generation``)."""
+        grant = self.alloc.allocate_pages if pages_only else self.alloc.allocate
         if n > self._free_count():
             with pytest.raises(OutOfPages):
-                self.alloc.allocate(rid, n)
+                grant(rid, n)
             return
-        grants = self.alloc.allocate(rid, n)
-        assert len(grants) == n
-        for g in grants:
-            assert g.page not in self.model
-            assert g.generation > self.last_generation.get(g.page, 0)
-            self.last_generation[g.page] = g.generation
-            self.model[g.page] = (PageState.OWNED, rid)
-
-    @rule(rid=REQUESTS, n=st.integers(0, 14))
-    def allocate_pages(self, rid, n):
-        """The pages alone: the same books as a grant (owned, a fresh generation)."""
-        if n > self._free_count():
-            with pytest.raises(OutOfPages):
-                self.alloc.allocate_pages(rid, n)
-            return
-        pages = self.alloc.allocate_pages(rid, n)
+        got = grant(rid, n)
+        pages = got if pages_only else [g.page for g in got]
         assert len(pages) == n == len(set(pages))
-        for page in pages:
+        for i, page in enumerate(pages):
             assert page not in self.model
             generation = self.alloc.generation(page)
+            if not pages_only:
+                assert got[i].generation == generation
             assert generation > self.last_generation.get(page, 0)
             self.last_generation[page] = generation
             self.model[page] = (PageState.OWNED, rid)

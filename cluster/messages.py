@@ -54,6 +54,9 @@ PREFILL = CODEC.kind(
     total=Field(FieldType.INT),  # the prompt's length
     owner=Field(FieldType.INT),
     owner_inc=Field(FieldType.UINT64),
+    # the request id the writer holds the prompt's source pages under (None: rid): a
+    # decode group's members that one writer writes into share one prefill and its pages
+    share=Field(FieldType.STR, max_len=MAX_REQUEST_ID, optional=True),
 )
 ASSIGN = CODEC.kind(
     Kind.ASSIGN,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvferry.engine.allocator import PageAllocator
+from kvferry.engine.protocol.ports import SourceFreed
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Release
 
@@ -65,14 +66,54 @@ class RankWriterWire:
             self.rt.watch(ack, lambda _batch: flushed(), rid=rid)
 
 
-class AllocatorSource:
-    """A writer's source pages in its pool's allocator."""
+class SharedSource:
+    """A writer's source pages in its pool's allocator, held by jobs under a key.
+
+    A job holds a prompt's pages under the id the router reserved them under (its
+    ``share``): the job's own id, or, for a writer into several members of a decode
+    group, the first member's id, so that the prompt is computed and held once for all of
+    them. The pages go back to the allocator when the last job's hold ends (after its
+    notice's or its ack's flush, I4): no job's end frees pages another job's writes may
+    still read."""
 
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
+        self._share_of: dict[str, str] = {}  # job id -> the key its pages are held under
+        self._holders: dict[str, set[str]] = {}  # key -> job ids that hold its pages
 
-    def free(self, rid: str) -> int:
-        return len(self.allocator.free(rid)) if self.allocator.pages_of(rid) else 0
+    def hold(self, rid: str, share: str, pages: int) -> tuple[list[int], bool]:
+        """Job ``rid`` holds ``pages`` source pages under ``share``: those already held
+        there (False), or newly allocated (True; raises OutOfPages). Raises ValueError,
+        naming both, if ``share`` holds another number of pages."""
+        holders = self._holders.get(share)
+        if holders is None:
+            held = self.allocator.allocate_pages(share, pages)
+            self._holders[share] = {rid}
+            self._share_of[rid] = share
+            return held, True
+        held = self.allocator.pages_of(share)
+        if len(held) != pages:
+            raise ValueError(
+                f"request {rid}: its prompt takes {pages} source pages, but the {len(held)} "
+                f"held under {share} for its decode group are another prompt's"
+            )
+        holders.add(rid)
+        self._share_of[rid] = share
+        return held, False
+
+    def holders(self, share: str) -> frozenset[str]:
+        return frozenset(self._holders.get(share, ()))
+
+    def free(self, rid: str) -> SourceFreed | None:
+        share = self._share_of.pop(rid, rid)
+        holders = self._holders.get(share)
+        if holders is not None:
+            holders.discard(rid)
+            if holders:
+                return None  # another job's writes may still read them
+            del self._holders[share]
+        freed = len(self.allocator.free(share)) if self.allocator.pages_of(share) else 0
+        return SourceFreed(share, freed)
 
 
 class RankOwnerWire:

@@ -40,7 +40,7 @@ from .batching import BatchSizer
 from .books import RankBooks
 from .chunks import PAGES_PER_CHUNK, Reassembly
 from .clock import MonotonicClock
-from .ports import AllocatorSource, RankWriterWire, RouterReport
+from .ports import RankWriterWire, RouterReport, SharedSource
 from .prefill_path import PREFILL_SLICE_S, PrefillPath, Route, WritePath
 from .runtime import RankRuntime
 
@@ -55,6 +55,7 @@ class WriteJob:
 
     rid: str
     book: WriterBook = field(init=False)
+    share: str = ""  # the id its source pages are held (and its prefill run) under
     owner_inc: int = 0
     router_inc: int = 0  # the router incarnation that sent its PREFILL (0: not yet)
     tokens: np.ndarray | None = None  # int32 prompt tokens
@@ -111,12 +112,13 @@ class PrefillRank(RankBooks):
         self.router = router
         self.pool = pool  # its page count and capacity (the path owns its data)
         self.allocator = PageAllocator(pool.num_pages)
+        self.source = SharedSource(self.allocator)
         self.jobs: dict[str, WriteJob] = {}
         self._init_books()
         ports = WriterPorts(
             data=path,
             wire=RankWriterWire(runtime, router),
-            source=AllocatorSource(self.allocator),
+            source=self.source,
             report=RouterReport(runtime, router),
             tombstones=self,
             clock=clock,
@@ -215,15 +217,21 @@ class PrefillRank(RankBooks):
         if job.prompt_parts is None:  # the prompt's first chunk
             job.book.owner, job.owner_inc = msg.owner, msg.owner_inc
             job.router_inc = msg.inc
+            job.share = msg.share or msg.rid
         if not self.path.take_prompt(job, msg):
             return
         assert job.tokens is not None
         try:
-            pages = self.allocator.allocate_pages(job.rid, self.path.pages_for(len(job.tokens)))
+            pages, allocated = self.source.hold(
+                job.rid, job.share, self.path.pages_for(len(job.tokens))
+            )
         except OutOfPages as exc:
             self._fail(job, AbortSource.PREFILL, f"prefill pool out of pages: {exc}")
             return
-        self.allocations += 1
+        except ValueError as exc:
+            self._fail(job, AbortSource.PREFILL, str(exc))
+            return
+        self.allocations += allocated
         job.src_pages = pages
         self._feed(job, WriterEvent.PROMPT)
 

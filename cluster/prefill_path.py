@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -248,7 +248,9 @@ class PrefillPath(WritePath):
         self.batches = batches
         # owner rank -> what this writer writes there (default: its heads, into a pool
         # of every head); a writer into a decode group has one route per member
+        self.head_range = head_range  # every head it computes (all of its routes')
         self._route_of = routes or (lambda owner: Route(head_range, (0, pool.kv_heads)))
+        self._prefills: dict[str, _Prefill] = {}  # by share: one prompt's prefill run
         self._routes: dict[int, Route] = {}  # by owner rank
         self._page_runs: dict[Route, _Runs] = {}
         self._src_base = int(pool.kv.storage_offset()) * pool.kv.element_size()
@@ -380,36 +382,88 @@ class PrefillPath(WritePath):
 
     # -------------------------------------------------------------- prefill
     def start_prefill(self, job: WriteJob) -> None:
+        """Compute the prompt's KV, once per share: a writer into several members of a
+        decode group holds one prompt's pages for all of them (see
+        :class:`~.ports.SharedSource`), and a job joins the run its share already has.
+        Every job still computing hears each part (KV_PART) and the end (KV_READY)."""
+        assert job.tokens is not None
         job.prefill_started = self.clock.now()
-        # The prefill and the checksums run in slices (see .sliced): an ABORT that arrives
-        # during a long prefill waits for about one slice and one step (a layer, or a chunk
-        # of a long prompt's tokens), not the whole prefill; a fast one never yields.
-        run_in_slices(
-            self.rt,
-            job.rid,
-            self._prefill_steps(job),
-            self.prefill_slice_s,
-            wanted=lambda: job.state in COMPUTING,
-            then=lambda: self.driver.feed(job, WriterEvent.KV_READY),
-        )
+        for share in [k for k, run in self._prefills.items() if run.ended()]:
+            del self._prefills[share]
+        run = self._prefills.get(job.share)
+        if run is None:
+            run = self._prefills[job.share] = _Prefill(
+                job.share, _FinalPages(self.model, len(job.tokens), self.pool.page_size)
+            )
+            run.jobs.append(job)
+            # The prefill and the checksums run in slices (see .sliced): an ABORT that
+            # arrives during a long prefill waits for about one slice and one step (a
+            # layer, or a chunk of a long prompt's tokens), not the whole prefill; a fast
+            # one never yields.
+            run_in_slices(
+                self.rt,
+                job.rid,
+                self._prefill_steps(run),
+                self.prefill_slice_s,
+                wanted=run.wanted,
+                then=lambda: self._kv_ready(run),
+            )
+            return
+        if run.stopped:
+            self.driver.fail(
+                job,
+                AbortSource.PREFILL,
+                f"the prefill it shares with {sorted(j.rid for j in run.jobs)} was stopped "
+                "by their aborts",
+            )
+            return
+        run.jobs.append(job)
+        job.final_pages = run.fed_pages if not self.reshaped(job) else 0
+        if run.finished:  # joined after the run's end: only its own checksums are left
+            job.prefill_ms = run.prefill_ms
+            run_in_slices(
+                self.rt,
+                job.rid,
+                self._checksum_steps(job),
+                self.prefill_slice_s,
+                wanted=lambda: job.state in COMPUTING,
+                then=lambda: self.driver.feed(job, WriterEvent.KV_READY),
+            )
 
-    def _prefill_steps(self, job: WriteJob) -> Iterator[None]:
+    def solo_steps(self, job: WriteJob) -> Iterator[None]:
+        """One computing job's prefill and checksums alone, as steps (what the
+        simulator's calibration times)."""
+        assert job.tokens is not None
+        run = _Prefill(job.share, _FinalPages(self.model, len(job.tokens), self.pool.page_size))
+        run.jobs.append(job)
+        return self._prefill_steps(run)
+
+    def _kv_ready(self, run: _Prefill) -> None:
+        for job in run.checksummed:
+            if job.state in COMPUTING:
+                self.driver.feed(job, WriterEvent.KV_READY)
+
+    def _prefill_steps(self, run: _Prefill) -> Iterator[None]:
         """The prefill, one model step at a time (the model yields a layer's index once
         that layer's KV is in the pages, None between chunks of a layer), stopping once
-        the last layer's KV is written (nothing after it is needed here); then the
-        checksums the owner will check what lands against (I5), a slice of pages a step."""
-        assert job.tokens is not None
+        the last layer's KV is written (nothing after it is needed here); then, per job,
+        the checksums the owner will check what lands against (I5), a slice of pages a
+        step."""
+        first = run.jobs[0]
+        assert first.tokens is not None
         layers = self.model.prefill_layers(
             self.pool.kv,
-            torch.from_numpy(job.tokens.astype(np.int64)),
-            job.src_pages,
-            head_range=self.route(job).heads,
+            torch.from_numpy(first.tokens.astype(np.int64)),
+            first.src_pages,
+            head_range=self.head_range,
         )
-        final = _FinalPages(self.model, len(job.tokens), self.pool.page_size)
-        if self.rt.faults.enabled and self.rt.faults.plan_first(job.rid, job.tokens):
-            while job.state is WriterState.COMPUTING:  # until the plan is in (or the end)
+        final = run.final
+        faults = self.rt.faults
+        if faults.enabled:  # until the plan is in (or the end), where a fault asks for it
+            waits = [j for j in run.jobs if faults.plan_first(j.rid, j.tokens)]
+            while any(j.state is WriterState.COMPUTING for j in waits):
                 yield
-            if job.state not in COMPUTING:
+            if not run.wanted():
                 return
         computing = 0.0  # the model's time alone, not the parts posted between its steps
         while True:
@@ -419,23 +473,38 @@ class PrefillPath(WritePath):
             computing += self.clock.now() - t0
             if layer is _END:
                 break
-            if (
-                layer is None and final.after(layer) > job.final_pages and not self.reshaped(job)
-            ):  # a part is ready
-                job.final_pages = final.pages
-                self.driver.feed(job, WriterEvent.KV_PART)
-                if job.state not in COMPUTING:
+            if layer is None and final.after(layer) > run.fed_pages:  # a part is ready
+                run.fed_pages = final.pages
+                for job in run.computing():
+                    if not self.reshaped(job):
+                        job.final_pages = final.pages
+                        self.driver.feed(job, WriterEvent.KV_PART)
+                if not run.wanted():
                     return
             yield
-            if layer == 0 and self.rt.faults.enabled:
-                self.at_point(job, "prefill", lambda j: None)
-                if job.state not in COMPUTING:
+            if layer == 0 and faults.enabled:
+                for job in run.computing():
+                    self.at_point(job, "prefill", lambda j: None)
+                if not run.wanted():
                     return
             if layer is not None:
                 final.after(layer)
                 if layer + 1 >= self.model.layers:
                     break
-        job.prefill_ms = 1e3 * computing
+        run.prefill_ms = 1e3 * computing
+        i = 0
+        while i < len(run.jobs):  # a job that joins meanwhile is appended: it is seen too
+            job = run.jobs[i]
+            i += 1
+            if job.state in COMPUTING:
+                job.prefill_ms = run.prefill_ms
+                yield from self._checksum_steps(job)
+                run.checksummed.append(job)
+        run.finished = True  # a job that joins from now on checksums on its own
+
+    def _checksum_steps(self, job: WriteJob) -> Iterator[None]:
+        """The job's checksums of its pages not yet checksummed (those posted in parts
+        were then), a slice of pages a step."""
         if not self.integrity:
             return
         if self.reshaped(job):
@@ -444,17 +513,37 @@ class PrefillPath(WritePath):
             return
         view = self._view(job)
         per_step = max(1, CHECKSUM_SLICE_BYTES // (view[0].numel() * view.element_size()))
-        # pages posted in parts were checksummed then; the rest now, a slice a step
         for start in range(len(job.checksums), len(job.src_pages), per_step):
-            job.checksums.extend(
-                page_checksums(view, job.src_pages[start : start + per_step]).tolist()
-            )
+            if job.state not in COMPUTING:
+                return
+            job.checksums.extend(self._checksums(job, start, start + per_step))
             yield
 
     def _view(self, job: WriteJob) -> torch.Tensor:
         """The pool as the heads this writer sends the job's owner: what it checksums."""
         lo, hi = self.route(job).heads
         return self.pool.kv[:, :, :, lo:hi]
+
+    def _checksums(self, job: WriteJob, lo: int, hi: int) -> list[int]:
+        """The checksums of the job's source pages ``[lo, hi)`` as the owner will find
+        them in its pages (I5). A share of the heads into a member that holds exactly
+        those heads fills each of its pages with the route's runs in order: their region
+        checksums (:mod:`~kvferry.engine.run_checksum`, read in place) are those pages'.
+        Else the checksums of the pool's view of the route's heads (a dense copy first
+        when the view is not dense: :func:`~kvferry.engine.integrity.page_checksums`)."""
+        route = self.route(job)
+        if route.heads == (0, self.pool.kv_heads) or route.heads != route.dst_heads:
+            return page_checksums(self._view(job), job.src_pages[lo:hi]).tolist()
+        runs = self._job_runs(job)
+        src = np.asarray(job.src_pages[lo:hi], dtype=np.int64)
+        local = src[:, None] * self.pool.page_bytes + (runs.src - self._src_base)[None, :]
+        remote = np.arange(len(src), dtype=np.int64)[:, None] * runs.dst_page_bytes + runs.dst
+        lengths = np.broadcast_to(runs.length, local.shape)
+        triples = np.stack([local.reshape(-1), remote.reshape(-1), lengths.reshape(-1)], axis=1)
+        unit = word_unit(self._kv_shape().vector_bytes)
+        pages, sums = region_checksums(self.pool.kv, triples, runs.dst_page_bytes, unit)
+        assert len(pages) == len(src), f"request {job.rid}: {len(pages)} regions of {len(src)}"
+        return sums.tolist()
 
     # -------------------------------------------------------------- writing
     def _triples(self, job: WriteJob, lo: int, hi: int) -> np.ndarray:
@@ -547,7 +636,7 @@ class PrefillPath(WritePath):
             return
         if self.integrity:
             assert len(job.checksums) == lo
-            job.checksums.extend(page_checksums(self._view(job), job.src_pages[lo:hi]).tolist())
+            job.checksums.extend(self._checksums(job, lo, hi))
         faults = self.rt.faults
         if faults.enabled and lo == 0:  # corrupt-page: the first part carries the damage
             heads = self.route(job).heads
@@ -580,6 +669,34 @@ class PrefillPath(WritePath):
             )
             if sent is None:
                 return  # the part is lost: the owner checks its pages with the notice
+
+
+@dataclass
+class _Prefill:
+    """One prompt's prefill at this writer, shared by the jobs that write its KV (one per
+    decode member the writer writes into; one job otherwise)."""
+
+    share: str
+    final: _FinalPages
+    jobs: list[WriteJob] = field(default_factory=list)
+    fed_pages: int = 0  # final pages the jobs have heard of (KV_PART)
+    checksummed: list[WriteJob] = field(default_factory=list)  # KV_READY goes to these
+    finished: bool = False  # every layer's KV is in, its jobs' checksums are taken
+    stopped: bool = False  # every job left computing before it was: it was given up
+    prefill_ms: float | None = None
+
+    def computing(self) -> list[WriteJob]:
+        return [j for j in self.jobs if j.state in COMPUTING]
+
+    def wanted(self) -> bool:
+        """Some job still waits for it; once none does, it is given up for good."""
+        if not self.stopped and not self.computing():
+            self.stopped = True
+        return not self.stopped
+
+    def ended(self) -> bool:
+        """Every job reached its end here (so every hold on its pages ended)."""
+        return all(j.state in (WriterState.DONE, WriterState.ABORTED) for j in self.jobs)
 
 
 class _FinalPages:

@@ -93,6 +93,9 @@ class RoutedRequest(Routed):
     done) for the response, and the figures /metrics shows."""
 
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # writer rank -> the request id it holds the prompt's pages under (the first member
+    # of a decode group it writes into; the router reserved them there, once)
+    shares: dict[int, str] = field(default_factory=dict)
     first_token_at: float | None = None
     transfer_ms: float | None = None
     prefill_ms: float | None = None
@@ -215,11 +218,10 @@ class Router:
     def _pick(self, prompt_len: int, need_decode: int) -> list[tuple[int, list[int]]] | None:
         """A decode group and a prefill group with room: per member of the decode group,
         (its rank, the prefill ranks that write into it). A prefill rank that writes into
-        several members holds the prompt's pages once for each."""
+        several members computes and holds the prompt's pages once for all of them."""
         if self.waiting_for_reports():
             return None
         need_prefill = pages_needed(prompt_len, 0, self.prefill_page_size)
-        owners_per_writer = self._owners_per_writer()
         decodes = [
             g
             for g in self.topology.decode_groups
@@ -230,10 +232,7 @@ class Router:
             g
             for g in self.topology.prefill_groups
             if not set(g) & set(self.unhealthy)
-            and all(
-                self.ledger.free(r) >= need_prefill * k
-                for r, k in zip(g, owners_per_writer, strict=True)
-            )
+            and all(self.ledger.free(r) >= need_prefill for r in g)
         ]
         if not decodes or not groups:
             return None
@@ -282,27 +281,6 @@ class Router:
                 f"prompt needs {prompt_len} positions, more than a prefill "
                 f"pool can hold ({prefill_cap} tokens)",
             )
-        shares = max(self._owners_per_writer())
-        if shares > 1 and shares * pages_needed(prompt_len, 0, self.prefill_page_size) > (
-            prefill_cap // self.prefill_page_size
-        ):
-            raise AdmissionRejected(
-                rid,
-                prompt_len,
-                max_tokens,
-                self.context_length,
-                prefill_cap // shares,
-                f"prompt needs {prompt_len} positions once for each of the {shares} decode "
-                f"group members a prefill rank writes into, more than a prefill pool can "
-                f"hold ({prefill_cap} tokens)",
-            )
-
-    def _owners_per_writer(self) -> list[int]:
-        """Per prefill group member, the decode group members it writes into: it holds
-        the prompt's pages once for each (their heads in pages of their own)."""
-        if self.split is None:
-            return [1] * self.topology.tp
-        return [max(1, len(self.split.owners_of(w))) for w in range(self.topology.tp)]
 
     async def submit(self, prompt: str, max_tokens: int) -> RoutedRequest:
         """Admit and dispatch; raises AdmissionRejected (400) or Unavailable (503)."""
@@ -392,8 +370,11 @@ class Router:
         """The routed request, one per owner: a decode group's members each get a request
         of their own (``rid.1``, ``rid.2``, ...; the first is ``rid`` itself, the client's),
         bound by one :class:`~kvferry.engine.protocol.routing.GroupAnswer`. Their pages are
-        reserved here."""
-        members = []
+        reserved here: each owner's for its member, each writer's once, for the first
+        member it writes into (it holds the prompt's pages under that member's id for
+        every member it writes into, and reports them released under it)."""
+        members: list[RoutedRequest] = []
+        shares: dict[int, str] = {}  # writer rank -> the member id its pages are held under
         for position, (owner, writers) in enumerate(placement):
             member_req = (
                 req
@@ -405,9 +386,12 @@ class Router:
             self.requests[routed.rid] = routed
             self.ledger.reserve(owner, routed.rid, need)
             for w in writers:
-                self.ledger.reserve(
-                    w, routed.rid, pages_needed(prompt_len, 0, self.prefill_page_size)
-                )
+                if w not in shares:
+                    shares[w] = routed.rid
+                    self.ledger.reserve(
+                        w, routed.rid, pages_needed(prompt_len, 0, self.prefill_page_size)
+                    )
+                routed.shares[w] = shares[w]
             member_req.transition(S.PREFILLING)
             members.append(routed)
         if len(members) > 1:
@@ -444,6 +428,7 @@ class Router:
                     total=len(packed),
                     owner=owner,
                     owner_inc=owner_inc,
+                    share=None if routed.shares.get(w, rid) == rid else routed.shares[w],
                 )
 
     # ------------------------------------------------------------------ the core's ports

@@ -111,7 +111,7 @@ def check_case(
     also time the raw engine write of each served prompt's KV bytes. ``decode_tp``: the
     prompt is decoded by a decode group of that many members (each holding its share of
     the heads: pools of ``decode_tp`` x the context in tokens, as many bytes as one pool of
-    every head; the prefill rank holds the prompt once per member)."""
+    every head; the prefill rank computes and holds the prompt once for all of them)."""
     args = [
         *shape.args(),
         "--context-length",

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvferry.engine.integrity import page_checksums
 from kvferry.engine.protocol import writer as wc
+from kvferry.engine.protocol.ports import SourceFreed
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Release
 from kvferry.engine.protocol.writer import WriterBook, WriterEvent, WriterState
@@ -555,15 +556,15 @@ class WriterHost(WorkerHost):
         job.queue = []
 
     # ------------------------------------------------------------ source blocks (a port)
-    def free(self, jid: str) -> int:
+    def free(self, jid: str) -> SourceFreed:
         """The job's hold on the prompt's blocks ends (after its notice's or its ack's
         flush): the blocks it held, 0 when vLLM never handed the request over. vLLM gets
         them back (``finished_sending``) once every expected job has ended
         (:meth:`_settled`)."""
         job = self.jobs.get(jid)
         if job is None or job.prompt.src is None:
-            return 0
-        return len(job.prompt.src)
+            return SourceFreed(jid, 0)
+        return SourceFreed(jid, len(job.prompt.src))
 
     def _maybe_hand_back(self, prompt: Prompt) -> None:
         if prompt.all_ended and prompt.src is not None:

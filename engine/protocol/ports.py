@@ -13,6 +13,7 @@ table's book) and the words a failure is told with (``abort_source``, ``abort_re
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .proof import Proof
@@ -55,11 +56,23 @@ class WriterWire(Protocol):
         ...
 
 
-class SourcePages(Protocol):
-    """The writer's own pool pages, which hold a request's computed KV."""
+@dataclass(frozen=True)
+class SourceFreed:
+    """Source pages a writer freed: the id they were held under (the one the router
+    reserved them under) and how many there were (0: none were allocated)."""
 
-    def free(self, rid: str) -> int:
-        """Free ``rid``'s source pages; how many there were (0: none allocated)."""
+    held_under: str
+    pages: int
+
+
+class SourcePages(Protocol):
+    """The writer's own pool pages, which hold a request's computed KV. Several jobs may
+    hold the same pages (a writer into a decode group computes the prompt once for every
+    member it writes into); the pages are freed when the last hold ends."""
+
+    def free(self, rid: str) -> SourceFreed | None:
+        """End job ``rid``'s hold on its source pages (after its notice's or its ack's
+        flush): what was freed, or None while another job still holds them."""
         ...
 
 

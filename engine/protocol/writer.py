@@ -21,7 +21,9 @@ Invariants held here: I2 (DONE and ABORTED have no way out; an abort of a forgot
 request finds ABORTED and only acks again; a rank forgets a request once it is DONE or
 ABORTED and keeps its tombstone), I4 writer side (no ack is sent while a batch
 is in flight: ABORT leads to DRAINING, and only DRAINED, the last batch settling, to
-SEND_ACK; source pages are freed only after the ack's or the notice's flush).
+SEND_ACK; source pages are freed only after the ack's or the notice's flush, of every job
+that holds them: a writer into a decode group shares one prompt's pages among the jobs
+of the members it writes into).
 """
 
 from __future__ import annotations
@@ -88,7 +90,10 @@ class WriterDo(IdentityEnum):
         "ABORT_ACK with notify, nothing kept until its flush (none of our pages hold "
         "this request's KV: never allocated, or freed after an earlier flush)"
     )
-    FREE_SOURCE = "free the source pages; RELEASED(freed after a notice, aborted after an ack)"
+    FREE_SOURCE = (
+        "end this job's hold on the source pages; once no job holds them, free them and "
+        "RELEASED(freed after a notice, aborted after an ack)"
+    )
     REPORT_NOTHING_HELD = "RELEASED(0 pages) to the router: its reservation here ends"
 
 

@@ -89,8 +89,15 @@ class WriterDriver(TableDriver[WriterState, WriterEvent, WriterDo, Subject]):
                 p.wire.send_ack(rid, owner, None)
         elif do is D.FREE_SOURCE:
             freed = p.source.free(rid)
+            if freed is None:  # another job still holds the pages: their release is its
+                return
             how = Release.FREED if job.book.state is WriterState.DONE else Release.ABORTED
-            p.report.released(rid, freed, how, Proof.OWN_FLUSH if freed else Proof.NOTHING_POSTED)
+            p.report.released(
+                freed.held_under,
+                freed.pages,
+                how,
+                Proof.OWN_FLUSH if freed.pages else Proof.NOTHING_POSTED,
+            )
         elif do is D.REPORT_NOTHING_HELD:
             p.report.released(rid, 0, Release.FREED, Proof.NOTHING_POSTED)
         else:  # pragma: no cover - the enum is closed

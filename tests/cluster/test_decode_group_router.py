@@ -2,9 +2,9 @@
 one request becomes a member request per owner (``rid``, ``rid.1``), each with its own
 pages and writers; the client gets token ``i`` once both members produced it, the same;
 a member that fails or disagrees ends the other (ABORT to its owner and writers); a
-prompt whose per-member shares cannot fit a prefill pool is refused before anything is
-sent (I1). Broken modes: a group whose failing member leaves its sibling running, and an
-admission that counts the prompt's pages once, are caught."""
+writer into both members holds the prompt once, under the first member's id, so a prompt
+over half a prefill pool is placed. Broken mode: a group whose failing member leaves its
+sibling running is caught."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from kvferry.cluster import messages as m
 from kvferry.cluster.metrics import ClusterMetrics
 from kvferry.cluster.router import Router
 from kvferry.cluster.topology import Topology
-from kvferry.engine.admission import AdmissionRejected
 from kvferry.engine.protocol.routing import RouterCore
 from kvferry.engine.protocol.words import AbortSource, Answer
 
@@ -84,10 +83,15 @@ def test_one_request_per_member_each_with_its_pages_and_writers():
     router, rt, routed = _submitted()
     assigns = {(rank, f["rid"]): f["writers"] for rank, k, f in rt.sent if k == "ASSIGN"}
     assert assigns == {(OWNER_0, routed.rid): [WRITER], (OWNER_1, f"{routed.rid}.1"): [WRITER]}
-    prefills = {(rank, f["rid"], f["owner"]) for rank, k, f in rt.sent if k == "PREFILL"}
-    assert prefills == {(WRITER, routed.rid, OWNER_0), (WRITER, f"{routed.rid}.1", OWNER_1)}
+    prefills = {
+        (rank, f["rid"], f["owner"], f["share"]) for rank, k, f in rt.sent if k == "PREFILL"
+    }
+    assert prefills == {
+        (WRITER, routed.rid, OWNER_0, None),
+        (WRITER, f"{routed.rid}.1", OWNER_1, routed.rid),  # held under the first member's
+    }
     held = router.ledger.held
-    assert set(held[WRITER]) == {routed.rid, f"{routed.rid}.1"}  # its pages for each
+    assert set(held[WRITER]) == {routed.rid}  # its pages once, for both members
     assert set(held[OWNER_0]) == {routed.rid} and set(held[OWNER_1]) == {f"{routed.rid}.1"}
 
 
@@ -211,40 +215,14 @@ def test_members_that_answer_different_counts_fail():
     assert routed.outcome == Answer.FAILED and "[8, 27]" in routed.error
 
 
-def _submit_over_half_a_pool() -> tuple[RecordingRuntime, int, Any]:
-    """A prompt of 33 pages into pools of 64 pages of 16 tokens: the prefill rank would
-    hold it twice (66 pages). The runtime, what it had sent before, and the request (or
-    the refusal)."""
+def test_a_prompt_over_half_a_prefill_pool_is_placed_and_held_once():
+    """33 pages of 16 tokens into pools of 64 pages: the prefill rank computes and holds the
+    prompt once for both members, so it fits; the router reserves it once."""
 
     async def run():
-        router, rt = _router()
-        sent = len(rt.sent)
-        try:
-            return rt, sent, await router.submit("x" * (33 * 16), 8)
-        except AdmissionRejected as exc:
-            return rt, sent, exc
-
-    return asyncio.run(run())
-
-
-def test_a_prompt_whose_shares_cannot_fit_a_prefill_pool_is_refused_before_allocation():
-    """The prefill rank writes into both members, holding the prompt's pages once for
-    each: a prompt over half its pool can never be placed (I1: 400, nothing sent)."""
-    rt, sent, refused = _submit_over_half_a_pool()
-    assert isinstance(refused, AdmissionRejected)
-    assert "once for each of the 2 decode group" in str(refused)
-    assert len(rt.sent) == sent
-
-    async def fits():
         router, _ = _router()
-        return await router.submit("x" * (31 * 16), 8)  # 31 pages twice: fits
+        return router, await router.submit("x" * (33 * 16), 8)
 
-    assert asyncio.run(fits()).req.live
-
-
-def test_broken_an_admission_that_counts_the_prompt_once_is_caught(monkeypatch):
-    """Broken mode: the router counts a prefill rank's pages once per request; the prompt
-    is admitted, placed and sent, and its second share finds no pages at the writer."""
-    monkeypatch.setattr(Router, "_owners_per_writer", lambda self: [1] * self.topology.tp)
-    rt, sent, routed = _submit_over_half_a_pool()
-    assert not isinstance(routed, AdmissionRejected) and len(rt.sent) > sent
+    router, routed = asyncio.run(run())
+    assert routed.req.live
+    assert router.ledger.held[WRITER] == {routed.rid: 33}

@@ -6,10 +6,13 @@ prompt back, so the group's combined answer is the monolithic replay. All nine p
 {1, 2, 4}, with heads that split evenly, unevenly and as replicas, and page sizes that
 differ; and with the KV replicated across TP (MLA-style: every member holds every head
 and takes it all from one writer), where the llama model decodes in every member and
-its answer is the monolithic engine's. Broken modes: a writer that writes as if the
+its answer is the monolithic engine's. Dispatched as the router does, a writer into
+several members computes and holds the prompt once for all of them, and frees it only
+after the last member's notice flushed (I4). Broken modes: a writer that writes as if the
 member held every head is caught by the member's checks before decode reads a page; with
 replicated KV, a writer that writes an owner it was not assigned is refused by the owner
-before it plans a page."""
+before it plans a page; a writer that frees the shared pages at the first member's end
+is caught while the second member's writes are in flight."""
 
 from __future__ import annotations
 
@@ -49,6 +52,20 @@ class Group:
     split: HeadSplit
     writers: dict[int, tuple[PrefillRank, RecordingRuntime]]
     owners: dict[int, tuple[DecodeRank, TimedRuntime]]
+    prefills: dict[int, int]  # by writer rank: the prefills its model ran
+    noticed: set[tuple[int, str]] = dataclasses.field(default_factory=set)  # delivered
+
+
+def _counted(model, prefills: dict[int, int], rank: int):
+    """``model``, its prefills counted in ``prefills[rank]``."""
+    run = model.prefill_layers
+
+    def prefill_layers(*args, **kwargs):
+        prefills[rank] += 1
+        return run(*args, **kwargs)
+
+    model.prefill_layers = prefill_layers
+    return model
 
 
 def _group(
@@ -59,6 +76,9 @@ def _group(
     dst_page: int,
     replicated: bool = False,
     llama: bool = False,
+    *,
+    writer_runtime=RecordingRuntime,
+    prefill_slice_s: float = prefill_path.PREFILL_SLICE_S,
 ) -> Group:
     t = Topology(1 + tp + decode_tp, tp, decode_tp, tp=tp, decode_tp=decode_tp)
     cards = {
@@ -68,10 +88,10 @@ def _group(
         r: dataclasses.replace(_card(r, "decode"), page_size=dst_page) for r in t.decode_ranks
     }
     split = t.split(kv_heads, replicated)
-    writers, owners = {}, {}
+    writers, owners, prefills = {}, {}, dict.fromkeys(t.prefill_ranks, 0)
     for i, rank in enumerate(t.prefill_ranks):
-        rt = RecordingRuntime(rank, cards)
-        model = _model(kv_heads, llama)
+        rt = writer_runtime(rank, cards)
+        model = _counted(_model(kv_heads, llama), prefills, rank)
         writers[rank] = (
             PrefillRank.serving(
                 rt,
@@ -81,6 +101,7 @@ def _group(
                 split.writer_heads(i),
                 router=0,
                 routes=write_routes(t, split, i),
+                prefill_slice_s=prefill_slice_s,
             ),
             rt,
         )
@@ -102,7 +123,7 @@ def _group(
             ),
             rt,
         )
-    return Group(t, split, writers, owners)
+    return Group(t, split, writers, owners, prefills)
 
 
 def _prompt() -> np.ndarray:
@@ -138,17 +159,77 @@ def _serve(g: Group, writers_of=None) -> dict[int, str]:
             )  # fmt: skip
             for _ in range(50):
                 wrt.pump()
-            src = writer.pool.kv.reshape(-1).view(torch.uint8)
-            dst = owner.pool.kv.reshape(-1).view(torch.uint8)
-            for rank, triples in wrt.writes:
-                if rank == owner_rank:
-                    for s, d, n in np.asarray(triples).tolist():
-                        dst[d : d + n] = src[s : s + n]
-            wrt.writes = [x for x in wrt.writes if x[0] != owner_rank]
+            _copy_writes(writer, wrt, owner, owner_rank)
             for _, kind, fields in wrt.sent:
                 if kind == "NOTICE" and fields["rid"] == rid:
                     ort.deliver(m.NOTICE, src=w, **fields)
         ort.pump()
+    return rids
+
+
+def _copy_writes(writer: PrefillRank, wrt: RecordingRuntime, owner: DecodeRank, rank: int) -> None:
+    """The bytes of every write ``writer`` posted into owner ``rank``'s pool, copied."""
+    src = writer.pool.kv.reshape(-1).view(torch.uint8)
+    dst = owner.pool.kv.reshape(-1).view(torch.uint8)
+    for to, triples in wrt.writes:
+        if to == rank:
+            for s, d, n in np.asarray(triples).tolist():
+                dst[d : d + n] = src[s : s + n]
+    wrt.writes = [x for x in wrt.writes if x[0] != rank]
+
+
+def _dispatch(g: Group) -> dict[int, str]:
+    """What the router sends, in its order: per member, ASSIGN to its owner (whose PLAN
+    goes to its writers) and PREFILL to its writers, naming the first member a writer
+    writes into as the id it holds the prompt under; no writer has run yet. The member's
+    request id by owner rank."""
+    tokens = _prompt()
+    group = g.topology.prefill_groups[0]
+    rids: dict[int, str] = {}
+    shares: dict[int, str] = {}
+    for j, owner_rank in enumerate(g.topology.decode_groups[0]):
+        rid = rids[owner_rank] = "r" if j == 0 else f"r.{j}"
+        _, ort = g.owners[owner_rank]
+        writers = [group[w] for w in g.split.writers_of(j)]
+        ort.deliver(
+            m.ASSIGN, src=0, rid=rid, prompt_len=PROMPT, max_tokens=STEPS, writers=writers,
+            last_token=int(tokens[-1]),
+        )  # fmt: skip
+        plan = next(f for _, k, f in ort.sent if k == "PLAN" and f["rid"] == rid)
+        for w in writers:
+            share = shares.setdefault(w, rid)
+            _, wrt = g.writers[w]
+            wrt.deliver(m.PLAN, src=owner_rank, **plan)
+            wrt.deliver(
+                m.PREFILL, src=0, rid=rid, tokens=tokens.tobytes(), offset=0, total=PROMPT,
+                owner=owner_rank, owner_inc=1, share=None if share == rid else share,
+            )  # fmt: skip
+    return rids
+
+
+def _land(g: Group, owner_rank: int) -> None:
+    """The writes every writer posted into ``owner_rank``'s pool land (copied), then the
+    notices they sent it arrive, and the owner runs."""
+    owner, ort = g.owners[owner_rank]
+    for w, (writer, wrt) in g.writers.items():
+        _copy_writes(writer, wrt, owner, owner_rank)
+        if hasattr(wrt, "land"):
+            wrt.land(owner_rank)
+        for rank, kind, fields in wrt.sent:
+            if rank == owner_rank and kind == "NOTICE" and (w, fields["rid"]) not in g.noticed:
+                g.noticed.add((w, fields["rid"]))
+                ort.deliver(m.NOTICE, src=w, **fields)
+    ort.pump()
+
+
+def _serve_together(g: Group) -> dict[int, str]:
+    """The router's dispatch (:func:`_dispatch`), then the writers run, then each owner's
+    writes land in turn."""
+    rids = _dispatch(g)
+    for _, wrt in g.writers.values():
+        wrt.pump()
+    for owner_rank in g.topology.decode_groups[0]:
+        _land(g, owner_rank)
     return rids
 
 
@@ -169,10 +250,24 @@ def _written(g: Group) -> int:
 @pytest.mark.parametrize("tp, decode_tp", PAIRS)
 @pytest.mark.parametrize("kv_heads", [4, 3, 2])
 @pytest.mark.parametrize("src_page, dst_page", [(16, 16), (32, 16), (16, 64)])
-def test_every_member_verifies_and_decodes_its_share(tp, decode_tp, kv_heads, src_page, dst_page):
-    g = _group(tp, decode_tp, kv_heads, src_page, dst_page)
-    answers = _answers(g, _serve(g))
+@pytest.mark.parametrize("serve", ["one by one", "together", "together, sliced"])
+def test_every_member_verifies_and_decodes_its_share(
+    tp, decode_tp, kv_heads, src_page, dst_page, serve
+):
+    """``one by one``: each member served to its end before the next is dispatched (a
+    writer's later member finds its first one's pages freed and computes again);
+    ``together``: as the router dispatches, every member's PREFILL before a writer runs
+    (a later member joins a prefill that has ended); ``sliced``: a prefill that yields
+    after every step (a later member joins it while it runs). Dispatched together, every
+    writer computes the prompt once, whatever number of members it writes into."""
+    sliced = serve == "together, sliced"
+    g = _group(tp, decode_tp, kv_heads, src_page, dst_page, prefill_slice_s=0.0 if sliced else 1)
+    answers = _answers(g, _serve(g) if serve == "one by one" else _serve_together(g))
     assert answers == [_prompt()[:STEPS].tolist()] * decode_tp  # the monolithic replay
+    if serve != "one by one":
+        assert set(g.prefills.values()) <= {0, 1}, g.prefills
+    for writer, _ in g.writers.values():
+        assert writer.allocator.free_pages == writer.pool.num_pages  # every hold ended
     # whole pages when both sides have one page size, else the prompt's tokens as runs
     slots = PROMPT if src_page != dst_page else -(-PROMPT // src_page) * src_page
     assert _written(g) == slots * 2 * 2 * 32 * 4 * sum(
@@ -233,3 +328,112 @@ def test_broken_every_holder_writing_a_replicated_owner_is_refused_before_a_page
         assert not [k for _, k, _ in ort.sent if k == "PLAN"]
         done = [f for _, k, f in ort.sent if k == "DONE"]
         assert done and "writers" in done[0]["error"], done
+
+
+class _HeldWrites(RecordingRuntime):
+    """A writer's runtime whose writes stay in flight until the test lands them (by owner
+    rank, :meth:`land`)."""
+
+    def __init__(self, rank: int, cards=None) -> None:
+        super().__init__(rank, cards)
+        self.in_flight: list[tuple[int, _Pending]] = []
+
+    def write(self, rank, local, pages, rid=None, incarnation=None):
+        self.writes.append((rank, np.asarray(pages)))
+        batch = _Pending()
+        self.in_flight.append((rank, batch))
+        return batch
+
+    def watch(self, batch, callback, rid=None) -> None:
+        if isinstance(batch, _Pending) and not batch.landed:
+            batch.callbacks.append(callback)
+        else:
+            callback(batch)
+
+    def land(self, rank: int) -> None:
+        landing = [b for r, b in self.in_flight if r == rank]
+        self.in_flight = [(r, b) for r, b in self.in_flight if r != rank]
+        for batch in landing:
+            batch.landed = True
+            for callback in batch.callbacks:
+                callback(batch)
+        self.pump()
+
+
+@dataclasses.dataclass
+class _Pending:
+    landed: bool = False
+    callbacks: list = dataclasses.field(default_factory=list)
+
+    def status(self):
+        from kvferry.transfer import BatchStatus
+
+        return BatchStatus.COMPLETED if self.landed else BatchStatus.PENDING
+
+    error = None
+
+
+def _shared_pages_while_the_second_member_writes() -> tuple[int, int, list[dict]]:
+    """One writer into a decode group of two, dispatched together; the first member's
+    writes land and its notice flushes (its job is done) while the second member's are
+    still in flight. The writer's source pages held then, the prompt's pages, and the
+    RELEASED it had sent."""
+    g = _group(1, 2, 2, 16, 16, writer_runtime=_HeldWrites)
+    (w, (writer, wrt)), = g.writers.items()  # fmt: skip
+    _dispatch(g)
+    wrt.pump()
+    assert g.prefills[w] == 1
+    first, second = g.topology.decode_groups[0]
+    _land(g, first)
+    assert writer.jobs.get("r") is None  # done and forgotten; r.1 writes on
+    held = writer.pool.num_pages - writer.allocator.free_pages
+    released = [f for _, k, f in wrt.sent if k == "RELEASED"]
+    _land(g, second)
+    assert writer.allocator.free_pages == writer.pool.num_pages
+    answers = _answers(g, {first: "r", second: "r.1"})
+    assert answers == [_prompt()[:STEPS].tolist()] * 2
+    after = [f for _, k, f in wrt.sent if k == "RELEASED"]
+    assert [(f["rid"], f["pages"], f["how"]) for f in after] == [("r", -(-PROMPT // 16), "freed")]
+    return held, -(-PROMPT // 16), released
+
+
+def test_a_members_end_keeps_the_pages_its_siblings_writes_read():
+    """I4, writer side, across a decode group: the prompt's pages are computed once and
+    held until the last member's notice flushed, then released once, under the id the
+    router reserved them under."""
+    held, pages, released = _shared_pages_while_the_second_member_writes()
+    assert held == pages and released == []
+
+
+def test_broken_a_source_freed_at_the_first_members_end_is_caught(monkeypatch):
+    """Broken mode: the first member's end frees the shared pages (as a source of its own
+    per job would) while the second member's writes still read them."""
+    from test_shared_source import FreesAtFirstEnd
+
+    from kvferry.cluster.ports import SharedSource
+
+    monkeypatch.setattr(SharedSource, "free", FreesAtFirstEnd.free)
+    held, _, released = _shared_pages_while_the_second_member_writes()
+    assert held == 0 and [f["rid"] for f in released] == ["r"]  # the safe test's check fails
+
+
+@pytest.mark.parametrize("kv_heads, decode_tp", [(2, 2), (4, 2), (4, 4), (3, 2)])
+def test_a_members_checksums_read_in_place_are_its_views(kv_heads, decode_tp):
+    """A writer's checksums for a member that holds exactly the heads it writes are taken
+    from the route's runs in place; they equal those of the pool's view of those heads
+    (what the owner computes over its pages once they landed)."""
+    from kvferry.cluster.prefill import WriteJob
+    from kvferry.engine.integrity import page_checksums
+
+    g = _group(1, decode_tp, kv_heads, 16, 16)
+    ((writer, _),) = g.writers.values()
+    writer.pool.kv.copy_(
+        torch.randn(writer.pool.kv.shape, generator=torch.Generator().manual_seed(7))
+    )
+    for owner_rank in g.topology.decode_groups[0]:
+        job = WriteJob("r")
+        job.book.owner, job.src_pages = owner_rank, [5, 3, 9, 0, 63]
+        route = writer.path.route(job)
+        assert route.heads == route.dst_heads != (0, kv_heads)  # the in-place path
+        view = writer.path._view(job)
+        assert writer.path._checksums(job, 1, 5) == page_checksums(view, [3, 9, 0, 63]).tolist()

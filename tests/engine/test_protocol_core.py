@@ -27,6 +27,7 @@ from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol import writer as wc
 from kvferry.engine.protocol.owner import OwnerDo, OwnerEvent, OwnerState
 from kvferry.engine.protocol.owner_driver import OwnerDriver, OwnerPorts, OwnerTimes
+from kvferry.engine.protocol.ports import SourceFreed
 from kvferry.engine.protocol.proof import Proof, is_justified
 from kvferry.engine.protocol.table import Move, replace, terminal
 from kvferry.engine.protocol.words import AbortSource
@@ -499,10 +500,10 @@ def writer_walk(table):
                     f"{self.where} an ack with {self.book.in_flight} batches in flight"
                 )
 
-        def free(self, rid: str) -> int:
+        def free(self, rid: str) -> SourceFreed:
             if self.event not in self.flushes or self.book.in_flight:
                 self.problems.append(f"{self.where} FREE_SOURCE before a flush")
-            return len(self.alloc.free(rid)) if self.alloc.pages_of(rid) else 0
+            return SourceFreed(rid, len(self.alloc.free(rid)) if self.alloc.pages_of(rid) else 0)
 
         def tombstone(self, rid: str, at: float) -> None:
             self.stopped = True

@@ -4,7 +4,7 @@
   integrity checks of a cluster with the fault suite's settings) for batches of 1 to 32
   requests of 256-token prompts; fitted as ``base + per_seq * batch`` (least squares on
   the medians), and the spread around that line as a log-normal sigma;
-- ``prefill``: the real :meth:`PrefillRank._prefill_steps` (the prefill and the
+- ``prefill``: the real :meth:`PrefillPath.solo_steps` (the prefill and the
   checksums of one writer's heads) for prompts of 64 to 2,048 tokens; fitted as
   ``base + per_token * tokens``;
 - ``message``: a rank's cost of one control message, by role: the real codec's encode of
@@ -146,6 +146,7 @@ def decode_steps(batches=(1, 2, 4, 8, 16, 32), rounds: int = 60) -> dict[str, An
 
 def prefills(tokens=(64, 256, 1024, 2048), rounds: int = 40) -> dict[str, Any]:
     from kvferry.cluster.prefill import PrefillRank, WriteJob
+    from kvferry.engine.protocol.writer import WriterState
 
     _, model, pool = _cluster_parts()
     per_len: dict[int, list[float]] = {}
@@ -157,10 +158,11 @@ def prefills(tokens=(64, 256, 1024, 2048), rounds: int = 40) -> dict[str, Any]:
         times = []
         for r in range(rounds + 3):
             job = WriteJob(f"cal-{n}-{r}")
+            job.book.state = WriterState.COMPUTING
             job.tokens = (np.arange(n) % 500).astype(np.int32)
             job.src_pages = [g.page for g in rank.allocator.allocate(job.rid, -(-n // 16))]
             t0 = time.perf_counter()
-            for _ in rank.path._prefill_steps(job):  # type: ignore[attr-defined]
+            for _ in rank.path.solo_steps(job):  # type: ignore[attr-defined]
                 pass
             if r >= 3:
                 times.append(time.perf_counter() - t0)

@@ -240,7 +240,7 @@ SUITE_POOL_TOKENS = 16384  # the fault suite's --pool-tokens (faultsuite.suite_a
 # The replay model of a fault-suite cluster on this CPU (1 layer, 2 KV heads of 32 dims,
 # fp32, 16-token pages, integrity checks on), measured with ``simulate --calibrate``:
 # the real DecodeRank.step for batches of 1-32 (medians 1.85, 2.29, 2.70, 4.06, 5.44,
-# 7.60 ms: 2.07 ms + 0.183 ms a request) and the real PrefillRank._prefill_steps with
+# 7.60 ms: 2.07 ms + 0.183 ms a request) and the real PrefillPath.solo_steps with
 # its checksums for 64-2,048 tokens (0.50 ms + 2.70 us a token). verify_gbps is not
 # measured (the checks of a 256-token prompt's 16 pages take microseconds either way).
 REPLAY_TIMES = RankTimes(

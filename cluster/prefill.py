@@ -41,7 +41,7 @@ from .books import RankBooks
 from .chunks import PAGES_PER_CHUNK, Reassembly
 from .clock import MonotonicClock
 from .ports import RankWriterWire, RouterReport, SharedSource
-from .prefill_path import PREFILL_SLICE_S, PrefillPath, Route, WritePath
+from .prefill_path import COMPUTING, PREFILL_SLICE_S, PrefillPath, Route, WritePath
 from .runtime import RankRuntime
 
 log = logging.getLogger("kvferry.cluster")
@@ -304,9 +304,17 @@ class PrefillRank(RankBooks):
     def fail_request(self, rid: str, reason: str) -> None:
         """An exception while handling ``rid`` here (see RankRuntime._request_failed): the
         request fails as if its prefill had failed: the owner and the router are told,
-        nothing more is posted, and the ack follows what is in flight."""
+        nothing more is posted, and the ack follows what is in flight. The jobs of the
+        other members of its decode group that still wait for the prefill they share with
+        it fail too (their answer is the group's, and it runs no more)."""
         job = self.jobs.get(rid)
-        if job is None:
+        share = job.share if job is not None else rid  # a shared prefill fails by its share
+        sharing = [
+            j
+            for j in self.jobs.values()
+            if j is not job and j.share == share and j.state in COMPUTING
+        ]
+        if job is None and not sharing:
             log.error(
                 "request %s: failed on prefill rank %d after it ended here: %s",
                 rid,
@@ -314,7 +322,12 @@ class PrefillRank(RankBooks):
                 reason,
             )
             return
-        self._fail(job, AbortSource.INTERNAL, reason)
+        if job is not None:
+            self._fail(job, AbortSource.INTERNAL, reason)
+        for other in sharing:
+            self._fail(
+                other, AbortSource.INTERNAL, f"the prefill it shares with {rid} failed: {reason}"
+            )
 
     # -------------------------------------------------------------- housekeeping
     def in_flight(self) -> bool:

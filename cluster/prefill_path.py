@@ -402,7 +402,7 @@ class PrefillPath(WritePath):
             # one never yields.
             run_in_slices(
                 self.rt,
-                job.rid,
+                job.share,  # an exception fails every job still waiting for it
                 self._prefill_steps(run),
                 self.prefill_slice_s,
                 wanted=run.wanted,

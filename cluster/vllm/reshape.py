@@ -211,9 +211,12 @@ def _coalesce(
     dbuf: np.ndarray,
     key: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Sorted by (buffers, block, local offset); neighbours contiguous on both sides, in
-    the same buffers and the same decode block, merged."""
-    by = lexsort_order(so, key, dbuf, sbuf)
+    """Sorted by (buffers, block, remote offset); neighbours contiguous on both sides, in
+    the same buffers and the same decode block, merged. Remote order, since a decode
+    block's pieces then follow each other there: the cross-memory copy moves pieces
+    contiguous on one side as one, and a remote piece is what costs it (the kernel pins
+    the target's pages for each); local pieces are cheap."""
+    by = lexsort_order(do, key, dbuf, sbuf)
     so, do, ln, sbuf, dbuf, key = so[by], do[by], ln[by], sbuf[by], dbuf[by], key[by]
     follows = (
         (sbuf[1:] == sbuf[:-1])

@@ -437,3 +437,50 @@ def test_a_members_checksums_read_in_place_are_its_views(kv_heads, decode_tp):
         assert route.heads == route.dst_heads != (0, kv_heads)  # the in-place path
         view = writer.path._view(job)
         assert writer.path._checksums(job, 1, 5) == page_checksums(view, [3, 9, 0, 63]).tolist()
+
+
+class _ErrorsEndRequests(RecordingRuntime):
+    """A writer's runtime whose deferred work ends its request on an exception, as the
+    rank's runtime does (``RankRuntime.run_for``)."""
+
+    def defer(self, fn, rid=None) -> None:
+        def guarded() -> None:
+            try:
+                fn()
+            except RuntimeError as exc:
+                self.on_request_error(rid, f"internal error: {exc}")
+
+        self.deferred.append(guarded)
+
+
+def _told_after_a_failing_shared_prefill() -> set[str]:
+    """One writer into a decode group of two, its prefill failing at its second step,
+    after the second member joined it: the requests it tells the router have failed."""
+    g = _group(1, 2, 2, 16, 16, writer_runtime=_ErrorsEndRequests, prefill_slice_s=0.0)
+    ((writer, wrt),) = g.writers.values()
+    run = writer.path.model.prefill_layers
+
+    def failing(*args, **kwargs):
+        steps = run(*args, **kwargs)
+        yield next(steps)
+        raise RuntimeError("the model failed")
+
+    writer.path.model.prefill_layers = failing
+    _dispatch(g)
+    wrt.pump()
+    return {f["rid"] for rank, k, f in wrt.sent if k == "ABORT" and rank == 0}
+
+
+def test_a_failing_shared_prefill_fails_every_member_waiting_for_it():
+    assert _told_after_a_failing_shared_prefill() == {"r", "r.1"}
+
+
+def test_broken_a_failure_that_ends_only_the_first_member_is_caught(monkeypatch):
+    """Broken mode: the failure ends the job the prefill was started for; the second
+    member's job waits for a prefill that runs no more."""
+
+    def only_its_own(self, rid: str, reason: str) -> None:
+        self._fail(self.jobs[rid], prefill_path.AbortSource.INTERNAL, reason)
+
+    monkeypatch.setattr(PrefillRank, "fail_request", only_its_own)
+    assert _told_after_a_failing_shared_prefill() == {"r"}

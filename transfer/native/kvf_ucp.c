@@ -9,8 +9,9 @@
  * before anything is posted. When the remote segment is mapped into this process
  * (ucp_rkey_ptr succeeds: UCX-allocated posix/sysv memory on the same host), pages are
  * copied directly; when it lives in a known process on this host (memory the user
- * registered), the kernel copies up to KVF_CMA_IOVS pages per process_vm_writev; otherwise
- * each page is one ucp_put_nbx/ucp_get_nbx. */
+ * registered), the kernel copies them, up to KVF_CMA_IOVS pieces a side per
+ * process_vm_writev (each side's contiguous neighbours joined); otherwise each run of pages
+ * contiguous on both sides is one ucp_put_nbx/ucp_get_nbx. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -852,7 +853,9 @@ static int kvf_streams(int64_t streaming_min_bytes, int64_t total)
 }
 
 /* Posts the n pages of a checked batch: direct copies when direct_base is set, else one
- * ucp_put_nbx/ucp_get_nbx each; stops at the first posting error (in the batch too). */
+ * ucp_put_nbx/ucp_get_nbx per run, where a run is as many consecutive pages as are
+ * contiguous both here and there (a reshaped plan's pieces of one page, or pages that
+ * follow each other on both sides); stops at the first posting error (in the batch too). */
 static ucs_status_t kvf_post_pages(ucp_ep_h ep, int write, int streaming, char *local_base,
                                    ucs_memory_type_t local_type, ucp_rkey_h rkey,
                                    uint64_t remote_base, char *direct_base,
@@ -861,27 +864,36 @@ static ucs_status_t kvf_post_pages(ucp_ep_h ep, int write, int streaming, char *
 {
     ucp_request_param_t param;
     ucs_status_t st;
-    int64_t i;
+    int64_t i = 0;
     kvf_param_init(&param, batch, local_type);
     if (!write && direct_base != NULL) __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    for (i = 0; i < n; ++i) {
+    while (i < n) {
         const int64_t *t = pages + 3 * i;
-        char *local = local_base + t[0];
-        if (i == skip) continue; /* injected fault: this page is never transferred */
+        int64_t local_off = t[0], remote_off = t[1], len = t[2], joined = 1;
+        if (i == skip) { /* injected fault: this page is never transferred */
+            ++i;
+            continue;
+        }
+        for (++i; i < n && i != skip; ++i, ++joined) { /* the run goes on while both do */
+            const int64_t *u = pages + 3 * i;
+            if (u[0] != local_off + len || u[1] != remote_off + len) break;
+            len += u[2];
+        }
         if (direct_base != NULL) {
-            if (write) kvf_copy_out(direct_base + t[1], local, (size_t)t[2], streaming);
-            else memcpy(local, direct_base + t[1], (size_t)t[2]);
-            batch->direct++;
-        } else {
+            if (write) kvf_copy_out(direct_base + remote_off, local_base + local_off,
+                                    (size_t)len, streaming);
+            else memcpy(local_base + local_off, direct_base + remote_off, (size_t)len);
+            batch->direct += joined;
+        } else if (len > 0) {
             ucs_status_ptr_t p = write
-                ? ucp_put_nbx(ep, local, (size_t)t[2], remote_base + (uint64_t)t[1], rkey,
-                              &param)
-                : ucp_get_nbx(ep, local, (size_t)t[2], remote_base + (uint64_t)t[1], rkey,
-                              &param);
+                ? ucp_put_nbx(ep, local_base + local_off, (size_t)len,
+                              remote_base + (uint64_t)remote_off, rkey, &param)
+                : ucp_get_nbx(ep, local_base + local_off, (size_t)len,
+                              remote_base + (uint64_t)remote_off, rkey, &param);
             st = kvf_track(p, batch);
             if (st != UCS_OK) return st;
         }
-        batch->posted++;
+        batch->posted += joined;
     }
     if (write && direct_base != NULL) {
 #if defined(__x86_64__)
@@ -922,42 +934,65 @@ static ucs_status_t kvf_cma_status(int err)
     }
 }
 
-/* Moves k (local, remote) iovec pairs of equal lengths, `want` bytes in all, resuming
- * after a partial transfer; UCS_OK or the status of the call that failed. */
-static ucs_status_t kvf_cma_move(int write, int32_t pid, struct iovec *local,
-                                 struct iovec *remote, int k, size_t want)
+/* Appends [base, base + len) to the n entries of an iovec list, extending the last one
+ * when the two are contiguous; the list's new length. */
+static int kvf_iov_append(struct iovec *v, int n, char *base, size_t len)
+{
+    if (n > 0 && (char *)v[n - 1].iov_base + v[n - 1].iov_len == base) {
+        v[n - 1].iov_len += len;
+        return n;
+    }
+    v[n].iov_base = base;
+    v[n].iov_len = len;
+    return n + 1;
+}
+
+/* Skips `bytes` from entry *first of an n-entry iovec list (after a partial transfer). */
+static void kvf_iov_skip(struct iovec *v, int n, int *first, size_t bytes)
+{
+    while (bytes > 0 && *first < n) {
+        size_t step = bytes < v[*first].iov_len ? bytes : v[*first].iov_len;
+        v[*first].iov_base = (char *)v[*first].iov_base + step;
+        v[*first].iov_len -= step;
+        bytes -= step;
+        if (v[*first].iov_len == 0) ++*first;
+    }
+}
+
+/* Moves the bytes of nl local iovecs into nr remote ones (`want` bytes on each side; the
+ * kernel pairs them as two streams, so the lists need not match entry for entry),
+ * resuming after a partial transfer; UCS_OK or the status of the call that failed. */
+static ucs_status_t kvf_cma_move(int write, int32_t pid, struct iovec *local, int nl,
+                                 struct iovec *remote, int nr, size_t want)
 {
     size_t done = 0;
-    int first = 0;
+    int fl = 0, fr = 0;
     while (done < want) {
-        ssize_t r = write ? process_vm_writev(pid, local + first, (unsigned long)(k - first),
-                                              remote + first, (unsigned long)(k - first), 0)
-                          : process_vm_readv(pid, local + first, (unsigned long)(k - first),
-                                             remote + first, (unsigned long)(k - first), 0);
+        ssize_t r = write ? process_vm_writev(pid, local + fl, (unsigned long)(nl - fl),
+                                              remote + fr, (unsigned long)(nr - fr), 0)
+                          : process_vm_readv(pid, local + fl, (unsigned long)(nl - fl),
+                                             remote + fr, (unsigned long)(nr - fr), 0);
         if (r < 0) {
             if (errno == EINTR) continue;
             return kvf_cma_status(errno);
         }
         if (r == 0) return UCS_ERR_IO_ERROR;
         done += (size_t)r;
-        while (r > 0 && first < k) {  /* skip what moved, splitting a pair if need be */
-            size_t step = (size_t)r < local[first].iov_len ? (size_t)r : local[first].iov_len;
-            local[first].iov_base = (char *)local[first].iov_base + step;
-            remote[first].iov_base = (char *)remote[first].iov_base + step;
-            local[first].iov_len -= step;
-            remote[first].iov_len -= step;
-            r -= (ssize_t)step;
-            if (local[first].iov_len == 0) ++first;
-        }
+        kvf_iov_skip(local, nl, &fl, (size_t)r);
+        kvf_iov_skip(remote, nr, &fr, (size_t)r);
     }
     return UCS_OK;
 }
 
-/* Moves the n pages of a checked batch by the kernel's cross-memory copy, KVF_CMA_IOVS a
- * call. Synchronous: the bytes are at the target when this returns, so nothing needs a
- * flush. The process is checked through its pidfd before the first call and after the
- * last (a pid is only reused once its process exited and was reaped, which the first
- * check excludes up to the call; the second fails a batch whose target died meanwhile). */
+/* Moves the n pages of a checked batch by the kernel's cross-memory copy. Each side's
+ * pieces are joined where they are contiguous on that side: what costs the kernel is the
+ * remote pieces (each pins the target's pages anew), so a plan whose small runs fill a
+ * target page in order moves it as one remote piece, whatever its local pieces. Up to
+ * KVF_CMA_IOVS pieces a side per call. Synchronous: the bytes are at the target when this
+ * returns, so nothing needs a flush. The process is checked through its pidfd before the
+ * first call and after the last (a pid is only reused once its process exited and was
+ * reaped, which the first check excludes up to the call; the second fails a batch whose
+ * target died meanwhile). */
 static ucs_status_t kvf_post_pages_cma(int write, int32_t pid, int pidfd, char *local_base,
                                        uint64_t remote_base, const int64_t *pages, int64_t n,
                                        int64_t skip, kvf_batch_t *batch)
@@ -970,21 +1005,21 @@ static ucs_status_t kvf_post_pages_cma(int write, int32_t pid, int pidfd, char *
         return UCS_ERR_CONNECTION_RESET;
     }
     while (i < n) {
-        int k = 0;
+        int nl = 0, nr = 0;
         size_t want = 0;
-        for (; i < n && k < KVF_CMA_IOVS; ++i) {
+        for (; i < n && nl < KVF_CMA_IOVS && nr < KVF_CMA_IOVS; ++i) {
             const int64_t *t = pages + 3 * i;
             if (i == skip) continue; /* injected fault: this page is never transferred */
             batch->posted++;
             batch->direct++;
             if (t[2] == 0) continue;
-            local[k].iov_base = local_base + t[0];
-            remote[k].iov_base = (void *)(uintptr_t)(remote_base + (uint64_t)t[1]);
-            local[k].iov_len = remote[k].iov_len = (size_t)t[2];
+            nl = kvf_iov_append(local, nl, local_base + t[0], (size_t)t[2]);
+            nr = kvf_iov_append(remote, nr, (char *)(uintptr_t)(remote_base + (uint64_t)t[1]),
+                                (size_t)t[2]);
             want += (size_t)t[2];
-            ++k;
         }
-        st = kvf_cma_move(write, pid, local, remote, k, want);
+        if (want == 0) continue;
+        st = kvf_cma_move(write, pid, local, nl, remote, nr, want);
         if (st != UCS_OK) {
             kvf_batch_fail(batch, st);
             return st;

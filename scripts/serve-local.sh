@@ -47,16 +47,35 @@ pidfile="$run_dir/cluster.pid"
 # torchrun starts each rank in a session of its own, so the ranks are found by parentage,
 # not by process group, and each is waited for.
 descendants() { local p; for p in $(ps -o pid= --ppid "$1" 2>/dev/null); do echo "$p"; descendants "$p"; done; }
-alive() { local p n=0; for p in "$@"; do kill -0 "$p" 2>/dev/null && n=$((n + 1)); done; echo "$n"; }
+# A process that exited but is not reaped yet (a zombie, state Z) has stopped: kill -0 would
+# still find it, and its parent (torchrun, or init once torchrun is gone) reaps it later.
+alive() {
+    local p s n=0
+    for p in "$@"; do
+        s="$(ps -o stat= -p "$p" 2>/dev/null)" || continue
+        [ -n "$s" ] && [ "${s:0:1}" != Z ] && n=$((n + 1))
+    done
+    echo "$n"
+}
 if [ "$stop" = 1 ]; then
     if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
         pid="$(cat "$pidfile")"
         procs=("$pid" $(descendants "$pid"))
-        kill -TERM "${procs[@]}" 2>/dev/null || true
+        # The cluster's launcher stops it in order: the router (which answers its live
+        # requests and tells every rank to stop), the other ranks, then the store, which
+        # a rank's launcher still needs to publish the rank's exit. Signalled all at once,
+        # the store went first and each launcher spent seconds looking for it.
+        kill -TERM "$pid" 2>/dev/null || true
         for _ in $(seq 150); do [ "$(alive "${procs[@]}")" = 0 ] && break; sleep 0.1; done
         left="$(alive "${procs[@]}")"
         if [ "$left" != 0 ]; then
-            echo "serve-local.sh: $left process(es) of cluster $pid still running after 15 s; killing them" >&2
+            echo "serve-local.sh: $left process(es) of cluster $pid still running after 15 s; stopping them" >&2
+            kill -TERM "${procs[@]}" 2>/dev/null || true
+            for _ in $(seq 50); do [ "$(alive "${procs[@]}")" = 0 ] && break; sleep 0.1; done
+        fi
+        left="$(alive "${procs[@]}")"
+        if [ "$left" != 0 ]; then
+            echo "serve-local.sh: $left process(es) of cluster $pid still running; killing them" >&2
             kill -KILL "${procs[@]}" 2>/dev/null || true
             for _ in $(seq 50); do [ "$(alive "${procs[@]}")" = 0 ] && break; sleep 0.1; done
         fi

@@ -6,7 +6,9 @@ heads, head size 128, bf16: a K|V row of 512 bytes, 1 GiB of KV at 16,384 tokens
 (prefill shape -> decode shape) pair: every (prefill worker, decode worker) pair's runs
 are planned (:func:`kvferry.cluster.vllm.reshape.plan_pair`: ``plan_ms``, the median of
 ``--reps``) and posted by the prefill's transfer engine into the decode's in batches of
-``--batch-mib`` (the connector's ``max_batch_bytes``), all waited for: ``gbps``. The
+``--batch-mib`` (the connector's ``max_batch_bytes``), all waited for: ``gbps``;
+``pieces``: what those batches make on each side once contiguous neighbours are joined
+(the cross-memory copy's cost is mostly per remote piece). The
 homogeneous pair (the prefill's shape on both sides: whole blocks, one run per layer and
 block) moves the same rows in the same run, timed in alternation (pair, homogeneous,
 pair, ...; medians): ``homogeneous_gbps``, and ``ratio`` = gbps / homogeneous_gbps (issue
@@ -163,6 +165,17 @@ class Move:
             if b.error is not None:
                 raise RuntimeError(f"a batch failed: {b.error}")
 
+    def pieces(self) -> tuple[int, int]:
+        """(local, remote): the pieces of the posted batches once each side's contiguous
+        neighbours are joined, as the cross-memory copy joins them (a remote piece costs
+        the kernel about 0.5 us, a local one about 0.1-0.3 us)."""
+        local = remote = 0
+        for runs in self.plans.values():
+            for _, _, triples in runs.batches(self.batch_bytes):
+                local += _pieces(triples[:, 0], triples[:, 2])
+                remote += _pieces(triples[:, 1], triples[:, 2])
+        return local, remote
+
     def checked(self) -> bool:
         """Every decode worker's landed regions equal its writers' sources'."""
         for (p, d), runs in self.plans.items():
@@ -172,6 +185,13 @@ class Move:
             if not np.array_equal(want, got):
                 return False
         return True
+
+
+def _pieces(offsets: np.ndarray, lengths: np.ndarray) -> int:
+    """How many pieces runs at ``offsets`` make once contiguous neighbours are joined."""
+    if not len(offsets):
+        return 0
+    return 1 + int(np.count_nonzero(offsets[1:] != offsets[:-1] + lengths[:-1]))
 
 
 def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[str, object]:
@@ -200,6 +220,7 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
             "pairs": len(move.plans),
             "runs": runs,
             "mean_run_bytes": round(move.bytes / max(1, runs)),
+            "pieces": dict(zip(("local", "remote"), move.pieces(), strict=True)),
             "plan_ms": round(median_seconds(move.plan, args.reps) * 1e3, 3),
             "gbps": round(move.bytes / t_pair / 1e9, 3),
             "homogeneous_runs": base_runs,

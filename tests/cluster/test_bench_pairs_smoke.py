@@ -37,3 +37,5 @@ def test_the_pairs_benchmark_runs_and_checks_its_bytes():
     row = lines[1]
     assert row["src"] == "tp2/b16/NHD" and row["dst"] == "tp1/b16/NHD", row
     assert row["bytes_checked"] and row["bytes"] == 2 * 8 * 100 * 512 and row["ratio"] > 0, row
+    # two writers' heads interleave in each token's row at the target: a remote piece a run
+    assert row["pieces"]["remote"] == row["runs"] and row["pieces"]["local"] < row["runs"], row

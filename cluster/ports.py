@@ -101,9 +101,6 @@ class SharedSource:
         self._share_of[rid] = share
         return held, False
 
-    def holders(self, share: str) -> frozenset[str]:
-        return frozenset(self._holders.get(share, ()))
-
     def free(self, rid: str) -> SourceFreed | None:
         share = self._share_of.pop(rid, rid)
         holders = self._holders.get(share)

@@ -393,7 +393,7 @@ class PrefillPath(WritePath):
         run = self._prefills.get(job.share)
         if run is None:
             run = self._prefills[job.share] = _Prefill(
-                job.share, _FinalPages(self.model, len(job.tokens), self.pool.page_size)
+                _FinalPages(self.model, len(job.tokens), self.pool.page_size)
             )
             run.jobs.append(job)
             # The prefill and the checksums run in slices (see .sliced): an ABORT that
@@ -434,7 +434,7 @@ class PrefillPath(WritePath):
         """One computing job's prefill and checksums alone, as steps (what the
         simulator's calibration times)."""
         assert job.tokens is not None
-        run = _Prefill(job.share, _FinalPages(self.model, len(job.tokens), self.pool.page_size))
+        run = _Prefill(_FinalPages(self.model, len(job.tokens), self.pool.page_size))
         run.jobs.append(job)
         return self._prefill_steps(run)
 
@@ -534,15 +534,14 @@ class PrefillPath(WritePath):
         route = self.route(job)
         if route.heads == (0, self.pool.kv_heads) or route.heads != route.dst_heads:
             return page_checksums(self._view(job), job.src_pages[lo:hi]).tolist()
-        runs = self._job_runs(job)
-        src = np.asarray(job.src_pages[lo:hi], dtype=np.int64)
-        local = src[:, None] * self.pool.page_bytes + (runs.src - self._src_base)[None, :]
-        remote = np.arange(len(src), dtype=np.int64)[:, None] * runs.dst_page_bytes + runs.dst
-        lengths = np.broadcast_to(runs.length, local.shape)
-        triples = np.stack([local.reshape(-1), remote.reshape(-1), lengths.reshape(-1)], axis=1)
+        src = job.src_pages[lo:hi]
+        n = len(src)  # the regions are pages 0 .. n-1; the pool is read from its first byte
+        triples = self._route_runs(job, src, np.arange(n))
+        triples[:, 0] -= self._src_base
         unit = word_unit(self._kv_shape().vector_bytes)
-        pages, sums = region_checksums(self.pool.kv, triples, runs.dst_page_bytes, unit)
-        assert len(pages) == len(src), f"request {job.rid}: {len(pages)} regions of {len(src)}"
+        dst_page_bytes = self._job_runs(job).dst_page_bytes
+        pages, sums = region_checksums(self.pool.kv, triples, dst_page_bytes, unit)
+        assert len(pages) == n, f"request {job.rid}: {len(pages)} regions of {n}"
         return sums.tolist()
 
     # -------------------------------------------------------------- writing
@@ -551,9 +550,16 @@ class PrefillPath(WritePath):
         of this writer's heads in its pages ``[lo, hi)``, into the owner's pages (whose
         page may hold fewer heads: a member of a decode group)."""
         assert job.dst_pages is not None
+        return self._route_runs(job, job.src_pages[lo:hi], job.dst_pages[lo:hi])
+
+    def _route_runs(
+        self, job: WriteJob, src_pages: Sequence[int], dst_pages: Sequence[int] | np.ndarray
+    ) -> np.ndarray:
+        """``[pages x runs, 3]`` int64: the route's runs of one page, repeated for each
+        (source page, destination page) pair; local offsets from the pool's storage."""
         runs = self._job_runs(job)
-        src = np.asarray(job.src_pages[lo:hi], dtype=np.int64)
-        dst = np.asarray(job.dst_pages[lo:hi], dtype=np.int64)
+        src = np.asarray(src_pages, dtype=np.int64)
+        dst = np.asarray(dst_pages, dtype=np.int64)
         local = (src[:, None] * self.pool.page_bytes + runs.src[None, :]).reshape(-1)
         remote = (dst[:, None] * runs.dst_page_bytes + runs.dst[None, :]).reshape(-1)
         lengths = np.broadcast_to(runs.length, (len(src), len(runs.length))).reshape(-1)
@@ -676,7 +682,6 @@ class _Prefill:
     """One prompt's prefill at this writer, shared by the jobs that write its KV (one per
     decode member the writer writes into; one job otherwise)."""
 
-    share: str
     final: _FinalPages
     jobs: list[WriteJob] = field(default_factory=list)
     fed_pages: int = 0  # final pages the jobs have heard of (KV_PART)

@@ -93,9 +93,6 @@ class RoutedRequest(Routed):
     done) for the response, and the figures /metrics shows."""
 
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    # writer rank -> the request id it holds the prompt's pages under (the first member
-    # of a decode group it writes into; the router reserved them there, once)
-    shares: dict[int, str] = field(default_factory=dict)
     first_token_at: float | None = None
     transfer_ms: float | None = None
     prefill_ms: float | None = None
@@ -103,6 +100,14 @@ class RoutedRequest(Routed):
     @property
     def text(self) -> str:
         return detokenize(self.req.output_tokens)
+
+
+def share_of(routed: Routed, writer: int) -> str:
+    """The request id ``writer`` holds ``routed``'s prompt under: the first member of its
+    decode group that it writes into (where the router reserved its pages, once), or the
+    request's own id."""
+    members = routed.group.members if routed.group is not None else [routed]
+    return next(m.rid for m in members if writer in m.writers)
 
 
 @dataclass
@@ -374,7 +379,7 @@ class Router:
         member it writes into (it holds the prompt's pages under that member's id for
         every member it writes into, and reports them released under it)."""
         members: list[RoutedRequest] = []
-        shares: dict[int, str] = {}  # writer rank -> the member id its pages are held under
+        reserved: set[int] = set()  # the writers whose pages are reserved (once each)
         for position, (owner, writers) in enumerate(placement):
             member_req = (
                 req
@@ -385,13 +390,11 @@ class Router:
             routed = RoutedRequest(member_req, owner, writers, arrived)
             self.requests[routed.rid] = routed
             self.ledger.reserve(owner, routed.rid, need)
-            for w in writers:
-                if w not in shares:
-                    shares[w] = routed.rid
-                    self.ledger.reserve(
-                        w, routed.rid, pages_needed(prompt_len, 0, self.prefill_page_size)
-                    )
-                routed.shares[w] = shares[w]
+            for w in set(writers) - reserved:
+                reserved.add(w)
+                self.ledger.reserve(
+                    w, routed.rid, pages_needed(prompt_len, 0, self.prefill_page_size)
+                )
             member_req.transition(S.PREFILLING)
             members.append(routed)
         if len(members) > 1:
@@ -428,7 +431,7 @@ class Router:
                     total=len(packed),
                     owner=owner,
                     owner_inc=owner_inc,
-                    share=None if routed.shares.get(w, rid) == rid else routed.shares[w],
+                    share=share_of(routed, w),
                 )
 
     # ------------------------------------------------------------------ the core's ports

@@ -16,6 +16,7 @@ import pytest
 from test_protocol_units import STATS, RecordingRuntime, _card
 
 from kvferry.cluster import messages as m
+from kvferry.cluster import router as router_module
 from kvferry.cluster.metrics import ClusterMetrics
 from kvferry.cluster.router import Router
 from kvferry.cluster.topology import Topology
@@ -87,12 +88,31 @@ def test_one_request_per_member_each_with_its_pages_and_writers():
         (rank, f["rid"], f["owner"], f["share"]) for rank, k, f in rt.sent if k == "PREFILL"
     }
     assert prefills == {
-        (WRITER, routed.rid, OWNER_0, None),
+        (WRITER, routed.rid, OWNER_0, routed.rid),
         (WRITER, f"{routed.rid}.1", OWNER_1, routed.rid),  # held under the first member's
     }
     held = router.ledger.held
     assert set(held[WRITER]) == {routed.rid}  # its pages once, for both members
     assert set(held[OWNER_0]) == {routed.rid} and set(held[OWNER_1]) == {f"{routed.rid}.1"}
+
+
+def _shares_reserved() -> bool:
+    """Every id a writer is told to hold the prompt under is one the router reserved its
+    pages under (so the writer's RELEASED under it ends that reservation)."""
+    router, rt, _ = _submitted()
+    shares = {f["share"] for rank, k, f in rt.sent if k == "PREFILL" and rank == WRITER}
+    return shares <= set(router.ledger.held[WRITER])
+
+
+def test_the_writer_holds_the_prompt_where_the_router_reserved_it():
+    assert _shares_reserved()
+
+
+def test_broken_a_share_named_after_each_member_is_caught(monkeypatch):
+    """Broken mode: each member names itself; the second member's pages would be held,
+    and reported released, under an id the router never reserved."""
+    monkeypatch.setattr(router_module, "share_of", lambda routed, writer: routed.rid)
+    assert not _shares_reserved()
 
 
 @pytest.mark.parametrize("first", [OWNER_0, OWNER_1])

@@ -202,7 +202,7 @@ def _dispatch(g: Group) -> dict[int, str]:
             wrt.deliver(m.PLAN, src=owner_rank, **plan)
             wrt.deliver(
                 m.PREFILL, src=0, rid=rid, tokens=tokens.tobytes(), offset=0, total=PROMPT,
-                owner=owner_rank, owner_inc=1, share=None if share == rid else share,
+                owner=owner_rank, owner_inc=1, share=share,
             )  # fmt: skip
     return rids
 

@@ -105,4 +105,5 @@ def test_a_share_held_for_another_prompt_length_is_refused_with_both_counts():
     source.hold("r", "r", 5)
     with pytest.raises(ValueError, match=r"r\.1: its prompt takes 6 source pages, but the 5"):
         source.hold("r.1", "r", 6)
-    assert source.holders("r") == {"r"}
+    assert source.free("r.1") == SourceFreed("r.1", 0)  # it holds nothing under "r"
+    assert source.free("r") == SourceFreed("r", 5)

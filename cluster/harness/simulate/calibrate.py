@@ -160,7 +160,7 @@ def prefills(tokens=(64, 256, 1024, 2048), rounds: int = 40) -> dict[str, Any]:
             job = WriteJob(f"cal-{n}-{r}")
             job.book.state = WriterState.COMPUTING
             job.tokens = (np.arange(n) % 500).astype(np.int32)
-            job.src_pages = [g.page for g in rank.allocator.allocate(job.rid, -(-n // 16))]
+            job.src_pages = rank.allocator.allocate_pages(job.rid, -(-n // 16))
             t0 = time.perf_counter()
             for _ in rank.path.solo_steps(job):  # type: ignore[attr-defined]
                 pass

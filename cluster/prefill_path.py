@@ -641,7 +641,11 @@ class PrefillPath(WritePath):
         if hi <= lo:
             return
         if self.integrity:
-            assert len(job.checksums) == lo
+            if len(job.checksums) != lo:  # each page is checksummed once, in order
+                raise AssertionError(
+                    f"request {job.rid}: part [{lo}, {hi}) to post, but {len(job.checksums)} "
+                    "pages checksummed"
+                )
             job.checksums.extend(self._checksums(job, lo, hi))
         faults = self.rt.faults
         if faults.enabled and lo == 0:  # corrupt-page: the first part carries the damage

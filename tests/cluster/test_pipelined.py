@@ -51,7 +51,9 @@ class HoldingRuntime(RecordingRuntime):
             callback(batch)
 
 
-def _writer(rt: RecordingRuntime, table=None) -> tuple[PrefillRank, ReplayModel]:
+def _writer(
+    rt: RecordingRuntime, table=None, slice_s: float = 0.0
+) -> tuple[PrefillRank, ReplayModel]:
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     model.prefill_chunk_tokens = CHUNK
     writer = PrefillRank.serving(
@@ -61,7 +63,7 @@ def _writer(rt: RecordingRuntime, table=None) -> tuple[PrefillRank, ReplayModel]
         segment=None,
         head_range=(0, 2),
         router=0,
-        prefill_slice_s=0.0,  # back to the loop after every step
+        prefill_slice_s=slice_s,  # 0: back to the loop after every step
     )
     if table is not None:
         writer.driver.table = table
@@ -137,6 +139,36 @@ def test_a_writer_planned_after_its_prefill_writes_at_once_without_parts():
     assert "NOTICE_PART" not in rt.kinds() and "NOTICE" in rt.kinds()
 
 
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "broken-runs-in-the-row"])
+def test_a_prefill_that_fits_one_slice_posts_its_parts_from_the_loop(deferred):
+    """A planned writer whose whole prefill fits in one slice: its parts still go as the
+    pages become final, each checksummed once, then the notice. The prefill starts from
+    the rank's next pump, not inside the PROMPT row that started it, where each part it
+    made ready would wait behind the row's other effects while the prefill ran on and
+    checksummed every page. Broken mode: deferred work that runs at once (inside the
+    row); the queued parts then find their pages checksummed, and the request fails."""
+    rt = RecordingRuntime(rank=1)
+    rt.defer_at_once = not deferred
+    writer, _ = _writer(rt, slice_s=60.0)
+    if not deferred:
+        with pytest.raises(
+            AssertionError, match=r"request p9: part \[0, 6\) to post, but 7 pages checksummed"
+        ):
+            _plan_then_prompt(rt, "p9")
+        return
+    _plan_then_prompt(rt, "p9")
+    assert rt.writes == [] and writer.jobs["p9"].checksums == []  # nothing ran in the row
+    _pump(rt)
+    kinds = [k for k in rt.kinds() if k in ("NOTICE_PART", "NOTICE")]
+    assert kinds == ["NOTICE_PART"] * 3 + ["NOTICE"]
+    notice = next(f for _, k, f in rt.sent if k == "NOTICE")
+    parts = [f for _, k, f in rt.sent if k == "NOTICE_PART"]
+    assert len(notice["checksums"]) == len(PLANNED)
+    assert [c for f in parts for c in f["checksums"]] == list(notice["checksums"][:6])
+    written = np.concatenate([rows[:, 1] for _, rows in rt.writes])
+    assert (written // writer.pool.page_bytes).tolist() == PLANNED  # each page once
+
+
 def test_part_checksums_are_the_source_pages_checksums():
     rt = RecordingRuntime(rank=1)
     _, model = _writer(rt)
@@ -163,7 +195,8 @@ def test_an_abort_mid_pipeline_waits_for_the_part_in_flight(drains):
         table = replace(wc.WRITER_TABLE, {(S.COMPUTING_PLANNED, E.ABORT): broken})
     rt = HoldingRuntime(rank=1)
     writer, _ = _writer(rt, table)
-    _plan_then_prompt(rt, "p4")  # the first step ran: its part is posted
+    _plan_then_prompt(rt, "p4")
+    rt.pump_once()  # the first step ran: its part is posted
     assert len(rt.in_flight) == 1 and writer.jobs["p4"].state is S.COMPUTING_PLANNED
     rt.deliver(m.ABORT, src=0, rid="p4", owner=2, writers=[1], source="client", reason="gone")
     if not drains:
@@ -186,6 +219,7 @@ def test_a_part_that_fails_to_land_fails_the_request_with_its_reason():
     rt = HoldingRuntime(rank=1)
     writer, _ = _writer(rt)
     _plan_then_prompt(rt, "p5")
+    rt.pump_once()  # the first step ran: its part is posted
     assert len(rt.in_flight) == 1
     failed = type("Failed", (), {"status": lambda self: BatchStatus.FAILED, "error": "reset"})
     rt.in_flight[0] = (failed(), rt.in_flight[0][1])

@@ -89,6 +89,13 @@ class RecordingRuntime:
                 fn()
         raise AssertionError("deferred work never ends")
 
+    def pump_once(self) -> None:
+        """One pump: the deferred work queued so far runs once (a sliced run's next
+        slice, which may defer another)."""
+        deferred, self.deferred = self.deferred, []
+        for fn in deferred:
+            fn()
+
     def call_later(self, delay, fn, rid=None):
         raise AssertionError("no timers expected here")
 
@@ -211,6 +218,7 @@ def test_an_abort_during_a_long_prefill_stops_it_between_layers(slice_s):
         owner=2,
         owner_inc=1,
     )
+    rt.pump_once()  # the prefill's first slice
     rt.deliver(m.ABORT, src=0, rid="r8", owner=2, writers=[1], source="client", reason="gone")
     rt.pump()
     rt.pump()

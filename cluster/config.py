@@ -18,6 +18,8 @@ class ServeConfig:
     head_dim: int = 32
     page_size: int = 16
     prefill_page_size: int | None = None  # prefill ranks' pages (None: page_size)
+    kv_layout: str = "HND"  # how a decode rank's page lies in memory: HND or NHD
+    prefill_kv_layout: str | None = None  # the prefill ranks' (None: kv_layout)
     dtype: str = "fp32"
     pool_tokens: int = 65536  # per rank, before measuring what was really allocated
     context_length: int = 32768
@@ -111,6 +113,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per page of the prefill ranks' pools, when they differ from the decode "
         "ranks' (--page-size): each writer then writes its heads' bytes into the decode "
         "pages as runs, checksummed per destination page (default: --page-size)",
+    )
+    m.add_argument(
+        "--kv-layout",
+        choices=["HND", "NHD"],
+        default=d.kv_layout,
+        help="how the decode ranks' pages lie in memory: HND heads-major "
+        "[layers, 2, heads, page_size, head_dim], NHD token-major [layers, 2, page_size, "
+        "heads, head_dim] (default %(default)s)",
+    )
+    m.add_argument(
+        "--prefill-kv-layout",
+        choices=["HND", "NHD"],
+        default=None,
+        help="the prefill ranks' page layout, when it differs from the decode ranks' "
+        "(--kv-layout). A writer whose pages and its owner's are not both HND of one page "
+        "size writes its heads as runs planned once per request, checksummed per "
+        "destination page, in one part (default: --kv-layout)",
     )
     m.add_argument(
         "--dtype",

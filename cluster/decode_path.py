@@ -34,7 +34,7 @@ from kvferry.engine.kernels.ownership import (
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.ports import Clock
-from kvferry.engine.reshard import KVShape, heads_between_pools
+from kvferry.engine.reshard import KVShape, Order, heads_between_pools, page_for_page
 from kvferry.engine.run_checksum import region_checksums, word_unit
 from kvferry.engine.verify import Notice as VerifyNotice
 from kvferry.engine.verify import (
@@ -229,15 +229,18 @@ class DecodePath(ReadPath):
         self, req: OwnedRequest, writer: int
     ) -> tuple[Planned, Callable[[PageList], torch.Tensor], int]:
         """What ``writer`` must write for ``req``, how the bytes that landed in its pages
-        are checksummed, and how many pages a step checks. A writer whose pages hold
-        another number of tokens (``--prefill-page-size``) writes its heads as runs; its
-        checksums are of what those runs put in each of the owner's pages."""
+        are checksummed, and how many pages a step checks. A writer whose pages and this
+        rank's are not both heads-major of one page size (``--prefill-page-size``,
+        ``--kv-layout``: :func:`~kvferry.engine.reshard.page_for_page`) writes its heads as
+        runs; its checksums are of what those runs put in each of the owner's pages, as
+        they lie in memory."""
+        pool = self.pool
         card = self.rt.cards.get(writer)
-        src_size = card.page_size if card is not None else self.pool.page_size
-        if src_size == self.pool.page_size:
+        src_size = card.page_size if card is not None else pool.page_size
+        src_order = Order(card.kv_layout) if card is not None else pool.order
+        if page_for_page((src_size, src_order), (pool.page_size, pool.order)):
             planned, view = self._planned(req, writer)
             return planned, functools.partial(page_checksums, view), self._per_step(view)
-        pool = self.pool
         need = pages_needed(req.prompt_len, 0, pool.page_size)
         pages, generations = req.planned_rows
         shape = KVShape(pool.layers, pool.kv_heads, pool.head_dim, pool.kv.element_size())
@@ -248,6 +251,7 @@ class DecodePath(ReadPath):
             req.prompt_len,
             (src_size, range(pages_needed(req.prompt_len, 0, src_size))),
             (pool.page_size, list(pages[:need])),
+            orders=(src_order, pool.order),
         )
         planned = Planned(
             req.rid, req.prompt_len, pages[:need], generations[:need], int(runs[:, 2].sum())
@@ -257,7 +261,7 @@ class DecodePath(ReadPath):
 
         def checksums_of(chunk: PageList) -> torch.Tensor:
             mine = runs[np.isin(page_of, list(chunk))]
-            got, sums = region_checksums(pool.kv, mine, pool.page_bytes, unit, read=1)
+            got, sums = region_checksums(pool.storage, mine, pool.page_bytes, unit, read=1)
             by_page = dict(zip(got.tolist(), sums.tolist(), strict=True))
             return torch.tensor([by_page.get(p, -1) for p in chunk], dtype=torch.int64)
 

@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         segment=segment.descriptor().pack() if segment is not None else None,
         num_pages=pool.num_pages if pool is not None else 0,
         page_size=pool.page_size if pool is not None else cfg.page_size,
+        kv_layout=pool.order.value if pool is not None else "HND",
         capacity_tokens=pool.capacity_tokens if pool is not None else 0,
         context_length=context_length,
         host=this_host(),

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvferry.engine.models import LlamaConfig, LlamaModel, PagedModel, ReplayConfig, ReplayModel
 from kvferry.engine.pool import PoolConfig, parse_dtype
 from kvferry.engine.replay import PREFILL_CHUNK_TOKENS
+from kvferry.engine.reshard import Order
 
 from .config import ServeConfig
 
@@ -49,5 +52,7 @@ def pool_config(cfg: ServeConfig, model: PagedModel, *, prefill: bool = False) -
     """The pool of a decode rank, or of a prefill rank (``prefill``: its own page size,
     ``--prefill-page-size``, when given)."""
     page_size = (cfg.prefill_page_size or cfg.page_size) if prefill else cfg.page_size
+    layout = (cfg.prefill_kv_layout or cfg.kv_layout) if prefill else cfg.kv_layout
     pages = max(1, cfg.pool_tokens // page_size)
-    return model.pool_config(page_size, pages, dtype=parse_dtype(cfg.dtype))
+    config = model.pool_config(page_size, pages, dtype=parse_dtype(cfg.dtype))
+    return dataclasses.replace(config, order=Order(layout))

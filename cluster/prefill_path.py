@@ -26,7 +26,14 @@ from kvferry.engine.protocol import writer as core
 from kvferry.engine.protocol.ports import Clock
 from kvferry.engine.protocol.words import AbortSource
 from kvferry.engine.protocol.writer import WriterEvent, WriterState
-from kvferry.engine.reshard import KVShape, heads_between_pools, page_runs, span_geometry
+from kvferry.engine.reshard import (
+    KVShape,
+    Order,
+    heads_between_pools,
+    page_for_page,
+    page_runs,
+    span_geometry,
+)
 from kvferry.engine.run_checksum import region_checksums, word_unit
 from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
 from kvferry.transfer.wire import Message
@@ -253,7 +260,7 @@ class PrefillPath(WritePath):
         self._prefills: dict[str, _Prefill] = {}  # by share: one prompt's prefill run
         self._routes: dict[int, Route] = {}  # by owner rank
         self._page_runs: dict[Route, _Runs] = {}
-        self._src_base = int(pool.kv.storage_offset()) * pool.kv.element_size()
+        self._src_base = int(pool.storage.storage_offset()) * pool.storage.element_size()
 
     # -------------------------------------------------------------- routes
     def route(self, job: WriteJob) -> Route:
@@ -290,12 +297,19 @@ class PrefillPath(WritePath):
         card = self.rt.cards.get(job.owner)
         return card.page_size if card is not None else self.pool.page_size
 
+    def _owner_order(self, job: WriteJob) -> Order:
+        card = self.rt.cards.get(job.owner)
+        return Order(card.kv_layout) if card is not None else self.pool.order
+
     def reshaped(self, job: WriteJob) -> bool:
-        """The owner's pages hold another number of tokens than this writer's: the prompt
-        goes as runs planned once (:func:`~kvferry.engine.reshard.heads_between_pools`),
-        checksummed per destination page (:mod:`~kvferry.engine.run_checksum`), in one
-        part (no pipelining)."""
-        return self._owner_page_size(job) != self.pool.page_size
+        """The owner's pages and this writer's are not both heads-major of one page size
+        (:func:`~kvferry.engine.reshard.page_for_page`): the prompt goes as runs planned once
+        (:func:`~kvferry.engine.reshard.heads_between_pools`), checksummed per destination
+        page (:mod:`~kvferry.engine.run_checksum`), in one part (no pipelining)."""
+        return not page_for_page(
+            (self.pool.page_size, self.pool.order),
+            (self._owner_page_size(job), self._owner_order(job)),
+        )
 
     def dst_pages_needed(self, job: WriteJob) -> int:
         assert job.tokens is not None
@@ -318,12 +332,13 @@ class PrefillPath(WritePath):
             (self.pool.page_size, job.src_pages),
             (self._owner_page_size(job), dst_pages),
             dst_heads=route.dst_heads,
+            orders=(self.pool.order, self._owner_order(job)),
         )
 
     def _dst_page_bytes(self, job: WriteJob) -> int:
         shape = self._kv_shape()
         return span_geometry(
-            shape, self._owner_page_size(job), self.route(job).dst_heads
+            shape, self._owner_page_size(job), self.route(job).dst_heads, self._owner_order(job)
         ).page_bytes
 
     def _region_checksums(self, job: WriteJob) -> list[int]:
@@ -334,7 +349,7 @@ class PrefillPath(WritePath):
         runs = self._runs_into(job, list(range(needed)))
         dst_page_bytes = self._dst_page_bytes(job)
         unit = word_unit(self._kv_shape().vector_bytes)
-        pages, sums = region_checksums(self.pool.kv, runs, dst_page_bytes, unit, read=0)
+        pages, sums = region_checksums(self.pool.storage, runs, dst_page_bytes, unit, read=0)
         if pages.tolist() != list(range(needed)):  # pragma: no cover - the plan covers each
             raise AssertionError(f"request {job.rid}: regions of pages {pages.tolist()[:8]}")
         return sums.tolist()
@@ -540,7 +555,7 @@ class PrefillPath(WritePath):
         triples[:, 0] -= self._src_base
         unit = word_unit(self._kv_shape().vector_bytes)
         dst_page_bytes = self._job_runs(job).dst_page_bytes
-        pages, sums = region_checksums(self.pool.kv, triples, dst_page_bytes, unit)
+        pages, sums = region_checksums(self.pool.storage, triples, dst_page_bytes, unit)
         assert len(pages) == n, f"request {job.rid}: {len(pages)} regions of {n}"
         return sums.tolist()
 

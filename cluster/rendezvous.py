@@ -27,7 +27,7 @@ from .trust import TAG_BYTES, Trust, Unauthenticated, process_trust
 
 log = logging.getLogger("kvferry.cluster")
 
-CARD_VERSION = 1
+CARD_VERSION = 2  # 2: kv_layout
 SEALED_CARD = "kvf.card/sealed-v1"  # the store's form of a card (see seal_card)
 KEY_PREFIX = "kvferry/card/"
 FAIL_PREFIX = "kvferry/failed/"
@@ -64,6 +64,7 @@ class RankCard:
     host: str
     pid: int
     transports: str = ""  # the UCX transports it asked for (and RDMA devices), /status
+    kv_layout: str = "HND"  # how its pool's pages lie in memory (engine.reshard.Order)
 
     def __post_init__(self) -> None:
         # a role given by its word ("decode") becomes the enum; anything else is refused

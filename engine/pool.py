@@ -5,6 +5,12 @@ axis is (0 = K, 1 = V). Heads-major inside a page means that a tensor-parallel s
 heads ``[head_lo, head_hi)`` occupies one contiguous run of bytes per (layer, K/V) in every
 page, so a prefill rank that computes only its heads writes whole runs.
 
+A pool may store its pages token-major instead (``PoolConfig.order`` NHD: each page
+``[layers, 2, page_size, kv_heads, head_dim]`` in memory, as vLLM's NHD cache is): then
+:attr:`KVPool.storage` is that dense tensor and :attr:`KVPool.kv` the same memory viewed
+in the order above, so that models and attention index one order whatever the memory holds.
+Byte offsets (writes, run checksums) are always offsets into ``storage``.
+
 Upholds I3: :attr:`KVPool.capacity_tokens` is measured from the tensor that was really
 allocated (its shape and the bytes its storage holds), never from the configuration, on
 CUDA as on the CPU.
@@ -25,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .reshard import Order
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -61,6 +69,7 @@ class PoolConfig:
     num_pages: int
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    order: Order = Order.HND  # how a page's axes lie in memory (see the module docstring)
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "page_size", "num_pages"):
@@ -68,6 +77,8 @@ class PoolConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"PoolConfig.{name} must be a positive int, got {value!r}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if not isinstance(self.order, Order):
+            raise ValueError(f"PoolConfig.order must be an Order, got {self.order!r}")
 
     @classmethod
     def for_tokens(
@@ -98,7 +109,15 @@ class PoolConfig:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
+        """The pool as models index it: ``[pages, layers, 2, kv_heads, page_size, head_dim]``."""
         return (self.num_pages, self.layers, 2, self.kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def storage_shape(self) -> tuple[int, int, int, int, int, int]:
+        """The pool as it lies in memory (``shape``, or token-major for NHD)."""
+        if self.order is Order.HND:
+            return self.shape
+        return (self.num_pages, self.layers, 2, self.page_size, self.kv_heads, self.head_dim)
 
     @property
     def element_size(self) -> int:
@@ -208,11 +227,12 @@ def plain_cuda_allocation(
 class KVPool:
     """The rank's KV pages.
 
-    ``kv`` is ``[pages, layers, 2, kv_heads, page_size, head_dim]``, contiguous. It is
-    either allocated here (``torch.empty``: pages are never zeroed, like a real pool, so
-    stale KV stays until overwritten; on CUDA one plain allocation, see the module
-    docstring) or viewed over a caller's buffer (for instance memory the transfer engine
-    registered), see :meth:`from_buffer`.
+    ``kv`` is ``[pages, layers, 2, kv_heads, page_size, head_dim]``: the contiguous
+    ``storage`` itself (HND), or a view of it (NHD storage, see the module docstring).
+    The storage is either allocated here (``torch.empty``: pages are never zeroed, like a
+    real pool, so stale KV stays until overwritten; on CUDA one plain allocation, see the
+    module docstring) or viewed over a caller's buffer (for instance memory the transfer
+    engine registered), see :meth:`from_buffer`.
     """
 
     def __init__(
@@ -221,19 +241,21 @@ class KVPool:
         self.config = config
         self.allocation: dict[str, Any] = {"kind": "host"}
         if storage is None and torch.device(config.device).type == "cuda":
-            self.kv, self.allocation = plain_cuda_allocation(
-                config.shape, config.dtype, config.device, zero
+            self.storage, self.allocation = plain_cuda_allocation(
+                config.storage_shape, config.dtype, config.device, zero
             )
         elif storage is None:
             make = torch.zeros if zero else torch.empty
-            self.kv = make(config.shape, dtype=config.dtype, device=config.device)
+            self.storage = make(config.storage_shape, dtype=config.dtype, device=config.device)
         else:
             self.allocation = {"kind": "caller's buffer", "device": str(storage.device)}
-            self.kv = self._view_storage(config, storage)
+            self.storage = self._view_storage(config, storage)
             if zero:
-                self.kv.zero_()
-        if not self.kv.is_contiguous():
-            raise PoolShapeError("KV pool tensor must be contiguous")
+                self.storage.zero_()
+        if not self.storage.is_contiguous():
+            raise PoolShapeError("KV pool storage must be contiguous")
+        self.order = config.order
+        self.kv = self.storage if self.order is Order.HND else self.storage.transpose(3, 4)
 
     @classmethod
     def from_buffer(cls, config: PoolConfig, buffer: torch.Tensor) -> KVPool:
@@ -244,7 +266,7 @@ class KVPool:
     def _view_storage(config: PoolConfig, storage: torch.Tensor) -> torch.Tensor:
         if not storage.is_contiguous():
             raise PoolShapeError("pool storage must be contiguous")
-        if tuple(storage.shape) == config.shape and storage.dtype == config.dtype:
+        if tuple(storage.shape) == config.storage_shape and storage.dtype == config.dtype:
             return storage
         flat = storage.reshape(-1).view(torch.uint8)
         if flat.numel() < config.total_bytes:
@@ -254,7 +276,7 @@ class KVPool:
             )
         if flat.data_ptr() % config.element_size:
             raise PoolShapeError(f"buffer is not aligned to {config.element_size} bytes")
-        return flat[: config.total_bytes].view(config.dtype).view(config.shape)
+        return flat[: config.total_bytes].view(config.dtype).view(config.storage_shape)
 
     # --- measured figures (I3): from the tensor, not from the config -----------------
     @property
@@ -304,7 +326,8 @@ class KVPool:
 
     # --- addressing -------------------------------------------------------------------
     def page_view(self, page: int) -> torch.Tensor:
-        """``[layers, 2, kv_heads, page_size, head_dim]`` view of one page."""
+        """``[layers, 2, kv_heads, page_size, head_dim]`` view of one page (in the
+        model's order, whatever the storage's)."""
         self._check_page(page)
         return self.kv[page]
 
@@ -321,6 +344,7 @@ class KVPool:
     def __repr__(self) -> str:
         return (
             f"KVPool(pages={self.num_pages}, layers={self.layers}, kv_heads={self.kv_heads}, "
-            f"page_size={self.page_size}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"page_size={self.page_size}, head_dim={self.head_dim}, order={self.order.value}, "
+            f"dtype={self.dtype}, "
             f"device={self.device}, capacity_tokens={self.capacity_tokens})"
         )

@@ -454,14 +454,16 @@ def heads_between_pools(
     src: tuple[int, Sequence[int] | IntArray],
     dst: tuple[int, Sequence[int] | IntArray],
     dst_heads: tuple[int, int] | None = None,
+    orders: tuple[Order, Order] = (Order.HND, Order.HND),
 ) -> Runs:
     """The runs that carry heads ``[lo, hi)`` of a request's ``tokens`` tokens from one
-    pool to another (HND pages, as a cluster's prefill and decode ranks have): the source
-    pool holds every KV head, the destination pool ``dst_heads`` (default every head: a
-    member of a decode TP group holds its share), and their page sizes may differ: ``src``
-    and ``dst`` are each ``(page_size, page list)``. Only slots of tokens ``< tokens`` are
-    written. The destination offsets depend only on ``dst`` (an owner that does not know
-    the writer's pages can plan the same bytes with any source list of the right length)."""
+    pool to another (a cluster's prefill and decode ranks): the source pool holds every
+    KV head, the destination pool ``dst_heads`` (default every head: a member of a decode
+    TP group holds its share), and their page sizes may differ: ``src`` and ``dst`` are
+    each ``(page_size, page list)``; ``orders`` are the (source, destination) pages' axis
+    orders. Only slots of tokens ``< tokens`` are written. The destination offsets depend
+    only on ``dst`` (an owner that does not know the writer's pages can plan the same
+    bytes with any source list of the right length, and any source order)."""
     lo, hi = heads
     dlo, dhi = dst_heads or (0, shape.kv_heads)
     if not 0 <= lo < hi <= shape.kv_heads:
@@ -469,8 +471,8 @@ def heads_between_pools(
     if not dlo <= lo < hi <= dhi:
         raise ReshardError(f"heads [{lo}, {hi}) outside the destination's heads [{dlo}, {dhi})")
     (src_size, src_pages), (dst_size, dst_pages) = src, dst
-    gw = span_geometry(shape, src_size, (0, shape.kv_heads))
-    go = span_geometry(shape, dst_size, (dlo, dhi))
+    gw = span_geometry(shape, src_size, (0, shape.kv_heads), orders[0])
+    go = span_geometry(shape, dst_size, (dlo, dhi), orders[1])
     tables = (
         _page_table(src_pages, tokens, src_size, "prefill", 0),
         _page_table(dst_pages, tokens, dst_size, "decode", 0),
@@ -479,6 +481,14 @@ def heads_between_pools(
         return np.zeros((0, 3), dtype=np.int64)
     hs = np.arange(lo, hi, dtype=np.int64)
     return _pair_runs(shape, gw, go, hs, tokens, tables)
+
+
+def page_for_page(src: tuple[int, Order], dst: tuple[int, Order]) -> bool:
+    """Whether two pools, each ``(page_size, order)``, map page to page with one page's
+    runs (:func:`page_runs`) repeated: both heads-major, one page size. Any other pair
+    (a page size or a token-major page on either side) is planned per request with
+    :func:`heads_between_pools`."""
+    return src[0] == dst[0] and src[1] is dst[1] is Order.HND
 
 
 def page_runs(

@@ -139,12 +139,19 @@ PIPELINED = (
 PIPELINE_STALL_STEP_S = 5 * STALL_STEP_S
 PIPELINE_STALL_REQUEST_TIMEOUT = 30.0
 # The shapes groups (issue 28): a prefill group of three over two KV heads, so that one
-# member holds a replica and writes nothing, with prefill pages twice the decode's: each
-# writer's bytes land as runs checked per decode page.
-SHAPED = ("--prefill", "3", "--tp", "3", "--kv-heads", "2", "--prefill-page-size", "32")
+# member holds a replica and writes nothing, with prefill pages twice the decode's and
+# token-major (NHD) against the decode's heads-major: each writer's bytes land as runs
+# checked per decode page as it lies in memory.
+SHAPED = (
+    *("--prefill", "3", "--tp", "3", "--kv-heads", "2"),
+    *("--prefill-page-size", "32", "--prefill-kv-layout", "NHD"),
+)
 # The stalled writer's group must leave another group to serve the victim: two groups of
-# two over three KV heads (split 1 + 2), pages twice the decode's.
-SHAPED_STALL = ("--prefill", "4", "--tp", "2", "--kv-heads", "3", "--prefill-page-size", "32")
+# two over three KV heads (split 1 + 2), pages twice the decode's, the decode's NHD.
+SHAPED_STALL = (
+    *("--prefill", "4", "--tp", "2", "--kv-heads", "3"),
+    *("--prefill-page-size", "32", "--kv-layout", "NHD"),
+)
 CRASH_POINTS = ("prefill", "before-write", "mid-transfer", "after-write", "after-notice")
 CRASH_SOURCES = ("crash", "owner-crash", "rejoin", "router-crash")
 # The router is the front door: while it is down no request can be answered, so its row

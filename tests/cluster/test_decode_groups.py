@@ -32,6 +32,7 @@ from kvferry.cluster.topology import HeadSplit, Topology
 from kvferry.engine.models import LlamaConfig, LlamaModel, ReplayConfig, ReplayModel
 from kvferry.engine.monolithic import MonolithicEngine
 from kvferry.engine.pool import KVPool
+from kvferry.engine.reshard import Order
 
 PROMPT = 100
 STEPS = 6
@@ -79,13 +80,17 @@ def _group(
     *,
     writer_runtime=RecordingRuntime,
     prefill_slice_s: float = prefill_path.PREFILL_SLICE_S,
+    orders: tuple[Order, Order] = (Order.HND, Order.HND),
 ) -> Group:
     t = Topology(1 + tp + decode_tp, tp, decode_tp, tp=tp, decode_tp=decode_tp)
+    src_layout, dst_layout = (o.value for o in orders)
     cards = {
-        r: dataclasses.replace(_card(r, "prefill"), page_size=src_page) for r in t.prefill_ranks
+        r: dataclasses.replace(_card(r, "prefill"), page_size=src_page, kv_layout=src_layout)
+        for r in t.prefill_ranks
     }
     cards |= {
-        r: dataclasses.replace(_card(r, "decode"), page_size=dst_page) for r in t.decode_ranks
+        r: dataclasses.replace(_card(r, "decode"), page_size=dst_page, kv_layout=dst_layout)
+        for r in t.decode_ranks
     }
     split = t.split(kv_heads, replicated)
     writers, owners, prefills = {}, {}, dict.fromkeys(t.prefill_ranks, 0)
@@ -96,7 +101,7 @@ def _group(
             PrefillRank.serving(
                 rt,
                 model,
-                KVPool(model.pool_config(src_page, 64)),
+                KVPool(dataclasses.replace(model.pool_config(src_page, 64), order=orders[0])),
                 None,
                 split.writer_heads(i),
                 router=0,
@@ -114,7 +119,10 @@ def _group(
             DecodeRank.serving(
                 rt,
                 model,
-                KVPool(model.pool_config(dst_page, 64), zero=True),
+                KVPool(
+                    dataclasses.replace(model.pool_config(dst_page, 64), order=orders[1]),
+                    zero=True,
+                ),
                 router=0,
                 transfer_timeout_s=5.0,
                 abort_deadline_s=1.0,
@@ -169,8 +177,8 @@ def _serve(g: Group, writers_of=None) -> dict[int, str]:
 
 def _copy_writes(writer: PrefillRank, wrt: RecordingRuntime, owner: DecodeRank, rank: int) -> None:
     """The bytes of every write ``writer`` posted into owner ``rank``'s pool, copied."""
-    src = writer.pool.kv.reshape(-1).view(torch.uint8)
-    dst = owner.pool.kv.reshape(-1).view(torch.uint8)
+    src = writer.pool.storage.reshape(-1).view(torch.uint8)
+    dst = owner.pool.storage.reshape(-1).view(torch.uint8)
     for to, triples in wrt.writes:
         if to == rank:
             for s, d, n in np.asarray(triples).tolist():
@@ -273,6 +281,28 @@ def test_every_member_verifies_and_decodes_its_share(
     assert _written(g) == slots * 2 * 2 * 32 * 4 * sum(
         hi - lo for lo, hi in map(g.split.owner_heads, range(decode_tp))
     )  # each member's heads once: tokens x layers x K/V x dim x fp32
+
+
+H, N = Order.HND, Order.NHD
+
+
+@pytest.mark.parametrize("tp, decode_tp", [(1, 2), (2, 1), (2, 2), (4, 2), (2, 4)])
+@pytest.mark.parametrize("kv_heads", [4, 3])
+@pytest.mark.parametrize("orders", [(H, N), (N, H), (N, N)], ids=["HND-NHD", "NHD-HND", "NHD-NHD"])
+@pytest.mark.parametrize("src_page, dst_page", [(16, 16), (32, 16)])
+def test_every_member_verifies_and_decodes_its_share_across_layouts(
+    tp, decode_tp, kv_heads, orders, src_page, dst_page
+):
+    """Token-major pages on either side of a split: each writer's runs put its heads of
+    every token where the member's memory holds them, every member's checks of its pages
+    as they lie in memory pass, and the group's answer is the monolithic replay."""
+    g = _group(tp, decode_tp, kv_heads, src_page, dst_page, orders=orders)
+    answers = _answers(g, _serve_together(g))
+    assert answers == [_prompt()[:STEPS].tolist()] * decode_tp
+    assert set(g.prefills.values()) <= {0, 1}, g.prefills
+    assert _written(g) == PROMPT * 2 * 2 * 32 * 4 * sum(
+        hi - lo for lo, hi in map(g.split.owner_heads, range(decode_tp))
+    )  # the prompt's tokens as runs, each member's heads once
 
 
 def _monolithic(kv_heads: int) -> list[int]:

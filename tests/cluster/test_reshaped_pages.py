@@ -1,10 +1,12 @@
 """A prefill rank whose pages hold another number of tokens than its owner's
-(``--prefill-page-size``), against recording runtimes, no processes: the writer writes its
+(``--prefill-page-size``), or lie in memory in another order (``--kv-layout``: HND
+heads-major, NHD token-major), against recording runtimes, no processes: the writer writes its
 heads of the prompt as runs planned once, the notice names the owner's pages with one
 checksum each of what the runs put there, and the owner's I5 checks pass on the bytes
 that landed and decode reads the prompt back. Broken modes: a byte torn in flight, and a
 writer that writes its pages as if both sides had its page size; both are caught before
-decode reads a page."""
+decode reads a page; and, across layouts, a writer that writes as if its owner's pages lay
+as its own."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from kvferry.cluster.decode import DecodeRank, OwnerState
 from kvferry.cluster.prefill import PrefillRank
 from kvferry.engine.models import ReplayConfig, ReplayModel
 from kvferry.engine.pool import KVPool
+from kvferry.engine.reshard import Order
 
 PROMPT = 100
 WRITER, OWNER = 1, 2
@@ -30,21 +33,29 @@ def _model() -> ReplayModel:
     return ReplayModel(ReplayConfig(layers=2, kv_heads=2, head_dim=32, max_positions=4096))
 
 
-def _ranks(src_page: int, dst_page: int):
+def _pool(model: ReplayModel, page: int, order: Order, zero: bool = False) -> KVPool:
+    return KVPool(dataclasses.replace(model.pool_config(page, 32), order=order), zero=zero)
+
+
+def _ranks(src_page: int, dst_page: int, orders: tuple[Order, Order] = (Order.HND, Order.HND)):
     cards = {
-        WRITER: dataclasses.replace(_card(WRITER, "prefill"), page_size=src_page),
-        OWNER: dataclasses.replace(_card(OWNER, "decode"), page_size=dst_page),
+        WRITER: dataclasses.replace(
+            _card(WRITER, "prefill"), page_size=src_page, kv_layout=orders[0].value
+        ),
+        OWNER: dataclasses.replace(
+            _card(OWNER, "decode"), page_size=dst_page, kv_layout=orders[1].value
+        ),
     }
     wrt, ort = RecordingRuntime(WRITER, cards), TimedRuntime(OWNER)
     ort.cards = cards
     model = _model()
     writer = PrefillRank.serving(
-        wrt, model, KVPool(model.pool_config(src_page, 32)), None, (0, 2), router=0
+        wrt, model, _pool(model, src_page, orders[0]), None, (0, 2), router=0
     )
     owner = DecodeRank.serving(
         ort,
         model,
-        KVPool(model.pool_config(dst_page, 32), zero=True),
+        _pool(model, dst_page, orders[1], zero=True),
         router=0,
         transfer_timeout_s=5.0,
         abort_deadline_s=1.0,
@@ -53,15 +64,15 @@ def _ranks(src_page: int, dst_page: int):
 
 
 def _land(writer: PrefillRank, owner: DecodeRank, writes) -> None:
-    src = writer.pool.kv.reshape(-1).view(torch.uint8)
-    dst = owner.pool.kv.reshape(-1).view(torch.uint8)
+    src = writer.pool.storage.reshape(-1).view(torch.uint8)
+    dst = owner.pool.storage.reshape(-1).view(torch.uint8)
     for _, triples in writes:
         for s, d, n in np.asarray(triples).tolist():
             dst[d : d + n] = src[s : s + n]
 
 
-def _serve(src_page: int, dst_page: int, tamper: bool = False):
-    writer, wrt, owner, ort = _ranks(src_page, dst_page)
+def _serve(src_page: int, dst_page: int, tamper: bool = False, orders=(Order.HND, Order.HND)):
+    writer, wrt, owner, ort = _ranks(src_page, dst_page, orders)
     tokens = (np.arange(PROMPT) * 7 % 400).astype("<i4")
     ort.deliver(
         m.ASSIGN, src=0, rid="r", prompt_len=PROMPT, max_tokens=4, writers=[WRITER],
@@ -77,7 +88,7 @@ def _serve(src_page: int, dst_page: int, tamper: bool = False):
         wrt.pump()
     _land(writer, owner, wrt.writes)
     if tamper:
-        owner.pool.kv.reshape(-1).view(torch.uint8)[int(wrt.writes[0][1][3][1]) + 5] ^= 1
+        owner.pool.storage.reshape(-1).view(torch.uint8)[int(wrt.writes[0][1][3][1]) + 5] ^= 1
     notice = next(f for _, k, f in wrt.sent if k == "NOTICE")
     ort.deliver(m.NOTICE, src=WRITER, **notice)
     ort.pump()
@@ -111,6 +122,46 @@ def test_broken_a_writer_that_ignores_the_owner_page_size_is_caught(monkeypatch)
     pages of 16)."""
     monkeypatch.setattr(prefill_path.PrefillPath, "reshaped", lambda self, job: False)
     owner, ort, _, _ = _serve(32, 16)
+    assert "r" not in owner.reqs
+    done = next(f for _, k, f in ort.sent if k == "DONE")
+    assert done["outcome"] == "failed" and "integrity" in done["error"]
+
+
+H, N = Order.HND, Order.NHD
+LAYOUTS = [(H, N), (N, H), (N, N)]
+
+
+@pytest.mark.parametrize("orders", LAYOUTS, ids=lambda o: f"{o[0].value}-{o[1].value}")
+@pytest.mark.parametrize("src_page, dst_page", [(16, 16), (32, 16), (16, 64)])
+def test_the_owner_verifies_and_decodes_across_layouts(orders, src_page, dst_page):
+    """Heads-major into token-major pages and back, and token-major on both sides, at one
+    page size and across two: the runs carry every head of every token into its place in
+    the owner's memory (the replay model decodes the prompt back from the pool's view),
+    and the checksums of each owner page as it lies in memory agree on both sides."""
+    owner, ort, tokens, notice = _serve(src_page, dst_page, orders=orders)
+    assert len(notice["checksums"]) == -(-PROMPT // dst_page)
+    assert owner.reqs["r"].state is OwnerState.DECODING
+    for _ in range(4):
+        owner.step()
+    out = [t for _, k, f in ort.sent if k == "TOKENS" for t in f["tokens"]]
+    assert out == tokens[:4].tolist()
+
+
+@pytest.mark.parametrize("orders", LAYOUTS, ids=lambda o: f"{o[0].value}-{o[1].value}")
+def test_a_byte_torn_in_flight_across_layouts_fails_the_request(orders):
+    owner, ort, _, _ = _serve(16, 16, tamper=True, orders=orders)
+    assert "r" not in owner.reqs
+    done = next(f for _, k, f in ort.sent if k == "DONE")
+    assert done["outcome"] == "failed" and "checksum mismatch on 1 of" in done["error"]
+
+
+@pytest.mark.parametrize("orders", [(H, N), (N, H)], ids=["HND-NHD", "NHD-HND"])
+def test_broken_a_writer_that_ignores_the_owner_layout_is_caught(orders, monkeypatch):
+    """The broken mode: the writer plans its runs as if the owner's pages lay as its own;
+    the bytes land in the wrong places of each page, and the owner's checks of its pages
+    as they lie in memory catch it before decode reads a page."""
+    monkeypatch.setattr(prefill_path.PrefillPath, "_owner_order", lambda self, job: self.pool.order)
+    owner, ort, _, _ = _serve(16, 16, orders=orders)
     assert "r" not in owner.reqs
     done = next(f for _, k, f in ort.sent if k == "DONE")
     assert done["outcome"] == "failed" and "integrity" in done["error"]

@@ -89,3 +89,23 @@ def test_batched_decode_matches_single():
     assert all(r.ok for r in together + alone)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     assert all(len(r.tokens) >= 1 for r in together)
+
+
+def test_a_token_major_pool_answers_as_a_heads_major_one():
+    """The llama model over NHD storage (through the pool's HND view): the same prefill
+    KV and the same tokens as over HND storage, bit for bit."""
+    import dataclasses
+
+    from kvferry.engine.reshard import Order
+
+    model = LlamaModel(CONFIG)
+    prompts = [_tokens(9, 1), _tokens(30, 2)]
+
+    def run(order):
+        config = dataclasses.replace(model.pool_config(page_size=8, num_pages=40), order=order)
+        engine = MonolithicEngine(model, KVPool(config), context_length=320, max_batch=2)
+        results = engine.generate([(f"r{i}", p, 8) for i, p in enumerate(prompts)])
+        assert all(r.ok for r in results), [r.error for r in results]
+        return [r.tokens for r in results]
+
+    assert run(Order.NHD) == run(Order.HND)

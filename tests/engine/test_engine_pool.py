@@ -77,3 +77,34 @@ def test_a_cuda_pool_is_one_plain_allocation_with_measured_capacity():  # pragma
     assert pool.kv.is_cuda and pool.capacity_tokens == 64 * 16
     assert pool.allocation["kind"] == "cuda" and not pool.allocation.get("segment_expandable")
     assert pool.allocation["segment_bytes"] >= pool.nbytes
+
+
+def test_a_token_major_pool_stores_nhd_and_shows_the_model_hnd():
+    """NHD storage: ``storage`` is ``[pages, layers, 2, page_size, heads, head_dim]`` and
+    dense; ``kv`` views the same memory in the model's order, so a write through either
+    is seen through the other; page bytes and capacity are the HND pool's."""
+    from kvferry.engine.reshard import Order
+
+    hnd = KVPool(PoolConfig(2, 3, 4, 8, 5))
+    nhd = KVPool(PoolConfig(2, 3, 4, 8, 5, order=Order.NHD))
+    assert tuple(nhd.storage.shape) == (5, 2, 2, 8, 3, 4) and nhd.storage.is_contiguous()
+    assert tuple(nhd.kv.shape) == tuple(hnd.kv.shape) == (5, 2, 2, 3, 8, 4)
+    assert nhd.kv.data_ptr() == nhd.storage.data_ptr()
+    assert (nhd.page_bytes, nhd.capacity_tokens) == (hnd.page_bytes, hnd.capacity_tokens)
+    nhd.kv[4, 1, 0, 2, 6, :] = torch.arange(4.0)
+    assert torch.equal(nhd.storage[4, 1, 0, 6, 2, :], torch.arange(4.0))
+    # token 6's heads lie next to each other in memory: one run of 3 heads x 4 values
+    flat = nhd.storage.reshape(-1)
+    start = nhd.storage[4, 1, 0, 6].storage_offset()
+    assert torch.equal(flat[start + 8 : start + 12], torch.arange(4.0))
+    assert hnd.order is Order.HND and hnd.kv is hnd.storage
+
+
+def test_a_token_major_pool_over_a_buffer_is_a_view_without_copy():
+    from kvferry.engine.reshard import Order
+
+    config = PoolConfig(1, 2, 4, 4, 3, order=Order.NHD)
+    buffer = torch.zeros(config.total_bytes, dtype=torch.uint8)
+    pool = KVPool.from_buffer(config, buffer)
+    pool.kv[2, 0, 1, 1, 3, 0] = 1.0
+    assert buffer.view(torch.float32).view(config.storage_shape)[2, 0, 1, 3, 1, 0] == 1.0

@@ -35,7 +35,7 @@ from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.ports import Clock
 from kvferry.engine.reshard import KVShape, Order, heads_between_pools, page_for_page
-from kvferry.engine.run_checksum import region_checksums, word_unit
+from kvferry.engine.run_checksum import region_checksums, split_at_pages, word_unit
 from kvferry.engine.verify import Notice as VerifyNotice
 from kvferry.engine.verify import (
     Planned,
@@ -257,6 +257,9 @@ class DecodePath(ReadPath):
             req.rid, req.prompt_len, pages[:need], generations[:need], int(runs[:, 2].sum())
         )
         unit = word_unit(shape.vector_bytes)
+        # a run may cross this rank's pages (it joins neighbours adjacent on both sides):
+        # cut at each page, so that a slice of pages takes all of each of its pages' bytes
+        runs = split_at_pages(runs, pool.page_bytes)
         page_of = runs[:, 1] // pool.page_bytes
 
         def checksums_of(chunk: PageList) -> torch.Tensor:

@@ -34,7 +34,7 @@ from kvferry.engine.reshard import (
     page_runs,
     span_geometry,
 )
-from kvferry.engine.run_checksum import region_checksums, word_unit
+from kvferry.engine.run_checksum import region_checksums, split_at_pages, word_unit
 from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
 from kvferry.transfer.wire import Message
 
@@ -603,9 +603,9 @@ class PrefillPath(WritePath):
             needed = self.dst_pages_needed(job)
             triples = self._runs_into(job, job.dst_pages[:needed])
             if job.sent_pages < needed:  # a short write (a fault): the first pages only
-                kept = np.isin(
-                    triples[:, 1] // self._dst_page_bytes(job), job.dst_pages[: job.sent_pages]
-                )
+                page_bytes = self._dst_page_bytes(job)
+                triples = split_at_pages(triples, page_bytes)  # runs may cross pages
+                kept = np.isin(triples[:, 1] // page_bytes, job.dst_pages[: job.sent_pages])
                 triples = triples[kept]
         else:
             triples = self._triples(job, job.posted_pages, job.sent_pages)

@@ -7,11 +7,12 @@
 # model's attention alone over as long a context), exit 1 if any check fails.
 #
 #   scripts/long-context.sh [--only 1m|2m|page1] [--shape shrunk|serve|realistic]
-#                           [--prompts N,N --context-length C] [--no-raw] [--log-dir DIR]
+#                           [--prompts N,N --context-length C] [--decode-tp N]
+#                           [--kv-layout HND|NHD:HND|NHD] [--no-raw] [--log-dir DIR]
 # e.g. the serve defaults' goal figure at 1,048,000 and 1,100,000 tokens:
 #   scripts/long-context.sh --shape serve --prompts 1048000,1100000 --context-length 1114112
 set -euo pipefail
-case "${1:-}" in -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+case "${1:-}" in -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
 source "$(dirname "$0")/_env.sh"
 # One machine: UCX's tcp transport stays on loopback unless told otherwise.
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"

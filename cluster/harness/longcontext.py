@@ -29,10 +29,11 @@ in this process on a pool of the same shape), with ``step_over_attention``.
 ``realistic`` (8 layers, 8 KV heads, head dim 128, bf16: 32 KiB a token). ``--prompts``
 with ``--context-length`` serves those prompt lengths instead of the cases below.
 
-``--decode-tp N`` decodes every prompt with a decode group of N members.
+``--decode-tp N`` decodes every prompt with a decode group of N members. ``--kv-layout
+P:D`` lays the prefill ranks' pages out as P and the decode ranks' as D (HND or NHD).
 
     python -m kvferry.cluster.harness.longcontext [--only NAME] [--shape S]
-        [--prompts N,N --context-length C] [--decode-tp N] [--log-dir DIR]
+        [--prompts N,N --context-length C] [--decode-tp N] [--kv-layout P:D] [--log-dir DIR]
 """
 
 from __future__ import annotations
@@ -100,18 +101,30 @@ CASES = (
 )
 
 
+def _layouts(text: str) -> tuple[str, str]:
+    parts = text.upper().split(":")
+    if len(parts) != 2 or not set(parts) <= {"HND", "NHD"}:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give the prefill and the decode layouts as PREFILL:DECODE, each HND "
+            "or NHD (for instance NHD:HND)"
+        )
+    return parts[0], parts[1]
+
+
 def check_case(
     case: Case,
     log_dir: Path,
     shape: Shape = SHAPES["shrunk"],
     raw: bool = False,
     decode_tp: int = 1,
+    layouts: tuple[str, str] = ("HND", "HND"),
 ) -> list[dict]:
     """Serve every prompt of ``case`` on a fresh cluster; one result per prompt. ``raw``:
     also time the raw engine write of each served prompt's KV bytes. ``decode_tp``: the
     prompt is decoded by a decode group of that many members (each holding its share of
     the heads: pools of ``decode_tp`` x the context in tokens, as many bytes as one pool of
-    every head; the prefill rank computes and holds the prompt once for all of them)."""
+    every head; the prefill rank computes and holds the prompt once for all of them).
+    ``layouts``: the (prefill, decode) ranks' page layouts."""
     args = [
         *shape.args(),
         "--context-length",
@@ -122,6 +135,10 @@ def check_case(
         str(case.page_size),
         "--request-timeout",
         "600",
+        "--prefill-kv-layout",
+        layouts[0],
+        "--kv-layout",
+        layouts[1],
     ]
     if decode_tp > 1:
         args += ["--prefill", "1", "--decode-tp", str(decode_tp)]
@@ -152,6 +169,7 @@ def check_case(
                     "case": case.name,
                     "shape": shape.__dict__,
                     "decode_tp": decode_tp,
+                    "kv_layout": ":".join(layouts),
                     "context_length": case.context_length,
                     "page_size": case.page_size,
                     "prompt_tokens": length,
@@ -300,6 +318,13 @@ def main(argv: list[str] | None = None) -> int:
         help="decode the prompts with a decode group of this many members (default 1)",
     )
     parser.add_argument(
+        "--kv-layout",
+        default="HND:HND",
+        type=_layouts,
+        help="the prefill and the decode ranks' page layouts, PREFILL:DECODE, each HND "
+        "(heads-major) or NHD (token-major) (default %(default)s)",
+    )
+    parser.add_argument(
         "--no-raw",
         action="store_true",
         help="skip the raw engine write beside each prompt (and the goal figure)",
@@ -317,7 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         if not args.only or case.name in args.only:
             results += check_case(
-                case, log_dir, shape, raw=not args.no_raw, decode_tp=args.decode_tp
+                case,
+                log_dir,
+                shape,
+                raw=not args.no_raw,
+                decode_tp=args.decode_tp,
+                layouts=args.kv_layout,
             )
     failed = [r for r in results if not r["ok"]]
     print(

@@ -8,7 +8,9 @@ pages at a time, with an online softmax (running max, running sum, rescaled
 accumulator), so the working set stays in cache and the pool is read once.
 
 Shapes are the reference's: ``q`` ``[batch, q_heads, head_dim]``, ``kv``
-``[pages, layers, 2, kv_heads, page_size, head_dim]``, ``page_table`` ``[batch, width]``,
+``[pages, layers, 2, kv_heads, page_size, head_dim]`` (each page dense as it is indexed,
+HND, or dense token-major: a view of NHD storage, see :class:`~kvferry.engine.pool.KVPool`;
+pages are gathered as stored and put in position order in cache), ``page_table`` ``[batch, width]``,
 ``seq_lens`` ``[batch]``; returns ``[batch, q_heads, head_dim]`` in ``q.dtype``.
 Accumulation is fp32; the result differs from the reference's by fp32 rounding only
 (the sums are taken in another order).
@@ -29,13 +31,25 @@ STREAM_FROM_TOKENS = 16384
 """Below this context the reference's one gather is as fast and the batch stays one call."""
 
 
+def _stored(kv: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """``kv`` as its pages lie in memory, ``[pages, layers, 2, a, b, head_dim]`` with each
+    page dense, and whether it is token-major (``a`` the slots); None for any other
+    strides."""
+    if kv[0].is_contiguous():
+        return kv, False
+    nhd = kv.transpose(3, 4)
+    if nhd[0].is_contiguous() and nhd.stride(0) == nhd[0].numel():
+        return nhd, True
+    return None
+
+
 def wants_streaming(kv: torch.Tensor, seq_lens: torch.Tensor) -> bool:
     """True when a call on ``kv`` with ``seq_lens`` is worth streaming (CPU, a long context)."""
     return (
         not kv.is_cuda
         and seq_lens.numel() > 0
         and int(seq_lens.max()) >= STREAM_FROM_TOKENS
-        and kv[0].is_contiguous()
+        and _stored(kv) is not None
     )
 
 
@@ -64,7 +78,11 @@ def paged_decode_attention(
         chunk_pages = max(1, CHUNK_BYTES // (per_layer * kv.element_size()))
     if chunk_pages < 1:
         raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
-    rows = kv.view(num_pages, layers, per_layer)[:, layer]  # [pages, 2*H*ps*D], strided
+    stored = _stored(kv)
+    if stored is None:
+        raise ValueError(f"kv of strides {kv.stride()}: each page must be dense, HND or NHD")
+    pages_as_stored, token_major = stored
+    rows = pages_as_stored.reshape(num_pages, layers, per_layer)[:, layer]  # a view, strided
     lens = [int(n) for n in seq_lens.tolist()]
     width = page_table.shape[1]
     out = torch.zeros(batch, kv_heads, group, head_dim, dtype=torch.float32)
@@ -91,7 +109,11 @@ def paged_decode_attention(
             n = idx.numel()
             chunk = torch.index_select(rows, 0, idx, out=gathered[:n])
             kv_t = ordered[:, :, : n * page_size].view(2, kv_heads, n, page_size, head_dim)
-            kv_t.copy_(chunk.view(n, 2, kv_heads, page_size, head_dim).permute(1, 2, 0, 3, 4))
+            if token_major:
+                page = chunk.view(n, 2, page_size, kv_heads, head_dim).permute(1, 3, 0, 2, 4)
+            else:
+                page = chunk.view(n, 2, kv_heads, page_size, head_dim).permute(1, 2, 0, 3, 4)
+            kv_t.copy_(page)
             tokens = min(n * page_size, seq_len - first * page_size)
             keys = ordered[0, :, :tokens]  # stale slots past the sequence never enter
             values = ordered[1, :, :tokens]

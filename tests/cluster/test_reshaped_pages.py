@@ -165,3 +165,26 @@ def test_broken_a_writer_that_ignores_the_owner_layout_is_caught(orders, monkeyp
     assert "r" not in owner.reqs
     done = next(f for _, k, f in ort.sent if k == "DONE")
     assert done["outcome"] == "failed" and "integrity" in done["error"]
+
+
+@pytest.mark.parametrize(
+    "orders, src_page, dst_page",
+    [((N, N), 16, 16), ((H, N), 16, 16), ((N, H), 32, 16), ((H, H), 16, 32)],
+    ids=["NHD-NHD", "HND-NHD", "NHD-HND-32-16", "HND-HND-16-32"],
+)
+def test_the_owner_checks_in_slices_runs_that_cross_its_pages(
+    orders, src_page, dst_page, monkeypatch
+):
+    """The owner checks a few pages a step. Token-major pages are whole runs, which join
+    across pages adjacent on both sides (a fresh pool's plan is pages 0, 1, 2, ...): a
+    joined run counted under the page it starts in left the later pages of the next
+    slices without their bytes, and a prompt written right failed its checks. Each run is
+    cut at the owner's pages before the slices take theirs."""
+    from kvferry.cluster import decode_path
+
+    per_page = dst_page * 2 * 2 * 2 * 32 * 4  # tokens x layers x K/V x heads x dim x fp32
+    monkeypatch.setattr(decode_path, "CHECKSUM_SLICE_BYTES", 2 * per_page)
+    owner, ort, tokens, _ = _serve(src_page, dst_page, orders=orders)
+    assert owner.reqs["r"].state is OwnerState.DECODING, [f for _, k, f in ort.sent]
+    owner.step()
+    assert [t for _, k, f in ort.sent if k == "TOKENS" for t in f["tokens"]] == [tokens[0]]

@@ -3,7 +3,8 @@
 Same function, other summation order: fp32 pools agree within atol = rtol = 2e-5,
 bf16/fp16 pools read the same rounded K/V (the output's cast adds one rounding of
 q's dtype, the tests keep q in fp32). Chunks as small as one page cross every page
-boundary; stale slots past a sequence hold NaN, which must never reach the result.
+boundary; stale slots past a sequence hold NaN, which must never reach the result. Pools
+lie heads-major or token-major in memory (NHD, viewed heads-major as KVPool shows it).
 """
 
 import pytest
@@ -28,11 +29,16 @@ def streamed_case(draw):
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     chunk_pages = draw(st.integers(1, 6))
     seed = draw(st.integers(0, 2**31 - 1))
-    return kv_heads, group, head_dim, page_size, layers, seq_lens, dtype, chunk_pages, seed
+    token_major = draw(st.booleans())
+    return (
+        kv_heads, group, head_dim, page_size, layers, seq_lens, dtype, chunk_pages, seed,
+        token_major,
+    )  # fmt: skip
 
 
-def _pool_and_table(kv_heads, head_dim, page_size, layers, seq_lens, dtype, gen):
-    """A pool whose pages past each sequence's end are NaN, a shuffled page table."""
+def _pool_and_table(kv_heads, head_dim, page_size, layers, seq_lens, dtype, gen, token_major):
+    """A pool whose pages past each sequence's end are NaN, a shuffled page table;
+    ``token_major``: the same values laid out NHD in memory, viewed HND."""
     max_pages = max(1, -(-max(seq_lens) // page_size))
     num_pages = max_pages * len(seq_lens) + 2
     kv = torch.randn(num_pages, layers, 2, kv_heads, page_size, head_dim, generator=gen)
@@ -45,13 +51,15 @@ def _pool_and_table(kv_heads, head_dim, page_size, layers, seq_lens, dtype, gen)
         table[b, :used] = pages.to(torch.int32)
         if n % page_size:
             kv[pages[-1], :, :, :, n % page_size :] = float("nan")  # stale slots
+    if token_major:
+        kv = kv.transpose(3, 4).contiguous().transpose(3, 4)  # one head or slot: alike
     return kv, table
 
 
 def _streamed_and_reference(case):
-    kv_heads, group, head_dim, page_size, layers, seq_lens, dtype, chunk_pages, seed = case
+    kv_heads, group, head_dim, page_size, layers, seq_lens, dtype, chunk_pages, seed, nhd = case
     gen = torch.Generator().manual_seed(seed)
-    kv, table = _pool_and_table(kv_heads, head_dim, page_size, layers, seq_lens, dtype, gen)
+    kv, table = _pool_and_table(kv_heads, head_dim, page_size, layers, seq_lens, dtype, gen, nhd)
     q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     layer = layers - 1
@@ -72,7 +80,7 @@ def test_broken_rescale_is_caught(monkeypatch):
     """The broken mode: sums of earlier chunks kept at their old max. The comparison above
     must fail on a context spread over several chunks."""
     monkeypatch.setattr(cpu_decode, "_rescale", lambda old, new: torch.ones_like(new))
-    case = (2, 2, 8, 4, 1, [50, 33], torch.float32, 2, 7)
+    case = (2, 2, 8, 4, 1, [50, 33], torch.float32, 2, 7, False)
     streamed, expected = _streamed_and_reference(case)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(streamed, expected, atol=ATOL, rtol=RTOL)
@@ -101,7 +109,7 @@ def test_dispatch_streams_long_contexts_on_cpu(monkeypatch):
     monkeypatch.setattr(cpu_decode, "STREAM_FROM_TOKENS", 64)
     monkeypatch.delenv("KVFERRY_KERNELS", raising=False)
     gen = torch.Generator().manual_seed(3)
-    kv, table = _pool_and_table(2, 8, 4, 1, [64, 10], torch.float32, gen)
+    kv, table = _pool_and_table(2, 8, 4, 1, [64, 10], torch.float32, gen, False)
     q = torch.randn(2, 2, 8, generator=gen)
     long_lens, short_lens = torch.tensor([64, 10]), torch.tensor([63, 10])
     out = dispatch.paged_decode_attention(q, kv, 0, table, long_lens)
@@ -111,3 +119,23 @@ def test_dispatch_streams_long_contexts_on_cpu(monkeypatch):
     monkeypatch.setenv("KVFERRY_KERNELS", "torch")
     dispatch.paged_decode_attention(q, kv, 0, table, long_lens)
     assert calls == ["streamed"]
+
+
+def test_a_token_major_pool_streams_and_matches_the_reference():
+    """An NHD pool (KVPool's view of token-major storage) takes the streamed path too,
+    reading its pages as stored; the result is the reference's. Broken mode: the pages
+    put in position order as if they were heads-major, which the comparison catches."""
+    case = (2, 2, 8, 4, 2, [50, 33], torch.float32, 3, 11, True)
+    gen = torch.Generator().manual_seed(11)
+    kv, _ = _pool_and_table(2, 8, 4, 2, [50, 33], torch.float32, gen, True)
+    assert cpu_decode.wants_streaming(kv, torch.tensor([cpu_decode.STREAM_FROM_TOKENS]))
+    streamed, expected = _streamed_and_reference(case)
+    torch.testing.assert_close(streamed, expected, atol=ATOL, rtol=RTOL)
+    real = cpu_decode._stored
+    try:
+        cpu_decode._stored = lambda kv: (real(kv)[0], False)  # type: ignore[assignment]
+        broken, _ = _streamed_and_reference(case)
+    finally:
+        cpu_decode._stored = real
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(broken, expected, atol=ATOL, rtol=RTOL)

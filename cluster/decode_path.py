@@ -62,6 +62,15 @@ VERIFY_SLICE_S = 0.005  # longest the checks run before the loop polls again
 CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step of the checks
 
 
+def _rows_of(sorted_keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """The indices of the rows of ``sorted_keys`` (ascending) equal to any of ``wanted``
+    (distinct), in ``wanted``'s order: ``[k]`` int64, by bisection."""
+    lo = np.searchsorted(sorted_keys, wanted, side="left")
+    counts = np.searchsorted(sorted_keys, wanted, side="right") - lo
+    starts = np.repeat(lo - (np.cumsum(counts) - counts), counts)
+    return np.arange(int(counts.sum()), dtype=np.int64) + starts
+
+
 @dataclass
 class StepPlan:
     """One decode step's inputs, made before it runs. ``table`` is the batch's page table
@@ -260,10 +269,12 @@ class DecodePath(ReadPath):
         # a run may cross this rank's pages (it joins neighbours adjacent on both sides):
         # cut at each page, so that a slice of pages takes all of each of its pages' bytes
         runs = split_at_pages(runs, pool.page_bytes)
+        by_page = np.argsort(runs[:, 1] // pool.page_bytes, kind="stable")
+        runs = runs[by_page]  # grouped by page once: a slice finds its pages' runs by bisection
         page_of = runs[:, 1] // pool.page_bytes
 
         def checksums_of(chunk: PageList) -> torch.Tensor:
-            mine = runs[np.isin(page_of, list(chunk))]
+            mine = runs[_rows_of(page_of, np.asarray(list(chunk), dtype=np.int64))]
             got, sums = region_checksums(pool.storage, mine, pool.page_bytes, unit, read=1)
             by_page = dict(zip(got.tolist(), sums.tolist(), strict=True))
             return torch.tensor([by_page.get(p, -1) for p in chunk], dtype=torch.int64)

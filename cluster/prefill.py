@@ -63,6 +63,7 @@ class WriteJob:
     dst_pages: np.ndarray | None = None  # the owner's plan: int64 page ids
     dst_generations: np.ndarray | None = None
     checksums: list[int] = field(default_factory=list)
+    runs: np.ndarray | None = None  # reshaped: its runs into owner pages 0, 1, ... (planned once)
     posted_bytes: int = 0
     sent_pages: int = 0  # prompt pages written (all, unless a fault)
     final_pages: int = 0  # source pages whose KV is final (every layer written)

@@ -341,12 +341,32 @@ class PrefillPath(WritePath):
             shape, self._owner_page_size(job), self.route(job).dst_heads, self._owner_order(job)
         ).page_bytes
 
+    def _planned_runs(self, job: WriteJob) -> np.ndarray:
+        """The job's runs into the owner's pages 0, 1, ... (standing for the plan's: the
+        page numbers change no value), cut at those pages; planned once per job, for its
+        checksums and then its writes (:meth:`_runs_into_plan`)."""
+        if job.runs is None:
+            needed = self.dst_pages_needed(job)
+            runs = self._runs_into(job, list(range(needed)))
+            job.runs = split_at_pages(runs, self._dst_page_bytes(job))
+        return job.runs
+
+    def _runs_into_plan(self, job: WriteJob, needed: int) -> np.ndarray:
+        """The job's runs into the plan's first ``needed`` pages: its planned runs, each
+        placed in the plan's page (contiguous neighbours join again when posted)."""
+        assert job.dst_pages is not None
+        runs = self._planned_runs(job).copy()
+        page_bytes = self._dst_page_bytes(job)
+        page, within = np.divmod(runs[:, 1], page_bytes)
+        runs[:, 1] = np.asarray(job.dst_pages[:needed], dtype=np.int64)[page] * page_bytes + within
+        return runs
+
     def _region_checksums(self, job: WriteJob) -> list[int]:
         """Per destination page of the prompt, in order, the checksum of what this writer
         writes into it; the page numbers do not change the values, so they are taken
         before the plan is in (pages 0, 1, ... stand for the plan's)."""
         needed = self.dst_pages_needed(job)
-        runs = self._runs_into(job, list(range(needed)))
+        runs = self._planned_runs(job)
         dst_page_bytes = self._dst_page_bytes(job)
         unit = word_unit(self._kv_shape().vector_bytes)
         pages, sums = region_checksums(self.pool.storage, runs, dst_page_bytes, unit, read=0)
@@ -601,10 +621,10 @@ class PrefillPath(WritePath):
         if self.reshaped(job):  # the owner's pages [0, sent): runs planned once
             assert job.dst_pages is not None and not job.posted_pages
             needed = self.dst_pages_needed(job)
-            triples = self._runs_into(job, job.dst_pages[:needed])
+            triples = self._runs_into_plan(job, needed)
+            job.runs = None  # posted from here on: no longer kept
             if job.sent_pages < needed:  # a short write (a fault): the first pages only
-                page_bytes = self._dst_page_bytes(job)
-                triples = split_at_pages(triples, page_bytes)  # runs may cross pages
+                page_bytes = self._dst_page_bytes(job)  # the runs are cut at its pages
                 kept = np.isin(triples[:, 1] // page_bytes, job.dst_pages[: job.sent_pages])
                 triples = triples[kept]
         else:

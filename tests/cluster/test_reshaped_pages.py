@@ -15,6 +15,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from test_protocol_units import RecordingRuntime, TimedRuntime, _card
 
 from kvferry.cluster import messages as m
@@ -188,3 +190,17 @@ def test_the_owner_checks_in_slices_runs_that_cross_its_pages(
     assert owner.reqs["r"].state is OwnerState.DECODING, [f for _, k, f in ort.sent]
     owner.step()
     assert [t for _, k, f in ort.sent if k == "TOKENS" for t in f["tokens"]] == [tokens[0]]
+
+
+@given(
+    st.lists(st.integers(0, 30), max_size=60),
+    st.lists(st.integers(0, 35), unique=True, max_size=20),
+)
+def test_a_slice_of_pages_finds_exactly_its_runs(keys, wanted):
+    """The owner groups a writer's runs by page once; a slice's pages find theirs by
+    bisection: every run of each wanted page, in the slice's order, and no other."""
+    from kvferry.cluster.decode_path import _rows_of
+
+    keys_a = np.sort(np.asarray(keys, dtype=np.int64))
+    got = _rows_of(keys_a, np.asarray(wanted, dtype=np.int64)).tolist()
+    assert got == [i for w in wanted for i in np.flatnonzero(keys_a == w).tolist()]

@@ -34,7 +34,7 @@ from kvferry.engine.kernels.ownership import (
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.ports import Clock
-from kvferry.engine.reshard import KVShape, Order, heads_between_pools, page_for_page
+from kvferry.engine.reshard import KVShape, heads_between_pools, page_for_page
 from kvferry.engine.run_checksum import region_checksums, split_at_pages, word_unit
 from kvferry.engine.verify import Notice as VerifyNotice
 from kvferry.engine.verify import (
@@ -245,9 +245,8 @@ class DecodePath(ReadPath):
         they lie in memory."""
         pool = self.pool
         card = self.rt.cards.get(writer)
-        src_size = card.page_size if card is not None else pool.page_size
-        src_order = Order(card.kv_layout) if card is not None else pool.order
-        if page_for_page((src_size, src_order), (pool.page_size, pool.order)):
+        src_size, src_order = card.page_format if card is not None else pool.page_format
+        if page_for_page((src_size, src_order), pool.page_format):
             planned, view = self._planned(req, writer)
             return planned, functools.partial(page_checksums, view), self._per_step(view)
         need = pages_needed(req.prompt_len, 0, pool.page_size)

@@ -293,29 +293,24 @@ class PrefillPath(WritePath):
         return self._job_runs(job).row_bytes
 
     # -------------------------------------------------------------- reshaped writes
-    def _owner_page_size(self, job: WriteJob) -> int:
+    def _owner_format(self, job: WriteJob) -> tuple[int, Order]:
+        """The owner's pages: (tokens per page, axis order), from its card (this
+        writer's own where the card is not in yet)."""
         card = self.rt.cards.get(job.owner)
-        return card.page_size if card is not None else self.pool.page_size
-
-    def _owner_order(self, job: WriteJob) -> Order:
-        card = self.rt.cards.get(job.owner)
-        return Order(card.kv_layout) if card is not None else self.pool.order
+        return card.page_format if card is not None else self.pool.page_format
 
     def reshaped(self, job: WriteJob) -> bool:
         """The owner's pages and this writer's are not both heads-major of one page size
         (:func:`~kvferry.engine.reshard.page_for_page`): the prompt goes as runs planned once
         (:func:`~kvferry.engine.reshard.heads_between_pools`), checksummed per destination
         page (:mod:`~kvferry.engine.run_checksum`), in one part (no pipelining)."""
-        return not page_for_page(
-            (self.pool.page_size, self.pool.order),
-            (self._owner_page_size(job), self._owner_order(job)),
-        )
+        return not page_for_page(self.pool.page_format, self._owner_format(job))
 
     def dst_pages_needed(self, job: WriteJob) -> int:
         assert job.tokens is not None
         if not self.reshaped(job):
             return len(job.src_pages)
-        return -(-len(job.tokens) // self._owner_page_size(job))
+        return -(-len(job.tokens) // self._owner_format(job)[0])
 
     def _kv_shape(self) -> KVShape:
         pool = self.pool
@@ -325,20 +320,21 @@ class PrefillPath(WritePath):
         """``[n, 3]`` runs of this writer's heads of the whole prompt into ``dst_pages``."""
         assert job.tokens is not None
         route = self.route(job)
+        page_size, order = self._owner_format(job)
         return heads_between_pools(
             self._kv_shape(),
             route.heads,
             len(job.tokens),
             (self.pool.page_size, job.src_pages),
-            (self._owner_page_size(job), dst_pages),
+            (page_size, dst_pages),
             dst_heads=route.dst_heads,
-            orders=(self.pool.order, self._owner_order(job)),
+            orders=(self.pool.order, order),
         )
 
     def _dst_page_bytes(self, job: WriteJob) -> int:
-        shape = self._kv_shape()
+        page_size, order = self._owner_format(job)
         return span_geometry(
-            shape, self._owner_page_size(job), self.route(job).dst_heads, self._owner_order(job)
+            self._kv_shape(), page_size, self.route(job).dst_heads, order
         ).page_bytes
 
     def _planned_runs(self, job: WriteJob) -> np.ndarray:
@@ -353,9 +349,10 @@ class PrefillPath(WritePath):
 
     def _runs_into_plan(self, job: WriteJob, needed: int) -> np.ndarray:
         """The job's runs into the plan's first ``needed`` pages: its planned runs, each
-        placed in the plan's page (contiguous neighbours join again when posted)."""
+        placed in the plan's page in place (contiguous neighbours join again when posted);
+        the job keeps them no longer."""
         assert job.dst_pages is not None
-        runs = self._planned_runs(job).copy()
+        runs, job.runs = self._planned_runs(job), None
         page_bytes = self._dst_page_bytes(job)
         page, within = np.divmod(runs[:, 1], page_bytes)
         runs[:, 1] = np.asarray(job.dst_pages[:needed], dtype=np.int64)[page] * page_bytes + within
@@ -622,7 +619,6 @@ class PrefillPath(WritePath):
             assert job.dst_pages is not None and not job.posted_pages
             needed = self.dst_pages_needed(job)
             triples = self._runs_into_plan(job, needed)
-            job.runs = None  # posted from here on: no longer kept
             if job.sent_pages < needed:  # a short write (a fault): the first pages only
                 page_bytes = self._dst_page_bytes(job)  # the runs are cut at its pages
                 kept = np.isin(triples[:, 1] // page_bytes, job.dst_pages[: job.sent_pages])

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
+from kvferry.engine.reshard import Order
+
 from .topology import Role
 from .trust import TAG_BYTES, Trust, Unauthenticated, process_trust
 
@@ -65,6 +67,12 @@ class RankCard:
     pid: int
     transports: str = ""  # the UCX transports it asked for (and RDMA devices), /status
     kv_layout: str = "HND"  # how its pool's pages lie in memory (engine.reshard.Order)
+
+    @property
+    def page_format(self) -> tuple[int, Order]:
+        """Its pool's pages: (tokens per page, axis order), as
+        :func:`~kvferry.engine.reshard.page_for_page` compares them."""
+        return self.page_size, Order(self.kv_layout)
 
     def __post_init__(self) -> None:
         # a role given by its word ("decode") becomes the enum; anything else is refused

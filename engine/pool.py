@@ -300,6 +300,11 @@ class KVPool:
         return self.kv.shape[5]
 
     @property
+    def page_format(self) -> tuple[int, Order]:
+        """(tokens per page, axis order): what :func:`~.reshard.page_for_page` compares."""
+        return self.page_size, self.order
+
+    @property
     def page_bytes(self) -> int:
         return self.kv.stride(0) * self.kv.element_size()
 

@@ -82,7 +82,7 @@ def paged_decode_attention(
     if stored is None:
         raise ValueError(f"kv of strides {kv.stride()}: each page must be dense, HND or NHD")
     pages_as_stored, token_major = stored
-    rows = pages_as_stored.reshape(num_pages, layers, per_layer)[:, layer]  # a view, strided
+    rows = pages_as_stored.view(num_pages, layers, per_layer)[:, layer]  # [pages, row], strided
     lens = [int(n) for n in seq_lens.tolist()]
     width = page_table.shape[1]
     out = torch.zeros(batch, kv_heads, group, head_dim, dtype=torch.float32)

@@ -73,7 +73,13 @@ def _land(writer: PrefillRank, owner: DecodeRank, writes) -> None:
             dst[d : d + n] = src[s : s + n]
 
 
-def _serve(src_page: int, dst_page: int, tamper: bool = False, orders=(Order.HND, Order.HND)):
+def _serve(
+    src_page: int,
+    dst_page: int,
+    tamper: bool = False,
+    orders=(Order.HND, Order.HND),
+    tamper_run: int = 3,
+):
     writer, wrt, owner, ort = _ranks(src_page, dst_page, orders)
     tokens = (np.arange(PROMPT) * 7 % 400).astype("<i4")
     ort.deliver(
@@ -90,7 +96,8 @@ def _serve(src_page: int, dst_page: int, tamper: bool = False, orders=(Order.HND
         wrt.pump()
     _land(writer, owner, wrt.writes)
     if tamper:
-        owner.pool.storage.reshape(-1).view(torch.uint8)[int(wrt.writes[0][1][3][1]) + 5] ^= 1
+        at = int(wrt.writes[0][1][tamper_run][1]) + 5  # a byte of that written run
+        owner.pool.storage.reshape(-1).view(torch.uint8)[at] ^= 1
     notice = next(f for _, k, f in wrt.sent if k == "NOTICE")
     ort.deliver(m.NOTICE, src=WRITER, **notice)
     ort.pump()
@@ -162,7 +169,12 @@ def test_broken_a_writer_that_ignores_the_owner_layout_is_caught(orders, monkeyp
     """The broken mode: the writer plans its runs as if the owner's pages lay as its own;
     the bytes land in the wrong places of each page, and the owner's checks of its pages
     as they lie in memory catch it before decode reads a page."""
-    monkeypatch.setattr(prefill_path.PrefillPath, "_owner_order", lambda self, job: self.pool.order)
+    real = prefill_path.PrefillPath._owner_format
+    monkeypatch.setattr(
+        prefill_path.PrefillPath,
+        "_owner_format",
+        lambda self, job: (real(self, job)[0], self.pool.order),
+    )
     owner, ort, _, _ = _serve(16, 16, orders=orders)
     assert "r" not in owner.reqs
     done = next(f for _, k, f in ort.sent if k == "DONE")
@@ -204,3 +216,16 @@ def test_a_slice_of_pages_finds_exactly_its_runs(keys, wanted):
     keys_a = np.sort(np.asarray(keys, dtype=np.int64))
     got = _rows_of(keys_a, np.asarray(wanted, dtype=np.int64)).tolist()
     assert got == [i for w in wanted for i in np.flatnonzero(keys_a == w).tolist()]
+
+
+@pytest.mark.parametrize("orders", [(N, N), (H, N)], ids=["NHD-NHD", "HND-NHD"])
+def test_a_byte_torn_in_the_last_slice_of_checks_fails_the_request(orders, monkeypatch):
+    """The same slices of two pages: a byte torn in the last run written (the last slice's
+    pages) is caught, so grouping runs by page leaves no page unchecked."""
+    from kvferry.cluster import decode_path
+
+    monkeypatch.setattr(decode_path, "CHECKSUM_SLICE_BYTES", 2 * 16 * 2 * 2 * 2 * 32 * 4)
+    owner, ort, _, _ = _serve(16, 16, tamper=True, orders=orders, tamper_run=-1)
+    assert "r" not in owner.reqs
+    done = next(f for _, k, f in ort.sent if k == "DONE")
+    assert done["outcome"] == "failed" and "checksum mismatch on 1 of" in done["error"]

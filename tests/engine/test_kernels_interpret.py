@@ -184,6 +184,20 @@ def test_strided_pool_view_is_read_in_place():
     )
 
 
+def test_token_major_pool_view_is_read_in_place():
+    """An NHD pool as KVPool shows it (token-major storage viewed heads-major: the slot
+    stride is all heads, the head stride one head) is read through its strides."""
+    kv, table, seq_lens, q = make_case(4, torch.float16, 64, 16, [100, 37], layers=2)
+    view = kv.transpose(3, 4).contiguous().transpose(3, 4)
+    assert not view[0].is_contiguous() and view.stride(4) == kv.shape[3] * kv.shape[5]
+    torch.testing.assert_close(
+        td.paged_decode_attention(q, view, 1, table, seq_lens, num_splits=2),
+        reference(q, kv, 1, table, seq_lens),
+        atol=2e-5,
+        rtol=2e-5,
+    )
+
+
 def test_pool_offsets_past_2_31():
     """Pages past element 2^31 of the pool: int32 offsets would wrap and read other pages.
     The pool is allocated, not touched (the OS maps only the pages written)."""

@@ -127,9 +127,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["HND", "NHD"],
         default=None,
         help="the prefill ranks' page layout, when it differs from the decode ranks' "
-        "(--kv-layout). A writer whose pages and its owner's are not both HND of one page "
-        "size writes its heads as runs planned once per request, checksummed per "
-        "destination page, in one part (default: --kv-layout)",
+        "(--kv-layout). At one page size pages go as they lie in the writer's memory and "
+        "the owner turns them into its layout after its checks (about as fast as one "
+        "layout); across page sizes a writer writes its heads as runs planned once per "
+        "request, checksummed per destination page, in one part (default: --kv-layout)",
     )
     m.add_argument(
         "--dtype",

@@ -112,6 +112,8 @@ class OwnedRequest:
     # writer -> (which pages of its notice a part checked, the checksums they had)
     part_checked: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     checking_parts: bool = False  # the parts' checks are running (in slices)
+    # which of the prompt's pages were turned into the pool's order (writers of another)
+    turned: np.ndarray | None = None
     generated: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)
     planned_at: float = 0.0  # when its plan went out (the rank's clock)

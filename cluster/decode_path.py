@@ -34,7 +34,7 @@ from kvferry.engine.kernels.ownership import (
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.ports import Clock
-from kvferry.engine.reshard import KVShape, heads_between_pools, page_for_page
+from kvferry.engine.reshard import KVShape, Order, heads_between_pools, page_for_page
 from kvferry.engine.run_checksum import region_checksums, split_at_pages, word_unit
 from kvferry.engine.verify import Notice as VerifyNotice
 from kvferry.engine.verify import (
@@ -60,6 +60,7 @@ log = logging.getLogger("kvferry.cluster")
 TOKEN_FLUSH = 16
 VERIFY_SLICE_S = 0.005  # longest the checks run before the loop polls again
 CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step of the checks
+RELAYOUT_SLICE_BYTES = 8 << 20  # pages turned into this pool's order per step
 
 
 def _rows_of(sorted_keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
@@ -195,7 +196,7 @@ class DecodePath(ReadPath):
         times = [n.prefill_ms for n in req.notices.values() if n.prefill_ms is not None]
         req.prefill_ms = max(times) if times else None
         self.rt.faults.raise_at("owner-notice", f"prompt_len={req.prompt_len}")
-        if self.unsafe:
+        if self.unsafe and self._landed_order(req) is self.pool.order:
             self.driver.feed(req, OwnerEvent.VERIFIED)
             return
         run_in_slices(
@@ -209,7 +210,9 @@ class DecodePath(ReadPath):
 
     def _verify_steps(self, req: OwnedRequest) -> Iterator[None]:
         try:
-            yield from self._verify(req)
+            if not self.unsafe:  # the broken mode checks nothing, but still reads its pages
+                yield from self._verify(req)
+            yield from self._relayout_steps(req)
         except IntegrityError as exc:
             req.error = f"integrity: {exc}"
             self.driver.feed(req, OwnerEvent.CORRUPT)
@@ -238,14 +241,14 @@ class DecodePath(ReadPath):
         self, req: OwnedRequest, writer: int
     ) -> tuple[Planned, Callable[[PageList], torch.Tensor], int]:
         """What ``writer`` must write for ``req``, how the bytes that landed in its pages
-        are checksummed, and how many pages a step checks. A writer whose pages and this
-        rank's are not both heads-major of one page size (``--prefill-page-size``,
-        ``--kv-layout``: :func:`~kvferry.engine.reshard.page_for_page`) writes its heads as
-        runs; its checksums are of what those runs put in each of the owner's pages, as
-        they lie in memory."""
+        are checksummed, and how many pages a step checks. A writer of this rank's page
+        size writes page for page, laid as in its own memory (its checksums are of the
+        pages read in that order: :meth:`_planned`); one of another page size
+        (``--prefill-page-size``: :func:`~kvferry.engine.reshard.page_for_page`) writes its
+        heads as runs, and its checksums are of what those runs put in each of the owner's
+        pages, as they lie in memory."""
         pool = self.pool
-        card = self.rt.cards.get(writer)
-        src_size, src_order = card.page_format if card is not None else pool.page_format
+        src_size, src_order = self._writer_format(writer)
         if page_for_page((src_size, src_order), pool.page_format):
             planned, view = self._planned(req, writer)
             return planned, functools.partial(page_checksums, view), self._per_step(view)
@@ -281,13 +284,59 @@ class DecodePath(ReadPath):
         per_page = max(1, planned.bytes // max(1, need))
         return planned, checksums_of, max(1, CHECKSUM_SLICE_BYTES // per_page)
 
+    def _landing_orders(self, req: OwnedRequest) -> set[Order]:
+        """The orders ``req``'s writers lay its pages in as they land: a writer of this
+        rank's page size writes its pages as they lie in its memory, any other writes runs
+        into this rank's order (:func:`~kvferry.engine.reshard.page_for_page`)."""
+        own = self.pool.page_format
+        formats = [self._writer_format(w) for w in req.writers]
+        return {f[1] if page_for_page(f, own) else own[1] for f in formats} or {own[1]}
+
+    def _landed_order(self, req: OwnedRequest) -> Order:
+        """The one order ``req``'s pages lie in once every writer's bytes landed (the
+        writer list was checked for one at ASSIGN: :meth:`writers_mismatch`)."""
+        (order,) = self._landing_orders(req)
+        return order
+
+    def _relayout_steps(self, req: OwnedRequest) -> Iterator[None]:
+        """The prompt's pages, landed in their writers' order, turned into this pool's
+        (:meth:`~kvferry.engine.pool.KVPool.relayout`), a slice of pages a step, after
+        the checks passed (the checksums are of the bytes as they landed) and before
+        decode reads a page: those no part's checks turned already (:meth:`_check_part`).
+        Nothing to do when the writers lay pages as this pool does."""
+        need = pages_needed(req.prompt_len, 0, self.pool.page_size)
+        yield from self._turn(req, np.ones(need, dtype=bool))
+
+    def _turn(self, req: OwnedRequest, ready: np.ndarray) -> Iterator[None]:
+        """Turn the prompt's pages marked in ``ready`` (``[pages the prompt needs]``
+        bool) that were not turned yet into this pool's order, a slice a step."""
+        laid = self._landed_order(req)
+        if laid is self.pool.order:
+            return
+        if req.turned is None:
+            req.turned = np.zeros(len(ready), dtype=bool)
+        todo = np.flatnonzero(ready & ~req.turned)
+        pages = np.asarray(req.planned_rows[0][: len(ready)], dtype=np.int64)[todo]
+        per_step = max(1, RELAYOUT_SLICE_BYTES // self.pool.page_bytes)
+        for start in range(0, len(todo), per_step):
+            self.pool.relayout(torch.from_numpy(pages[start : start + per_step]), laid)
+            req.turned[todo[start : start + per_step]] = True
+            yield
+
+    def _writer_format(self, writer: int) -> tuple[int, Order]:
+        """The writer's pages: (tokens per page, axis order), from its card (this rank's
+        own where the card is not in yet)."""
+        card = self.rt.cards.get(writer)
+        return card.page_format if card is not None else self.pool.page_format
+
     def _planned(self, req: OwnedRequest, writer: int) -> tuple[Planned, torch.Tensor]:
         """What ``writer`` must write for ``req`` (the prompt's pages, for its heads), and
-        the pool as those heads."""
+        the pool as those heads, laid as the writer lays its pages (what lands, page for
+        page, until :meth:`_relayout_steps`)."""
         need = pages_needed(req.prompt_len, 0, self.pool.page_size)
         pages, generations = req.planned_rows
         lo, hi = self.heads_of(req, writer)
-        view = self.pool.kv[:, :, :, lo:hi]
+        view = self.pool.laid_as(self._writer_format(writer)[1], (lo, hi))
         slice_bytes = view[0].numel() * view.element_size()
         planned = Planned(
             req.rid, req.prompt_len, pages[:need], generations[:need], need * slice_bytes
@@ -308,7 +357,16 @@ class DecodePath(ReadPath):
         wrong ones), or None."""
         heads = self.writing_heads(len(req.writers))
         if len(heads) == len(req.writers) and len(set(req.writers)) == len(req.writers):
-            return None
+            orders = self._landing_orders(req)
+            if len(orders) == 1:
+                return None
+            formats = [self._writer_format(w) for w in req.writers]
+            return (
+                f"writers {req.writers} lay their pages as {[(p, o.value) for p, o in formats]} "
+                f"into pages of {self.pool.page_size} tokens laid {self.pool.order.value}: "
+                f"they would land in {sorted(o.value for o in orders)} in one page "
+                f"(one --prefill-kv-layout for every prefill rank)"
+            )
         return (
             f"{len(req.writers)} writers {req.writers} listed, but a prefill group of "
             f"{self.prefill_tp or len(req.writers)} has {len(heads)} writing members for "
@@ -399,6 +457,11 @@ class DecodePath(ReadPath):
         mask, sums = req.part_checked[part.writer]
         mask[at : at + len(part.pages)] = True
         sums[at : at + len(part.pages)] = part.checksums
+        # Pages every writer's parts checked are final (each part's notice follows its
+        # flush): turned now, while later parts are in flight, not all after the last.
+        if all(w in req.part_checked for w in req.writers):
+            masks = [req.part_checked[w][0] for w in req.writers]
+            yield from self._turn(req, np.logical_and.reduce(masks))
 
     # -------------------------------------------------------------- decoding
     def _page_table(self, batch: list[OwnedRequest]) -> torch.Tensor:

@@ -276,8 +276,9 @@ class PrefillPath(WritePath):
         runs = self._page_runs.get(route)
         if runs is None:
             shape = self._kv_shape()
-            pattern = page_runs(shape, self.pool.page_size, route.heads, route.dst_heads)
-            dst_bytes = span_geometry(shape, self.pool.page_size, route.dst_heads).page_bytes
+            page_size, order = self.pool.page_format  # the owner's pages land in this order
+            pattern = page_runs(shape, page_size, route.heads, route.dst_heads, order)
+            dst_bytes = span_geometry(shape, page_size, route.dst_heads, order).page_bytes
             runs = self._page_runs[route] = _Runs(
                 pattern[:, 0] + self._src_base,
                 pattern[:, 1].copy(),
@@ -300,10 +301,12 @@ class PrefillPath(WritePath):
         return card.page_format if card is not None else self.pool.page_format
 
     def reshaped(self, job: WriteJob) -> bool:
-        """The owner's pages and this writer's are not both heads-major of one page size
+        """The owner's pages hold another number of tokens than this writer's
         (:func:`~kvferry.engine.reshard.page_for_page`): the prompt goes as runs planned once
         (:func:`~kvferry.engine.reshard.heads_between_pools`), checksummed per destination
-        page (:mod:`~kvferry.engine.run_checksum`), in one part (no pipelining)."""
+        page (:mod:`~kvferry.engine.run_checksum`), in one part (no pipelining). Else it
+        goes page for page as its pages lie in this writer's memory, whatever the owner's
+        order (the owner turns them into its own after its checks)."""
         return not page_for_page(self.pool.page_format, self._owner_format(job))
 
     def dst_pages_needed(self, job: WriteJob) -> int:
@@ -552,9 +555,9 @@ class PrefillPath(WritePath):
             yield
 
     def _view(self, job: WriteJob) -> torch.Tensor:
-        """The pool as the heads this writer sends the job's owner: what it checksums."""
-        lo, hi = self.route(job).heads
-        return self.pool.kv[:, :, :, lo:hi]
+        """The pool as the heads this writer sends the job's owner, laid as in its memory
+        (:meth:`~kvferry.engine.pool.KVPool.laid_as`): what it checksums."""
+        return self.pool.laid_as(self.pool.order, self.route(job).heads)
 
     def _checksums(self, job: WriteJob, lo: int, hi: int) -> list[int]:
         """The checksums of the job's source pages ``[lo, hi)`` as the owner will find

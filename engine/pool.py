@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -341,6 +342,40 @@ class KVPool:
         self._check_page(page)
         base = int(self.kv.storage_offset()) * self.kv.element_size()
         return base + page * self.page_bytes, self.page_bytes
+
+    def laid_as(self, order: Order, heads: tuple[int, int] | None = None) -> torch.Tensor:
+        """The pool's memory read as pages laid in ``order`` (whatever this pool's own):
+        ``[pages, layers, 2, heads, page_size, head_dim]`` for HND, ``[pages, layers, 2,
+        page_size, heads, head_dim]`` for NHD, of heads ``[lo, hi)`` (numbered in this
+        pool; all by default). A writer of one page size and another order writes its
+        pages as they lie in its own memory (:func:`~.reshard.page_for_page`): this is
+        what lands, what its checksums are of, and what :meth:`relayout` turns into this
+        pool's order."""
+        lo, hi = heads if heads is not None else (0, self.kv_heads)
+        if not 0 <= lo < hi <= self.kv_heads:
+            raise IndexError(f"heads [{lo}, {hi}) outside the pool's {self.kv_heads} KV heads")
+        if order is self.order:
+            laid = self.storage
+        else:
+            laid = self.storage.view(
+                self.storage.shape[:3] + self.storage.shape[3:5][::-1] + self.storage.shape[5:]
+            )
+        return laid[:, :, :, lo:hi] if order is Order.HND else laid[:, :, :, :, lo:hi]
+
+    def relayout(self, pages: Sequence[int] | torch.Tensor, laid: Order) -> None:
+        """Turn ``pages``, whose bytes lie in order ``laid`` (:meth:`laid_as`, every
+        head), into this pool's order, in place: a gather and a transposing scatter of
+        those pages (two passes over their bytes at memory speed, on any device). Pages
+        already in this pool's order are left as they are."""
+        if laid is self.order:
+            return
+        index = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).to(self.storage.device)
+        if index.numel() == 0:
+            return
+        if bool(((index < 0) | (index >= self.num_pages)).any()):
+            raise IndexError(f"pages outside [0, {self.num_pages})")
+        landed = self.laid_as(laid).index_select(0, index)
+        self.storage.index_copy_(0, index, landed.transpose(3, 4))
 
     def _check_page(self, page: int) -> None:
         if not 0 <= page < self.num_pages:

@@ -484,19 +484,27 @@ def heads_between_pools(
 
 
 def page_for_page(src: tuple[int, Order], dst: tuple[int, Order]) -> bool:
-    """Whether two pools, each ``(page_size, order)``, map page to page with one page's
-    runs (:func:`page_runs`) repeated: both heads-major, one page size. Any other pair
-    (a page size or a token-major page on either side) is planned per request with
-    :func:`heads_between_pools`."""
-    return src[0] == dst[0] and src[1] is dst[1] is Order.HND
+    """Whether a writer's pool and an owner's, each ``(page_size, order)``, map page to
+    page: one page size. The writer then writes each page as it lies in its own memory
+    (one page's runs, :func:`page_runs`, repeated; a whole page is one run when it sends
+    every head), and an owner of the other order turns each landed page into its own
+    after its checks (:meth:`~.pool.KVPool.relayout`, two local passes at memory speed)
+    instead of taking a run per token and head. Pools of two page sizes are planned per
+    request with :func:`heads_between_pools`."""
+    return src[0] == dst[0]
 
 
 def page_runs(
-    shape: KVShape, page_size: int, heads: tuple[int, int], dst_heads: tuple[int, int]
+    shape: KVShape,
+    page_size: int,
+    heads: tuple[int, int],
+    dst_heads: tuple[int, int],
+    order: Order = Order.HND,
 ) -> Runs:
     """``[r, 3]``: the runs (offset in the source page, offset in the destination page,
-    length) that carry heads ``[lo, hi)`` of one whole page between two HND pools of
-    the same page size, the source holding every head and the destination ``dst_heads``:
+    length) that carry heads ``[lo, hi)`` of one whole page between two pages of the
+    same page size laid in ``order``, the source holding every head and the destination
+    ``dst_heads``:
     what a writer repeats for each page of a prompt (``page * page_bytes`` added on each
     side). Runs merge only where both sides are contiguous."""
     lo, hi = heads
@@ -505,8 +513,8 @@ def page_runs(
         raise ReshardError(
             f"heads [{lo}, {hi}) outside the destination's heads [{dlo}, {dhi}) of {shape.kv_heads}"
         )
-    gw = span_geometry(shape, page_size, (0, shape.kv_heads))
-    go = span_geometry(shape, page_size, (dlo, dhi))
+    gw = span_geometry(shape, page_size, (0, shape.kv_heads), order)
+    go = span_geometry(shape, page_size, (dlo, dhi), order)
     pat = _pattern(shape, gw, go, np.arange(lo, hi, dtype=np.int64), page_size)
     assert not pat.src_index.any() and not pat.dst_index.any(), "one page, one page"
     return np.stack([pat.src_offset, pat.dst_offset, pat.length], axis=1)

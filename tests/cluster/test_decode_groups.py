@@ -293,16 +293,19 @@ H, N = Order.HND, Order.NHD
 def test_every_member_verifies_and_decodes_its_share_across_layouts(
     tp, decode_tp, kv_heads, orders, src_page, dst_page
 ):
-    """Token-major pages on either side of a split: each writer's runs put its heads of
-    every token where the member's memory holds them, every member's checks of its pages
-    as they lie in memory pass, and the group's answer is the monolithic replay."""
+    """Token-major pages on either side of a split. Of one page size, each writer sends
+    its heads of whole pages laid as in its memory, every member checks them as they
+    landed and turns them into its order; across page sizes, each writer's runs put its
+    heads of every token where the member's memory holds them, and every member checks
+    its pages as they lie. Either way the group's answer is the monolithic replay."""
     g = _group(tp, decode_tp, kv_heads, src_page, dst_page, orders=orders)
     answers = _answers(g, _serve_together(g))
     assert answers == [_prompt()[:STEPS].tolist()] * decode_tp
     assert set(g.prefills.values()) <= {0, 1}, g.prefills
-    assert _written(g) == PROMPT * 2 * 2 * 32 * 4 * sum(
+    slots = PROMPT if src_page != dst_page else -(-PROMPT // src_page) * src_page
+    assert _written(g) == slots * 2 * 2 * 32 * 4 * sum(
         hi - lo for lo, hi in map(g.split.owner_heads, range(decode_tp))
-    )  # the prompt's tokens as runs, each member's heads once
+    )  # whole pages or the prompt's tokens as runs, each member's heads once
 
 
 def _monolithic(kv_heads: int) -> list[int]:

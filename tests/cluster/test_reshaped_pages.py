@@ -5,8 +5,9 @@ heads of the prompt as runs planned once, the notice names the owner's pages wit
 checksum each of what the runs put there, and the owner's I5 checks pass on the bytes
 that landed and decode reads the prompt back. Broken modes: a byte torn in flight, and a
 writer that writes its pages as if both sides had its page size; both are caught before
-decode reads a page; and, across layouts, a writer that writes as if its owner's pages lay
-as its own."""
+decode reads a page; and, across layouts of one page size (which go page for page, laid as
+in the writer's memory, and are turned into the owner's order after its checks), an owner
+that never turns them, whose decode reads the wrong tokens."""
 
 from __future__ import annotations
 
@@ -39,7 +40,12 @@ def _pool(model: ReplayModel, page: int, order: Order, zero: bool = False) -> KV
     return KVPool(dataclasses.replace(model.pool_config(page, 32), order=order), zero=zero)
 
 
-def _ranks(src_page: int, dst_page: int, orders: tuple[Order, Order] = (Order.HND, Order.HND)):
+def _ranks(
+    src_page: int,
+    dst_page: int,
+    orders: tuple[Order, Order] = (Order.HND, Order.HND),
+    chunk: int | None = None,
+):
     cards = {
         WRITER: dataclasses.replace(
             _card(WRITER, "prefill"), page_size=src_page, kv_layout=orders[0].value
@@ -51,8 +57,16 @@ def _ranks(src_page: int, dst_page: int, orders: tuple[Order, Order] = (Order.HN
     wrt, ort = RecordingRuntime(WRITER, cards), TimedRuntime(OWNER)
     ort.cards = cards
     model = _model()
+    if chunk is not None:  # a prefill in steps of ``chunk`` tokens, back to the loop after each
+        model.prefill_chunk_tokens = chunk
     writer = PrefillRank.serving(
-        wrt, model, _pool(model, src_page, orders[0]), None, (0, 2), router=0
+        wrt,
+        model,
+        _pool(model, src_page, orders[0]),
+        None,
+        (0, 2),
+        router=0,
+        prefill_slice_s=0.0 if chunk is not None else prefill_path.PREFILL_SLICE_S,
     )
     owner = DecodeRank.serving(
         ort,
@@ -165,20 +179,69 @@ def test_a_byte_torn_in_flight_across_layouts_fails_the_request(orders):
 
 
 @pytest.mark.parametrize("orders", [(H, N), (N, H)], ids=["HND-NHD", "NHD-HND"])
-def test_broken_a_writer_that_ignores_the_owner_layout_is_caught(orders, monkeypatch):
-    """The broken mode: the writer plans its runs as if the owner's pages lay as its own;
-    the bytes land in the wrong places of each page, and the owner's checks of its pages
-    as they lie in memory catch it before decode reads a page."""
-    real = prefill_path.PrefillPath._owner_format
-    monkeypatch.setattr(
-        prefill_path.PrefillPath,
-        "_owner_format",
-        lambda self, job: (real(self, job)[0], self.pool.order),
-    )
-    owner, ort, _, _ = _serve(16, 16, orders=orders)
-    assert "r" not in owner.reqs
-    done = next(f for _, k, f in ort.sent if k == "DONE")
-    assert done["outcome"] == "failed" and "integrity" in done["error"]
+def test_a_layout_change_of_one_page_size_goes_page_for_page_and_is_turned_on_arrival(orders):
+    """One page size, two orders: the writer sends each page as it lies in its memory
+    (one run per page run, no run per token and head), the owner checks those bytes as
+    they landed, then turns its pages into its own order before decode reads them."""
+    owner, ort, tokens, notice = _serve(16, 16, orders=orders)
+    page_bytes = owner.pool.page_bytes
+    assert owner.reqs["r"].state is OwnerState.DECODING
+    owner.step()
+    assert [t for _, k, f in ort.sent if k == "TOKENS" for t in f["tokens"]] == [tokens[0]]
+    assert len(notice["pages"]) == -(-PROMPT // 16)
+    assert notice["bytes"] == len(notice["pages"]) * page_bytes
+
+
+@pytest.mark.parametrize("orders", [(H, N), (N, H)], ids=["HND-NHD", "NHD-HND"])
+def test_pipelined_parts_of_another_layout_are_turned_as_their_checks_pass(orders):
+    """A planned writer posts parts while it computes; the owner checks each part as it
+    arrives and turns its pages then (they are final: the part's notice follows its
+    flush), so the notice leaves only the last pages to check and turn, and the pages
+    already turned are not read again against the writer's order."""
+    writer, wrt, owner, ort = _ranks(16, 16, orders, chunk=32)
+    tokens = (np.arange(PROMPT) * 7 % 400).astype("<i4")
+    ort.deliver(
+        m.ASSIGN, src=0, rid="r", prompt_len=PROMPT, max_tokens=4, writers=[WRITER],
+        last_token=int(tokens[-1]),
+    )  # fmt: skip
+    plan = next(f for _, k, f in ort.sent if k == "PLAN")
+    wrt.deliver(m.PLAN, src=OWNER, **plan)
+    wrt.deliver(
+        m.PREFILL, src=0, rid="r", tokens=tokens.tobytes(), offset=0, total=PROMPT,
+        owner=OWNER, owner_inc=1,
+    )  # fmt: skip
+    for _ in range(50):
+        wrt.pump()
+    _land(writer, owner, wrt.writes)
+    parts = [f for _, k, f in wrt.sent if k == "NOTICE_PART"]
+    assert len(parts) >= 2, [k for _, k, _ in wrt.sent]
+    req = owner.reqs["r"]
+    for part in parts:
+        ort.deliver(m.NOTICE_PART, src=WRITER, **part)
+        ort.pump()
+        assert req.turned is not None
+        assert req.turned.sum() == part["offset"] + len(part["pages"])
+    ort.deliver(m.NOTICE, src=WRITER, **next(f for _, k, f in wrt.sent if k == "NOTICE"))
+    ort.pump()
+    assert req.state is OwnerState.DECODING and bool(req.turned.all())
+    for _ in range(4):
+        owner.step()
+    assert [t for _, k, f in ort.sent if k == "TOKENS" for t in f["tokens"]] == tokens[:4].tolist()
+
+
+@pytest.mark.parametrize("orders", [(H, N), (N, H)], ids=["HND-NHD", "NHD-HND"])
+def test_broken_an_owner_that_never_turns_its_pages_decodes_wrong_tokens(orders, monkeypatch):
+    """The broken mode: the owner leaves the landed pages in the writer's order. Its
+    checks pass (the bytes are the writer's), but decode reads every token's KV from the
+    wrong place: the replay model's tokens differ from the prompt's, which the test above
+    (and every answer the fault suite compares) would catch."""
+    monkeypatch.setattr(KVPool, "relayout", lambda self, pages, laid: None)
+    owner, ort, tokens, _ = _serve(16, 16, orders=orders)
+    assert owner.reqs["r"].state is OwnerState.DECODING
+    for _ in range(4):
+        owner.step()
+    out = [t for _, k, f in ort.sent if k == "TOKENS" for t in f["tokens"]]
+    assert len(out) == 4 and out != tokens[:4].tolist()
 
 
 @pytest.mark.parametrize(

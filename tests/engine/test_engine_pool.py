@@ -108,3 +108,38 @@ def test_a_token_major_pool_over_a_buffer_is_a_view_without_copy():
     pool = KVPool.from_buffer(config, buffer)
     pool.kv[2, 0, 1, 1, 3, 0] = 1.0
     assert buffer.view(torch.float32).view(config.storage_shape)[2, 0, 1, 3, 1, 0] == 1.0
+
+
+@pytest.mark.parametrize("laid_name, own_name", [("HND", "NHD"), ("NHD", "HND"), ("NHD", "NHD")])
+def test_pages_landed_in_another_order_are_turned_into_the_pools(laid_name, own_name):
+    """A writer of one page size lays its pages as in its memory; the owner's
+    ``laid_as`` reads its memory that way (the same bytes: what the writer checksummed),
+    and ``relayout`` turns exactly the listed pages into the pool's order, after which
+    the model's view holds the writer's KV. Broken: a pool that never turns them shows
+    the model other values."""
+    from kvferry.engine.reshard import Order
+
+    laid, own = Order[laid_name], Order[own_name]
+    writer = KVPool(PoolConfig(2, 3, 4, 8, 6, order=laid))
+    writer.kv.copy_(torch.randn_like(writer.kv))
+    owner = KVPool(PoolConfig(2, 3, 4, 8, 6, order=own), zero=True)
+    owner.storage.view(-1).copy_(writer.storage.view(-1))  # landed byte for byte
+    assert torch.equal(owner.laid_as(laid), writer.storage)
+    assert torch.equal(owner.laid_as(laid, (1, 3)), writer.laid_as(laid, (1, 3)))
+    untouched = owner.kv.clone()
+    owner.relayout([4, 1], laid)
+    for page in range(6):
+        want = writer.kv[page] if page in (1, 4) or laid is own else untouched[page]
+        assert torch.equal(owner.kv[page], want), page
+    if laid is not own:
+        assert not torch.equal(untouched[1], writer.kv[1])  # the broken mode: never turned
+
+
+def test_laid_as_and_relayout_refuse_what_the_pool_does_not_hold():
+    from kvferry.engine.reshard import Order
+
+    pool = KVPool(PoolConfig(1, 2, 4, 4, 3, order=Order.NHD))
+    with pytest.raises(IndexError, match=r"heads \[1, 3\) outside the pool's 2 KV heads"):
+        pool.laid_as(Order.HND, (1, 3))
+    with pytest.raises(IndexError, match=r"pages outside \[0, 3\)"):
+        pool.relayout([0, 3], Order.HND)

@@ -633,3 +633,17 @@ def test_page_runs_cover_exactly_the_heads_of_a_page():
     assert int(runs[:, 2].sum()) == 3 * 2 * 2 * 2 * 4 * 2
     page_bytes = pool.kv[0].numel() * pool.kv.element_size()
     assert page_runs(shape, 2, (0, 4), (0, 4)).tolist() == [[0, 0, page_bytes]]
+
+
+def test_page_runs_of_token_major_pages_carry_each_token_s_heads():
+    """NHD on both sides (one page size): a whole page of every head is one run; a share
+    of the heads into a pool of every head is one run per token and (layer, K/V), each
+    at the same place on both sides."""
+    shape = KVShape(2, 4, 8, 2)
+    page_bytes = 2 * 2 * 4 * 4 * 8 * 2
+    assert page_runs(shape, 4, (0, 4), (0, 4), Order.NHD).tolist() == [[0, 0, page_bytes]]
+    runs = page_runs(shape, 4, (1, 3), (0, 4), Order.NHD)
+    assert len(runs) == 2 * 2 * 4 and set(runs[:, 2].tolist()) == {2 * 8 * 2}
+    assert np.array_equal(runs[:, 0], runs[:, 1])
+    token_stride = 4 * 8 * 2
+    assert sorted(runs[:, 0].tolist())[:2] == [1 * 8 * 2, 1 * 8 * 2 + token_stride]

@@ -87,14 +87,9 @@ def _land(writer: PrefillRank, owner: DecodeRank, writes) -> None:
             dst[d : d + n] = src[s : s + n]
 
 
-def _serve(
-    src_page: int,
-    dst_page: int,
-    tamper: bool = False,
-    orders=(Order.HND, Order.HND),
-    tamper_run: int = 3,
-):
-    writer, wrt, owner, ort = _ranks(src_page, dst_page, orders)
+def _write_prompt(writer, wrt, owner, ort) -> np.ndarray:
+    """ASSIGN at the owner, its PLAN and the prompt at the writer, the writer pumped to
+    its notice and its writes landed in the owner's pool; the prompt's tokens."""
     tokens = (np.arange(PROMPT) * 7 % 400).astype("<i4")
     ort.deliver(
         m.ASSIGN, src=0, rid="r", prompt_len=PROMPT, max_tokens=4, writers=[WRITER],
@@ -109,6 +104,18 @@ def _serve(
     for _ in range(50):
         wrt.pump()
     _land(writer, owner, wrt.writes)
+    return tokens
+
+
+def _serve(
+    src_page: int,
+    dst_page: int,
+    tamper: bool = False,
+    orders=(Order.HND, Order.HND),
+    tamper_run: int = 3,
+):
+    writer, wrt, owner, ort = _ranks(src_page, dst_page, orders)
+    tokens = _write_prompt(writer, wrt, owner, ort)
     if tamper:
         at = int(wrt.writes[0][1][tamper_run][1]) + 5  # a byte of that written run
         owner.pool.storage.reshape(-1).view(torch.uint8)[at] ^= 1
@@ -199,20 +206,7 @@ def test_pipelined_parts_of_another_layout_are_turned_as_their_checks_pass(order
     flush), so the notice leaves only the last pages to check and turn, and the pages
     already turned are not read again against the writer's order."""
     writer, wrt, owner, ort = _ranks(16, 16, orders, chunk=32)
-    tokens = (np.arange(PROMPT) * 7 % 400).astype("<i4")
-    ort.deliver(
-        m.ASSIGN, src=0, rid="r", prompt_len=PROMPT, max_tokens=4, writers=[WRITER],
-        last_token=int(tokens[-1]),
-    )  # fmt: skip
-    plan = next(f for _, k, f in ort.sent if k == "PLAN")
-    wrt.deliver(m.PLAN, src=OWNER, **plan)
-    wrt.deliver(
-        m.PREFILL, src=0, rid="r", tokens=tokens.tobytes(), offset=0, total=PROMPT,
-        owner=OWNER, owner_inc=1,
-    )  # fmt: skip
-    for _ in range(50):
-        wrt.pump()
-    _land(writer, owner, wrt.writes)
+    tokens = _write_prompt(writer, wrt, owner, ort)
     parts = [f for _, k, f in wrt.sent if k == "NOTICE_PART"]
     assert len(parts) >= 2, [k for _, k, _ in wrt.sent]
     req = owner.reqs["r"]

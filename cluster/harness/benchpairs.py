@@ -14,7 +14,10 @@ block) moves the same rows in the same run, timed in alternation (pair, homogene
 pair, ...; medians): ``homogeneous_gbps``, and ``ratio`` = gbps / homogeneous_gbps (issue
 28's goal: >= 0.9). After the timed rounds, every decode worker's region checksums of what
 landed are compared with the writers' of their sources (``bytes_checked``). Block tables
-are random permutations; buffers are written once before timing (pre-faulted).
+are random permutations; buffers are written once before timing (pre-faulted). A pair
+whose engines differ only in the order inside each layer's span (HND against NHD, one TP
+size and block size: ``turned``) moves whole blocks as they lie at the prefill and the
+decode turns them into its order, timed with the turn, as the connector does.
 
 Two engines in this one process over ``--transports`` (default shm; the same path as
 between two processes on one host: the kernel's cross-memory copy into the decode's
@@ -37,6 +40,7 @@ from kvferry.engine.tools.bench_checksum import median_seconds
 from kvferry.engine.tools.bench_reshard import alternate
 from kvferry.transfer import Segment, TransferConfig, TransferEngine
 
+from ..vllm import reshape
 from ..vllm.layout import KVRegions
 from ..vllm.reshape import EngineShape, PairRuns, pairs, plan_pair, region_checksums
 
@@ -134,10 +138,43 @@ class Move:
         ]
         self.peer = peer
         self.assigned = pairs(src.shape, dst.shape)
-        self.plans = self.plan()
+        # whole blocks as they lie at the writer, turned by the owner (the connector's
+        # path where only the order inside each layer's span differs)
+        self.turned = all(
+            p == d
+            and reshape.turnable_blocks(src.workers[p].regions, dst.workers[d].regions)
+            and not reshape.same_blocks(src.workers[p].regions, dst.workers[d].regions)
+            for p, d in self.assigned
+        )
+        self.plans = self.rows()  # what each owner's rows must hold: the bytes check's
+        self.blocks = self.whole() if self.turned else {}
         self.bytes = sum(p.bytes for p in self.plans.values())
 
-    def plan(self) -> dict[tuple[int, int], PairRuns]:
+    def plan(self) -> object:
+        """What the connector plans for one request of this pair."""
+        return self.whole() if self.turned else self.rows()
+
+    def whole(self) -> dict[tuple[int, int], np.ndarray]:
+        """Per (writer, owner): ``[n, 3]`` runs of whole blocks (one buffer a side)."""
+        out = {}
+        for p, d in self.assigned:
+            s, t = self.src.workers[p], self.dst.workers[d]
+            out[(p, d)] = s.regions.triples(0, s.blocks, t.regions, t.blocks)
+        return out
+
+    def batches(self) -> list[tuple[int, int, np.ndarray]]:
+        """(writer, owner, runs) per batch of at most ``batch_bytes``."""
+        out = []
+        if not self.turned:
+            for (p, d), runs in self.plans.items():
+                out += [(p, d, triples) for _, _, triples in runs.batches(self.batch_bytes)]
+            return out
+        for (p, d), triples in self.blocks.items():
+            per = max(1, self.batch_bytes // max(1, int(triples[:, 2].max())))
+            out += [(p, d, triples[i : i + per]) for i in range(0, len(triples), per)]
+        return out
+
+    def rows(self) -> dict[tuple[int, int], PairRuns]:
         out = {}
         for (p, d), heads in self.assigned.items():
             s, t = self.src.workers[p], self.dst.workers[d]
@@ -154,26 +191,26 @@ class Move:
         return out
 
     def run(self) -> None:
-        batches = []
-        for (p, d), runs in self.plans.items():
-            for _, _, triples in runs.batches(self.batch_bytes):
-                batches.append(
-                    self.eng.write(self.peer, self.src.workers[p].segment, self.rsegs[d], triples)
-                )
+        batches = [
+            self.eng.write(self.peer, self.src.workers[p].segment, self.rsegs[d], triples)
+            for p, d, triples in self.batches()
+        ]
         for b in batches:
             self.eng.wait(b, 120.0)
             if b.error is not None:
                 raise RuntimeError(f"a batch failed: {b.error}")
+        for p, d in self.blocks:  # the owner turns what landed into its order
+            t = self.dst.workers[d]
+            reshape.turn_blocks(t.regions, self.src.workers[p].regions, t.blocks)
 
     def pieces(self) -> tuple[int, int]:
         """(local, remote): the pieces of the posted batches once each side's contiguous
         neighbours are joined, as the cross-memory copy joins them (a remote piece costs
         the kernel about 0.5 us, a local one about 0.1-0.3 us)."""
         local = remote = 0
-        for runs in self.plans.values():
-            for _, _, triples in runs.batches(self.batch_bytes):
-                local += _pieces(triples[:, 0], triples[:, 2])
-                remote += _pieces(triples[:, 1], triples[:, 2])
+        for _, _, triples in self.batches():
+            local += _pieces(triples[:, 0], triples[:, 2])
+            remote += _pieces(triples[:, 1], triples[:, 2])
         return local, remote
 
     def checked(self) -> bool:
@@ -208,8 +245,8 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
         move = Move(a, b, prefill, decode, args.tokens, args.batch_mib << 20)
         base = Move(a, b, prefill, like, args.tokens, args.batch_mib << 20)
         t_pair, t_base = alternate(move.run, base.run, args.reps)
-        runs = sum(len(p.runs) for p in move.plans.values())
-        base_runs = sum(len(p.runs) for p in base.plans.values())
+        runs = sum(len(t) for _, _, t in move.batches())
+        base_runs = sum(len(t) for _, _, t in base.batches())
         return {
             "bench": "vllm_pairs",
             "src": str(src),
@@ -218,6 +255,7 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
             "tokens": args.tokens,
             "bytes": move.bytes,
             "pairs": len(move.plans),
+            "turned": move.turned,
             "runs": runs,
             "mean_run_bytes": round(move.bytes / max(1, runs)),
             "pieces": dict(zip(("local", "remote"), move.pieces(), strict=True)),

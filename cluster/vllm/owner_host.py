@@ -62,6 +62,9 @@ from .reshape import (
     plan_pair,
     region_checksums,
     same_blocks,
+    turn_blocks,
+    turnable_blocks,
+    whole_blocks,
     writers_of,
 )
 from .sidechannel import Fetcher
@@ -100,6 +103,8 @@ class WriterLink:
     local: bool = False
     gone_since: float | None = None  # when its process was first seen gone
     runs: PairRuns | None = None  # None: whole blocks (a prefill worker of this shape)
+    # whole blocks laid in the writer's order, turned into ours after the checks
+    turn_from: KVRegions | None = None
 
 
 @dataclass
@@ -238,7 +243,10 @@ class OwnerWire:
 class VerifyPath:
     """The owner's data path: I5 on the notice's arrival, by :mod:`kvferry.engine.verify`
     as a decode rank checks it (length, blocks and generations, bytes, canaries,
-    checksums); VERIFIED or CORRUPT back to the driver. Decoding is vLLM's."""
+    checksums); VERIFIED or CORRUPT back to the driver. Whole blocks of a writer whose
+    layout differs only inside each layer's span are checked as they landed, then turned
+    into this worker's order before VERIFIED (vLLM reads them from then on). Decoding is
+    vLLM's."""
 
     def __init__(self, host: OwnerHost) -> None:
         self.host = host
@@ -257,8 +265,12 @@ class VerifyPath:
         if err:
             o.error = f"integrity check failed: {err}"
             h.driver.feed(o, OwnerEvent.CORRUPT)
-        else:
-            h.driver.feed(o, OwnerEvent.VERIFIED)
+            return
+        assert h.regions is not None
+        for link in o.links:  # checked as they landed; vLLM reads them in its own order
+            if link.turn_from is not None:
+                turn_blocks(h.regions, link.turn_from, o.blocks)
+        h.driver.feed(o, OwnerEvent.VERIFIED)
 
     def _check_writer(self, o: Load, w: int) -> str:
         """I5 for writer ``w``'s notice: '' or what failed. Whole blocks are checked by
@@ -689,7 +701,9 @@ class OwnerHost(WorkerHost):
                 return None, f"prefill worker tp{p} gave no KV geometry in its handshake"
             theirs = KVRegions.from_wire(card["regions"])
             like = prefill.tp == decode.tp and p == self.tp_rank
-            if not (like and same_blocks(theirs, self.regions)):
+            if like and not same_blocks(theirs, self.regions):
+                link.turn_from = theirs if turnable_blocks(theirs, self.regions) else None
+            if not (like and whole_blocks(theirs, self.regions)):
                 try:
                     link.runs = plan_pair(
                         theirs,

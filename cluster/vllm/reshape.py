@@ -12,7 +12,10 @@ block concatenated in the decode's byte order, and its checksum is put together 
 runs' (:func:`kvferry.engine.run_checksum.combine_keyed`) on the writer's source bytes and
 on the owner's landed bytes alike (:func:`region_checksums`). Two engines whose layouts,
 block sizes and TP sizes agree still go the homogeneous way (whole blocks, page
-checksums): this module is for the pairs that differ.
+checksums), and so do two that differ only in the order of heads and tokens inside each
+layer's span (HND against NHD, :func:`turnable_blocks`): the decode checks the blocks as
+they landed, then turns them into its order (:func:`turn_blocks`). This module is for
+the pairs that differ.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from kvferry.engine.keysort import lexsort_order
 from kvferry.engine.reshard import KVShape, PoolLayout, ReshardError, assign_heads, head_span
@@ -112,6 +116,63 @@ def same_blocks(a: KVRegions, b: KVRegions) -> bool:
         return [(x.block_tokens, x.heads, x.row_bytes) for x in r.layers]
 
     return a.layout == b.layout and a.signature() == b.signature() and rows(a) == rows(b)
+
+
+def _layer_dense(r: LayerRows) -> bool:
+    """Each kernel block of the layer is one span of its rows, heads-major or token-major,
+    and the next kernel block starts right after it (a layer-outermost HND or NHD cache)."""
+    grid = r.heads * r.kernel_tokens * r.row_bytes
+    heads_major = (r.head_stride, r.token_stride) == (r.kernel_tokens * r.row_bytes, r.row_bytes)
+    token_major = (r.head_stride, r.token_stride) == (r.row_bytes, r.heads * r.row_bytes)
+    return r.block_stride == grid and (heads_major or token_major)
+
+
+def turnable_blocks(a: KVRegions, b: KVRegions) -> bool:
+    """Two workers' blocks hold the same spans (every buffer's runs per block, every
+    layer's heads, tokens and row) and differ only in how each layer's span orders its
+    rows (HND against NHD): whole blocks move as they lie at the writer, and the owner
+    turns them into its order after its checks (:func:`turn_blocks`) instead of taking a
+    run per head and token."""
+    if a.signature() != b.signature() or len(a.layers) != len(b.layers) or not a.layers:
+        return False
+    for x, y in zip(a.layers, b.layers, strict=True):
+        shape = (x.buffer, x.heads, x.kernel_tokens, x.ratio, x.row_bytes)
+        if shape != (y.buffer, y.heads, y.kernel_tokens, y.ratio, y.row_bytes):
+            return False
+        if not (_layer_dense(x) and _layer_dense(y)):
+            return False
+    return True
+
+
+def whole_blocks(a: KVRegions, b: KVRegions) -> bool:
+    """Whole blocks move between the two workers (of one TP rank and size): alike
+    (:func:`same_blocks`), or alike but for the order inside each layer's span
+    (:func:`turnable_blocks`, turned by the owner). Both sides ask this of the same two
+    geometries, so they agree."""
+    return same_blocks(a, b) or turnable_blocks(a, b)
+
+
+def turn_blocks(mine: KVRegions, theirs: KVRegions, blocks: Sequence[int]) -> None:
+    """Turn ``blocks`` (scheduler blocks of ``mine``), whose every layer's span holds its
+    rows as ``theirs`` orders them (landed whole, :func:`turnable_blocks`), into
+    ``mine``'s order, in place: per layer, a gather of those spans' rows by the writer's
+    strides and a scatter by this worker's (two passes over the bytes, at memory speed)."""
+    if not len(blocks):
+        return
+    for x, y in zip(theirs.layers, mine.layers, strict=True):
+        if (x.head_stride, x.token_stride) == (y.head_stride, y.token_stride):
+            continue
+        buf = mine.buffers[y.buffer].tensor
+        kernel = (
+            np.asarray(blocks, dtype=np.int64)[:, None] * y.ratio + np.arange(y.ratio)
+        ).reshape(-1)
+        index = torch.from_numpy(kernel).to(buf.device)
+        size = (mine.num_blocks * y.ratio, y.heads, y.kernel_tokens, y.row_bytes)
+        landed = buf.as_strided(size, (y.block_stride, x.head_stride, x.token_stride, 1), y.offset)
+        rows = landed.index_select(0, index)
+        buf.as_strided(
+            size, (y.block_stride, y.head_stride, y.token_stride, 1), y.offset
+        ).index_copy_(0, index, rows)
 
 
 def _check_pair(src: KVRegions, dst: KVRegions) -> None:

@@ -7,9 +7,11 @@ job is one protocol instance with one owner (its own book, tombstone, notice and
 the prompt's blocks go back to vLLM once every decode worker expected to plan here has
 ended its job (:class:`Prompt`). Which decode workers those are, and which heads each
 job writes, is :mod:`.reshape`'s rule, known at the first plan (it carries the decode's
-TP size). A job between like workers (same TP rank and size, layout and block size)
-moves whole blocks; any other moves the rows of its heads as runs planned once
-(:func:`.reshape.plan_pair`), with one region checksum per decode block. What each effect
+TP size). A job between like workers (same TP rank and size and block size) moves
+whole blocks as they lie here, its layout the decode's or one the decode turns them from
+after its checks (:func:`.reshape.whole_blocks`); any other moves the rows of its heads
+as runs planned once (:func:`.reshape.plan_pair`), with one region checksum per decode
+block. What each effect
 of the writer's table means is
 :class:`~kvferry.engine.protocol.writer_driver.WriterDriver`'s, as for the service's
 prefill rank; this module turns what reaches the worker (the scheduler's hand-over, the
@@ -53,7 +55,7 @@ from .reshape import (
     pairs,
     plan_pair,
     region_checksums,
-    same_blocks,
+    whole_blocks,
 )
 
 log = logging.getLogger("kvferry.vllm")
@@ -398,12 +400,13 @@ class WriterHost(WorkerHost):
         self.driver.feed(job, WriterEvent.KV_READY)
 
     def _like(self, job: Job) -> bool:
-        """Whole blocks go as they are: the same TP rank and size, layout and blocks."""
+        """Whole blocks go as they lie here: the same TP rank and size and blocks, and
+        the same layout or one the owner turns them into (:func:`.reshape.whole_blocks`)."""
         assert self.regions is not None and job.dst is not None and job.decode is not None
         return (
             job.decode_rank == self.tp_rank
             and job.decode.tp == self.tp_size
-            and same_blocks(self.regions, job.dst)
+            and whole_blocks(self.regions, job.dst)
         )
 
     def post_writes(self, job: Job) -> None:

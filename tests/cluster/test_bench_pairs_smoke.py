@@ -9,33 +9,34 @@ import subprocess
 import sys
 
 
-def test_the_pairs_benchmark_runs_and_checks_its_bytes():
+def _bench(only: str) -> list[dict]:
+    """The benchmark at a tiny size for one pair: its JSON lines (the host's, then the pair's)."""
     env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvferry.cluster.harness.benchpairs",
-            "--tokens",
-            "100",
-            "--layers",
-            "2",
-            "--reps",
-            "1",
-            "--only",
-            "tp2/b16/NHD->tp1",
-        ],
+        [sys.executable, "-m", "kvferry.cluster.harness.benchpairs", "--tokens", "100",
+         "--layers", "2", "--reps", "1", "--only", only],
         capture_output=True,
         text=True,
         timeout=180,
         env=env,
         check=False,
-    )
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_the_pairs_benchmark_runs_and_checks_its_bytes():
+    lines = _bench("tp2/b16/NHD->tp1")
     assert len(lines) == 2 and "host" in lines[0], lines
     row = lines[1]
     assert row["src"] == "tp2/b16/NHD" and row["dst"] == "tp1/b16/NHD", row
     assert row["bytes_checked"] and row["bytes"] == 2 * 8 * 100 * 512 and row["ratio"] > 0, row
     # two writers' heads interleave in each token's row at the target: a remote piece a run
     assert row["pieces"]["remote"] == row["runs"] and row["pieces"]["local"] < row["runs"], row
+    assert not row["turned"], row
+
+
+def test_a_layout_change_alone_is_benchmarked_as_whole_blocks_turned_by_the_decode():
+    (_, row) = _bench("tp2/b16/NHD->tp2/b16/HND")
+    assert row["turned"] and row["bytes_checked"], row
+    assert row["runs"] == row["homogeneous_runs"], row  # whole blocks, as the homogeneous pair

@@ -278,3 +278,58 @@ def test_batches_never_exceed_their_bound_and_keep_every_run(lengths, max_bytes)
     assert all(int(t[:, 2].sum()) <= max(max_bytes, int(t[:, 2].max())) for _, _, t in out)
     assert all(int(t[:, 2].sum()) <= max_bytes or len(t) == 1 for _, _, t in out)
     assert np.array_equal(np.concatenate([t for _, _, t in out]), runs)
+
+
+@pytest.mark.parametrize("lay_p, lay_d", [("NHD", "HND"), ("HND", "NHD")])
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_a_layout_change_alone_moves_whole_blocks_and_the_owner_turns_them(lay_p, lay_d, ratio):
+    """Same TP, blocks and heads, layouts HND against NHD: whole blocks move as they lie
+    at the writer (the writer's page checksums equal the owner's of what landed), and the
+    owner's turn puts every row where its layout reads it. Broken mode: an owner that
+    never turns them reads other rows."""
+    from kvferry.cluster.vllm.reshape import same_blocks, turn_blocks, turnable_blocks, whole_blocks
+
+    tokens, seed, block = 70, 3, 16
+    src_blocks, dst_blocks = [9, 2, 5, 0, 7], [4, 10, 1, 6, 3]
+    caches_p = views(lay_p, _BLOCKS, block, HEADS, ratio)
+    caches_d = views(lay_d, _BLOCKS, block, HEADS, ratio)
+    for li in range(LAYERS):
+        for t in range(tokens):
+            for h in range(HEADS):
+                read_row(caches_p, src_blocks, 0, t, h, li)[:] = expected_row(
+                    seed, li, h, t, ROW // 2
+                )
+    src = KVRegions.from_kv_caches(caches_p, _BLOCKS, lay_p)
+    dst = KVRegions.from_kv_caches(caches_d, _BLOCKS, lay_d)
+    assert not same_blocks(src, dst) and turnable_blocks(src, dst) and turnable_blocks(dst, src)
+    assert whole_blocks(src, dst)
+    for i in range(len(src.buffers)):
+        for so, do, n in src.triples(i, src_blocks, dst, dst_blocks).tolist():
+            dst.buffers[i].tensor[do : do + n] = src.buffers[i].tensor[so : so + n]
+    assert torch.equal(src.block_bytes_of(src_blocks), dst.block_bytes_of(dst_blocks))
+
+    def reads_right() -> bool:
+        return all(
+            torch.equal(
+                read_row(caches_d, dst_blocks, 0, t, h, li), expected_row(seed, li, h, t, ROW // 2)
+            )
+            for li in range(LAYERS)
+            for t in range(tokens)
+            for h in range(HEADS)
+        )
+
+    assert not reads_right()  # the broken mode: landed, never turned
+    untouched = dst.block_bytes_of([8]).clone()
+    turn_blocks(dst, src, dst_blocks)
+    assert reads_right()
+    assert torch.equal(dst.block_bytes_of([8]), untouched)  # no other block moved
+
+
+def test_layouts_that_differ_in_more_than_the_order_inside_a_layer_are_not_turned():
+    from kvferry.cluster.vllm.reshape import turnable_blocks
+
+    nhd = KVRegions.from_kv_caches(views("NHD", _BLOCKS, 16, HEADS), _BLOCKS, "NHD")
+    cross = KVRegions.from_kv_caches(views("BNHD", _BLOCKS, 16, HEADS), _BLOCKS, "BNHD")
+    bigger = KVRegions.from_kv_caches(views("HND", _BLOCKS, 32, HEADS), _BLOCKS, "HND")
+    fewer = KVRegions.from_kv_caches(views("HND", _BLOCKS, 16, 2), _BLOCKS, "HND")
+    assert not any(turnable_blocks(nhd, other) for other in (cross, bigger, fewer))

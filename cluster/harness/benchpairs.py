@@ -129,6 +129,7 @@ class Move:
         dst: Workers,
         tokens: int,
         batch_bytes: int,
+        rows: bool = False,
     ) -> None:
         self.eng, self.src, self.dst, self.tokens = src_eng, src, dst, tokens
         self.batch_bytes = batch_bytes
@@ -140,7 +141,7 @@ class Move:
         self.assigned = pairs(src.shape, dst.shape)
         # whole blocks as they lie at the writer, turned by the owner (the connector's
         # path where only the order inside each layer's span differs)
-        self.turned = all(
+        self.turned = not rows and all(
             p == d
             and reshape.turnable_blocks(src.workers[p].regions, dst.workers[d].regions)
             and not reshape.same_blocks(src.workers[p].regions, dst.workers[d].regions)
@@ -242,7 +243,7 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
         prefill = Workers(a, src, *shape, fill=1)
         decode = Workers(b, dst, *shape, fill=0)
         like = Workers(b, src, *shape, fill=0)
-        move = Move(a, b, prefill, decode, args.tokens, args.batch_mib << 20)
+        move = Move(a, b, prefill, decode, args.tokens, args.batch_mib << 20, args.rows)
         base = Move(a, b, prefill, like, args.tokens, args.batch_mib << 20)
         t_pair, t_base = alternate(move.run, base.run, args.reps)
         runs = sum(len(t) for _, _, t in move.batches())
@@ -284,6 +285,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--transports", default="shm")
     ap.add_argument("--only", default="", help="run the pairs whose 'src->dst' contains this")
+    ap.add_argument(
+        "--rows",
+        action="store_true",
+        help="move a pair that differs only inside each layer's span (HND against NHD) as "
+        "rows planned per request, not as whole blocks the decode turns (to compare the two)",
+    )
     args = ap.parse_args(argv)
     print(
         json.dumps(

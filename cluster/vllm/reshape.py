@@ -27,12 +27,14 @@ import numpy as np
 import torch
 
 from kvferry.engine.keysort import lexsort_order
+from kvferry.engine.pool import widest_view
 from kvferry.engine.reshard import KVShape, PoolLayout, ReshardError, assign_heads, head_span
 from kvferry.engine.run_checksum import combine_keyed, run_checksums, word_unit
 
 from .layout import KVRegions, LayerRows, LayoutError
 
 ORDER_SHIFT = 48  # a run's place in its block's region: (buffer << 48) | offset
+TURN_PIECE_BYTES = 512 << 10  # layer spans turned per gather and scatter (cache-sized)
 
 
 @dataclass(frozen=True)
@@ -155,8 +157,9 @@ def whole_blocks(a: KVRegions, b: KVRegions) -> bool:
 def turn_blocks(mine: KVRegions, theirs: KVRegions, blocks: Sequence[int]) -> None:
     """Turn ``blocks`` (scheduler blocks of ``mine``), whose every layer's span holds its
     rows as ``theirs`` orders them (landed whole, :func:`turnable_blocks`), into
-    ``mine``'s order, in place: per layer, a gather of those spans' rows by the writer's
-    strides and a scatter by this worker's (two passes over the bytes, at memory speed)."""
+    ``mine``'s order, in place: per layer and per piece of a few spans (small enough to
+    stay in cache), a gather of the spans, the transpose of their heads and tokens, and a
+    scatter back, each row moved as the widest integer that divides it."""
     if not len(blocks):
         return
     for x, y in zip(theirs.layers, mine.layers, strict=True):
@@ -167,12 +170,19 @@ def turn_blocks(mine: KVRegions, theirs: KVRegions, blocks: Sequence[int]) -> No
             np.asarray(blocks, dtype=np.int64)[:, None] * y.ratio + np.arange(y.ratio)
         ).reshape(-1)
         index = torch.from_numpy(kernel).to(buf.device)
-        size = (mine.num_blocks * y.ratio, y.heads, y.kernel_tokens, y.row_bytes)
-        landed = buf.as_strided(size, (y.block_stride, x.head_stride, x.token_stride, 1), y.offset)
-        rows = landed.index_select(0, index)
-        buf.as_strided(
-            size, (y.block_stride, y.head_stride, y.token_stride, 1), y.offset
-        ).index_copy_(0, index, rows)
+        span = y.heads * y.kernel_tokens * y.row_bytes  # dense (_layer_dense)
+        spans = widest_view(
+            buf.as_strided((mine.num_blocks * y.ratio, span), (y.block_stride, 1), y.offset)
+        )
+        if x.token_stride == x.row_bytes:  # landed heads-major
+            landed = (y.heads, y.kernel_tokens, -1)
+        else:
+            landed = (y.kernel_tokens, y.heads, -1)
+        per = max(1, TURN_PIECE_BYTES // span)
+        for lo in range(0, len(index), per):
+            piece = index[lo : lo + per]
+            rows = spans.index_select(0, piece).view(len(piece), *landed).transpose(1, 2)
+            spans.index_copy_(0, piece, rows.reshape(len(piece), -1))
 
 
 def _check_pair(src: KVRegions, dst: KVRegions) -> None:

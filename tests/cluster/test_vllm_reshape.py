@@ -281,13 +281,18 @@ def test_batches_never_exceed_their_bound_and_keep_every_run(lengths, max_bytes)
 
 
 @pytest.mark.parametrize("lay_p, lay_d", [("NHD", "HND"), ("HND", "NHD")])
-@pytest.mark.parametrize("ratio", [1, 2])
-def test_a_layout_change_alone_moves_whole_blocks_and_the_owner_turns_them(lay_p, lay_d, ratio):
+@pytest.mark.parametrize("ratio, piece_bytes", [(1, 512 << 10), (2, 512 << 10), (2, 1)])
+def test_a_layout_change_alone_moves_whole_blocks_and_the_owner_turns_them(
+    lay_p, lay_d, ratio, piece_bytes, monkeypatch
+):
     """Same TP, blocks and heads, layouts HND against NHD: whole blocks move as they lie
     at the writer (the writer's page checksums equal the owner's of what landed), and the
     owner's turn puts every row where its layout reads it. Broken mode: an owner that
     never turns them reads other rows."""
+    from kvferry.cluster.vllm import reshape
     from kvferry.cluster.vllm.reshape import same_blocks, turn_blocks, turnable_blocks, whole_blocks
+
+    monkeypatch.setattr(reshape, "TURN_PIECE_BYTES", piece_bytes)  # 1: a span per piece
 
     tokens, seed, block = 70, 3, 16
     src_blocks, dst_blocks = [9, 2, 5, 0, 7], [4, 10, 1, 6, 3]

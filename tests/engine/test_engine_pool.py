@@ -110,19 +110,24 @@ def test_a_token_major_pool_over_a_buffer_is_a_view_without_copy():
     assert buffer.view(torch.float32).view(config.storage_shape)[2, 0, 1, 3, 1, 0] == 1.0
 
 
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 4), (torch.bfloat16, 3)])
 @pytest.mark.parametrize("laid_name, own_name", [("HND", "NHD"), ("NHD", "HND"), ("NHD", "NHD")])
-def test_pages_landed_in_another_order_are_turned_into_the_pools(laid_name, own_name):
+def test_pages_landed_in_another_order_are_turned_into_the_pools(
+    laid_name, own_name, dtype, head_dim, monkeypatch
+):
     """A writer of one page size lays its pages as in its memory; the owner's
     ``laid_as`` reads its memory that way (the same bytes: what the writer checksummed),
     and ``relayout`` turns exactly the listed pages into the pool's order, after which
     the model's view holds the writer's KV. Broken: a pool that never turns them shows
     the model other values."""
+    from kvferry.engine import pool as pool_module
     from kvferry.engine.reshard import Order
 
+    monkeypatch.setattr(pool_module, "RELAYOUT_PIECE_BYTES", 1)  # a page per piece
     laid, own = Order[laid_name], Order[own_name]
-    writer = KVPool(PoolConfig(2, 3, 4, 8, 6, order=laid))
+    writer = KVPool(PoolConfig(2, 3, head_dim, 8, 6, dtype=dtype, order=laid))
     writer.kv.copy_(torch.randn_like(writer.kv))
-    owner = KVPool(PoolConfig(2, 3, 4, 8, 6, order=own), zero=True)
+    owner = KVPool(PoolConfig(2, 3, head_dim, 8, 6, dtype=dtype, order=own), zero=True)
     owner.storage.view(-1).copy_(writer.storage.view(-1))  # landed byte for byte
     assert torch.equal(owner.laid_as(laid), writer.storage)
     assert torch.equal(owner.laid_as(laid, (1, 3)), writer.laid_as(laid, (1, 3)))
@@ -143,3 +148,16 @@ def test_laid_as_and_relayout_refuse_what_the_pool_does_not_hold():
         pool.laid_as(Order.HND, (1, 3))
     with pytest.raises(IndexError, match=r"pages outside \[0, 3\)"):
         pool.relayout([0, 3], Order.HND)
+
+
+def test_the_widest_view_moves_the_same_bytes_in_fewer_elements():
+    from kvferry.engine.pool import widest_view
+
+    t = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    assert widest_view(t).dtype == torch.int64 and widest_view(t).shape == (2, 3, 2)
+    odd = torch.zeros(2, 6, dtype=torch.uint8)  # 6 bytes a row: int16
+    assert widest_view(odd).dtype == torch.int16
+    assert widest_view(torch.zeros(2, 3, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    shifted = torch.zeros(40, dtype=torch.uint8)[4:20]  # 16 bytes at an offset of 4: int32
+    assert widest_view(shifted).dtype == torch.int32
+    assert widest_view(t).view(torch.float32).data_ptr() == t.data_ptr()

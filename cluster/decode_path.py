@@ -459,7 +459,8 @@ class DecodePath(ReadPath):
         sums[at : at + len(part.pages)] = part.checksums
         # Pages every writer's parts checked are final (each part's notice follows its
         # flush): turned now, while later parts are in flight, not all after the last.
-        if all(w in req.part_checked for w in req.writers):
+        laid_apart = self._landed_order(req) is not self.pool.order
+        if laid_apart and all(w in req.part_checked for w in req.writers):
             masks = [req.part_checked[w][0] for w in req.writers]
             yield from self._turn(req, np.logical_and.reduce(masks))
 

@@ -268,6 +268,9 @@ def _with_port_retries(start_once: Callable[[], C]) -> C:
     return start_once()
 
 
+RANK_THREADS = 1  # torch's threads in each rank: ranks share this host's cores
+
+
 def cluster_env(secret: str, api_key: str | None) -> dict[str, str]:
     """The environment of one cluster's processes: this one's, with the cluster's own
     secret and API key (or none) in place of any this environment names."""
@@ -276,7 +279,7 @@ def cluster_env(secret: str, api_key: str | None) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in (*trusts.SECRET_VARIABLES, trusts.API_KEY_ENV)
     }
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(RANK_THREADS))
     env[trusts.SECRET_ENV] = secret
     if api_key:
         env[trusts.API_KEY_ENV] = api_key

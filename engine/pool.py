@@ -225,7 +225,14 @@ def plain_cuda_allocation(
     return kv, info
 
 
-RELAYOUT_PIECE_BYTES = 512 << 10  # pages turned per gather and scatter (cache-sized)
+RELAYOUT_PIECE_BYTES = 512 << 10  # pages turned per gather and scatter on a CPU (cache-sized)
+DEVICE_PIECE_BYTES = 64 << 20  # on a GPU: few launches, a bounded temporary
+
+
+def piece_bytes(device: torch.device) -> int:
+    """Bytes a turn (:meth:`KVPool.relayout`) gathers and scatters at a time on
+    ``device``: a CPU's cache, or on a GPU enough to keep its launches few."""
+    return RELAYOUT_PIECE_BYTES if device.type == "cpu" else DEVICE_PIECE_BYTES
 
 
 def widest_view(t: torch.Tensor) -> torch.Tensor:
@@ -378,8 +385,8 @@ class KVPool:
 
     def relayout(self, pages: Sequence[int] | torch.Tensor, laid: Order) -> None:
         """Turn ``pages``, whose bytes lie in order ``laid`` (:meth:`laid_as`, every
-        head), into this pool's order, in place: per piece of a few pages (small enough
-        to stay in cache), a gather and a transposing scatter, each vector moved as the
+        head), into this pool's order, in place: per piece of pages (:func:`piece_bytes`:
+        cache-sized on a CPU), a gather and a transposing scatter, each vector moved as the
         widest integer that divides it (on this CPU about 4 GB/s, a third of a memcpy;
         on any device). Pages already in this pool's order are left as they are."""
         if laid is self.order:
@@ -391,7 +398,7 @@ class KVPool:
             raise IndexError(f"pages outside [0, {self.num_pages})")
         landed = widest_view(self.laid_as(laid))
         pages_flat = widest_view(self.storage).reshape(self.num_pages, -1)
-        per = max(1, RELAYOUT_PIECE_BYTES // self.page_bytes)
+        per = max(1, piece_bytes(self.storage.device) // self.page_bytes)
         for lo in range(0, index.numel(), per):
             piece = index[lo : lo + per]
             rows = landed.index_select(0, piece).transpose(3, 4)

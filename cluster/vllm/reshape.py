@@ -27,14 +27,13 @@ import numpy as np
 import torch
 
 from kvferry.engine.keysort import lexsort_order
-from kvferry.engine.pool import widest_view
+from kvferry.engine.pool import piece_bytes, widest_view
 from kvferry.engine.reshard import KVShape, PoolLayout, ReshardError, assign_heads, head_span
 from kvferry.engine.run_checksum import combine_keyed, run_checksums, word_unit
 
 from .layout import KVRegions, LayerRows, LayoutError
 
 ORDER_SHIFT = 48  # a run's place in its block's region: (buffer << 48) | offset
-TURN_PIECE_BYTES = 512 << 10  # layer spans turned per gather and scatter (cache-sized)
 
 
 @dataclass(frozen=True)
@@ -157,9 +156,10 @@ def whole_blocks(a: KVRegions, b: KVRegions) -> bool:
 def turn_blocks(mine: KVRegions, theirs: KVRegions, blocks: Sequence[int]) -> None:
     """Turn ``blocks`` (scheduler blocks of ``mine``), whose every layer's span holds its
     rows as ``theirs`` orders them (landed whole, :func:`turnable_blocks`), into
-    ``mine``'s order, in place: per layer and per piece of a few spans (small enough to
-    stay in cache), a gather of the spans, the transpose of their heads and tokens, and a
-    scatter back, each row moved as the widest integer that divides it."""
+    ``mine``'s order, in place: per layer and per piece of spans
+    (:func:`~kvferry.engine.pool.piece_bytes`: cache-sized on a CPU), a gather of the
+    spans, the transpose of their heads and tokens, and a scatter back, each row moved as
+    the widest integer that divides it."""
     if not len(blocks):
         return
     for x, y in zip(theirs.layers, mine.layers, strict=True):
@@ -178,7 +178,7 @@ def turn_blocks(mine: KVRegions, theirs: KVRegions, blocks: Sequence[int]) -> No
             landed = (y.heads, y.kernel_tokens, -1)
         else:
             landed = (y.kernel_tokens, y.heads, -1)
-        per = max(1, TURN_PIECE_BYTES // span)
+        per = max(1, piece_bytes(buf.device) // span)
         for lo in range(0, len(index), per):
             piece = index[lo : lo + per]
             rows = spans.index_select(0, piece).view(len(piece), *landed).transpose(1, 2)

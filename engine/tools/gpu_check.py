@@ -696,6 +696,39 @@ def checksum_bandwidth(copy_gbs: float, warmup: int, iters: int) -> None:
         )
 
 
+def relayout_bandwidth(copy_gbs: float, warmup: int, iters: int) -> None:
+    """Pages landed heads-major turned into a token-major pool (what an owner of another
+    layout does after its checks, :meth:`~kvferry.engine.pool.KVPool.relayout`): checked
+    against the writer's pages through the model's view, then timed (read + written, as
+    the copy counts) beside the copy."""
+    from kvferry.engine.pool import KVPool, PoolConfig
+    from kvferry.engine.reshard import Order
+
+    shape = (2, 8, 128, 16, 16 if SMALL else 8192)  # layers, heads, dim, page, pages: 1 GiB
+    writer = KVPool(PoolConfig(*shape, dtype=torch.bfloat16, device=DEV, order=Order.HND))
+    owner = KVPool(PoolConfig(*shape, dtype=torch.bfloat16, device=DEV, order=Order.NHD))
+    writer.kv.normal_()
+    owner.storage.view(-1).copy_(writer.storage.view(-1))  # landed byte for byte
+    pages = torch.randperm(owner.num_pages, device=DEV)[: owner.num_pages // 2]
+    owner.relayout(pages, Order.HND)
+    check(
+        "relayout turns landed pages into the pool's order",
+        torch.equal(owner.kv[pages], writer.kv[pages]),
+    )
+    nbytes = 2 * len(pages) * owner.page_bytes
+    times, _ = cuda_time_interleaved(
+        {"relayout": lambda: owner.relayout(pages, Order.HND)}, warmup, iters, graph=False
+    )
+    t = times["relayout"]
+    emit(
+        "relayout",
+        bytes=nbytes,
+        seconds=t,
+        gb_s=nbytes / t / 1e9,
+        of_copy=nbytes / t / 1e9 / copy_gbs,
+    )
+
+
 # --- GPU page transfer -------------------------------------------------------------
 def _pool_buffer(nbytes: int, device: str) -> torch.Tensor:
     """A pool's bytes: on CUDA one plain allocation (kvferry.engine.pool), zeroed."""
@@ -1128,6 +1161,8 @@ def table() -> None:
             )
         elif r["kind"] == "checksum":
             _row("checksum, whole pool", r, r.get("launch", ""))
+        elif r["kind"] == "relayout":
+            _row("relayout (landed HND -> NHD pool)", r)
         elif r["kind"] == "checksum_launch":
             _row("checksum, another launch", r, r["launch"])
         elif r["kind"] == "transfer" and "gb_s" in r:
@@ -1271,6 +1306,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if time.monotonic() < t0 + args.budget:
             checksum_bandwidth(copy_gbs, args.warmup, args.iters)
+        if time.monotonic() < t0 + args.budget:
+            relayout_bandwidth(copy_gbs, args.warmup, args.iters)
         if args.no_transfer:
             emit("skipped", name="page transfer", reason="--no-transfer")
         elif time.monotonic() < t0 + args.budget:

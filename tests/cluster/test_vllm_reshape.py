@@ -289,10 +289,10 @@ def test_a_layout_change_alone_moves_whole_blocks_and_the_owner_turns_them(
     at the writer (the writer's page checksums equal the owner's of what landed), and the
     owner's turn puts every row where its layout reads it. Broken mode: an owner that
     never turns them reads other rows."""
-    from kvferry.cluster.vllm import reshape
     from kvferry.cluster.vllm.reshape import same_blocks, turn_blocks, turnable_blocks, whole_blocks
+    from kvferry.engine import pool
 
-    monkeypatch.setattr(reshape, "TURN_PIECE_BYTES", piece_bytes)  # 1: a span per piece
+    monkeypatch.setattr(pool, "RELAYOUT_PIECE_BYTES", piece_bytes)  # 1: a span per piece
 
     tokens, seed, block = 70, 3, 16
     src_blocks, dst_blocks = [9, 2, 5, 0, 7], [4, 10, 1, 6, 3]

@@ -235,6 +235,24 @@ def piece_bytes(device: torch.device) -> int:
     return RELAYOUT_PIECE_BYTES if device.type == "cpu" else DEVICE_PIECE_BYTES
 
 
+def turn_rows(rows: torch.Tensor, index: torch.Tensor, landed: tuple[int, ...], axis: int) -> None:
+    """Swap axes ``axis`` and ``axis + 1`` of the rows ``index`` lists, in place: ``rows``
+    is ``[n, row]`` (each row dense), each listed row holding a tensor of shape
+    ``landed`` that becomes the same with those two axes swapped. Per piece of rows
+    (:func:`piece_bytes`), a gather, the transpose and a scatter back, each element moved
+    as the widest integer that divides the rows (:func:`widest_view`). What a pool's
+    pages (:meth:`KVPool.relayout`) and a vLLM cache's layer spans go through when they
+    landed in another layout."""
+    n = rows.shape[0]
+    wide = widest_view(rows)
+    shape = (*landed[:-1], -1)  # the last axis counted in wide elements
+    per = max(1, piece_bytes(rows.device) // max(1, rows.shape[1] * rows.element_size()))
+    for lo in range(0, index.numel(), per):
+        piece = index[lo : lo + per]
+        turned = wide.index_select(0, piece).view(len(piece), *shape).transpose(axis + 1, axis + 2)
+        wide.index_copy_(0, piece, turned.reshape(len(piece), -1))
+
+
 def widest_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` with its last (dense) axis viewed as the widest integer type that divides
     its bytes and its offset: the same memory, fewer and wider elements to move."""
@@ -385,10 +403,9 @@ class KVPool:
 
     def relayout(self, pages: Sequence[int] | torch.Tensor, laid: Order) -> None:
         """Turn ``pages``, whose bytes lie in order ``laid`` (:meth:`laid_as`, every
-        head), into this pool's order, in place: per piece of pages (:func:`piece_bytes`:
-        cache-sized on a CPU), a gather and a transposing scatter, each vector moved as the
-        widest integer that divides it (on this CPU about 4 GB/s, a third of a memcpy;
-        on any device). Pages already in this pool's order are left as they are."""
+        head), into this pool's order, in place (:func:`turn_rows`: on this CPU about 4.8
+        GB/s, against 11 for a memcpy; on any device). Pages already in this pool's order
+        are left as they are."""
         if laid is self.order:
             return
         index = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).to(self.storage.device)
@@ -396,13 +413,8 @@ class KVPool:
             return
         if bool(((index < 0) | (index >= self.num_pages)).any()):
             raise IndexError(f"pages outside [0, {self.num_pages})")
-        landed = widest_view(self.laid_as(laid))
-        pages_flat = widest_view(self.storage).reshape(self.num_pages, -1)
-        per = max(1, piece_bytes(self.storage.device) // self.page_bytes)
-        for lo in range(0, index.numel(), per):
-            piece = index[lo : lo + per]
-            rows = landed.index_select(0, piece).transpose(3, 4)
-            pages_flat.index_copy_(0, piece, rows.reshape(piece.numel(), -1))
+        landed = tuple(self.laid_as(laid).shape[1:])  # [layers, 2, a, b, head_dim]
+        turn_rows(self.storage.view(self.num_pages, -1), index, landed, axis=2)
 
     def _check_page(self, page: int) -> None:
         if not 0 <= page < self.num_pages:

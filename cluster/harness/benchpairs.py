@@ -142,9 +142,7 @@ class Move:
         # whole blocks as they lie at the writer, turned by the owner (the connector's
         # path where only the order inside each layer's span differs)
         self.turned = not rows and all(
-            p == d
-            and reshape.turnable_blocks(src.workers[p].regions, dst.workers[d].regions)
-            and not reshape.same_blocks(src.workers[p].regions, dst.workers[d].regions)
+            p == d and reshape.turned_pair(src.workers[p].regions, dst.workers[d].regions)
             for p, d in self.assigned
         )
         self.plans = self.rows()  # what each owner's rows must hold: the bytes check's

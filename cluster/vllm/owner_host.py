@@ -63,8 +63,7 @@ from .reshape import (
     region_checksums,
     same_blocks,
     turn_blocks,
-    turnable_blocks,
-    whole_blocks,
+    turned_pair,
     writers_of,
 )
 from .sidechannel import Fetcher
@@ -701,9 +700,9 @@ class OwnerHost(WorkerHost):
                 return None, f"prefill worker tp{p} gave no KV geometry in its handshake"
             theirs = KVRegions.from_wire(card["regions"])
             like = prefill.tp == decode.tp and p == self.tp_rank
-            if like and not same_blocks(theirs, self.regions):
-                link.turn_from = theirs if turnable_blocks(theirs, self.regions) else None
-            if not (like and whole_blocks(theirs, self.regions)):
+            if like and turned_pair(theirs, self.regions):
+                link.turn_from = theirs  # whole blocks, turned after the checks
+            elif not (like and same_blocks(theirs, self.regions)):
                 try:
                     link.runs = plan_pair(
                         theirs,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvferry.engine.keysort import lexsort_order
-from kvferry.engine.pool import piece_bytes, widest_view
+from kvferry.engine.pool import turn_rows
 from kvferry.engine.reshard import KVShape, PoolLayout, ReshardError, assign_heads, head_span
 from kvferry.engine.run_checksum import combine_keyed, run_checksums, word_unit
 
@@ -153,13 +153,17 @@ def whole_blocks(a: KVRegions, b: KVRegions) -> bool:
     return same_blocks(a, b) or turnable_blocks(a, b)
 
 
+def turned_pair(a: KVRegions, b: KVRegions) -> bool:
+    """Whole blocks move between the two workers and the owner turns them: turnable
+    (:func:`turnable_blocks`) but not alike (:func:`same_blocks`)."""
+    return turnable_blocks(a, b) and not same_blocks(a, b)
+
+
 def turn_blocks(mine: KVRegions, theirs: KVRegions, blocks: Sequence[int]) -> None:
     """Turn ``blocks`` (scheduler blocks of ``mine``), whose every layer's span holds its
     rows as ``theirs`` orders them (landed whole, :func:`turnable_blocks`), into
-    ``mine``'s order, in place: per layer and per piece of spans
-    (:func:`~kvferry.engine.pool.piece_bytes`: cache-sized on a CPU), a gather of the
-    spans, the transpose of their heads and tokens, and a scatter back, each row moved as
-    the widest integer that divides it."""
+    ``mine``'s order, in place: per layer, the transpose of the heads and tokens of each
+    of those blocks' spans (:func:`~kvferry.engine.pool.turn_rows`)."""
     if not len(blocks):
         return
     for x, y in zip(theirs.layers, mine.layers, strict=True):
@@ -169,20 +173,13 @@ def turn_blocks(mine: KVRegions, theirs: KVRegions, blocks: Sequence[int]) -> No
         kernel = (
             np.asarray(blocks, dtype=np.int64)[:, None] * y.ratio + np.arange(y.ratio)
         ).reshape(-1)
-        index = torch.from_numpy(kernel).to(buf.device)
         span = y.heads * y.kernel_tokens * y.row_bytes  # dense (_layer_dense)
-        spans = widest_view(
-            buf.as_strided((mine.num_blocks * y.ratio, span), (y.block_stride, 1), y.offset)
-        )
+        spans = buf.as_strided((mine.num_blocks * y.ratio, span), (y.block_stride, 1), y.offset)
         if x.token_stride == x.row_bytes:  # landed heads-major
-            landed = (y.heads, y.kernel_tokens, -1)
+            landed = (y.heads, y.kernel_tokens, y.row_bytes)
         else:
-            landed = (y.kernel_tokens, y.heads, -1)
-        per = max(1, piece_bytes(buf.device) // span)
-        for lo in range(0, len(index), per):
-            piece = index[lo : lo + per]
-            rows = spans.index_select(0, piece).view(len(piece), *landed).transpose(1, 2)
-            spans.index_copy_(0, piece, rows.reshape(len(piece), -1))
+            landed = (y.kernel_tokens, y.heads, y.row_bytes)
+        turn_rows(spans, torch.from_numpy(kernel).to(buf.device), landed, axis=0)
 
 
 def _check_pair(src: KVRegions, dst: KVRegions) -> None:

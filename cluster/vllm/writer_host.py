@@ -11,8 +11,7 @@ TP size). A job between like workers (same TP rank and size and block size) move
 whole blocks as they lie here, its layout the decode's or one the decode turns them from
 after its checks (:func:`.reshape.whole_blocks`); any other moves the rows of its heads
 as runs planned once (:func:`.reshape.plan_pair`), with one region checksum per decode
-block. What each effect
-of the writer's table means is
+block. What each effect of the writer's table means is
 :class:`~kvferry.engine.protocol.writer_driver.WriterDriver`'s, as for the service's
 prefill rank; this module turns what reaches the worker (the scheduler's hand-over, the
 decode's PLAN and ABORT, settled batches, the hold timeout) into the table's events and

@@ -240,11 +240,11 @@ def turn_rows(rows: torch.Tensor, index: torch.Tensor, landed: tuple[int, ...], 
     is ``[n, row]`` (each row dense), each listed row holding a tensor of shape
     ``landed`` that becomes the same with those two axes swapped. Per piece of rows
     (:func:`piece_bytes`), a gather, the transpose and a scatter back, each element moved
-    as the widest integer that divides the rows (:func:`widest_view`). What a pool's
+    as the widest integer that divides a vector (:func:`widest_view`). What a pool's
     pages (:meth:`KVPool.relayout`) and a vLLM cache's layer spans go through when they
     landed in another layout."""
     n = rows.shape[0]
-    wide = widest_view(rows)
+    wide = widest_view(rows.view(n, -1, landed[-1])).view(n, -1)  # a vector's width decides
     shape = (*landed[:-1], -1)  # the last axis counted in wide elements
     per = max(1, piece_bytes(rows.device) // max(1, rows.shape[1] * rows.element_size()))
     for lo in range(0, index.numel(), per):

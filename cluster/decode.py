@@ -81,6 +81,7 @@ class Notice:
     checksums: np.ndarray  # empty: integrity checks off
     bytes: int
     prefill_ms: float | None
+    first_token: int | None = None  # the answer's first, from the writer's prefill
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ class OwnedRequest:
     error: str = ""  # REPORT_FAILED's words
     transfer_ms: float | None = None
     prefill_ms: float | None = None  # the slowest writer's prefill compute
+    first_token: int | None = None  # the writers' (None: the first step reads it)
+    noticed_at: float = 0.0  # every notice whole: the last byte landed (the rank's clock)
     warned: bool = False
     # each writer's incarnation when the request was assigned: a notice or an ack from
     # another incarnation of that rank (restarted since) proves nothing for this request
@@ -388,7 +391,13 @@ class DecodeRank(RankBooks):
                 pages, generations, checksums = parts.joined()
                 del req.notice_parts[msg.src]
                 req.notices[msg.src] = Notice(
-                    msg.tokens, pages, generations, checksums, msg.bytes, msg.prefill_ms
+                    msg.tokens,
+                    pages,
+                    generations,
+                    checksums,
+                    msg.bytes,
+                    msg.prefill_ms,
+                    msg.first_token,
                 )
                 whole = True
         self._feed(req, core.on_notice(req.book, msg.src, whole))
@@ -644,6 +653,7 @@ class DecodeRank(RankBooks):
             count=len(req.generated) if finished else None,
             transfer_ms=req.transfer_ms if finished else None,
             prefill_ms=req.prefill_ms if finished else None,
+            landed_ns=int(req.noticed_at * 1e9) if finished and req.noticed_at else None,
         )
 
     def nothing_held(self, rid: str) -> None:

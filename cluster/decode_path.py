@@ -63,6 +63,21 @@ CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step of the checks
 RELAYOUT_SLICE_BYTES = 8 << 20  # pages turned into this pool's order per step
 
 
+def writers_first_token(req: OwnedRequest) -> int | None:
+    """The answer's first token, as every writer's prefill computed it (None: no writer
+    sent one, and the first step reads it from the pages). Writers that disagree wrote
+    from different prompts or models: IntegrityError, with each rank's token."""
+    said = {w: n.first_token for w, n in req.notices.items() if n.first_token is not None}
+    tokens = set(said.values())
+    if len(tokens) > 1:
+        raise IntegrityError(
+            req.rid,
+            "the writers' prefills disagree on the first token: "
+            + ", ".join(f"rank {w} computed {t}" for w, t in sorted(said.items())),
+        )
+    return tokens.pop() if tokens else None
+
+
 def _rows_of(sorted_keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     """The indices of the rows of ``sorted_keys`` (ascending) equal to any of ``wanted``
     (distinct), in ``wanted``'s order: ``[k]`` int64, by bisection."""
@@ -142,6 +157,10 @@ class ReadPath:
     def moved(self, req: OwnedRequest, before: OwnerState) -> None:
         """``req`` moved by the table from ``before`` (a path may start work on it)."""
 
+    def start_decode(self, req: OwnedRequest) -> None:
+        """Verified: the first token the writers' prefill computed goes to the router
+        (a path whose steps read it from the pages sends nothing here)."""
+
 
 class DecodePath(ReadPath):
     """The service's path: ``model`` decodes over ``pool``'s pages, checked against the
@@ -192,10 +211,17 @@ class DecodePath(ReadPath):
         """Verify (I5) in slices (a long prompt's checksums take seconds; see .sliced),
         then decode. An ABORT that arrives meanwhile frees the pages (every writer
         noticed) and the rest of the checks never run."""
-        req.transfer_ms = 1e3 * (self.clock.now() - req.planned_at)
+        req.noticed_at = self.clock.now()
+        req.transfer_ms = 1e3 * (req.noticed_at - req.planned_at)
         times = [n.prefill_ms for n in req.notices.values() if n.prefill_ms is not None]
         req.prefill_ms = max(times) if times else None
         self.rt.faults.raise_at("owner-notice", f"prompt_len={req.prompt_len}")
+        try:
+            req.first_token = writers_first_token(req)
+        except IntegrityError as exc:
+            req.error = f"integrity: {exc}"
+            self.driver.feed(req, OwnerEvent.CORRUPT)
+            return
         if self.unsafe and self._landed_order(req) is self.pool.order:
             self.driver.feed(req, OwnerEvent.VERIFIED)
             return
@@ -613,19 +639,32 @@ class DecodePath(ReadPath):
         for r, tok in zip(batch, out, strict=True):
             if r.state is not OwnerState.DECODING:
                 continue  # ended while its step ran (its events waited for the step)
-            r.generated.append(int(tok))
-            r.unsent.append(int(tok))
-            finished = len(r.generated) >= r.max_tokens or (
-                self.model.stop_token is not None and tok == self.model.stop_token
+            self._emit(r, int(tok))
+
+    def start_decode(self, req: OwnedRequest) -> None:
+        """The prefill's first token goes out as soon as the pages are verified: the
+        first step (at position ``prompt_len``, its input that token) then makes the
+        second. Without one, the first step reads it from the pages."""
+        if req.first_token is None:
+            return
+        self._emit(req, req.first_token)
+
+    def _emit(self, r: OwnedRequest, tok: int) -> None:
+        """``tok`` is ``r``'s next token: TOKENS to the router (the first at once, then
+        every ``TOKEN_FLUSH``), and FINISHED after the last."""
+        r.generated.append(tok)
+        r.unsent.append(tok)
+        finished = len(r.generated) >= r.max_tokens or (
+            self.model.stop_token is not None and tok == self.model.stop_token
+        )
+        if finished or len(r.unsent) >= TOKEN_FLUSH or len(r.generated) == 1:
+            self.rt.send(
+                self.router,
+                m.TOKENS,
+                rid=r.rid,
+                offset=len(r.generated) - len(r.unsent),
+                tokens=r.unsent,
             )
-            if finished or len(r.unsent) >= TOKEN_FLUSH or len(r.generated) == 1:
-                self.rt.send(
-                    self.router,
-                    m.TOKENS,
-                    rid=r.rid,
-                    offset=len(r.generated) - len(r.unsent),
-                    tokens=r.unsent,
-                )
-                r.unsent = []
-            if finished:
-                self.driver.feed(r, OwnerEvent.FINISHED)
+            r.unsent = []
+        if finished:
+            self.driver.feed(r, OwnerEvent.FINISHED)

@@ -235,6 +235,7 @@ class FrontDoor:
                         "total_ms": _ms(time.monotonic(), routed.submitted_at),
                         "prefill_ms": routed.prefill_ms,
                         "transfer_ms": routed.transfer_ms,
+                        "landed_to_first_token_ms": routed.landed_to_first_token_ms,
                     },
                 }
             )

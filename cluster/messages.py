@@ -10,7 +10,8 @@ Flow of one request (router R, prefill writers W1..Wt, decode owner D):
     R -> W*  PREFILL(rid, tokens, owner)          compute KV into the writer's own pages
     R -> D   ASSIGN(rid, prompt_len, max_tokens, writers)
     D -> W*  PLAN(rid, pages, generations)        where to write (after D allocated)
-    W -> D   NOTICE(rid, tokens, checksums, ...)  sent by notify: after the writer's flush
+    W -> D   NOTICE(rid, tokens, checksums, first_token, ...)
+                                                  sent by notify: after the writer's flush
     W -> D   NOTICE_PART(rid, offset, pages, ...) a long prompt, pipelined: these pages
                                                   landed (notify); the owner checks them now
 
@@ -87,8 +88,9 @@ NOTICE = CODEC.kind(
     generations=Field(FieldType.INT64_ARRAY, max_len=PAGES_PER_CHUNK),
     checksums=Field(FieldType.INT64_ARRAY, max_len=PAGES_PER_CHUNK),  # empty: checks off
     bytes=Field(FieldType.INT),  # bytes the writer posted (checked by the owner)
-    prefill_ms=Field(FieldType.FLOAT, optional=True),
-)  # the writer's prefill compute time
+    prefill_ms=Field(FieldType.FLOAT, optional=True),  # the writer's prefill compute time
+    first_token=Field(FieldType.INT, optional=True),  # the answer's first, from the prefill
+)
 NOTICE_PART = CODEC.kind(
     Kind.NOTICE_PART,
     **_HEADER,
@@ -114,6 +116,9 @@ DONE = CODEC.kind(
     count=Field(FieldType.INT, optional=True),  # tokens generated in all (finished)
     transfer_ms=Field(FieldType.FLOAT, optional=True),
     prefill_ms=Field(FieldType.FLOAT, optional=True),
+    # the owner's CLOCK_MONOTONIC (ns) when its writers' last notice arrived: every byte
+    # had landed (a router on the same host times the first token from there)
+    landed_ns=Field(FieldType.INT, optional=True),
 )
 ABORT = CODEC.kind(
     Kind.ABORT,

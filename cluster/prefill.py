@@ -75,6 +75,7 @@ class WriteJob:
     plan_parts: Reassembly | None = None  # PLAN chunks so far
     prefill_started: float = 0.0
     prefill_ms: float | None = None
+    first_token: int | None = None  # the answer's first, computed by the prefill
     abort_source: AbortSource = AbortSource.INTERNAL  # TELL_ABORT's words
     abort_reason: str = ""
 

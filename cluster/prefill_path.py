@@ -190,6 +190,7 @@ class WritePath:
                 checksums=checksums[lo:hi],
                 bytes=job.posted_bytes,
                 prefill_ms=job.prefill_ms,
+                first_token=job.first_token,
             )
             if notice is None:
                 self.driver.fail(
@@ -455,7 +456,7 @@ class PrefillPath(WritePath):
         run.jobs.append(job)
         job.final_pages = run.fed_pages if not self.reshaped(job) else 0
         if run.finished:  # joined after the run's end: only its own checksums are left
-            job.prefill_ms = run.prefill_ms
+            job.prefill_ms, job.first_token = run.prefill_ms, run.first_token
             run_in_slices(
                 self.rt,
                 job.rid,
@@ -480,9 +481,9 @@ class PrefillPath(WritePath):
 
     def _prefill_steps(self, run: _Prefill) -> Iterator[None]:
         """The prefill, one model step at a time (the model yields a layer's index once
-        that layer's KV is in the pages, None between chunks of a layer), stopping once
-        the last layer's KV is written (nothing after it is needed here); then, per job,
-        the checksums the owner will check what lands against (I5), a slice of pages a
+        that layer's KV is in the pages, None between chunks of a layer), to its end: it
+        returns the answer's first token, which the notice carries; then, per job, the
+        checksums the owner will check what lands against (I5), a slice of pages a
         step."""
         first = run.jobs[0]
         assert first.tokens is not None
@@ -504,7 +505,11 @@ class PrefillPath(WritePath):
         while True:
             t0 = self.clock.now()
             with torch.no_grad():
-                layer = next(layers, _END)
+                try:
+                    layer = next(layers)
+                except StopIteration as end:
+                    run.first_token = end.value
+                    layer = _END
             computing += self.clock.now() - t0
             if layer is _END:
                 break
@@ -524,15 +529,13 @@ class PrefillPath(WritePath):
                     return
             if layer is not None:
                 final.after(layer)
-                if layer + 1 >= self.model.layers:
-                    break
         run.prefill_ms = 1e3 * computing
         i = 0
         while i < len(run.jobs):  # a job that joins meanwhile is appended: it is seen too
             job = run.jobs[i]
             i += 1
             if job.state in COMPUTING:
-                job.prefill_ms = run.prefill_ms
+                job.prefill_ms, job.first_token = run.prefill_ms, run.first_token
                 yield from self._checksum_steps(job)
                 run.checksummed.append(job)
         run.finished = True  # a job that joins from now on checksums on its own
@@ -727,6 +730,7 @@ class _Prefill:
     finished: bool = False  # every layer's KV is in, its jobs' checksums are taken
     stopped: bool = False  # every job left computing before it was: it was given up
     prefill_ms: float | None = None
+    first_token: int | None = None  # what the model's prefill returned
 
     def computing(self) -> list[WriteJob]:
         return [j for j in self.jobs if j.state in COMPUTING]

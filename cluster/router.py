@@ -96,6 +96,7 @@ class RoutedRequest(Routed):
     first_token_at: float | None = None
     transfer_ms: float | None = None
     prefill_ms: float | None = None
+    landed_to_first_token_ms: float | None = None  # an owner on this host only
 
     @property
     def text(self) -> str:
@@ -522,6 +523,13 @@ class Router:
             routed.transfer_ms = msg.transfer_ms
             self.metrics.transfer_latency.observe(msg.transfer_ms / 1e3)
         routed.prefill_ms = msg.prefill_ms
+        # the owner's clock is this one when it runs on this host (one CLOCK_MONOTONIC)
+        if (
+            msg.landed_ns is not None
+            and routed.first_token_at is not None
+            and self.cards[routed.owner].host == self.cards[self.rt.rank].host
+        ):
+            routed.landed_to_first_token_ms = 1e3 * (routed.first_token_at - msg.landed_ns / 1e9)
         self.core.on_done(msg.rid, msg.outcome, msg.count, msg.error)
 
     def _on_abort(self, msg: Message) -> None:

@@ -2,9 +2,10 @@
 
 A :class:`DecodeSlot` is everything decode keeps per request: its page list, its prompt
 length, the input token and its position for the next step, and the tokens emitted so far.
-It starts from pages alone (``DecodeSlot.start``): the prefill side contributes nothing
-but the pages, the prompt length and the last prompt token. Callers verify the pages
-(I5) before creating slots.
+It starts from pages (``DecodeSlot.start``): the prefill side contributes the pages, the
+prompt length and the first answer token it computed (without one, the first step reads
+it from the pages, from the last prompt token). Callers verify the pages (I5) before
+creating slots.
 
 The decode rank (:class:`kvferry.cluster.decode.DecodeRank`) does not use this step, on
 purpose: the monolithic engine is the oracle a disaggregated run must match bit for bit,
@@ -42,14 +43,30 @@ class DecodeSlot:
         prompt_len: int,
         last_prompt_token: int,
         max_tokens: int,
+        first_token: int | None = None,
+        stop_token: int | None = None,
     ) -> DecodeSlot:
+        """A slot whose next step follows the prefill's ``first_token`` (already the
+        answer's first), or, without one, reads the first token at the last prompt
+        position."""
+        if first_token is None:
+            return cls(
+                request_id,
+                list(page_row),
+                prompt_len,
+                max_tokens,
+                prompt_len - 1,
+                int(last_prompt_token),
+            )
         return cls(
             request_id,
             list(page_row),
             prompt_len,
             max_tokens,
-            prompt_len - 1,
-            int(last_prompt_token),
+            prompt_len,
+            int(first_token),
+            [int(first_token)],
+            stopped=stop_token is not None and first_token == stop_token,
         )
 
     @property

@@ -7,8 +7,9 @@ Weights are drawn from a seeded generator, so every process builds the same mode
 Prefill runs dense causal attention over the prompt and writes each layer's K/V into pool
 pages (only the KV heads of ``head_range`` for a tensor-parallel shard; the K/V it attends
 over are rounded to the pool dtype first, so prefill sees what decode will read). Decode
-reads K/V only through the page table. Decode needs the pages, the prompt length and the
-last prompt token (see :mod:`.models`).
+reads K/V only through the page table. The prefill returns the first answer token (the
+last position's logits); decode needs the pages, the prompt length and that token (see
+:mod:`.models`).
 
 Tolerance: decode over fp32 pages matches :meth:`LlamaModel.forward_dense` (no pages)
 within 1e-4 absolute on the logits (tests check this); with bf16 pages, within 5e-2. Two
@@ -201,11 +202,40 @@ class LlamaModel(PrefillByLayers):
         page_row: Sequence[int] | torch.Tensor,
         *,
         head_range: tuple[int, int] | None = None,
-    ) -> Generator[int, None, torch.Tensor]:
+    ) -> Generator[int, None, int]:
         """Write the prompt's K/V (heads ``head_range``) into pages one layer at a time:
-        yields each layer's index once its K/V is in the pages, returns the last logits.
+        yields each layer's index once its K/V is in the pages, returns the first answer
+        token (greedy, from the last position's logits, which every shard computes whole).
         A caller that stops early (an abort) has written the layers yielded so far and
         computed nothing more. ``prefill`` (same arguments) runs them all."""
+        logits = yield from self._prefill_layers(kv, tokens, page_row, head_range=head_range)
+        return int(logits.argmax())
+
+    def prefill_logits(
+        self,
+        kv: torch.Tensor,
+        tokens: Sequence[int] | torch.Tensor,
+        page_row: Sequence[int] | torch.Tensor,
+        *,
+        head_range: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """``prefill``, returning the last position's logits ``[vocab]`` fp32."""
+        steps = self._prefill_layers(kv, tokens, page_row, head_range=head_range)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                logits: torch.Tensor = end.value
+                return logits
+
+    def _prefill_layers(
+        self,
+        kv: torch.Tensor,
+        tokens: Sequence[int] | torch.Tensor,
+        page_row: Sequence[int] | torch.Tensor,
+        *,
+        head_range: tuple[int, int] | None = None,
+    ) -> Generator[int, None, torch.Tensor]:
         self._check_pool(kv)
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=self.device).reshape(-1)
         lo, hi = head_range or (0, self.kv_heads)

@@ -1,13 +1,16 @@
 """What the engine needs from a model, and the two models it ships.
 
 A model writes a prompt's K/V into pool pages (``prefill``, or ``prefill_layers``, which
-yields after each layer so that a caller can stop between layers) and produces next tokens
-from pages alone (``decode_step``). Decode convention, shared by both models: a step
-takes, per sequence, an input ``token`` at ``position``; it (re)writes that token's K/V at
-``position`` and attends over positions ``0 .. position``. Decode starting from pages that
-another rank wrote therefore needs only: the page table, the prompt length, and the last
-prompt token (at position ``prompt_len - 1``, whose K/V the prefill already wrote; the
-first step rewrites it with the same values).
+yields after each layer so that a caller can stop between layers) and returns the first
+answer token, which a prefill computes anyway (the last position's output); it produces
+the next tokens from pages alone (``decode_step``). Decode convention, shared by both
+models: a step takes, per sequence, an input ``token`` at ``position``; it (re)writes that
+token's K/V at ``position`` and attends over positions ``0 .. position``. Decode starting
+from pages that another rank wrote therefore needs only: the page table, the prompt
+length, and the prefill's first token (the input at position ``prompt_len``). Without
+that token, a step at ``prompt_len - 1`` with the last prompt token (whose K/V the
+prefill already wrote; the step rewrites it with the same values) reads the first token
+from the pages instead, at the cost of a step over the whole prompt.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class PagedModel(Protocol):
         page_row: Sequence[int] | torch.Tensor,
         *,
         head_range: tuple[int, int] | None = None,
-    ) -> None: ...
+    ) -> int: ...
 
     def prefill_layers(
         self,
@@ -53,9 +56,10 @@ class PagedModel(Protocol):
         page_row: Sequence[int] | torch.Tensor,
         *,
         head_range: tuple[int, int] | None = None,
-    ) -> Generator[int | None, None, object]:
+    ) -> Generator[int | None, None, int]:
         """``prefill`` one layer at a time: yields each layer's index once it is written
-        (and may yield None between chunks of a layer, to let the caller poll)."""
+        (and may yield None between chunks of a layer, to let the caller poll); returns
+        the first answer token (greedy)."""
 
     def decode_step(
         self,

@@ -85,6 +85,7 @@ class _Entry:
     grants: list[PageGrant] = field(default_factory=list)
     written_tokens: int = 0
     written_checksums: dict[int, int] = field(default_factory=dict)  # page -> checksum at write
+    first_token: int | None = None  # the prefill's (None: nothing was written)
     slot: DecodeSlot | None = None
 
 
@@ -179,7 +180,9 @@ class MonolithicEngine:
         )
         row = [g.page for g in entry.grants]
         if written:
-            self.model.prefill(self.pool.kv, request.prompt_tokens[:written], row)
+            entry.first_token = self.model.prefill(
+                self.pool.kv, request.prompt_tokens[:written], row
+            )
         entry.written_tokens = written
         written_pages = -(-written // self.pool.page_size)
         stamped = entry.grants[:written_pages]
@@ -212,6 +215,8 @@ class MonolithicEngine:
             request.prompt_len,
             request.prompt_tokens[-1],
             request.max_tokens,
+            first_token=entry.first_token,
+            stop_token=self.model.stop_token,
         )
         return True
 

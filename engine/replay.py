@@ -69,6 +69,54 @@ def sign_code(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return code
 
 
+def vote(bits: torch.Tensor) -> torch.Tensor:
+    """The token each sequence's attention outputs read as: ``bits`` ``[layers, batch,
+    heads, TOKEN_BITS]`` (the outputs' token dimensions) -> ``[batch]`` int64. Every layer
+    and head must agree and every sign be clear (``|x| >= 0.5``), or the token is
+    ``CONFLICT``: a page whose heads or layers were partly overwritten shows."""
+    weights = 1 << torch.arange(TOKEN_BITS, device=bits.device)
+    per_head = ((bits > 0).long() * weights).sum(-1)  # [layers, B, qh]
+    first = per_head[0, :, 0]
+    agree = (per_head == first[None, :, None]).all(dim=2).all(dim=0)
+    clear = (bits.abs() >= 0.5).all(dim=-1).all(dim=-1).all(dim=0)
+    ok = agree & clear & (first < VOCAB_SIZE)
+    return torch.where(ok, first, torch.full_like(first, CONFLICT))
+
+
+class FirstRead:
+    """One query's softmax attention over keys and values that come a chunk at a time
+    (the running maximum, weight and weighted sum of an online softmax), fp32: how the
+    prefill reads its first answer token while it writes the prompt's K/V, without a
+    second pass over the pages. ``query`` ``[d]``; ``add`` takes ``[n, d]`` keys and
+    values."""
+
+    def __init__(self, query: torch.Tensor, scale: float) -> None:
+        self.query = query.float()
+        self.scale = scale
+        self.top = -math.inf
+        self.weight = torch.zeros((), dtype=torch.float32)
+        self.acc = torch.zeros_like(self.query)
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if not keys.shape[0]:
+            return
+        scores = (keys.float() @ self.query.to(keys.device)) * self.scale  # [n]
+        top = max(self.top, float(scores.max()))
+        carry = math.exp(self.top - top)
+        p = torch.exp(scores - top)
+        self.weight = self.weight * carry + p.sum().cpu()
+        self.acc = self.acc * carry + (p @ values.float()).cpu()
+        self.top = top
+
+    def token(self) -> int:
+        """The token the attention's output reads as (``CONFLICT`` when nothing was
+        added or a sign is not clear)."""
+        if float(self.weight) == 0.0:
+            return CONFLICT
+        out = self.acc / self.weight
+        return int(vote(out[None, None, None, :TOKEN_BITS])[0])
+
+
 class ReplayModel(PrefillByLayers):
     stop_token: int | None = None
 
@@ -119,29 +167,36 @@ class ReplayModel(PrefillByLayers):
         page_row: Sequence[int] | torch.Tensor,
         *,
         head_range: tuple[int, int] | None = None,
-        start_pos: int = 0,
-    ) -> Generator[int | None, None, None]:
-        """Write K/V of ``tokens`` at positions ``start_pos ..`` into the pages of
-        ``page_row``, for KV heads ``head_range`` (default all), one layer at a time and,
-        within a layer, ``prefill_chunk_tokens`` tokens at a time: yields None after each
-        chunk but a layer's last, and the layer's index once all its K/V is in the pages.
-        ``prefill`` (same arguments) writes them all."""
+    ) -> Generator[int | None, None, int]:
+        """Write K/V of ``tokens`` into the pages of ``page_row``, for KV heads
+        ``head_range`` (default all), one layer at a time and, within a layer,
+        ``prefill_chunk_tokens`` tokens at a time: yields None after each chunk but a
+        layer's last, and the layer's index once all its K/V is in the pages. Returns the
+        first answer token: the query of target 0 attended over the prompt's K/V as they
+        are written (:class:`FirstRead`), what decode's first step would read from the
+        pages. ``prefill`` (same arguments) writes them all."""
         self._check_pool(kv)
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=kv.device).reshape(-1)
         lo, hi = head_range or (0, self.kv_heads)
         row = torch.as_tensor(page_row, dtype=torch.int64, device=kv.device)
         n = tokens.numel()
         chunk = self.prefill_chunk_tokens or max(n, 1)
+        # every layer and head holds the same codes here: one read covers them all
+        first_read = FirstRead(self.key_codes(torch.zeros(1, dtype=torch.int64))[0], self.scale)
         for layer in range(self.layers):
             for first in range(0, max(n, 1), chunk):
                 last = min(n, first + chunk)
-                positions = torch.arange(start_pos + first, start_pos + last, device=kv.device)
-                k = self.key_codes(positions)[:, None, :].expand(-1, hi - lo, -1)
-                v = self.value_codes(tokens[first:last])[:, None, :].expand(-1, hi - lo, -1)
-                write_kv_pages(kv, layer, k, v, row, start_pos + first, head_lo=lo)
+                positions = torch.arange(first, last, device=kv.device)
+                keys, values = self.key_codes(positions), self.value_codes(tokens[first:last])
+                if layer == 0:
+                    first_read.add(keys, values)
+                k = keys[:, None, :].expand(-1, hi - lo, -1)
+                v = values[:, None, :].expand(-1, hi - lo, -1)
+                write_kv_pages(kv, layer, k, v, row, first, head_lo=lo)
                 if last < n:
                     yield None
             yield layer
+        return first_read.token()
 
     # --- decode -----------------------------------------------------------------------
     def read_positions(
@@ -174,14 +229,7 @@ class ReplayModel(PrefillByLayers):
                 ownership=ownership if layer == 0 else None,
             )  # [B, qh, d]
             votes.append(out[..., :TOKEN_BITS])
-        bits = torch.stack(votes)  # [layers, B, qh, TOKEN_BITS]
-        weights = 1 << torch.arange(TOKEN_BITS, device=bits.device)
-        per_head = ((bits > 0).long() * weights).sum(-1)  # [layers, B, qh]
-        first = per_head[0, :, 0]
-        agree = (per_head == first[None, :, None]).all(dim=2).all(dim=0)
-        clear = (bits.abs() >= 0.5).all(dim=-1).all(dim=-1).all(dim=0)
-        ok = agree & clear & (first < VOCAB_SIZE)
-        return torch.where(ok, first, torch.full_like(first, CONFLICT))
+        return vote(torch.stack(votes))
 
     def decode_step(
         self,

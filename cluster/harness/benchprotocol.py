@@ -75,13 +75,15 @@ def _use_trust(rt, trust) -> None:
 
 
 class NullModel(PrefillByLayers):
-    """Prefill writes nothing, decode emits token 0: the bench measures the protocol."""
+    """Prefill writes nothing and its first token is 0, decode emits token 0: the bench
+    measures the protocol."""
 
     layers, kv_heads, head_dim, stop_token = LAYERS, KV_HEADS, HEAD_DIM, None
     prefill_chunk_tokens = None  # every layer written whole: no part to pipeline
 
     def prefill_layers(self, kv, tokens, page_row, *, head_range=None):
         yield from range(self.layers)
+        return 0
 
     def decode_step(self, kv, page_table, positions, tokens, prompt_lens) -> torch.Tensor:
         return torch.zeros(len(positions), dtype=torch.int64)

@@ -18,9 +18,10 @@ between two processes, in page runs, no protocol, no checks: ``raw_transfer_ms``
 goal figure ``ttft_over_machine`` = ttft / max(prefill, raw transfer): what the protocol,
 its checks and the handover cost on top of what the machine must do anyway. Time to first
 token counts from the request's arrival at the router (its tokenizing and any wait for
-pages included), and the first token is a decode step over the whole prompt, which that
-floor leaves out: ``ttft_over_machine_and_step`` divides by the floor plus one step. And
-a decode step at that context (``step_ms``: the answer's time after its first token, per
+pages included); the first token is the prefill's, sent on once the owner verified the
+pages, and ``landed_to_first_token_ms`` is the time from the last notice's arrival at the
+owner (every byte landed) to that token at the front door (the summary gives its p50).
+And a decode step at that context (``step_ms``: the answer's time after its first token, per
 token) beside the model's attention alone over a context as long (``attention_ms``, timed
 in this process on a pool of the same shape, on as many torch threads as each rank of a
 local cluster runs: ``attention_threads``), with ``step_over_attention``; and the same
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -183,6 +185,7 @@ def check_case(
                     "prefill_ms": _round(timing.get("prefill_ms")),
                     "transfer_ms": _round(timing.get("transfer_ms")),
                     "ttft_ms": _round(timing.get("ttft_ms")),
+                    "landed_to_first_token_ms": _round(timing.get("landed_to_first_token_ms"), 2),
                     "total_ms": round(wall_ms, 1),
                     "message": None if ok else str(reply.body)[:300],
                 }
@@ -190,7 +193,6 @@ def check_case(
             if must_serve and raw:
                 results[-1].update(_against_machine(results[-1], case, shape))
                 results[-1].update(_step_against_attention(timing, case, shape, length))
-                results[-1].update(_with_first_step(results[-1]))
             print(json.dumps(results[-1]), flush=True)
         held = cluster.quiesce(timeout_s=60, every_rank=True)
         health = cluster.call("GET", "/health", timeout=10).status
@@ -281,19 +283,8 @@ def _step_against_attention(timing: dict, case: Case, shape: Shape, prompt_len: 
     }
 
 
-def _with_first_step(result: dict) -> dict:
-    """The first token comes out of a decode step over the whole prompt, which the goal
-    figure's floor leaves out: ``ttft_over_machine_and_step`` = ttft / (max(prefill, raw
-    write) + one decode step), what the path costs beyond the work it cannot skip."""
-    ttft, step = result.get("ttft_ms"), result.get("step_ms")
-    floor = max(result.get("prefill_ms") or 0.0, result.get("raw_transfer_ms") or 0.0)
-    if not ttft or not step or not floor:
-        return {"ttft_over_machine_and_step": None}
-    return {"ttft_over_machine_and_step": round(ttft / (floor + step), 2)}
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 1)
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
                 layouts=args.kv_layout,
             )
     failed = [r for r in results if not r["ok"]]
+    handovers = [
+        r["landed_to_first_token_ms"] for r in results if r.get("landed_to_first_token_ms")
+    ]
     print(
         json.dumps(
             {
@@ -374,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
                 "summary": True,
                 "checks": len(results),
                 "failed": len(failed),
+                "landed_to_first_token_ms_p50": (
+                    round(statistics.median(handovers), 2) if handovers else None
+                ),
                 "logs": str(log_dir),
             }
         )

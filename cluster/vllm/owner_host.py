@@ -253,6 +253,10 @@ class VerifyPath:
     def verify_parts(self, o: Load) -> None:
         raise NotImplementedError(f"request {o.rid}: a vLLM writer sends no notice parts")
 
+    def start_decode(self, o: Load) -> None:
+        """vLLM's own scheduler takes the loaded request on from here (its prefill's
+        first token is vLLM's)."""
+
     def verify(self, o: Load) -> None:
         h = self.host
         err = ""

@@ -74,6 +74,10 @@ class OwnerDo(IdentityEnum):
     CANCEL_TIMER = "cancel the transfer timeout"
     VERIFY = "run the I5 checks in slices, then VERIFIED or CORRUPT"
     VERIFY_PARTS = "check the pages of the parts that arrived, in slices; CORRUPT on a mismatch"
+    START_DECODE = (
+        "TOKENS with the prefill's first token to the router (FINISHED when it is the "
+        "last), then decode steps"
+    )
     TOMBSTONE = "remember the id as ended: a late ASSIGN or NOTICE is ignored (I2)"
     REPORT_FAILED = "DONE(failed, reason) to the router"
     REPORT_FINISHED = "the last TOKENS and DONE(finished) to the router"
@@ -124,7 +128,7 @@ OWNER_ROWS: dict[tuple[OwnerState, OwnerEvent], Move[OwnerState, OwnerDo]] = {
     (S.AWAITING, E.FAIL_FLUSHED): Move(
         S.CLOSED, (D.REPORT_FAILED, D.TOMBSTONE, D.CANCEL_TIMER, D.FREE)
     ),
-    (S.VERIFYING, E.VERIFIED): Move(S.DECODING),
+    (S.VERIFYING, E.VERIFIED): Move(S.DECODING, (D.START_DECODE,)),
     (S.VERIFYING, E.CORRUPT): Move(
         S.CLOSED, (D.COUNT_INTEGRITY, D.REPORT_FAILED, D.TOMBSTONE, D.FREE)
     ),

@@ -128,6 +128,8 @@ class OwnerDriver(TableDriver[OwnerState, OwnerEvent, OwnerDo, Subject]):
             p.data.verify(req)
         elif do is D.VERIFY_PARTS:
             p.data.verify_parts(req)
+        elif do is D.START_DECODE:
+            p.data.start_decode(req)
         elif do is D.TOMBSTONE:
             p.tombstones.tombstone(rid, p.clock.now())
         elif do is D.REPORT_FAILED:

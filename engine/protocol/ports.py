@@ -165,11 +165,14 @@ class WriterFacts(Protocol):
 class OwnerDataPath(Protocol):
     """The I5 checks and decoding: ``verify`` ends in VERIFIED or CORRUPT, fed back;
     ``verify_parts`` checks the pages of the notice parts that arrived (pipelined) and
-    feeds CORRUPT only on a mismatch."""
+    feeds CORRUPT only on a mismatch; ``start_decode`` gives the router the first token
+    the writers' prefill computed (feeding FINISHED when it is the answer's last)."""
 
     def verify(self, req: Subject) -> None: ...
 
     def verify_parts(self, req: Subject) -> None: ...
+
+    def start_decode(self, req: Subject) -> None: ...
 
 
 class OwnerReport(Protocol):

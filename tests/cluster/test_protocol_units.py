@@ -184,7 +184,12 @@ class _CountingLayers(ReplayModel):
         self.computed = 0
 
     def prefill_layers(self, *args, **kwargs):
-        for layer in super().prefill_layers(*args, **kwargs):
+        steps = super().prefill_layers(*args, **kwargs)
+        while True:
+            try:
+                layer = next(steps)
+            except StopIteration as end:
+                return end.value  # the first token
             self.computed += 1
             yield layer
 
@@ -247,7 +252,7 @@ def test_a_prefill_that_yields_between_layers_still_runs_them_all_and_writes():
         m.PREFILL,
         src=0,
         rid="r9",
-        tokens=np.arange(20, dtype="<i4").tobytes(),
+        tokens=np.arange(3, 23, dtype="<i4").tobytes(),
         offset=0,
         total=20,
         owner=2,
@@ -257,6 +262,8 @@ def test_a_prefill_that_yields_between_layers_still_runs_them_all_and_writes():
         rt.pump()
     assert model.computed == 4
     assert rt.writes and "NOTICE" in rt.kinds()
+    notice = next(f for _, k, f in rt.sent if k == "NOTICE")
+    assert notice["first_token"] == 3  # the replay's first answer token: the prompt's first
 
 
 def test_a_writer_acks_again_when_the_owner_asks_again():

@@ -25,8 +25,9 @@ def test_paged_decode_matches_dense(kv_dtype, atol):
     dense = model.forward_dense(tokens, kv_dtype=kv_dtype)
     pool = KVPool(model.pool_config(page_size=8, num_pages=12, dtype=kv_dtype))
     row = [11, 3, 7, 0, 5, 9]  # scattered pages
-    last = model.prefill(pool.kv, tokens[:25], row)
+    last = model.prefill_logits(pool.kv, tokens[:25], row)
     torch.testing.assert_close(last, dense[24], atol=atol, rtol=0)
+    assert model.prefill(pool.kv, tokens[:25], row) == int(last.argmax())  # the first token
     table = torch.tensor([row], dtype=torch.int32)
     for position in range(24, 40):  # first step rewrites the last prompt position
         logits = model.decode_logits(

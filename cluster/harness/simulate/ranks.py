@@ -470,9 +470,10 @@ class _WorldClock:
 class SimReadPath(ReadPath):
     """The owner's data path in the simulated world: the I5 checks take ``verify_s``
     (occupying the rank, in slices, when the service model is on) and pass, then the
-    request decodes ``max_tokens`` steps of ``decode_step_s`` (the batch the rank steps
-    counted), with TOKENS after the first step and at the end. An abort's clock starts
-    when the rank began handling it (the service model)."""
+    request sends the first token its prefill computed at once and decodes the other
+    ``max_tokens - 1`` in steps of ``decode_step_s`` (the batch the rank steps counted),
+    with TOKENS at the end. An abort's clock starts when the rank began handling it (the
+    service model)."""
 
     def __init__(
         self, runtime: SimRuntime, pool: SimPool, router: int, times: RankTimes, *, unsafe: bool
@@ -504,9 +505,9 @@ class SimReadPath(ReadPath):
         if self.sim.svc is not None:
             n = self._decoding
             self.sim.bg.stepping(self.now, self.times.decode_step(n) if n else None)
-        if after is OwnerState.DECODING:  # verified: the first step's token comes next
-            step = self.times.decode_step(self._decoding)
-            self.rt.call_later(step, lambda: self._first_token(req))
+
+    def start_decode(self, req: OwnedRequest) -> None:
+        self._first_token(req)
 
     def verify(self, req: OwnedRequest) -> None:
         req.transfer_ms = 1e3 * (self.now - req.planned_at)
@@ -525,7 +526,7 @@ class SimReadPath(ReadPath):
     def _verified(self, req: OwnedRequest) -> None:
         if req.state is not OwnerState.VERIFYING:
             return  # aborted meanwhile: the rest of the checks never run
-        self.driver.feed(req, OwnerEvent.VERIFIED)  # DECODING: moved() starts the steps
+        self.driver.feed(req, OwnerEvent.VERIFIED)  # DECODING: the first token, then steps
 
     def _first_token(self, req: OwnedRequest) -> None:
         if req.state is not OwnerState.DECODING:

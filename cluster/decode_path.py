@@ -257,10 +257,12 @@ class DecodePath(ReadPath):
             check_notice(planned, notice)
             if not self.integrity:
                 continue
-            check_canaries(planned, self.canaries.rows(notice.pages))
             checked = req.part_checked.get(w)
+            index = None  # the pages' places in the allocation (None: all, in order)
             if checked is not None and len(notice.checksums) == len(notice.pages):
-                notice, planned = self._unchecked(req, w, notice, planned, *checked)
+                # the parts checked their pages' canaries (check_part): only the rest now
+                notice, planned, index = self._unchecked(req, w, notice, planned, *checked)
+            check_canaries(planned, self.canaries.rows(notice.pages), index=index)
             yield from checksum_steps(planned, notice, checksums_of, per_step)
 
     def _checks(
@@ -418,23 +420,23 @@ class DecodePath(ReadPath):
         planned: Planned,
         mask: np.ndarray,
         sums: np.ndarray,
-    ) -> tuple[VerifyNotice, Planned]:
-        """The notice and plan cut to the pages no part checked; IntegrityError when the
-        notice gives a checked page another checksum than its part did."""
+    ) -> tuple[VerifyNotice, Planned, np.ndarray]:
+        """The notice and plan cut to the pages no part checked, and those pages' places
+        in the notice; IntegrityError when the notice gives a checked page another
+        checksum than its part did."""
         given = np.asarray(notice.checksums, dtype=np.int64)
         differ = np.flatnonzero(mask & (given != sums))
         if differ.size:
-            pages = [notice.pages[i] for i in differ[:4]]
             raise IntegrityError(
                 req.rid,
                 f"writer rank {writer}'s notice gives {differ.size} pages other checksums "
-                f"than its parts did (first: {pages})",
+                f"than its parts did (first: {[int(notice.pages[i]) for i in differ[:4]]})",
             )
         rest = np.flatnonzero(~mask)
-        pages = np.asarray(notice.pages)[rest].tolist()
-        gens = np.asarray(notice.generations)[rest].tolist()
-        cut = VerifyNotice(writer, notice.tokens, pages, gens, given[rest].tolist(), notice.bytes)
-        return cut, Planned(planned.rid, planned.tokens, pages, gens, planned.bytes)
+        pages = np.asarray(notice.pages)[rest]
+        gens = np.asarray(notice.generations)[rest]
+        cut = VerifyNotice(writer, notice.tokens, pages, gens, given[rest], notice.bytes)
+        return cut, Planned(planned.rid, planned.tokens, pages, gens, planned.bytes), rest
 
     def verify_parts(self, req: OwnedRequest) -> None:
         """The pipelined path: check the notice parts that arrived (the part's pages and

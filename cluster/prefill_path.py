@@ -35,6 +35,7 @@ from kvferry.engine.reshard import (
     span_geometry,
 )
 from kvferry.engine.run_checksum import region_checksums, split_at_pages, word_unit
+from kvferry.engine.stepwise import chunk_bounds
 from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
 from kvferry.transfer.wire import Message
 
@@ -748,12 +749,16 @@ class _Prefill:
 
 class _FinalPages:
     """How many of a prompt's source pages are final while its prefill runs: every layer
-    written. A model that writes a layer in chunks of ``prefill_chunk_tokens`` tokens
-    (yielding None between them) makes pages final chunk by chunk during its last layer;
-    one that does not chunk (``None``) makes them all final at once, with its last layer."""
+    written. A model that writes a layer in pieces of ``prefill_chunk_tokens`` tokens at
+    most (yielding None between them; the pieces of
+    :func:`~kvferry.engine.stepwise.chunk_bounds`) makes pages final piece by piece during
+    its last layer; one that does not chunk (``None``) makes them all final at once, with
+    its last layer."""
 
     def __init__(self, model: Any, tokens: int, page_size: int) -> None:
-        self.chunk: int | None = model.prefill_chunk_tokens
+        chunk: int | None = model.prefill_chunk_tokens
+        # the tokens written once each piece of a layer is (the last: the whole layer)
+        self.written = [hi for _, hi in chunk_bounds(tokens, chunk)] if chunk else []
         self.last_layer = model.layers - 1
         self.tokens, self.page_size = tokens, page_size
         self.layers_done = 0
@@ -768,8 +773,8 @@ class _FinalPages:
             self.layers_done, self.chunks_in_layer = yielded + 1, 0
         if self.layers_done > self.last_layer:
             done = self.tokens
-        elif self.layers_done == self.last_layer and self.chunk:
-            done = min(self.tokens, self.chunks_in_layer * self.chunk)
+        elif self.layers_done == self.last_layer and self.written and self.chunks_in_layer:
+            done = self.written[min(self.chunks_in_layer, len(self.written)) - 1]
         else:
             done = 0
         full = -(-done // self.page_size) if done == self.tokens else done // self.page_size

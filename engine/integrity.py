@@ -251,8 +251,8 @@ class CanaryTable:
             mirror = self._mirrors[device] = self.table.to(device)
         return mirror
 
-    def _write(self, pages: Sequence[int], rows: torch.Tensor) -> None:
-        index = torch.as_tensor(list(pages), dtype=torch.int64)
+    def _write(self, pages: PageList, rows: torch.Tensor) -> None:
+        index = torch.from_numpy(np.asarray(pages, dtype=np.int64).reshape(-1))
         self.table[index] = rows
         for device, mirror in self._mirrors.items():
             mirror[index.to(device)] = rows.to(device)
@@ -277,7 +277,7 @@ class CanaryTable:
         index = torch.from_numpy(np.asarray(pages, dtype=np.int64).reshape(-1))
         return self.table[index].clone()
 
-    def load(self, pages: Sequence[int], rows: torch.Tensor) -> None:
+    def load(self, pages: PageList, rows: torch.Tensor) -> None:
         self._write(pages, rows.to(torch.int64))
 
     def mismatched(self, pages: Sequence[int], expected: Sequence[Canary]) -> list[int]:

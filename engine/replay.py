@@ -39,7 +39,7 @@ from .attention import write_kv_pages, write_kv_tokens
 from .kernels import paged_decode_attention  # Triton on CUDA tensors, the torch reference elsewhere
 from .kernels.ownership import PageOwnership
 from .pool import PoolConfig, check_pool_shape
-from .stepwise import PrefillByLayers
+from .stepwise import PrefillByLayers, chunk_bounds
 from .tokenizer import CONFLICT, TOKEN_BITS, VOCAB_SIZE
 
 PREFILL_CHUNK_TOKENS = 1 << 16  # tokens a prefill step writes (a long prompt yields between)
@@ -169,23 +169,22 @@ class ReplayModel(PrefillByLayers):
         head_range: tuple[int, int] | None = None,
     ) -> Generator[int | None, None, int]:
         """Write K/V of ``tokens`` into the pages of ``page_row``, for KV heads
-        ``head_range`` (default all), one layer at a time and, within a layer,
-        ``prefill_chunk_tokens`` tokens at a time: yields None after each chunk but a
-        layer's last, and the layer's index once all its K/V is in the pages. Returns the
-        first answer token: the query of target 0 attended over the prompt's K/V as they
-        are written (:class:`FirstRead`), what decode's first step would read from the
-        pages. ``prefill`` (same arguments) writes them all."""
+        ``head_range`` (default all), one layer at a time and, within a layer, in pieces
+        of up to ``prefill_chunk_tokens`` tokens (:func:`chunk_bounds`): yields None after
+        each piece but a layer's last, and the layer's index once all its K/V is in the
+        pages. Returns the first answer token: the query of target 0 attended over the
+        prompt's K/V as they are written (:class:`FirstRead`), what decode's first step
+        would read from the pages. ``prefill`` (same arguments) writes them all."""
         self._check_pool(kv)
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=kv.device).reshape(-1)
         lo, hi = head_range or (0, self.kv_heads)
         row = torch.as_tensor(page_row, dtype=torch.int64, device=kv.device)
         n = tokens.numel()
-        chunk = self.prefill_chunk_tokens or max(n, 1)
+        pieces = chunk_bounds(n, self.prefill_chunk_tokens or max(n, 1))
         # every layer and head holds the same codes here: one read covers them all
         first_read = FirstRead(self.key_codes(torch.zeros(1, dtype=torch.int64))[0], self.scale)
         for layer in range(self.layers):
-            for first in range(0, max(n, 1), chunk):
-                last = min(n, first + chunk)
+            for first, last in pieces:
                 positions = torch.arange(first, last, device=kv.device)
                 keys, values = self.key_codes(positions), self.value_codes(tokens[first:last])
                 if layer == 0:

@@ -2,12 +2,36 @@
 (an abort) or poll between them, and the one-call ``prefill`` the models build on it.
 
 ``prefill_layers`` yields a layer's index once that layer's KV is in the pages, and may
-yield None between pieces of one layer (chunks of a long prompt's tokens)."""
+yield None between pieces of one layer (chunks of a long prompt's tokens). A model that
+writes a layer in pieces (``prefill_chunk_tokens``) cuts it as :func:`chunk_bounds` does:
+a writer that pipelines counts the tokens written from the pieces it was told of."""
 
 from __future__ import annotations
 
 from collections.abc import Generator
 from typing import Any, Protocol
+
+TAIL_DIVISOR = 16  # a layer's last chunk is halved down to a piece this many times smaller
+
+
+def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
+    """``[first, last)`` pieces of ``n`` tokens: ``chunk`` tokens each, but the last
+    chunk's worth is cut in halves down to ``chunk // TAIL_DIVISOR`` (then the rest). A
+    pipelined writer sends each piece's pages once they are final, and what its owner
+    checks after the last byte landed is the last piece: the smaller, the sooner the
+    first token, for a few more pieces in all."""
+    least = max(1, chunk // TAIL_DIVISOR)
+    bounds, first = [], 0
+    while n - first > chunk:
+        bounds.append((first, first + chunk))
+        first += chunk
+    while n - first > least:
+        step = max(least, (n - first) // 2)
+        bounds.append((first, first + step))
+        first += step
+    if n > first or not bounds:
+        bounds.append((first, n))
+    return bounds
 
 
 class _HasPrefillLayers(Protocol):

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_protocol_units import RecordingRuntime, _owner
 
 from kvferry.cluster import decode_path
@@ -20,6 +23,7 @@ from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol import writer as wc
 from kvferry.engine.protocol.table import Move, replace
 from kvferry.engine.protocol.writer import WriterDo, WriterEvent, WriterState
+from kvferry.engine.stepwise import chunk_bounds
 
 CHUNK = 32  # tokens of a layer per prefill step: a 100-token prompt makes 4 steps
 PAGE = 16
@@ -309,13 +313,14 @@ def test_a_notice_that_disagrees_with_its_part_fails_the_request(compared, monke
 
         def cut_only(req, writer, notice, planned, mask, sums):
             rest = np.flatnonzero(~mask)
-            pages = np.asarray(notice.pages)[rest].tolist()
-            gens = np.asarray(notice.generations)[rest].tolist()
-            sums_left = np.asarray(notice.checksums)[rest].tolist()
+            pages = np.asarray(notice.pages)[rest]
+            gens = np.asarray(notice.generations)[rest]
+            sums_left = np.asarray(notice.checksums)[rest]
             cut = decode_path.VerifyNotice(
                 writer, notice.tokens, pages, gens, sums_left, notice.bytes
             )
-            return cut, decode_path.Planned(planned.rid, planned.tokens, pages, gens, planned.bytes)
+            planned = decode_path.Planned(planned.rid, planned.tokens, pages, gens, planned.bytes)
+            return cut, planned, rest
 
         monkeypatch.setattr(decode_path.DecodePath, "_unchecked", staticmethod(cut_only))
     owner, rt = _owner()
@@ -347,3 +352,46 @@ def test_a_part_that_names_pages_outside_its_plan_fails_the_request():
     done = [f for _, k, f in rt.sent if k == "DONE"]
     assert len(done) == 1 and "notice part names 2 pages from index 1" in done[0]["error"]
     assert owner.reqs["o4"].state is OwnerState.QUARANTINED
+
+
+@pytest.mark.parametrize("counted", [True, False], ids=["by-pieces", "broken-whole-chunks"])
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(1, 300),
+    chunk=st.integers(1, 80),
+    layers=st.integers(1, 3),
+    page_size=st.sampled_from([1, 4, 16]),
+)
+def test_a_page_counts_as_final_only_once_every_layer_of_it_is_written(
+    counted, tokens, chunk, layers, page_size
+):
+    """The writer's count of final pages follows the model's pieces (whole chunks, then
+    a halved tail): at every yield of the prefill, each page it counts final holds its
+    K/V in every layer, as after the whole prefill. Broken mode (a count that takes
+    every piece for a whole chunk) counts pages of the tail final before they are
+    written, and the test sees it wherever the tail has more than one piece."""
+    from kvferry.cluster.prefill_path import _FinalPages
+
+    model = ReplayModel(
+        ReplayConfig(
+            layers=layers, kv_heads=1, head_dim=16, max_positions=512, prefill_chunk_tokens=chunk
+        )
+    )
+    pages = -(-tokens // page_size)
+    prompt = torch.arange(tokens) % 200 + 1
+    done = KVPool(model.pool_config(page_size, pages))
+    pool = KVPool(model.pool_config(page_size, pages))
+    done.kv.zero_(), pool.kv.zero_()
+    model.prefill(done.kv, prompt, list(range(pages)))
+    final = _FinalPages(model, tokens, page_size)
+    if not counted:
+        final.written = [min(tokens, chunk * (i + 1)) for i in range(len(final.written))]
+    early = 0
+    for yielded in model.prefill_layers(pool.kv, prompt, list(range(pages))):
+        n = final.after(yielded)
+        if not torch.equal(pool.kv[:n], done.kv[:n]):
+            early += 1
+    if counted:
+        assert early == 0
+    elif len(chunk_bounds(tokens, chunk)) > -(-tokens // chunk) + 1:
+        assert early > 0  # the test catches the count that runs ahead of the writes

@@ -4,8 +4,11 @@ a request whose writers disagree on it."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import pytest
-from test_protocol_units import _assign_and_notice_fields, _owner
+from test_protocol_units import _assign_and_notice_fields, _owner, _routed
 
 from kvferry.cluster import decode_path
 from kvferry.cluster import messages as m
@@ -107,3 +110,24 @@ def test_writers_that_disagree_on_the_first_token_fail_the_request(checked, monk
     assert done["outcome"] == "failed"
     assert "rank 1 computed 5, rank 3 computed 6" in done["error"]
     assert owner.integrity_failures == 1 and owner.allocator.counts()["free"] == 64
+
+
+@pytest.mark.parametrize("owner_host", ["h", "elsewhere"])
+def test_the_router_times_the_handover_on_one_host_only(owner_host):
+    """DONE says when the owner's last notice arrived (its CLOCK_MONOTONIC): a router on
+    the same host gives the time from then to the first token; one whose owner runs on
+    another host has no clock to compare with, and gives none."""
+
+    async def run():
+        router, rt = _routed()
+        router.cards[2] = dataclasses.replace(router.cards[2], host=owner_host)
+        routed = await router.submit("hi", 2)
+        rt.deliver(m.TOKENS, src=2, rid=routed.rid, offset=0, tokens=[104, 105])
+        landed_ns = round(routed.first_token_at * 1e9) - 3_000_000  # 3 ms before
+        rt.deliver(m.DONE, src=2, rid=routed.rid, outcome="finished", count=2, landed_ns=landed_ns)
+        if owner_host == "h":
+            assert routed.landed_to_first_token_ms == pytest.approx(3.0, abs=1e-3)
+        else:
+            assert routed.landed_to_first_token_ms is None
+
+    asyncio.run(run())

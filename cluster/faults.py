@@ -490,17 +490,23 @@ class FaultPlan(FaultHooks):
     def tamper_source(
         self, rid: str, tokens: np.ndarray, pool: Any, pages: Sequence[int], heads: tuple[int, int]
     ) -> None:
-        """corrupt-page: negate the value vector of the first token (layer 0, the first
-        head of this writer), after its checksum: the bytes on the wire no longer match
-        the checksums sent."""
+        """corrupt-page: negate the value vector of the prompt's second token (layer 0,
+        the first head of this writer), after its checksum: the bytes on the wire no
+        longer match the checksums sent. The second, because decode reads it (its first
+        step's target; the answer's first token is the prefill's own), so without the
+        checks the damage shows in the answer."""
         if self.corrupt_marker is None or self.corrupt_marker not in self._text(rid, tokens):
             return
-        pool.kv[pages[0], 0, 1, heads[0], 0, :].neg_()
+        page_size = pool.kv.shape[4]
+        position = min(1, len(pages) * page_size - 1)
+        page = pages[position // page_size]
+        pool.kv[page, 0, 1, heads[0], position % page_size, :].neg_()
         log.warning(
-            "fault: request %s: corrupted the first token's values in source page "
-            "%d after its checksum",
+            "fault: request %s: corrupted position %d's values in source page %d after "
+            "its checksum",
             rid,
-            pages[0],
+            position,
+            page,
         )
 
     def pages_to_write(self, rid: str, tokens: np.ndarray, pages: int) -> int:

@@ -472,7 +472,9 @@ class DecodePath(ReadPath):
         planned, view = self._planned(req, part.writer)
         at = part.offset
         mine = check_part(planned, part.writer, at, part.pages, part.generations, part.checksums)
-        check_canaries(mine, self.canaries.rows(part.pages), first=at)
+        check_canaries(
+            mine, self.canaries.rows(part.pages), index=np.arange(at, at + len(part.pages))
+        )
         notice = VerifyNotice(
             part.writer, req.prompt_len, part.pages, part.generations, part.checksums, mine.bytes
         )

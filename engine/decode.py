@@ -49,23 +49,18 @@ class DecodeSlot:
         """A slot whose next step follows the prefill's ``first_token`` (already the
         answer's first), or, without one, reads the first token at the last prompt
         position."""
-        if first_token is None:
-            return cls(
-                request_id,
-                list(page_row),
-                prompt_len,
-                max_tokens,
-                prompt_len - 1,
-                int(last_prompt_token),
-            )
+        if first_token is None:  # the first step reads it at the last prompt position
+            position, token, output = prompt_len - 1, int(last_prompt_token), []
+        else:
+            position, token, output = prompt_len, int(first_token), [int(first_token)]
         return cls(
             request_id,
             list(page_row),
             prompt_len,
             max_tokens,
-            prompt_len,
-            int(first_token),
-            [int(first_token)],
+            position,
+            token,
+            output,
             stopped=stop_token is not None and first_token == stop_token,
         )
 

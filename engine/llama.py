@@ -28,7 +28,7 @@ from .attention import write_kv_pages, write_kv_tokens
 from .kernels import paged_decode_attention  # Triton on CUDA tensors, the torch reference elsewhere
 from .kernels.ownership import PageOwnership
 from .pool import PoolConfig, check_pool_shape
-from .stepwise import PrefillByLayers
+from .stepwise import PrefillByLayers, run_to_end
 from .tokenizer import EOS, VOCAB_SIZE
 
 
@@ -220,13 +220,10 @@ class LlamaModel(PrefillByLayers):
         head_range: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """``prefill``, returning the last position's logits ``[vocab]`` fp32."""
-        steps = self._prefill_layers(kv, tokens, page_row, head_range=head_range)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as end:
-                logits: torch.Tensor = end.value
-                return logits
+        logits: torch.Tensor = run_to_end(
+            self._prefill_layers(kv, tokens, page_row, head_range=head_range)
+        )
+        return logits
 
     def _prefill_layers(
         self,

@@ -88,30 +88,31 @@ class FirstRead:
     (the running maximum, weight and weighted sum of an online softmax), fp32: how the
     prefill reads its first answer token while it writes the prompt's K/V, without a
     second pass over the pages. ``query`` ``[d]``; ``add`` takes ``[n, d]`` keys and
-    values."""
+    values. The running figures stay on the keys' device (no host sync a chunk)."""
 
     def __init__(self, query: torch.Tensor, scale: float) -> None:
         self.query = query.float()
         self.scale = scale
-        self.top = -math.inf
-        self.weight = torch.zeros((), dtype=torch.float32)
-        self.acc = torch.zeros_like(self.query)
+        self.top: torch.Tensor | None = None  # the largest score so far (None: no key yet)
+        self.weight: torch.Tensor | None = None
+        self.acc: torch.Tensor | None = None
 
     def add(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         if not keys.shape[0]:
             return
         scores = (keys.float() @ self.query.to(keys.device)) * self.scale  # [n]
-        top = max(self.top, float(scores.max()))
-        carry = math.exp(self.top - top)
+        top = scores.max() if self.top is None else torch.maximum(self.top, scores.max())
         p = torch.exp(scores - top)
-        self.weight = self.weight * carry + p.sum().cpu()
-        self.acc = self.acc * carry + (p @ values.float()).cpu()
-        self.top = top
+        weight, acc = p.sum(), p @ values.float()
+        if self.top is not None and self.weight is not None and self.acc is not None:
+            carry = torch.exp(self.top - top)
+            weight, acc = self.weight * carry + weight, self.acc * carry + acc
+        self.top, self.weight, self.acc = top, weight, acc
 
     def token(self) -> int:
         """The token the attention's output reads as (``CONFLICT`` when nothing was
         added or a sign is not clear)."""
-        if float(self.weight) == 0.0:
+        if self.weight is None or self.acc is None:
             return CONFLICT
         out = self.acc / self.weight
         return int(vote(out[None, None, None, :TOKEN_BITS])[0])

@@ -34,6 +34,15 @@ def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def run_to_end(steps: Generator[Any, None, Any]) -> Any:
+    """Run a prefill generator through every step; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
 class _HasPrefillLayers(Protocol):
     def prefill_layers(self, *args: Any, **kwargs: Any) -> Generator[int | None, None, Any]: ...
 
@@ -45,9 +54,4 @@ class PrefillByLayers:
     def prefill(
         self: _HasPrefillLayers, kv: Any, tokens: Any, page_row: Any, **options: Any
     ) -> Any:
-        layers = self.prefill_layers(kv, tokens, page_row, **options)
-        while True:
-            try:
-                next(layers)
-            except StopIteration as end:
-                return end.value
+        return run_to_end(self.prefill_layers(kv, tokens, page_row, **options))

@@ -90,30 +90,27 @@ def _head(values: PageList, n: int = 8) -> list[int]:
 
 
 def expected_canary_rows(
-    rid: str, generations: PageList, first: int = 0, index: npt.NDArray[np.int64] | None = None
+    rid: str, generations: PageList, index: npt.NDArray[np.int64] | None = None
 ) -> torch.Tensor:
     """``[n, 3]`` int64: the canary rows (request id hash, generation, index) the pages
-    of ``rid``'s allocation must carry, in page-list order, from its page ``first`` (or
-    at the allocation's indices ``index``, one a page)."""
+    of ``rid``'s allocation must carry, in page-list order: the allocation's first ``n``
+    pages, or those at its indices ``index`` (one a page)."""
     gens = np.asarray(generations, dtype=np.int64).reshape(-1)
     rows = np.empty((gens.size, 3), dtype=np.int64)  # numpy: a request of a few pages
     rows[:, 0] = request_id_hash(rid)  # pays microseconds, not a torch call's each
     rows[:, 1] = gens
-    rows[:, 2] = np.arange(first, first + gens.size) if index is None else index
+    rows[:, 2] = np.arange(gens.size) if index is None else index
     return torch.from_numpy(rows)
 
 
 def check_canaries(
-    planned: Planned,
-    rows: torch.Tensor,
-    first: int = 0,
-    index: npt.NDArray[np.int64] | None = None,
+    planned: Planned, rows: torch.Tensor, index: npt.NDArray[np.int64] | None = None
 ) -> None:
     """Check 4: ``rows`` (``[n, 3]``, the side table's rows of the planned pages, in
-    order; ``first``: the index of the first of them in the allocation, for a part, or
-    ``index``, each one's, for pages picked from it) equal the request's own;
+    order) equal the request's own; ``index``: each page's place in the allocation, for
+    a part or the pages no part checked (default: the allocation's first ``n``).
     IntegrityError naming the pages that differ."""
-    expected = expected_canary_rows(planned.rid, planned.generations, first, index)
+    expected = expected_canary_rows(planned.rid, planned.generations, index)
     bad = rows.to(torch.int64).cpu() != expected
     wrong = bad.any(dim=1).nonzero().flatten()[:8].numpy()
     if len(wrong):

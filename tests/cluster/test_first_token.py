@@ -13,6 +13,8 @@ from test_protocol_units import _assign_and_notice_fields, _owner, _routed
 from kvferry.cluster import decode_path
 from kvferry.cluster import messages as m
 from kvferry.cluster.decode import OwnerState
+from kvferry.engine.protocol import owner as oc
+from kvferry.engine.protocol.table import Move, replace
 
 
 def _tokens_sent(rt) -> list[tuple[int, list[int]]]:
@@ -131,3 +133,28 @@ def test_the_router_times_the_handover_on_one_host_only(owner_host):
             assert routed.landed_to_first_token_ms is None
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("after_checks", [True, False], ids=["after-checks", "broken-early"])
+def test_a_request_whose_pages_fail_the_checks_gets_no_first_token(after_checks):
+    """I5: the prefill's token leaves only with VERIFIED, so pages that fail their
+    checksums fail the request without a token. Broken mode (a table that gives the
+    token when the last notice arrives, beside the checks) sends it for corrupt pages,
+    and the test sees it."""
+    owner, rt = _owner(integrity=True)
+    if not after_checks:
+        S, E, D = oc.OwnerState, oc.OwnerEvent, oc.OwnerDo
+        early = Move(S.VERIFYING, (D.CANCEL_TIMER, D.VERIFY, D.START_DECODE))
+        owner.driver.table = replace(owner.driver.table, {(S.AWAITING, E.ALL_NOTICED): early})
+    notice = _assign_and_notice_fields(owner, rt, "f5", checksums=True)
+    notice["checksums"][1] ^= 1  # page 1 landed other bytes than its writer checksummed
+    rt.sent.clear()
+    rt.deliver(m.NOTICE, src=1, first_token=5, **notice)
+    rt.pump()
+    if not after_checks:
+        assert _tokens_sent(rt) == [(0, [5])]  # the test catches the early token
+        return
+    assert _tokens_sent(rt) == []
+    done = next(f for _, k, f in rt.sent if k == "DONE")
+    assert done["outcome"] == "failed" and "checksum mismatch" in done["error"]
+    assert owner.allocator.counts()["free"] == 64

@@ -303,6 +303,14 @@ def test_a_corrupt_part_fails_the_request_but_keeps_its_pages_from_the_writer(
     assert [f["how"] for _, k, f in rt.sent if k == "RELEASED"] == ["acked"]
 
 
+def _deliver_notice(owner, rt: RecordingRuntime, rid: str, whole: dict) -> None:
+    """Writer 1's whole NOTICE of ``rid``'s 3 pages (40 tokens) with ``whole``'s pages,
+    generations and checksums, then one pump for its checks."""
+    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
+    rt.deliver(m.NOTICE, src=1, rid=rid, tokens=40, total=3, bytes=3 * slice_bytes, **whole)
+    rt.pump()
+
+
 @pytest.mark.parametrize("compared", [True, False], ids=["compared", "broken-trusted"])
 def test_a_notice_that_disagrees_with_its_part_fails_the_request(compared, monkeypatch):
     """The whole notice must repeat the checksums a part was checked against: the pages a
@@ -329,9 +337,7 @@ def test_a_notice_that_disagrees_with_its_part_fails_the_request(compared, monke
     rt.pump()
     whole = _part(owner, pages, gens, 0, 3)
     whole["checksums"][0] ^= 1  # not what the part said
-    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
-    rt.deliver(m.NOTICE, src=1, rid="o3", tokens=40, total=3, bytes=3 * slice_bytes, **whole)
-    rt.pump()
+    _deliver_notice(owner, rt, "o3", whole)
     if not compared:
         assert owner.reqs["o3"].state is OwnerState.DECODING  # the test catches the skip
         return
@@ -395,3 +401,29 @@ def test_a_page_counts_as_final_only_once_every_layer_of_it_is_written(
         assert early == 0
     elif len(chunk_bounds(tokens, chunk)) > -(-tokens // chunk) + 1:
         assert early > 0  # the test catches the count that runs ahead of the writes
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "broken-parts-only"])
+def test_the_notice_checks_the_canaries_of_the_pages_no_part_checked(checked, monkeypatch):
+    """A part checked pages 0-1 (their canaries too); the notice checks only page 2's,
+    at its place in the allocation. A page 2 whose canary names another request fails
+    the request with no token. Broken mode (an owner that leaves every canary to the
+    parts) decodes over it, and the test sees it."""
+    from kvferry.engine.integrity import Canary, request_id_hash
+
+    owner, rt = _owner()
+    pages, gens = _assign(owner, rt, "o9")
+    rt.deliver(m.NOTICE_PART, src=1, rid="o9", **_part(owner, pages, gens, 0, 2))
+    rt.pump()
+    if not checked:  # from the notice on: the part's check ran
+        monkeypatch.setattr(decode_path, "check_canaries", lambda planned, rows, index=None: None)
+    owner.path.canaries.stamp([pages[2]], [Canary(request_id_hash("another"), gens[2], 2)])
+    rt.sent.clear()
+    _deliver_notice(owner, rt, "o9", _part(owner, pages, gens, 0, 3))
+    if not checked:
+        assert owner.reqs["o9"].state is OwnerState.DECODING  # the test catches the skip
+        return
+    assert "TOKENS" not in rt.kinds()
+    done = [f for _, k, f in rt.sent if k == "DONE"]
+    assert len(done) == 1 and f"canary mismatch on pages [{pages[2]}]" in done[0]["error"]
+    assert "o9" not in owner.reqs

@@ -75,7 +75,7 @@ class _Forgetful(FirstRead):
     """Broken mode: each chunk's softmax starts afresh (what was summed is dropped)."""
 
     def add(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.top = -math.inf
+        self.top = self.weight = self.acc = None
         super().add(keys, values)
 
 
@@ -98,6 +98,7 @@ def test_the_online_read_equals_one_softmax_over_every_key(read_class, n, cuts, 
     read = read_class(query, scale)
     for lo, hi in itertools.pairwise(bounds):
         read.add(keys[lo:hi], values[lo:hi])
+    assert read.weight is not None and read.acc is not None
     got = read.acc / read.weight
     want = _dense(query, keys, values, scale)
     assert math.isfinite(float(read.weight))

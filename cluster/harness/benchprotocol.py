@@ -20,7 +20,8 @@ in flight: each one finished lets the next one in, as a serving cluster admits w
 The cases alternate for ``--cycles`` cycles (raw, protocol, raw, ...), so that drift in the
 machine's speed hits both alike. With two or more CPUs the writer runs on CPU 0 and the
 owner and the driver on CPU 1, in both cases: ranks get cores of their own when deployed.
-gbps is the bytes of a cycle's requests after its warm-up over the time they took; each
+gbps is the bytes of a cycle's requests in its steady state (after a warm-up, before the
+drain of the last ``--inflight``: :class:`Window`) over the time they took; each
 case's line gives the median over cycles, and the ratio line the median of the per-cycle
 ratios protocol/raw. Prints one JSON line per case (keys: bench, case, cycles, requests,
 inflight, bytes_per_request, gbps, gbps_per_cycle, p50_ms: the median request latency)
@@ -42,6 +43,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,6 +52,10 @@ from kvferry.engine.protocol.words import Kind
 from kvferry.engine.stepwise import PrefillByLayers
 
 LAYERS, KV_HEADS, PAGE_SIZE, HEAD_DIM = 8, 8, 16, 128
+PAGE_BYTES = LAYERS * 2 * KV_HEADS * PAGE_SIZE * HEAD_DIM * 2  # bf16: 512 KiB
+# Each case's window moves at least this much (a 16 MiB request takes about 2 ms here:
+# 60 of them would be a window of 0.15 s, at the mercy of one scheduling hiccup).
+WINDOW_BYTES, MIN_REQUESTS = 4 << 30, 60
 WRITER, OWNER = 1, 2
 
 
@@ -89,6 +95,37 @@ class NullModel(PrefillByLayers):
         return torch.zeros(len(positions), dtype=torch.int64)
 
 
+@dataclass
+class Window:
+    """The steady state of a closed loop of ``total`` requests: the completions after the
+    first ``warm`` and up to the ``last``-th, each of which let another request in.
+
+    The ``total - last`` completions after it are the drain: no request follows them,
+    and in the raw case the writer had copied those requests' bytes before they finished
+    (its writes are done when posted), so they arrive for free; counted, they would
+    credit the raw case with bytes it moved before the window opened."""
+
+    warm: int
+    last: int
+    opened: float = 0.0
+    closed: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+
+    def finished(self, done: int, latency: float) -> None:
+        """The ``done``-th completion, ``latency`` seconds after its request started."""
+        now = time.perf_counter()
+        if done == self.warm:
+            self.opened = now
+        elif self.warm < done <= self.last:
+            self.latencies.append(latency)
+            if done == self.last:
+                self.closed = now
+
+    def result(self) -> tuple[float, list[float]]:
+        """(seconds the window lasted, latencies of its requests)."""
+        return self.closed - self.opened, self.latencies
+
+
 def _pool_config(pages: int):
     from kvferry.engine.pool import PoolConfig
 
@@ -101,16 +138,23 @@ def _pin(cpu: int) -> None:
 
 
 def _raw_writer(
-    engine, owner, seg, rseg, pool, received: list, total: int, warm: int, pages: int, inflight: int
+    engine,
+    owner,
+    seg,
+    rseg,
+    pool,
+    received: list,
+    total: int,
+    window: Window,
+    pages: int,
+    inflight: int,
 ) -> tuple[float, list[float]]:
     from kvferry.engine.allocator import PageAllocator
 
     pb = pool.page_bytes
     src_pages, dst_pages = PageAllocator(pool.num_pages), PageAllocator(pool.num_pages)
     started: dict[int, float] = {}
-    latencies: list[float] = []
     posted = done = 0
-    t0 = time.perf_counter()
 
     def post(i: int) -> None:
         started[i] = time.perf_counter()
@@ -133,14 +177,11 @@ def _raw_writer(
             src_pages.free(str(i))
             dst_pages.free(str(i))
             done += 1
-            if done == warm:
-                t0 = time.perf_counter()
-            if done > warm:
-                latencies.append(time.perf_counter() - started[i])
+            window.finished(done, time.perf_counter() - started[i])
             if posted < total:
                 post(posted)
                 posted += 1
-    return time.perf_counter() - t0, latencies
+    return window.result()
 
 
 def _raw_owner(engine, received: list, total: int) -> None:
@@ -161,8 +202,6 @@ def _child(
     rank: int,
     inbox: mp.Queue,
     outbox: mp.Queue,
-    total: int,
-    warm: int,
     pool_pages: int,
     inflight: int,
     secret: str,
@@ -234,7 +273,7 @@ def _child(
     rt.set_handlers({**worker.handlers, Kind.SHUTDOWN: lambda msg: stop.append(1)}, role=role)
     freeze_long_lived_objects()  # as a serving rank does (launch.py)
     while (cmd := inbox.get()) != "stop":
-        case, pages = cmd
+        case, pages, total, warm = cmd
         cpu0 = time.process_time()
         if case == "raw":
             engine.set_message_handler(on_raw)
@@ -242,7 +281,16 @@ def _child(
             if role == "writer":
                 outbox.put(
                     _raw_writer(
-                        engine, owner, seg, rseg, pool, received, total, warm, pages, inflight
+                        engine,
+                        owner,
+                        seg,
+                        rseg,
+                        pool,
+                        received,
+                        total,
+                        Window(warm, total - inflight),
+                        pages,
+                        inflight,
                     )
                 )
             else:
@@ -258,21 +306,27 @@ def _child(
 
 
 def _drive_protocol(
-    rt, m, cards, tokens: bytes, total: int, warm: int, pages: int, inflight: int, phase_tag: str
+    rt,
+    m,
+    cards,
+    tokens: bytes,
+    total: int,
+    window: Window,
+    pages: int,
+    inflight: int,
+    phase_tag: str,
 ) -> tuple[float, list[float]]:
     """Keep ``inflight`` requests in the protocol: each one finished (DONE from the owner,
     RELEASED from both ranks) lets the next one in. Request ids carry ``phase_tag`` (ids
-    never repeat across phases). Returns the time the requests after the warm-up took,
-    and their latencies."""
+    never repeat across phases). Returns the time the window's requests took, and their
+    latencies."""
     started: dict[str, float] = {}
     seen: dict[str, set] = {}
-    latencies: list[float] = []
     failed: list[str] = []
     posted = done = 0
-    t0 = time.perf_counter()
 
     def on_message(msg) -> None:
-        nonlocal done, posted, t0
+        nonlocal done, posted
         if msg.kind == "DONE" and msg.outcome != "finished":
             failed.append(f"request {msg.rid}: {msg.outcome} {msg.error}")
         if msg.kind not in ("DONE", "RELEASED") or msg.rid not in seen:
@@ -283,10 +337,7 @@ def _drive_protocol(
             return
         del seen[msg.rid]
         done += 1
-        if done == warm:
-            t0 = time.perf_counter()
-        if done > warm:
-            latencies.append(time.perf_counter() - started[msg.rid])
+        window.finished(done, time.perf_counter() - started[msg.rid])
         if posted < total:
             post(posted)
             posted += 1
@@ -325,16 +376,17 @@ def _drive_protocol(
         if time.monotonic() > deadline:
             raise RuntimeError(f"{total - done} requests did not finish: {sorted(seen)[:5]}")
         rt.pump(0.05)
-    return time.perf_counter() - t0, latencies
+    return window.result()
 
 
 def _report(
     results: dict[str, list[tuple[float, list[float]]]],
     cpu: dict[str, dict[str, list[float]]],
     pages: int,
+    requests: int,
     args,
 ) -> None:
-    request_bytes = pages * LAYERS * 2 * KV_HEADS * PAGE_SIZE * HEAD_DIM * 2
+    request_bytes = pages * PAGE_BYTES
     rates: dict[str, list[float]] = {}
     for case, runs in results.items():
         rates[case] = [len(lat) * request_bytes / elapsed / 1e9 for elapsed, lat in runs]
@@ -344,7 +396,7 @@ def _report(
                     "bench": "protocol_cost",
                     "case": case,
                     "cycles": args.cycles,
-                    "requests": args.requests,
+                    "requests": requests,
                     "inflight": args.inflight,
                     "pages_per_request": pages,
                     "bytes_per_request": request_bytes,
@@ -398,8 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--requests",
         type=int,
-        default=60,
-        help="requests measured per case and cycle (after a warm-up)",
+        default=0,
+        help="requests measured per case and cycle, between the warm-up and the drain "
+        "(default: enough for 4 GiB, at least 60)",
     )
     p.add_argument(
         "--pages",
@@ -432,7 +485,6 @@ def main(argv: list[str] | None = None) -> int:
 
     secret = generate_secret()  # the bench's own cluster secret, as a serving cluster has
     warm = 2 * args.inflight
-    total = args.requests + warm
     ctx = mp.get_context("spawn")
     queues = {r: (ctx.Queue(), ctx.Queue()) for r in (WRITER, OWNER)}
     procs = [
@@ -443,8 +495,6 @@ def main(argv: list[str] | None = None) -> int:
                 r,
                 queues[r][0],
                 queues[r][1],
-                total,
-                warm,
                 pool_pages,
                 args.inflight,
                 secret,
@@ -490,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     rt = RankRuntime(0, engine, cards, trust=trust)
     freeze_long_lived_objects()  # as the router does (launch.py)
 
-    def phase(cmd: tuple[str, int]) -> None:
+    def phase(cmd: tuple[str, int, int, int]) -> None:
         for r in (WRITER, OWNER):
             queues[r][0].put(cmd)
         for r in (WRITER, OWNER):
@@ -498,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"rank {r} did not start the {cmd[0]} phase")
 
     for pages in sizes:
+        requests = args.requests or max(MIN_REQUESTS, -(-WINDOW_BYTES // (pages * PAGE_BYTES)))
+        total = warm + requests + args.inflight  # the last in flight: the drain
         tokens = np.zeros(pages * PAGE_SIZE, dtype="<i4").tobytes()
         results: dict[str, list[tuple[float, list[float]]]] = {"raw": [], "protocol": []}
         if args.compare_mac:
@@ -506,17 +558,17 @@ def main(argv: list[str] | None = None) -> int:
             case: {"writer": [], "owner": [], "driver": []} for case in results
         }
 
-        def phase_cpu(case: str, driver_s: float, cpu: dict = cpu) -> None:
+        def phase_cpu(case: str, driver_s: float, cpu: dict = cpu, total: int = total) -> None:
             for r, role in ((WRITER, "writer"), (OWNER, "owner")):
                 cpu[case][role].append(queues[r][1].get(timeout=120) / total)
             cpu[case]["driver"].append(driver_s / total)
 
         for cycle in range(args.cycles):
-            phase(("raw", pages))
+            phase(("raw", pages, total, warm))
             results["raw"].append(queues[WRITER][1].get(timeout=600))
             phase_cpu("raw", 0.0)
             for case in [c for c in results if c != "raw"]:
-                phase((case, pages))
+                phase((case, pages, total, warm))
                 _use_trust(rt, _no_mac() if case == "protocol_unauthenticated" else trust)
                 c0 = time.process_time()
                 results[case].append(
@@ -526,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                         cards,
                         tokens,
                         total,
-                        warm,
+                        Window(warm, total - args.inflight),
                         pages,
                         args.inflight,
                         f"{pages}p-{cycle}-{case}",
@@ -536,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
                 for r in (WRITER, OWNER):
                     rt.send(r, m.SHUTDOWN)  # ends the phase's serving loop
                 phase_cpu(case, driver_s)
-        _report(results, cpu, pages, args)
+        _report(results, cpu, pages, requests, args)
     for r in (WRITER, OWNER):
         queues[r][0].put("stop")
     for _ in range(50):

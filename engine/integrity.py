@@ -274,8 +274,9 @@ class CanaryTable:
         return None if row[0] == self.EMPTY else Canary(*row)
 
     def rows(self, pages: PageList) -> torch.Tensor:
-        index = torch.from_numpy(np.asarray(pages, dtype=np.int64).reshape(-1))
-        return self.table[index].clone()
+        # numpy's gather on the table's memory (a copy, as torch's indexing makes one)
+        index = np.asarray(pages, dtype=np.int64).reshape(-1)
+        return torch.from_numpy(self.table.numpy()[index])
 
     def load(self, pages: PageList, rows: torch.Tensor) -> None:
         self._write(pages, rows.to(torch.int64))

@@ -95,12 +95,18 @@ def expected_canary_rows(
     """``[n, 3]`` int64: the canary rows (request id hash, generation, index) the pages
     of ``rid``'s allocation must carry, in page-list order: the allocation's first ``n``
     pages, or those at its indices ``index`` (one a page)."""
+    return torch.from_numpy(_expected_rows(rid, generations, index))
+
+
+def _expected_rows(
+    rid: str, generations: PageList, index: npt.NDArray[np.int64] | None
+) -> npt.NDArray[np.int64]:
     gens = np.asarray(generations, dtype=np.int64).reshape(-1)
     rows = np.empty((gens.size, 3), dtype=np.int64)  # numpy: a request of a few pages
     rows[:, 0] = request_id_hash(rid)  # pays microseconds, not a torch call's each
     rows[:, 1] = gens
     rows[:, 2] = np.arange(gens.size) if index is None else index
-    return torch.from_numpy(rows)
+    return rows
 
 
 def check_canaries(
@@ -110,9 +116,16 @@ def check_canaries(
     order) equal the request's own; ``index``: each page's place in the allocation, for
     a part or the pages no part checked (default: the allocation's first ``n``).
     IntegrityError naming the pages that differ."""
-    expected = expected_canary_rows(planned.rid, planned.generations, index)
-    bad = rows.to(torch.int64).cpu() != expected
-    wrong = bad.any(dim=1).nonzero().flatten()[:8].numpy()
+    expected = _expected_rows(planned.rid, planned.generations, index)
+    # compared in numpy: a few calls of a microsecond (the check sits between the last
+    # byte landing and the first token), where torch pays tens of microseconds a call
+    got = rows.to(torch.int64).cpu().numpy()
+    if got.shape != expected.shape:
+        raise IntegrityError(
+            planned.rid,
+            f"{len(got)} canary rows for the {len(expected)} {planned.unit}s planned",
+        )
+    wrong = np.flatnonzero((got != expected).any(axis=1))[:8]
     if len(wrong):
         pages = _ints(planned.pages)[wrong].tolist()
         raise IntegrityError(planned.rid, f"canary mismatch on {planned.unit}s {pages}")

@@ -53,6 +53,7 @@ xgrammar==0.2.9
 msgpack==1.2.4
 cffi==2.1.1
 cryptography==50.0.2
+blake3==1.0.11
 libucx-cu12==1.22.0
 setuptools==84.2.1
 wheel

@@ -20,11 +20,14 @@ per use, each under its own label, so no key serves two purposes:
   cannot fence a live rank (an exit record is proof that a writer is gone) or stop a
   cluster's start.
 
-One MAC per message, keyed BLAKE2b with a 16-byte tag (RFC 7693's keyed mode, made to be
-a MAC: no HMAC construction around it). The key of each (destination, incarnation) is
-derived once and kept as a keyed BLAKE2b object that each message copies: about 0.5 µs for
-a control message against 1.9 µs for a copied HMAC-SHA256 object (2.3 µs for a one-shot
-``hmac.digest``), on this project's CI machine. Store records and cards, written rarely,
+One MAC per message: keyed BLAKE3 (its keyed-hash mode, made to be a MAC: no HMAC
+construction around it), truncated to a 16-byte tag. The key of each (destination,
+incarnation) is derived once and kept as a keyed hasher that each message copies. A small
+control message costs about 0.6 µs, as keyed BLAKE2b did (1.9 µs for a copied HMAC-SHA256
+object); a long prompt's 2 MiB PREFILL chunk costs 0.3 ms, against 2.2 ms with BLAKE2b and
+1.1 ms with HMAC-SHA256 over this CPU's SHA extensions, and the tag is made by the sender
+and checked by the receiver before the prefill can start (the same for a million-token
+NOTICE or PLAN), on this project's CI machine. Store records and cards, written rarely,
 keep HMAC-SHA256. Tags are compared with ``hmac.compare_digest``.
 
 What this does not protect (README, "Threat model"): the data plane. UCX's tcp and
@@ -45,6 +48,7 @@ import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from blake3 import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -55,7 +59,7 @@ SECRET_FILE_ENV = "KVFERRY_SECRET_FILE"
 SECRET_VARIABLES = (SECRET_ENV, SECRET_FILE_ENV)
 MIN_SECRET_BYTES = 32
 TAG_BYTES = 32  # HMAC-SHA256: store records and cards
-MESSAGE_TAG_BYTES = 16  # keyed BLAKE2b: control messages
+MESSAGE_TAG_BYTES = 16  # keyed BLAKE3: control messages
 NONCE_BYTES = 12  # AES-GCM
 _SALT = b"kvferry cluster secret v1"
 _DST = struct.Struct("<qQ")  # destination rank, destination incarnation
@@ -110,14 +114,14 @@ class Trust:
 
     # -------------------------------------------------------------- control messages
     def _keyed(self, dst: int, dst_incarnation: int) -> Any:
-        """The BLAKE2b object keyed for one destination incarnation (its key derived from
+        """The BLAKE3 hasher keyed for one destination incarnation (its key derived from
         the message key, once, then kept), for each message to copy."""
         keyed = self._sealers.get((dst, dst_incarnation))
         if keyed is None:
             key = hmac.digest(
                 self._message_key, _DST.pack(dst, dst_incarnation & (2**64 - 1)), "sha256"
             )
-            keyed = hashlib.blake2b(key=key, digest_size=MESSAGE_TAG_BYTES)
+            keyed = blake3(key=key)
             if len(self._sealers) > 4096:
                 self._sealers.clear()
             self._sealers[(dst, dst_incarnation)] = keyed
@@ -127,7 +131,7 @@ class Trust:
         """``data`` with its tag for rank ``dst`` in ``dst_incarnation``."""
         h = self._keyed(dst, dst_incarnation).copy()
         h.update(data)
-        return data + h.digest()
+        return data + h.digest(MESSAGE_TAG_BYTES)
 
     def opener(self, dst: int, dst_incarnation: int) -> Callable[[bytes], bytes | None]:
         """For the receiver ``dst`` in ``dst_incarnation``: a function from a payload to
@@ -140,7 +144,7 @@ class Trust:
             body = payload[:-MESSAGE_TAG_BYTES]  # the decoder copies a view anyway
             h = keyed.copy()
             h.update(body)
-            if not equal(h.digest(), payload[-MESSAGE_TAG_BYTES:]):
+            if not equal(h.digest(MESSAGE_TAG_BYTES), payload[-MESSAGE_TAG_BYTES:]):
                 return None
             return body
 

@@ -55,6 +55,7 @@ from .config import ServeConfig, add_serve_arguments, config_from_args
 from .decode import DecodeRank
 from .faults import FaultPlan
 from .frontdoor import FrontDoor
+from .heap import keep_freed_buffers
 from .hostid import this_host
 from .metrics import ClusterMetrics
 from .models import build_model, pool_config
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     role = topology.role(rank)
     setup_logging(args.log_level, rank, role)
+    log.info("%s", keep_freed_buffers().describe())  # before the first long prompt's buffers
     log.info(
         "cluster secret from %s (fingerprint %s); front door %s",
         secret_source,

@@ -62,7 +62,7 @@ class WriteJob:
     src_pages: list[int] = field(default_factory=list)
     dst_pages: np.ndarray | None = None  # the owner's plan: int64 page ids
     dst_generations: np.ndarray | None = None
-    checksums: list[int] = field(default_factory=list)
+    checksums: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # int64
     runs: np.ndarray | None = None  # reshaped: its runs into owner pages 0, 1, ... (planned once)
     posted_bytes: int = 0
     sent_pages: int = 0  # prompt pages written (all, unless a fault)

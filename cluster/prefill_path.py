@@ -363,7 +363,7 @@ class PrefillPath(WritePath):
         runs[:, 1] = np.asarray(job.dst_pages[:needed], dtype=np.int64)[page] * page_bytes + within
         return runs
 
-    def _region_checksums(self, job: WriteJob) -> list[int]:
+    def _region_checksums(self, job: WriteJob) -> np.ndarray:
         """Per destination page of the prompt, in order, the checksum of what this writer
         writes into it; the page numbers do not change the values, so they are taken
         before the plan is in (pages 0, 1, ... stand for the plan's)."""
@@ -374,7 +374,7 @@ class PrefillPath(WritePath):
         pages, sums = region_checksums(self.pool.storage, runs, dst_page_bytes, unit, read=0)
         if pages.tolist() != list(range(needed)):  # pragma: no cover - the plan covers each
             raise AssertionError(f"request {job.rid}: regions of pages {pages.tolist()[:8]}")
-        return sums.tolist()
+        return np.asarray(sums, dtype=np.int64)
 
     # -------------------------------------------------------------- faults
     def at_point(self, job: WriteJob, point: str, then: Callable[[WriteJob], Any]) -> None:
@@ -555,7 +555,9 @@ class PrefillPath(WritePath):
         for start in range(len(job.checksums), len(job.src_pages), per_step):
             if job.state not in COMPUTING:
                 return
-            job.checksums.extend(self._checksums(job, start, start + per_step))
+            job.checksums = np.concatenate(
+                [job.checksums, self._checksums(job, start, start + per_step)]
+            )
             yield
 
     def _view(self, job: WriteJob) -> torch.Tensor:
@@ -563,7 +565,7 @@ class PrefillPath(WritePath):
         (:meth:`~kvferry.engine.pool.KVPool.laid_as`): what it checksums."""
         return self.pool.laid_as(self.pool.order, self.route(job).heads)
 
-    def _checksums(self, job: WriteJob, lo: int, hi: int) -> list[int]:
+    def _checksums(self, job: WriteJob, lo: int, hi: int) -> np.ndarray:
         """The checksums of the job's source pages ``[lo, hi)`` as the owner will find
         them in its pages (I5). A share of the heads into a member that holds exactly
         those heads fills each of its pages with the route's runs in order: their region
@@ -572,7 +574,7 @@ class PrefillPath(WritePath):
         when the view is not dense: :func:`~kvferry.engine.integrity.page_checksums`)."""
         route = self.route(job)
         if route.heads == (0, self.pool.kv_heads) or route.heads != route.dst_heads:
-            return page_checksums(self._view(job), job.src_pages[lo:hi]).tolist()
+            return page_checksums(self._view(job), job.src_pages[lo:hi]).cpu().numpy()
         src = job.src_pages[lo:hi]
         n = len(src)  # the regions are pages 0 .. n-1; the pool is read from its first byte
         triples = self._route_runs(job, src, np.arange(n))
@@ -581,7 +583,7 @@ class PrefillPath(WritePath):
         dst_page_bytes = self._job_runs(job).dst_page_bytes
         pages, sums = region_checksums(self.pool.storage, triples, dst_page_bytes, unit)
         assert len(pages) == n, f"request {job.rid}: {len(pages)} regions of {n}"
-        return sums.tolist()
+        return np.asarray(sums, dtype=np.int64)
 
     # -------------------------------------------------------------- writing
     def _triples(self, job: WriteJob, lo: int, hi: int) -> np.ndarray:
@@ -684,7 +686,7 @@ class PrefillPath(WritePath):
                     f"request {job.rid}: part [{lo}, {hi}) to post, but {len(job.checksums)} "
                     "pages checksummed"
                 )
-            job.checksums.extend(self._checksums(job, lo, hi))
+            job.checksums = np.concatenate([job.checksums, self._checksums(job, lo, hi)])
         faults = self.rt.faults
         if faults.enabled and lo == 0:  # corrupt-page: the first part carries the damage
             heads = self.route(job).heads
@@ -704,7 +706,7 @@ class PrefillPath(WritePath):
         assert job.part is not None and job.dst_pages is not None
         assert job.dst_generations is not None
         (lo, hi), job.part = job.part, None
-        checksums = job.checksums[lo:hi] if self.integrity else []
+        checksums = job.checksums[lo:hi] if self.integrity else job.checksums[:0]
         for a, b in spans(hi - lo, PAGES_PER_CHUNK):
             sent = self.rt.notify(
                 job.owner,

@@ -161,7 +161,7 @@ def test_a_prefill_that_fits_one_slice_posts_its_parts_from_the_loop(deferred):
             _plan_then_prompt(rt, "p9")
         return
     _plan_then_prompt(rt, "p9")
-    assert rt.writes == [] and writer.jobs["p9"].checksums == []  # nothing ran in the row
+    assert rt.writes == [] and len(writer.jobs["p9"].checksums) == 0  # nothing ran in the row
     _pump(rt)
     kinds = [k for k in rt.kinds() if k in ("NOTICE_PART", "NOTICE")]
     assert kinds == ["NOTICE_PART"] * 3 + ["NOTICE"]

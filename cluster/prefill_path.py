@@ -12,7 +12,9 @@ The fault layer's protocol points (``before-write``, ``mid-transfer``, ``after-w
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +46,7 @@ from .batching import BatchSizer
 from .chunks import PAGES_PER_CHUNK, TOKENS_PER_CHUNK, Reassembly, spans
 from .faults import Decision, PointDecision
 from .sliced import run_in_slices
+from .stepahead import StepAhead
 
 if TYPE_CHECKING:
     from kvferry.engine.protocol.writer_driver import WriterDriver
@@ -56,7 +59,6 @@ log = logging.getLogger("kvferry.cluster")
 PREFILL_SLICE_S = 0.001  # longest a prefill computes before the loop polls again
 CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step
 
-_END = -1  # the prefill generator is exhausted
 COMPUTING = (WriterState.COMPUTING, WriterState.COMPUTING_PLANNED)
 
 
@@ -246,6 +248,7 @@ class PrefillPath(WritePath):
         prefill_slice_s: float = PREFILL_SLICE_S,
         batches: BatchSizer,
         routes: Callable[[int], Route] | None = None,
+        step_ahead: bool = True,
     ) -> None:
         self.rt = runtime
         self.model = model
@@ -263,6 +266,8 @@ class PrefillPath(WritePath):
         self._routes: dict[int, Route] = {}  # by owner rank
         self._page_runs: dict[Route, _Runs] = {}
         self._src_base = int(pool.storage.storage_offset()) * pool.storage.element_size()
+        self.step_ahead = step_ahead  # a long prompt's next step computes while a part posts
+        self._ahead: cf.Executor | None = None
 
     # -------------------------------------------------------------- routes
     def route(self, job: WriteJob) -> Route:
@@ -475,6 +480,13 @@ class PrefillPath(WritePath):
         run.jobs.append(job)
         return self._prefill_steps(run)
 
+    def _ahead_pool(self) -> cf.Executor | None:
+        """The thread a prefill's next step runs on while a part is posted
+        (:mod:`.stepahead`), made at the first long prompt; None on a single CPU."""
+        if self._ahead is None and self.step_ahead and len(os.sched_getaffinity(0)) > 1:
+            self._ahead = cf.ThreadPoolExecutor(1, thread_name_prefix="kvferry-step-ahead")
+        return self._ahead
+
     def _kv_ready(self, run: _Prefill) -> None:
         for job in run.checksummed:
             if job.state in COMPUTING:
@@ -503,23 +515,24 @@ class PrefillPath(WritePath):
             if not run.wanted():
                 return
         computing = 0.0  # the model's time alone, not the parts posted between its steps
+        steps = StepAhead(layers, self.clock, self._ahead_pool())
         while True:
-            t0 = self.clock.now()
-            with torch.no_grad():
-                try:
-                    layer = next(layers)
-                except StopIteration as end:
-                    run.first_token = end.value
-                    layer = _END
-            computing += self.clock.now() - t0
-            if layer is _END:
+            step = steps.take()
+            computing += step.seconds
+            if step.ended:
+                run.first_token = step.value
                 break
+            layer = step.yielded
             if layer is None and final.after(layer) > run.fed_pages:  # a part is ready
                 run.fed_pages = final.pages
-                for job in run.computing():
-                    if not self.reshaped(job):
-                        job.final_pages = final.pages
-                        self.driver.feed(job, WriterEvent.KV_PART)
+                steps.start()  # the next piece computes while this part is posted
+                try:
+                    for job in run.computing():
+                        if not self.reshaped(job):
+                            job.final_pages = final.pages
+                            self.driver.feed(job, WriterEvent.KV_PART)
+                finally:
+                    steps.settle()  # ended before the rank's loop handles anything
                 if not run.wanted():
                     return
             yield

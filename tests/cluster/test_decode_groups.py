@@ -469,7 +469,8 @@ def test_a_members_checksums_read_in_place_are_its_views(kv_heads, decode_tp):
         route = writer.path.route(job)
         assert route.heads == route.dst_heads != (0, kv_heads)  # the in-place path
         view = writer.path._view(job)
-        assert writer.path._checksums(job, 1, 5).tolist() == page_checksums(view, [3, 9, 0, 63]).tolist()
+        got = writer.path._checksums(job, 1, 5).tolist()
+        assert got == page_checksums(view, [3, 9, 0, 63]).tolist()
 
 
 class _ErrorsEndRequests(RecordingRuntime):

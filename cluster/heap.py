@@ -17,7 +17,9 @@ owner 8 ms after it was sent, mostly in faults (11 ms and 2-4 ms with this).
 pages already in place (no fault at all for those copies of the next message). Pools and
 other allocations above the threshold are mapped and unmapped as before. A rank's resident
 memory can stay up to the trim threshold above what it holds live: its peak of transient
-buffers, kept for reuse. Operators who set glibc's own ``MALLOC_MMAP_THRESHOLD_`` or
+buffers, kept for reuse. It also writes ``WARM_BYTES`` of heap once and frees it, so the
+first long prompt after a start (or a restart) finds its buffers' pages in place too
+instead of paying for them. Operators who set glibc's own ``MALLOC_MMAP_THRESHOLD_`` or
 ``MALLOC_TRIM_THRESHOLD_`` keep theirs.
 """
 
@@ -33,6 +35,8 @@ M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 64 << 20
 TRIM_THRESHOLD_BYTES = 512 << 20
+WARM_BYTES = 64 << 20  # a million-token prompt's messages in flight at once, with room
+_WARM_BLOCK = 4 << 20  # each under the mmap threshold, so it comes from the heap
 OPERATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
@@ -47,9 +51,12 @@ class HeapTuning:
         return f"heap: {self.why}"
 
 
-def keep_freed_buffers(environ: Mapping[str, str] = os.environ) -> HeapTuning:
-    """Raise glibc's mmap and trim thresholds for this process (see the module doc); does
-    nothing where the C library is not glibc or the operator set either threshold."""
+def keep_freed_buffers(
+    environ: Mapping[str, str] = os.environ, warm_bytes: int = WARM_BYTES
+) -> HeapTuning:
+    """Raise glibc's mmap and trim thresholds for this process, then write ``warm_bytes``
+    of heap and free them (see the module doc); does nothing where the C library is not
+    glibc or the operator set either threshold."""
     chosen = [name for name in OPERATOR_VARIABLES if name in environ]
     if chosen:
         return HeapTuning(False, f"left as the operator set it ({', '.join(chosen)})")
@@ -66,9 +73,19 @@ def keep_freed_buffers(environ: Mapping[str, str] = os.environ) -> HeapTuning:
         and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     ):
         return HeapTuning(False, f"left as it is: mallopt refused the thresholds ({name})")
+    _warm(warm_bytes)
     return HeapTuning(
         True,
         f"freed blocks under {MMAP_THRESHOLD_BYTES >> 20} MiB stay in the heap for reuse, "
         f"up to {TRIM_THRESHOLD_BYTES >> 20} MiB of it kept mapped (mallopt "
-        "M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)",
+        f"M_MMAP_THRESHOLD, M_TRIM_THRESHOLD); {warm_bytes >> 20} MiB of it faulted in now",
     )
+
+
+def _warm(nbytes: int) -> None:
+    """Write ``nbytes`` of heap in blocks under the mmap threshold, then free them all:
+    the heap keeps them, mapped and faulted in, for the buffers to come."""
+    blocks = [ctypes.create_string_buffer(_WARM_BLOCK) for _ in range(nbytes // _WARM_BLOCK)]
+    for block in blocks:
+        ctypes.memset(block, 1, _WARM_BLOCK)
+    del blocks

@@ -45,6 +45,31 @@ def test_a_freed_message_buffer_is_reused_not_faulted_in_again():
     assert tuned["faults_per_mib"] < untuned["faults_per_mib"] / 4, (tuned, untuned)
 
 
+# The first message after a rank's start, before any was freed.
+_FIRST = """
+import json, resource, sys
+from kvferry.cluster.heap import WARM_BYTES, keep_freed_buffers
+keep_freed_buffers({}, warm_bytes=WARM_BYTES if sys.argv[1] == "warmed" else 0)
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+before = faults()
+encoded = b"x" * (2 << 20); sealed = encoded + b"t" * 16; body = sealed[:-16]
+print(json.dumps({"faults_per_mib": (faults() - before) / 6}))
+"""
+
+
+def test_the_first_message_after_start_finds_its_pages_in_place():
+    def first(mode: str) -> float:
+        out = subprocess.run(
+            [sys.executable, "-c", _FIRST, mode], capture_output=True, text=True, check=True
+        )
+        return json.loads(out.stdout)["faults_per_mib"]
+
+    warmed, cold = first("warmed"), first("cold")  # cold: the broken mode, nothing written
+    assert cold > 100, cold
+    assert warmed < cold / 4, (warmed, cold)
+
+
 def test_thresholds_an_operator_set_are_kept():
     for name in OPERATOR_VARIABLES:
         tuning = keep_freed_buffers({name: "1048576"})

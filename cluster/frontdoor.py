@@ -18,8 +18,10 @@ on the same event loop.
         chunks is sent whole with the later one, so the streamed text equals the whole.
         Any exception this server did not expect answers 500 with the request id (when
         there is one) and is logged; it never leaves a request live.
-    GET /health    200 when every rank is healthy and the store answers, else 503, with
-                   the details (``store``: ``unreachable since 3.1 s: <error>``)
+    GET /health    200 when every rank is healthy, has reported what its pool holds (the
+                   router admits nothing before) and the store answers, else 503, with
+                   the details (``store``: ``unreachable since 3.1 s: <error>``;
+                   ``awaiting_reports``: the ranks not heard from since this router started)
     GET /metrics   Prometheus text format
     GET /capacity  every rank's measured pool capacity and the context length (I3)
     GET /status    live requests, pages held per rank, quarantined requests
@@ -297,9 +299,11 @@ class FrontDoor:
     async def health(self, request: web.Request) -> web.Response:
         self.router.check_heartbeats()
         store = self.router.store_problem()  # a lost store: no rank can start or rejoin
+        awaiting = self.router.waiting_for_reports()  # admission waits for them
         body = {
-            "ok": not self.router.unhealthy and store is None,
+            "ok": not self.router.unhealthy and store is None and not awaiting,
             "unhealthy": self.router.unhealthy,
+            "awaiting_reports": awaiting,
             "store": store or "ok",
             "context_length": self.router.context_length,
         }

@@ -28,6 +28,7 @@ import signal
 import time
 
 import pytest
+from aiohttp import web
 from test_failure_domains import _HorizonEngine
 from test_protocol_units import _card
 
@@ -202,7 +203,7 @@ def _router_on(store) -> Router:
     for card in cards.values():
         rendezvous.publish(store, card)
     rt = RankRuntime(0, _HorizonEngine(), cards, store=store)
-    return Router(
+    router = Router(
         rt,
         Topology(3, 1, 1),
         cards,
@@ -211,6 +212,47 @@ def _router_on(store) -> Router:
         admission_wait_s=0.05,
         metrics=ClusterMetrics(),
     )
+    router.awaiting_reports.clear()  # every rank has reported (see the test that waits)
+    return router
+
+
+async def _health_blind_to_reports(self, request):
+    """BROKEN MODE: /health as it was, asking the ranks and the store only."""
+    store = self.router.store_problem()
+    ok = not self.router.unhealthy and store is None
+    return web.json_response({"ok": ok, "store": store or "ok"}, status=200 if ok else 503)
+
+
+@pytest.mark.parametrize(
+    "checked", [True, False], ids=["contract", "broken-health-ignores-reports"]
+)
+def test_health_is_503_until_every_rank_has_reported(checked, monkeypatch):
+    """A router admits nothing before every live rank has said what its pool holds (a
+    request waits at admission meanwhile), so /health is 503 until then and names the
+    ranks it waits for. Broken mode: a /health blind to it answers 200 while a request
+    sent on that answer would wait (a harness's first prompt waited 0.5 s so)."""
+    if not checked:
+        monkeypatch.setattr(FrontDoor, "health", _health_blind_to_reports)
+    router = _router_on(GuardedStore(_Flaky(), "127.0.0.1:29400"))
+    router.awaiting_reports.update({1, 2})  # just started: no STATS yet
+
+    async def run() -> list[tuple[int, dict]]:
+        door = FrontDoor(router)
+        out = [await _health(door)]
+        router.awaiting_reports.discard(1)  # what the first STATS of each rank does
+        out.append(await _health(door))
+        router.awaiting_reports.discard(2)
+        out.append(await _health(door))
+        return out
+
+    none, one, both = asyncio.run(run())
+    assert router.waiting_for_reports() == []
+    if not checked:
+        assert none[0] == 200  # the test catches a /health that says ready too early
+        return
+    assert none[0] == 503 and none[1]["awaiting_reports"] == [1, 2], none
+    assert one[0] == 503 and one[1]["awaiting_reports"] == [2], one
+    assert both[0] == 200 and both[1]["awaiting_reports"] == [], both
 
 
 @pytest.mark.parametrize("checked", [True, False], ids=["contract", "broken-health-ignores-store"])

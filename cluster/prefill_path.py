@@ -248,7 +248,6 @@ class PrefillPath(WritePath):
         prefill_slice_s: float = PREFILL_SLICE_S,
         batches: BatchSizer,
         routes: Callable[[int], Route] | None = None,
-        step_ahead: bool = True,
     ) -> None:
         self.rt = runtime
         self.model = model
@@ -266,7 +265,7 @@ class PrefillPath(WritePath):
         self._routes: dict[int, Route] = {}  # by owner rank
         self._page_runs: dict[Route, _Runs] = {}
         self._src_base = int(pool.storage.storage_offset()) * pool.storage.element_size()
-        self.step_ahead = step_ahead  # a long prompt's next step computes while a part posts
+        self.step_ahead = True  # a long prompt's next step computes while a part posts
         self._ahead: cf.Executor | None = None
 
     # -------------------------------------------------------------- routes

@@ -79,8 +79,3 @@ class StepAhead:
         :meth:`take`): called before the caller yields to the rank's loop."""
         if self._ahead is not None:
             cf.wait([self._ahead])
-
-    @property
-    def running(self) -> bool:
-        """A step started ahead has not ended yet."""
-        return self._ahead is not None and not self._ahead.done()

@@ -24,10 +24,10 @@ One MAC per message: keyed BLAKE3 (its keyed-hash mode, made to be a MAC: no HMA
 construction around it), truncated to a 16-byte tag. The key of each (destination,
 incarnation) is derived once and kept as a keyed hasher that each message copies. A small
 control message costs about 0.6 µs, as keyed BLAKE2b did (1.9 µs for a copied HMAC-SHA256
-object); a long prompt's 2 MiB PREFILL chunk costs 0.3 ms, against 2.2 ms with BLAKE2b and
-1.1 ms with HMAC-SHA256 over this CPU's SHA extensions, and the tag is made by the sender
-and checked by the receiver before the prefill can start (the same for a million-token
-NOTICE or PLAN), on this project's CI machine. Store records and cards, written rarely,
+object), and a long prompt's 2 MiB PREFILL chunk 0.3 ms against 2.2 ms with BLAKE2b and
+1.1 ms with HMAC-SHA256 over this CPU's SHA extensions, on this project's CI machine. Both
+the router's tag and the writer's check stand before the prefill can start (as a
+million-token NOTICE's stand before its first token). Store records and cards, written rarely,
 keep HMAC-SHA256. Tags are compared with ``hmac.compare_digest``.
 
 What this does not protect (README, "Threat model"): the data plane. UCX's tcp and

@@ -1,7 +1,7 @@
 """Builds the native modules (cffi, API mode) at install time, for both editable and
-normal installs: ``kvferry.transfer._ucp``, the UCX binding, and
-``kvferry.transfer._checksum``, the CPU page checksum (no UCX); everything else lives in
-pyproject.toml."""
+normal installs: ``kvferry.transfer._ucp``, the UCX binding; ``kvferry.transfer._checksum``,
+the CPU page checksum; and ``kvferry.transfer._turn``, the CPU turn of pages between
+layouts (these two link no UCX); everything else lives in pyproject.toml."""
 
 from setuptools import setup
 
@@ -9,5 +9,6 @@ setup(
     cffi_modules=[
         "transfer/native/build_ucp.py:ffibuilder",
         "transfer/native/build_checksum.py:ffibuilder",
+        "transfer/native/build_turn.py:ffibuilder",
     ]
 )

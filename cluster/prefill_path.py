@@ -37,7 +37,7 @@ from kvferry.engine.reshard import (
     span_geometry,
 )
 from kvferry.engine.run_checksum import region_checksums, split_at_pages, word_unit
-from kvferry.engine.stepwise import chunk_bounds
+from kvferry.engine.stepwise import chunk_bounds, kv_token_bytes
 from kvferry.transfer import Batch, BatchStatus, Segment, TransferError
 from kvferry.transfer.wire import Message
 
@@ -434,7 +434,7 @@ class PrefillPath(WritePath):
         run = self._prefills.get(job.share)
         if run is None:
             run = self._prefills[job.share] = _Prefill(
-                _FinalPages(self.model, len(job.tokens), self.pool.page_size)
+                _FinalPages(self.model, len(job.tokens), self.pool.kv)
             )
             run.jobs.append(job)
             # The prefill and the checksums run in slices (see .sliced): an ABORT that
@@ -475,7 +475,7 @@ class PrefillPath(WritePath):
         """One computing job's prefill and checksums alone, as steps (what the
         simulator's calibration times)."""
         assert job.tokens is not None
-        run = _Prefill(_FinalPages(self.model, len(job.tokens), self.pool.page_size))
+        run = _Prefill(_FinalPages(self.model, len(job.tokens), self.pool.kv))
         run.jobs.append(job)
         return self._prefill_steps(run)
 
@@ -769,10 +769,13 @@ class _FinalPages:
     its last layer; one that does not chunk (``None``) makes them all final at once, with
     its last layer."""
 
-    def __init__(self, model: Any, tokens: int, page_size: int) -> None:
+    def __init__(self, model: Any, tokens: int, kv: torch.Tensor) -> None:
         chunk: int | None = model.prefill_chunk_tokens
-        # the tokens written once each piece of a layer is (the last: the whole layer)
-        self.written = [hi for _, hi in chunk_bounds(tokens, chunk)] if chunk else []
+        page_size = kv.shape[4]
+        # the tokens written once each piece of a layer is (the last: the whole layer),
+        # cut as the model cuts them over this pool
+        pieces = chunk_bounds(tokens, chunk, kv_token_bytes(kv)) if chunk else []
+        self.written = [hi for _, hi in pieces]
         self.last_layer = model.layers - 1
         self.tokens, self.page_size = tokens, page_size
         self.layers_done = 0

@@ -39,7 +39,7 @@ from .attention import write_kv_pages, write_kv_tokens
 from .kernels import paged_decode_attention  # Triton on CUDA tensors, the torch reference elsewhere
 from .kernels.ownership import PageOwnership
 from .pool import PoolConfig, check_pool_shape
-from .stepwise import PrefillByLayers, chunk_bounds
+from .stepwise import PrefillByLayers, chunk_bounds, kv_token_bytes
 from .tokenizer import CONFLICT, TOKEN_BITS, VOCAB_SIZE
 
 PREFILL_CHUNK_TOKENS = 1 << 16  # tokens a prefill step writes (a long prompt yields between)
@@ -181,7 +181,7 @@ class ReplayModel(PrefillByLayers):
         lo, hi = head_range or (0, self.kv_heads)
         row = torch.as_tensor(page_row, dtype=torch.int64, device=kv.device)
         n = tokens.numel()
-        pieces = chunk_bounds(n, self.prefill_chunk_tokens or max(n, 1))
+        pieces = chunk_bounds(n, self.prefill_chunk_tokens or max(n, 1), kv_token_bytes(kv))
         # every layer and head holds the same codes here: one read covers them all
         first_read = FirstRead(self.key_codes(torch.zeros(1, dtype=torch.int64))[0], self.scale)
         for layer in range(self.layers):

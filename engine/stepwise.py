@@ -12,15 +12,28 @@ from collections.abc import Generator
 from typing import Any, Protocol
 
 TAIL_DIVISOR = 16  # a layer's last chunk is halved down to a piece this many times smaller
+TAIL_BYTES = 2 << 20  # ... or to one of at most this much KV, if that is smaller
 
 
-def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
+def kv_token_bytes(kv: Any) -> int:
+    """The bytes one token's K/V takes in a pool ``[pages, layers, 2, heads, page_size,
+    head_dim]``: every layer, K and V, every head of the pool."""
+    _, layers, two, heads, _, head_dim = kv.shape
+    return int(layers * two * heads * head_dim * kv.element_size())
+
+
+def chunk_bounds(n: int, chunk: int, token_bytes: int = 0) -> list[tuple[int, int]]:
     """``[first, last)`` pieces of ``n`` tokens: ``chunk`` tokens each, but the last
-    chunk's worth is cut in halves down to ``chunk // TAIL_DIVISOR`` (then the rest). A
-    pipelined writer sends each piece's pages once they are final, and what its owner
-    checks after the last byte landed is the last piece: the smaller, the sooner the
-    first token, for a few more pieces in all."""
+    chunk's worth is cut in halves down to ``chunk // TAIL_DIVISOR`` tokens, or fewer
+    where ``token_bytes`` (:func:`kv_token_bytes`) says that many would hold more than
+    ``TAIL_BYTES`` of KV (then the rest). A pipelined writer sends each piece's pages once
+    they are final, and what its owner checks after the last byte landed is the last
+    piece: the smaller, the sooner the first token, for a few more pieces in all. At 32
+    KiB of KV a token (8 layers, 8 KV heads, head size 128, bf16) a sixteenth of 65,536
+    tokens is 128 MiB, which the owner would checksum after the last byte landed."""
     least = max(1, chunk // TAIL_DIVISOR)
+    if token_bytes > 0:
+        least = max(1, min(least, TAIL_BYTES // token_bytes))
     bounds, first = [], 0
     while n - first > chunk:
         bounds.append((first, first + chunk))

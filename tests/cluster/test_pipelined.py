@@ -5,6 +5,8 @@ writer's flush, and checks with the whole notice only the pages no part checked.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from kvferry.cluster import decode_path
 from kvferry.cluster import messages as m
 from kvferry.cluster.decode import OwnerState
 from kvferry.cluster.prefill import PrefillRank
+from kvferry.engine import stepwise
 from kvferry.engine.integrity import page_checksums
 from kvferry.engine.models import ReplayConfig, ReplayModel
 from kvferry.engine.pool import KVPool
@@ -23,7 +26,7 @@ from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol import writer as wc
 from kvferry.engine.protocol.table import Move, replace
 from kvferry.engine.protocol.writer import WriterDo, WriterEvent, WriterState
-from kvferry.engine.stepwise import chunk_bounds
+from kvferry.engine.stepwise import chunk_bounds, kv_token_bytes
 
 CHUNK = 32  # tokens of a layer per prefill step: a 100-token prompt makes 4 steps
 PAGE = 16
@@ -367,15 +370,17 @@ def test_a_part_that_names_pages_outside_its_plan_fails_the_request():
     chunk=st.integers(1, 80),
     layers=st.integers(1, 3),
     page_size=st.sampled_from([1, 4, 16]),
+    tail_bytes=st.sampled_from([stepwise.TAIL_BYTES, 256]),  # 256: a tail cut by its bytes
 )
 def test_a_page_counts_as_final_only_once_every_layer_of_it_is_written(
-    counted, tokens, chunk, layers, page_size
+    counted, tokens, chunk, layers, page_size, tail_bytes
 ):
     """The writer's count of final pages follows the model's pieces (whole chunks, then
-    a halved tail): at every yield of the prefill, each page it counts final holds its
-    K/V in every layer, as after the whole prefill. Broken mode (a count that takes
-    every piece for a whole chunk) counts pages of the tail final before they are
-    written, and the test sees it wherever the tail has more than one piece."""
+    a tail halved down to a number of tokens or of bytes): at every yield of the
+    prefill, each page it counts final holds its K/V in every layer, as after the whole
+    prefill. Broken mode (a count that takes every piece for a whole chunk) counts pages
+    of the tail final before they are written, and the test sees it wherever the tail
+    has more than one piece."""
     from kvferry.cluster.prefill_path import _FinalPages
 
     model = ReplayModel(
@@ -389,18 +394,19 @@ def test_a_page_counts_as_final_only_once_every_layer_of_it_is_written(
     pool = KVPool(model.pool_config(page_size, pages))
     done.kv.zero_(), pool.kv.zero_()
     model.prefill(done.kv, prompt, list(range(pages)))
-    final = _FinalPages(model, tokens, page_size)
-    if not counted:
-        final.written = [min(tokens, chunk * (i + 1)) for i in range(len(final.written))]
-    early = 0
-    for yielded in model.prefill_layers(pool.kv, prompt, list(range(pages))):
-        n = final.after(yielded)
-        if not torch.equal(pool.kv[:n], done.kv[:n]):
-            early += 1
-    if counted:
-        assert early == 0
-    elif len(chunk_bounds(tokens, chunk)) > -(-tokens // chunk) + 1:
-        assert early > 0  # the test catches the count that runs ahead of the writes
+    with mock.patch.object(stepwise, "TAIL_BYTES", tail_bytes):
+        final = _FinalPages(model, tokens, pool.kv)
+        if not counted:
+            final.written = [min(tokens, chunk * (i + 1)) for i in range(len(final.written))]
+        early = 0
+        for yielded in model.prefill_layers(pool.kv, prompt, list(range(pages))):
+            n = final.after(yielded)
+            if not torch.equal(pool.kv[:n], done.kv[:n]):
+                early += 1
+        if counted:
+            assert early == 0
+        elif len(chunk_bounds(tokens, chunk, kv_token_bytes(pool.kv))) > -(-tokens // chunk) + 1:
+            assert early > 0  # the test catches the count that runs ahead of the writes
 
 
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "broken-parts-only"])

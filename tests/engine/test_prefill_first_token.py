@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvferry.engine import KVPool, LlamaConfig, LlamaModel, ReplayConfig, ReplayModel
 from kvferry.engine.replay import FirstRead
-from kvferry.engine.stepwise import TAIL_DIVISOR, chunk_bounds
+from kvferry.engine.stepwise import TAIL_BYTES, TAIL_DIVISOR, chunk_bounds
 from kvferry.engine.tokenizer import CONFLICT
 
 
@@ -109,17 +109,28 @@ def test_the_online_read_equals_one_softmax_over_every_key(read_class, n, cuts, 
         assert not torch.allclose(got, want, atol=1e-5, rtol=1e-4)  # the test catches it
 
 
-@settings(max_examples=200, deadline=None)
-@given(n=st.integers(0, 5000), chunk=st.integers(1, 700))
-def test_prefill_pieces_cover_the_prompt_and_end_small(n, chunk):
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(0, 5000),
+    chunk=st.integers(1, 700),
+    token_bytes=st.sampled_from([0, 512, 32 << 10, TAIL_BYTES // 3, TAIL_BYTES * 2]),
+)
+def test_prefill_pieces_cover_the_prompt_and_end_small(n, chunk, token_bytes):
     """Pieces in order, none empty (but the one of an empty prompt), none over a chunk;
-    the last at most ``chunk // TAIL_DIVISOR`` tokens (what the owner checks after the
-    last byte landed), for a handful more pieces than whole chunks."""
-    pieces = chunk_bounds(n, chunk)
+    the last at most ``chunk // TAIL_DIVISOR`` tokens and at most ``TAIL_BYTES`` of KV
+    (but a single token's): what the owner checks after the last byte landed; for a
+    handful more pieces than whole chunks."""
+    pieces = chunk_bounds(n, chunk, token_bytes)
     assert pieces[0][0] == 0 and pieces[-1][1] == n
     assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
     assert all(0 < hi - lo <= chunk for lo, hi in pieces) or pieces == [(0, 0)]
     least = max(1, chunk // TAIL_DIVISOR)
+    if token_bytes:
+        least = max(1, min(least, TAIL_BYTES // token_bytes))
     if n:
         assert pieces[-1][1] - pieces[-1][0] <= least
-    assert len(pieces) <= -(-n // chunk) + TAIL_DIVISOR.bit_length() + 1
+        tail = (pieces[-1][1] - pieces[-1][0]) * token_bytes
+        assert tail <= max(TAIL_BYTES, token_bytes)
+    assert len(pieces) <= -(-n // chunk) + chunk.bit_length() + 1
+    if not token_bytes:
+        assert len(pieces) <= -(-n // chunk) + TAIL_DIVISOR.bit_length() + 1

@@ -763,35 +763,37 @@ class _Prefill:
 
 class _FinalPages:
     """How many of a prompt's source pages are final while its prefill runs: every layer
-    written. A model that writes a layer in pieces of ``prefill_chunk_tokens`` tokens at
-    most (yielding None between them; the pieces of
-    :func:`~kvferry.engine.stepwise.chunk_bounds`) makes pages final piece by piece during
-    its last layer; one that does not chunk (``None``) makes them all final at once, with
-    its last layer."""
+    written. A model that writes in pieces of ``prefill_chunk_tokens`` tokens at most
+    (the pieces of :func:`~kvferry.engine.stepwise.chunk_bounds`, each through every
+    layer, yielding None after each layer of each piece but the last) makes a piece's
+    pages final once its last layer is written, all through the prefill; one that does
+    not chunk (``None``) makes them all final at once, with its last layer."""
 
     def __init__(self, model: Any, tokens: int, kv: torch.Tensor) -> None:
         chunk: int | None = model.prefill_chunk_tokens
         page_size = kv.shape[4]
-        # the tokens written once each piece of a layer is (the last: the whole layer),
+        # the tokens written once each piece is, in every layer (the last: the prompt),
         # cut as the model cuts them over this pool
         pieces = chunk_bounds(tokens, chunk, kv_token_bytes(kv)) if chunk else []
         self.written = [hi for _, hi in pieces]
+        self.layers = model.layers
         self.last_layer = model.layers - 1
         self.tokens, self.page_size = tokens, page_size
         self.layers_done = 0
-        self.chunks_in_layer = 0
+        self.steps = 0  # None yields: a layer of a piece before the last
         self.pages = 0
 
     def after(self, yielded: int | None) -> int:
         """The count of final pages after the model yielded ``yielded``."""
         if yielded is None:
-            self.chunks_in_layer += 1
+            self.steps += 1
         else:
-            self.layers_done, self.chunks_in_layer = yielded + 1, 0
+            self.layers_done = yielded + 1
+        pieces = self.steps // self.layers  # written in every layer
         if self.layers_done > self.last_layer:
             done = self.tokens
-        elif self.layers_done == self.last_layer and self.written and self.chunks_in_layer:
-            done = self.written[min(self.chunks_in_layer, len(self.written)) - 1]
+        elif self.written and pieces:
+            done = self.written[min(pieces, len(self.written)) - 1]
         else:
             done = 0
         full = -(-done // self.page_size) if done == self.tokens else done // self.page_size

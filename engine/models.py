@@ -29,8 +29,9 @@ from .replay import ReplayConfig, ReplayModel
 @runtime_checkable
 class PagedModel(Protocol):
     layers: int
-    # tokens of a layer written between two None yields of ``prefill_layers`` (None: it
-    # writes each layer whole); a writer pipelines the pages its last layer makes final
+    # tokens of a piece ``prefill_layers`` writes through every layer before the next
+    # (None: it writes each layer whole, for every token); a writer pipelines the pages
+    # each piece makes final
     prefill_chunk_tokens: int | None
     kv_heads: int
     head_dim: int
@@ -57,9 +58,9 @@ class PagedModel(Protocol):
         *,
         head_range: tuple[int, int] | None = None,
     ) -> Generator[int | None, None, int]:
-        """``prefill`` one layer at a time: yields each layer's index once it is written
-        (and may yield None between chunks of a layer, to let the caller poll); returns
-        the first answer token (greedy)."""
+        """``prefill`` a step at a time: yields each layer's index once the layer is
+        whole; a model that writes in pieces yields None after each layer of each piece
+        but the last (see :mod:`.stepwise`). Returns the first answer token (greedy)."""
 
     def decode_step(
         self,

@@ -170,12 +170,15 @@ class ReplayModel(PrefillByLayers):
         head_range: tuple[int, int] | None = None,
     ) -> Generator[int | None, None, int]:
         """Write K/V of ``tokens`` into the pages of ``page_row``, for KV heads
-        ``head_range`` (default all), one layer at a time and, within a layer, in pieces
-        of up to ``prefill_chunk_tokens`` tokens (:func:`chunk_bounds`): yields None after
-        each piece but a layer's last, and the layer's index once all its K/V is in the
-        pages. Returns the first answer token: the query of target 0 attended over the
-        prompt's K/V as they are written (:class:`FirstRead`), what decode's first step
-        would read from the pages. ``prefill`` (same arguments) writes them all."""
+        ``head_range`` (default all), in pieces of up to ``prefill_chunk_tokens`` tokens
+        (:func:`chunk_bounds`), each piece through every layer before the next, as an
+        engine's chunked prefill runs: a piece's pages are final once its last layer is
+        written, while later pieces compute. Yields after each layer of each piece: None
+        in every piece but the last, then each layer's index as the last piece is written
+        in it (the layer is whole). Returns the first answer token: the query of target 0
+        attended over the prompt's K/V as they are written (:class:`FirstRead`), what
+        decode's first step would read from the pages. ``prefill`` (same arguments)
+        writes them all."""
         self._check_pool(kv)
         tokens = torch.as_tensor(tokens, dtype=torch.int64, device=kv.device).reshape(-1)
         lo, hi = head_range or (0, self.kv_heads)
@@ -184,18 +187,18 @@ class ReplayModel(PrefillByLayers):
         pieces = chunk_bounds(n, self.prefill_chunk_tokens or max(n, 1), kv_token_bytes(kv))
         # every layer and head holds the same codes here: one read covers them all
         first_read = FirstRead(self.key_codes(torch.zeros(1, dtype=torch.int64))[0], self.scale)
-        for layer in range(self.layers):
-            for first, last in pieces:
-                positions = torch.arange(first, last, device=kv.device)
+        for first, last in pieces:
+            positions = torch.arange(first, last, device=kv.device)
+            for layer in range(self.layers):
+                # each layer computes its own K/V, as a model's layers do (the codes are
+                # the same in every layer: the cost stands for a layer's compute)
                 keys, values = self.key_codes(positions), self.value_codes(tokens[first:last])
                 if layer == 0:
                     first_read.add(keys, values)
                 k = keys[:, None, :].expand(-1, hi - lo, -1)
                 v = values[:, None, :].expand(-1, hi - lo, -1)
                 write_kv_pages(kv, layer, k, v, row, first, head_lo=lo)
-                if last < n:
-                    yield None
-            yield layer
+                yield layer if last == n else None
         return first_read.token()
 
     # --- decode -----------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """A prefill that yields after each step, so that its caller can stop it between steps
 (an abort) or poll between them, and the one-call ``prefill`` the models build on it.
 
-``prefill_layers`` yields a layer's index once that layer's KV is in the pages, and may
-yield None between pieces of one layer (chunks of a long prompt's tokens). A model that
-writes a layer in pieces (``prefill_chunk_tokens``) cuts it as :func:`chunk_bounds` does:
-a writer that pipelines counts the tokens written from the pieces it was told of."""
+``prefill_layers`` yields a layer's index once that layer's KV is in the pages. A model
+that writes in pieces (``prefill_chunk_tokens``: chunks of a long prompt's tokens) cuts
+them as :func:`chunk_bounds` does and writes each piece through every layer before the
+next, as an engine's chunked prefill does, yielding None after each layer of each piece
+but the last, then each layer's index as the last piece is written in it. A writer that
+pipelines counts a piece's pages final once its last layer is written: the pages of a
+multi-layer model's prompt become final all through its prefill, not in its last layer."""
 
 from __future__ import annotations
 

@@ -363,7 +363,9 @@ def test_a_part_that_names_pages_outside_its_plan_fails_the_request():
     assert owner.reqs["o4"].state is OwnerState.QUARANTINED
 
 
-@pytest.mark.parametrize("counted", [True, False], ids=["by-pieces", "broken-whole-chunks"])
+@pytest.mark.parametrize(
+    "counted", ["pieces", "whole-chunks", "first-layer"], ids=lambda c: f"count-{c}"
+)
 @settings(max_examples=40, deadline=None)
 @given(
     tokens=st.integers(1, 300),
@@ -376,11 +378,12 @@ def test_a_page_counts_as_final_only_once_every_layer_of_it_is_written(
     counted, tokens, chunk, layers, page_size, tail_bytes
 ):
     """The writer's count of final pages follows the model's pieces (whole chunks, then
-    a tail halved down to a number of tokens or of bytes): at every yield of the
-    prefill, each page it counts final holds its K/V in every layer, as after the whole
-    prefill. Broken mode (a count that takes every piece for a whole chunk) counts pages
-    of the tail final before they are written, and the test sees it wherever the tail
-    has more than one piece."""
+    a tail halved down to a number of tokens or of bytes, each through every layer): at
+    every yield of the prefill, each page it counts final holds its K/V in every layer,
+    as after the whole prefill. Broken modes: a count that takes every piece for a whole
+    chunk counts pages of the tail final before they are written, and the test sees it
+    wherever the tail has more than one piece; one that takes a piece as final after its
+    first layer, wherever there are two layers and two pieces."""
     from kvferry.cluster.prefill_path import _FinalPages
 
     model = ReplayModel(
@@ -396,17 +399,27 @@ def test_a_page_counts_as_final_only_once_every_layer_of_it_is_written(
     model.prefill(done.kv, prompt, list(range(pages)))
     with mock.patch.object(stepwise, "TAIL_BYTES", tail_bytes):
         final = _FinalPages(model, tokens, pool.kv)
-        if not counted:
+        if counted == "whole-chunks":
             final.written = [min(tokens, chunk * (i + 1)) for i in range(len(final.written))]
+        elif counted == "first-layer":
+            final.layers = 1
         early = 0
         for yielded in model.prefill_layers(pool.kv, prompt, list(range(pages))):
             n = final.after(yielded)
             if not torch.equal(pool.kv[:n], done.kv[:n]):
                 early += 1
-        if counted:
+        pieces = chunk_bounds(tokens, chunk, kv_token_bytes(pool.kv))
+        if counted == "pieces":
             assert early == 0
-        elif len(chunk_bounds(tokens, chunk, kv_token_bytes(pool.kv))) > -(-tokens // chunk) + 1:
+        elif counted == "whole-chunks" and len(pieces) > -(-tokens // chunk) + 1:
             assert early > 0  # the test catches the count that runs ahead of the writes
+        elif counted == "first-layer" and layers > 1 and _a_page_per_piece(pieces, page_size):
+            assert early > 0
+
+
+def _a_page_per_piece(pieces: list[tuple[int, int]], page_size: int) -> bool:
+    """Whether the first piece but the last makes a page final (a page's end in it)."""
+    return len(pieces) > 1 and pieces[0][1] >= page_size
 
 
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "broken-parts-only"])

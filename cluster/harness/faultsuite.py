@@ -494,8 +494,9 @@ GROUPS = (
         "--unsafe-release-on-sever",
     ),
     # the pipelined path (see PIPELINE_CHUNK): an abort and a failure, a corrupted part,
-    # a stalled writer, and (as failure domains) a killed writer and a killed owner
-    Group("pipeline", 3, PIPELINED),
+    # a stalled writer, and (as failure domains) a killed writer and a killed owner; the
+    # first group's model has two layers, so each part is a piece written through both
+    Group("pipeline", 3, (*PIPELINED, "--layers", "2")),
     Group(
         "pipeline-stall",
         4,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any, Protocol
 
-TAIL_DIVISOR = 16  # a layer's last chunk is halved down to a piece this many times smaller
+TAIL_DIVISOR = 16  # a prompt's last chunk is halved down to a piece this many times smaller
 TAIL_BYTES = 2 << 20  # ... or to one of at most this much KV, if that is smaller
 
 

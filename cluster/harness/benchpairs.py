@@ -17,7 +17,9 @@ landed are compared with the writers' of their sources (``bytes_checked``). Bloc
 are random permutations; buffers are written once before timing (pre-faulted). A pair
 whose engines differ only in the order inside each layer's span (HND against NHD, one TP
 size and block size: ``turned``) moves whole blocks as they lie at the prefill and the
-decode turns them into its order, timed with the turn, as the connector does.
+decode turns them into its order, timed with the turn, as the connector does; so does a
+fan-in of one block size (``slotted``: each prefill worker's layer spans whole into its
+slot of the decode's, :func:`~kvferry.cluster.vllm.reshape.slot_of`).
 
 Two engines in this one process over ``--transports`` (default shm; the same path as
 between two processes on one host: the kernel's cross-memory copy into the decode's
@@ -145,13 +147,37 @@ class Move:
             p == d and reshape.turned_pair(src.workers[p].regions, dst.workers[d].regions)
             for p, d in self.assigned
         )
+        # a fan-in of one block size: each writer's spans whole into its slot (the
+        # connector's path for it), turned by each owner
+        slots = {
+            (p, d): reshape.slot_of(
+                src.workers[p].regions, dst.workers[d].regions, src.shape, dst.shape, p, d
+            )
+            for p, d in self.assigned
+        }
+        self.slotted = not rows and not self.turned and all(s is not None for s in slots.values())
+        self.slots = slots if self.slotted else {}
         self.plans = self.rows()  # what each owner's rows must hold: the bytes check's
         self.blocks = self.whole() if self.turned else {}
+        self.spans = self.slot_runs() if self.slotted else {}
         self.bytes = sum(p.bytes for p in self.plans.values())
 
     def plan(self) -> object:
         """What the connector plans for one request of this pair."""
-        return self.whole() if self.turned else self.rows()
+        if self.turned:
+            return self.whole()
+        return self.slot_runs() if self.slotted else self.rows()
+
+    def slot_runs(self) -> dict[tuple[int, int], PairRuns]:
+        """Per (writer, owner): the writer's spans whole into its slot of the owner's."""
+        out = {}
+        for (p, d), slot in self.slots.items():
+            s, t = self.src.workers[p], self.dst.workers[d]
+            assert slot is not None
+            out[(p, d)] = reshape.plan_slots(
+                s.regions, t.regions, slot, s.blocks, t.blocks, self.tokens
+            )
+        return out
 
     def whole(self) -> dict[tuple[int, int], np.ndarray]:
         """Per (writer, owner): ``[n, 3]`` runs of whole blocks (one buffer a side)."""
@@ -165,7 +191,8 @@ class Move:
         """(writer, owner, runs) per batch of at most ``batch_bytes``."""
         out = []
         if not self.turned:
-            for (p, d), runs in self.plans.items():
+            plans = self.spans if self.slotted else self.plans
+            for (p, d), runs in plans.items():
                 out += [(p, d, triples) for _, _, triples in runs.batches(self.batch_bytes)]
             return out
         for (p, d), triples in self.blocks.items():
@@ -201,6 +228,11 @@ class Move:
         for p, d in self.blocks:  # the owner turns what landed into its order
             t = self.dst.workers[d]
             reshape.turn_blocks(t.regions, self.src.workers[p].regions, t.blocks)
+        if self.slotted:  # each owner turns its writers' slots, all at once
+            k = self.src.side.tp // self.dst.side.tp
+            for d, t in enumerate(self.dst.workers):
+                theirs = self.src.workers[d * k].regions
+                reshape.turn_blocks(t.regions, theirs, t.blocks, writers=k)
 
     def pieces(self) -> tuple[int, int]:
         """(local, remote): the pieces of the posted batches once each side's contiguous
@@ -255,6 +287,7 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
             "bytes": move.bytes,
             "pairs": len(move.plans),
             "turned": move.turned,
+            "slotted": move.slotted,
             "runs": runs,
             "mean_run_bytes": round(move.bytes / max(1, runs)),
             "pieces": dict(zip(("local", "remote"), move.pieces(), strict=True)),

@@ -60,8 +60,10 @@ from .reshape import (
     PairRuns,
     pairs,
     plan_pair,
+    plan_slots,
     region_checksums,
     same_blocks,
+    slot_of,
     turn_blocks,
     turned_pair,
     writers_of,
@@ -104,6 +106,10 @@ class WriterLink:
     runs: PairRuns | None = None  # None: whole blocks (a prefill worker of this shape)
     # whole blocks laid in the writer's order, turned into ours after the checks
     turn_from: KVRegions | None = None
+    # a fan-in's writer: its spans whole in slot ``slot`` of ours, of ``slots`` writers
+    # (turned, with the other slots', after the checks)
+    slot: int | None = None
+    slots: int = 1
 
 
 @dataclass
@@ -271,8 +277,13 @@ class VerifyPath:
             return
         assert h.regions is not None
         for link in o.links:  # checked as they landed; vLLM reads them in its own order
-            if link.turn_from is not None:
+            if link.turn_from is not None and link.slot is None:
                 turn_blocks(h.regions, link.turn_from, o.blocks)
+        slotted = [link for link in o.links if link.slot is not None]
+        if slotted:  # a fan-in's spans, every slot at once
+            theirs = slotted[0].turn_from
+            assert theirs is not None
+            turn_blocks(h.regions, theirs, o.blocks, writers=slotted[0].slots)
         h.driver.feed(o, OwnerEvent.VERIFIED)
 
     def _check_writer(self, o: Load, w: int) -> str:
@@ -704,8 +715,17 @@ class OwnerHost(WorkerHost):
                 return None, f"prefill worker tp{p} gave no KV geometry in its handshake"
             theirs = KVRegions.from_wire(card["regions"])
             like = prefill.tp == decode.tp and p == self.tp_rank
+            slot = slot_of(theirs, self.regions, prefill, decode, p, self.tp_rank)
             if like and turned_pair(theirs, self.regions):
                 link.turn_from = theirs  # whole blocks, turned after the checks
+            elif slot is not None:  # its spans whole in its slot of ours, turned after
+                try:
+                    link.runs = plan_slots(
+                        theirs, self.regions, slot, o.remote["src"], o.blocks, o.tokens
+                    )
+                except LayoutError as exc:
+                    return None, f"cannot plan the spans of prefill worker tp{p}: {exc}"
+                link.turn_from, link.slot, link.slots = theirs, slot, prefill.tp // decode.tp
             elif not (like and same_blocks(theirs, self.regions)):
                 try:
                     link.runs = plan_pair(

@@ -159,27 +159,130 @@ def turned_pair(a: KVRegions, b: KVRegions) -> bool:
     return turnable_blocks(a, b) and not same_blocks(a, b)
 
 
-def turn_blocks(mine: KVRegions, theirs: KVRegions, blocks: Sequence[int]) -> None:
-    """Turn ``blocks`` (scheduler blocks of ``mine``), whose every layer's span holds its
-    rows as ``theirs`` orders them (landed whole, :func:`turnable_blocks`), into
-    ``mine``'s order, in place: per layer, the transpose of the heads and tokens of each
-    of those blocks' spans (:func:`~kvferry.engine.pool.turn_rows`)."""
+def turn_blocks(
+    mine: KVRegions, theirs: KVRegions, blocks: Sequence[int], writers: int = 1
+) -> None:
+    """Turn ``blocks`` (scheduler blocks of ``mine``), whose every layer's span holds
+    ``writers`` spans laid as ``theirs`` orders them, one after another in head order
+    (landed whole: :func:`turnable_blocks` with one writer, :func:`slot_of` with several),
+    into ``mine``'s order, in place, per layer (:func:`~kvferry.engine.pool.turn_rows`):
+    heads-major landed into token-major, the heads and tokens swapped; token-major landed,
+    each writer's tokens and heads swapped (into heads-major) or the writers and tokens
+    swapped (into token-major). Spans that landed in ``mine``'s order are left."""
     if not len(blocks):
         return
     for x, y in zip(theirs.layers, mine.layers, strict=True):
-        if (x.head_stride, x.token_stride) == (y.head_stride, y.token_stride):
-            continue
+        src_heads_major = x.token_stride == x.row_bytes
+        dst_heads_major = y.token_stride == y.row_bytes
+        if src_heads_major == dst_heads_major and (src_heads_major or writers == 1):
+            continue  # landed in mine's order ([writers, share, tokens] is [heads, tokens])
         buf = mine.buffers[y.buffer].tensor
         kernel = (
             np.asarray(blocks, dtype=np.int64)[:, None] * y.ratio + np.arange(y.ratio)
         ).reshape(-1)
         span = y.heads * y.kernel_tokens * y.row_bytes  # dense (_layer_dense)
         spans = buf.as_strided((mine.num_blocks * y.ratio, span), (y.block_stride, 1), y.offset)
-        if x.token_stride == x.row_bytes:  # landed heads-major
-            landed = (y.heads, y.kernel_tokens, y.row_bytes)
-        else:
-            landed = (y.kernel_tokens, y.heads, y.row_bytes)
-        turn_rows(spans, torch.from_numpy(kernel).to(buf.device), landed, axis=0)
+        share, tokens, row = y.heads // writers, y.kernel_tokens, y.row_bytes
+        landed: tuple[int, ...]
+        if src_heads_major:  # landed [heads, tokens, row]; mine token-major
+            landed, axis = (y.heads, tokens, row), 0
+        elif dst_heads_major:  # landed [writers, tokens, share, row]
+            landed, axis = (writers, tokens, share, row), 1
+        else:  # landed [writers, tokens, share * row]
+            landed, axis = (writers, tokens, share * row), 0
+        turn_rows(spans, torch.from_numpy(kernel).to(buf.device), landed, axis=axis)
+
+
+def slot_of(
+    src: KVRegions, dst: KVRegions, prefill: EngineShape, decode: EngineShape, p: int, d: int
+) -> int | None:
+    """Where prefill worker ``p``'s spans go in decode worker ``d``'s, when the pair goes
+    by slots, else None. A fan-in (prefill TP a multiple of the decode's, no head held by
+    two prefill workers) of one block size and row, both sides' layers dense spans
+    (:func:`_layer_dense`): each of the ``k = prefill.tp // decode.tp`` writers of a decode
+    worker holds a contiguous share of its heads, so each writes every kernel block's
+    span whole, as it lies, into slot ``p % k`` of the owner's span (the ``k`` writers in
+    head order). The owner's span then holds ``[writers, writer's span]``, which its turn
+    puts into its order after the checks (:func:`turn_blocks` with ``writers=k``); spans
+    already in the owner's order (heads-major on both sides) need none. One remote piece a
+    block and writer, where rows would make one per token and head in a token-major
+    span. Both sides ask this of the same geometries, so they agree."""
+    if not (prefill.tp > decode.tp and prefill.tp % decode.tp == 0):
+        return None
+    k = prefill.tp // decode.tp
+    if decode.kv_heads % prefill.tp or p // k != d:
+        return None
+    share = decode.kv_heads // prefill.tp
+    if len(src.layers) != len(dst.layers) or not src.layers:
+        return None
+    for x, y in zip(src.layers, dst.layers, strict=True):
+        if (x.kernel_tokens, x.ratio, x.row_bytes) != (y.kernel_tokens, y.ratio, y.row_bytes):
+            return None
+        if x.heads != share or y.heads != share * k:
+            return None
+        if not (_layer_dense(x) and _layer_dense(y)):
+            return None
+    return p % k
+
+
+def plan_slots(
+    src: KVRegions,
+    dst: KVRegions,
+    slot: int,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    tokens: int,
+) -> PairRuns:
+    """The runs of a pair that goes by slots (:func:`slot_of`): per layer, planned decode
+    block and kernel block, the writer's whole span into slot ``slot`` of the owner's. The
+    owner's blocks hold the prompt's last blocks, as in :func:`plan_pair`."""
+    _, need = _blocks_needed(src, dst, src_blocks, dst_blocks, tokens)
+    sb = np.asarray(src_blocks, dtype=np.int64)[need - len(dst_blocks) : need]
+    db = np.asarray(dst_blocks, dtype=np.int64)
+    which = np.arange(len(db), dtype=np.int64)
+    parts = []
+    for x, y in zip(src.layers, dst.layers, strict=True):
+        span = x.heads * x.kernel_tokens * x.row_bytes
+        j = np.arange(x.ratio, dtype=np.int64)
+        so = x.offset + (sb[:, None] * x.ratio + j) * x.block_stride
+        do = y.offset + (db[:, None] * y.ratio + j) * y.block_stride + slot * span
+        n = so.size
+        parts.append(
+            (
+                so.reshape(-1),
+                do.reshape(-1),
+                np.full(n, span, dtype=np.int64),
+                np.full(n, x.buffer, dtype=np.int64),
+                np.full(n, y.buffer, dtype=np.int64),
+                np.broadcast_to(which[:, None], so.shape).reshape(-1),
+            )
+        )
+    so, do, ln, sbuf, dbuf, key = (np.concatenate(c) for c in zip(*parts, strict=True))
+    runs, sbuf, dbuf, key = _coalesce(so, do, ln, sbuf, dbuf, key)
+    return PairRuns(runs, sbuf, dbuf, key, word_unit(src.layers[0].row_bytes))
+
+
+def _blocks_needed(
+    src: KVRegions,
+    dst: KVRegions,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    tokens: int,
+) -> tuple[int, int]:
+    """The blocks a prompt of ``tokens`` fills on each side, once the two engines pair
+    (:func:`_check_pair`) and the writer holds all of its and the owner plans at most all
+    of its (its last ones; it may hold the first already); else LayoutError."""
+    _check_pair(src, dst)
+    p_src, p_dst = src.layers[0].block_tokens, dst.layers[0].block_tokens
+    need_src, need_dst = -(-tokens // p_src), -(-tokens // p_dst)
+    if len(src_blocks) < need_src:
+        raise LayoutError(f"{len(src_blocks)} prefill blocks of {p_src} for {tokens} tokens")
+    if not 0 < len(dst_blocks) <= need_dst:
+        raise LayoutError(
+            f"{len(dst_blocks)} decode blocks of {p_dst} tokens planned for a prompt of "
+            f"{tokens} (at most {need_dst})"
+        )
+    return need_src, need_dst
 
 
 def _check_pair(src: KVRegions, dst: KVRegions) -> None:
@@ -232,17 +335,8 @@ def plan_pair(
     the writer's ``src_blocks`` (from token 0) into the owner's ``dst_blocks``, which
     hold the prompt's last blocks (the owner may hold its first tokens already). Each
     side's local head of global head ``h`` is ``h - *_first_head``."""
-    _check_pair(src, dst)
     p_src, p_dst = src.layers[0].block_tokens, dst.layers[0].block_tokens
-    need_src = -(-tokens // p_src)
-    need_dst = -(-tokens // p_dst)
-    if len(src_blocks) < need_src:
-        raise LayoutError(f"{len(src_blocks)} prefill blocks of {p_src} for {tokens} tokens")
-    if not 0 < len(dst_blocks) <= need_dst:
-        raise LayoutError(
-            f"{len(dst_blocks)} decode blocks of {p_dst} tokens planned for a prompt of "
-            f"{tokens} (at most {need_dst})"
-        )
+    _, need_dst = _blocks_needed(src, dst, src_blocks, dst_blocks, tokens)
     first = (need_dst - len(dst_blocks)) * p_dst
     contiguous = all(r.token_stride == r.row_bytes for r in (*src.layers, *dst.layers))
     grains = [r.kernel_tokens for r in (*src.layers, *dst.layers)] + [p_src, p_dst]

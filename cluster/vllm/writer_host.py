@@ -9,15 +9,17 @@ ended its job (:class:`Prompt`). Which decode workers those are, and which heads
 job writes, is :mod:`.reshape`'s rule, known at the first plan (it carries the decode's
 TP size). A job between like workers (same TP rank and size and block size) moves
 whole blocks as they lie here, its layout the decode's or one the decode turns them from
-after its checks (:func:`.reshape.whole_blocks`); any other moves the rows of its heads
-as runs planned once (:func:`.reshape.plan_pair`), with one region checksum per decode
-block. What each effect of the writer's table means is
-:class:`~kvferry.engine.protocol.writer_driver.WriterDriver`'s, as for the service's
-prefill rank; this module turns what reaches the worker (the scheduler's hand-over, the
-decode's PLAN and ABORT, settled batches, the hold timeout) into the table's events and
-supplies the ports: the data path (checksums, the one-sided writes, the notice), the
-source blocks (vLLM's, given back in ``finished_sending``), the wire to the owner, the
-report and the tombstones.
+after its checks (:func:`.reshape.whole_blocks`); a fan-in (prefill TP a multiple of the
+decode's, one block size) moves its blocks' layer spans whole into its slot of the
+decode's, which the decode turns after its checks (:func:`.reshape.slot_of`); any other
+moves the rows of its heads as runs planned once (:func:`.reshape.plan_pair`). Both of
+these check with one region checksum per decode block. What each effect of the writer's
+table means is :class:`~kvferry.engine.protocol.writer_driver.WriterDriver`'s, as for the
+service's prefill rank; this module turns what reaches the worker (the scheduler's
+hand-over, the decode's PLAN and ABORT, settled batches, the hold timeout) into the
+table's events and supplies the ports: the data path (checksums, the one-sided writes,
+the notice), the source blocks (vLLM's, given back in ``finished_sending``), the wire to
+the owner, the report and the tombstones.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ from .reshape import (
     owners_of,
     pairs,
     plan_pair,
+    plan_slots,
     region_checksums,
+    slot_of,
     whole_blocks,
 )
 
@@ -462,17 +466,21 @@ class WriterHost(WorkerHost):
         assert self.regions is not None and job.dst is not None and job.decode is not None
         assert prompt.src is not None and prompt.checksums is not None
         decode = job.decode
+        slot = slot_of(self.regions, job.dst, self.shape, decode, self.tp_rank, job.decode_rank)
         try:
-            runs = plan_pair(
-                self.regions,
-                job.dst,
-                job.heads,
-                self.shape.heads_of(self.tp_rank)[0],
-                decode.heads_of(job.decode_rank)[0],
-                prompt.src,
-                dst,
-                prompt.tokens,
-            )
+            if slot is not None:  # a fan-in: our spans whole, into our slot of the owner's
+                runs = plan_slots(self.regions, job.dst, slot, prompt.src, dst, prompt.tokens)
+            else:
+                runs = plan_pair(
+                    self.regions,
+                    job.dst,
+                    job.heads,
+                    self.shape.heads_of(self.tp_rank)[0],
+                    decode.heads_of(job.decode_rank)[0],
+                    prompt.src,
+                    dst,
+                    prompt.tokens,
+                )
         except LayoutError as exc:
             self.fail(job, AbortSource.PREFILL, f"plan unusable: {exc}")
             return

@@ -74,6 +74,37 @@ def read_row(caches, blocks, first, t, h, layer) -> torch.Tensor:
     return v[b * r + (t % p) // kt, h, t % kt]
 
 
+def engines(
+    pre: EngineShape,
+    dec: EngineShape,
+    side_p: tuple[str, int],
+    side_d: tuple[str, int],
+    src_blocks: list[int],
+    tokens: int,
+    seed: int,
+    ratio: int = 1,
+):
+    """Both engines' workers, each side a (layout, block size): the prefill's caches hold
+    ``expected_row`` of every global head they hold in ``src_blocks``, the decode's are
+    zeros; (prefill caches, decode caches, prefill regions, decode regions) by rank."""
+    caches_p, caches_d = {}, {}
+    for p in range(pre.tp):
+        lo, hi = pre.heads_of(p)
+        caches_p[p] = views(side_p[0], _BLOCKS, side_p[1], hi - lo, ratio)
+        for li in range(LAYERS):
+            for t in range(tokens):
+                for h in range(hi - lo):
+                    read_row(caches_p[p], src_blocks, 0, t, h, li)[:] = expected_row(
+                        seed, li, lo + h, t, ROW // 2
+                    )
+    for d in range(dec.tp):
+        lo, hi = dec.heads_of(d)
+        caches_d[d] = views(side_d[0], _BLOCKS, side_d[1], hi - lo, ratio)
+    regions_p = {p: KVRegions.from_kv_caches(c, _BLOCKS, side_p[0]) for p, c in caches_p.items()}
+    regions_d = {d: KVRegions.from_kv_caches(c, _BLOCKS, side_d[0]) for d, c in caches_d.items()}
+    return caches_p, caches_d, regions_p, regions_d
+
+
 SHAPES = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1), (2, 2), (4, 4)]
 
 
@@ -95,21 +126,9 @@ def test_every_row_lands_where_the_decode_reads_it(tp_p, tp_d, heads, bs_p, bs_d
     pre, dec = EngineShape(heads, tp_p), EngineShape(heads, tp_d)
     src_blocks = list(range(11, 11 - (-(-tokens // bs_p)), -1))  # any order of blocks
     dst_blocks = [3, 0, 7, 9, 1][: -(-tokens // bs_d)]
-    caches_p, caches_d = {}, {}
-    for p in range(tp_p):
-        lo, hi = pre.heads_of(p)
-        caches_p[p] = views(lay_p, _BLOCKS, bs_p, hi - lo)
-        for li, _v in enumerate(caches_p[p].values()):
-            for t in range(tokens):
-                for h in range(hi - lo):
-                    read_row(caches_p[p], src_blocks, 0, t, h, li)[:] = expected_row(
-                        seed, li, lo + h, t, ROW // 2
-                    )
-    for d in range(tp_d):
-        lo, hi = dec.heads_of(d)
-        caches_d[d] = views(lay_d, _BLOCKS, bs_d, hi - lo)
-    regions_p = {p: KVRegions.from_kv_caches(c, _BLOCKS, lay_p) for p, c in caches_p.items()}
-    regions_d = {d: KVRegions.from_kv_caches(c, _BLOCKS, lay_d) for d, c in caches_d.items()}
+    _, caches_d, regions_p, regions_d = engines(
+        pre, dec, (lay_p, bs_p), (lay_d, bs_d), src_blocks, tokens, seed
+    )
     for (p, d), hs in pairs(pre, dec).items():
         plan = plan_pair(
             regions_p[p],
@@ -338,3 +357,83 @@ def test_layouts_that_differ_in_more_than_the_order_inside_a_layer_are_not_turne
     bigger = KVRegions.from_kv_caches(views("HND", _BLOCKS, 32, HEADS), _BLOCKS, "HND")
     fewer = KVRegions.from_kv_caches(views("HND", _BLOCKS, 16, 2), _BLOCKS, "HND")
     assert not any(turnable_blocks(nhd, other) for other in (cross, bigger, fewer))
+
+
+FAN_IN = [
+    (2, 1, "NHD", "NHD"),
+    (4, 2, "NHD", "NHD"),
+    (2, 1, "HND", "NHD"),
+    (4, 1, "HND", "NHD"),
+    (2, 1, "NHD", "HND"),
+    (4, 2, "HND", "HND"),
+]
+
+
+@pytest.mark.parametrize("tp_p, tp_d, lay_p, lay_d", FAN_IN)
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_a_fan_in_goes_by_slots_and_the_owner_turns_it(tp_p, tp_d, lay_p, lay_d, ratio):
+    """Prefill TP a multiple of the decode's, one block size: each writer moves its
+    blocks' spans whole into its slot of the owner's (one run per layer, kernel block and
+    block), the region checksums of what landed equal the writers', and the owner's one
+    turn puts every row where its layout reads it. Broken mode: an owner that never turns
+    reads other rows (but heads-major on both sides, where the slots are its order)."""
+    from kvferry.cluster.vllm.reshape import plan_slots, slot_of, turn_blocks
+
+    tokens, seed, block = 70, 3, 16
+    src_blocks, dst_blocks = [9, 2, 5, 0, 7], [4, 10, 1, 6, 3]
+    pre, dec = EngineShape(HEADS, tp_p), EngineShape(HEADS, tp_d)
+    _, caches_d, regions_p, regions_d = engines(
+        pre, dec, (lay_p, block), (lay_d, block), src_blocks, tokens, seed, ratio
+    )
+    k = tp_p // tp_d
+    for (p, d), _heads in pairs(pre, dec).items():
+        slot = slot_of(regions_p[p], regions_d[d], pre, dec, p, d)
+        assert slot == p % k
+        plan = plan_slots(regions_p[p], regions_d[d], slot, src_blocks, dst_blocks, tokens)
+        assert len(plan.runs) <= LAYERS * ratio * len(dst_blocks)
+        copy_runs(regions_p[p], regions_d[d], plan)
+        n = len(dst_blocks)
+        assert np.array_equal(
+            region_checksums(regions_p[p], plan, 0, n), region_checksums(regions_d[d], plan, 1, n)
+        )
+
+    def reads_right(d: int) -> bool:
+        lo, hi = dec.heads_of(d)
+        return all(
+            torch.equal(
+                read_row(caches_d[d], dst_blocks, 0, t, h, li),
+                expected_row(seed, li, lo + h, t, ROW // 2),
+            )
+            for li in range(LAYERS)
+            for t in range(tokens)
+            for h in range(hi - lo)
+        )
+
+    for d in range(tp_d):
+        assert reads_right(d) == (lay_p == lay_d == "HND")  # the broken mode: never turned
+        untouched = regions_d[d].block_bytes_of([8]).clone()
+        turn_blocks(regions_d[d], regions_p[d * k], dst_blocks, writers=k)
+        assert reads_right(d)
+        assert torch.equal(regions_d[d].block_bytes_of([8]), untouched)  # no other block
+
+
+def test_what_does_not_go_by_slots():
+    """A fan-out, one TP size, heads held by two prefill workers, two block sizes and a
+    cross-layer layout take the rows (or the whole blocks) as before."""
+    from kvferry.cluster.vllm.reshape import slot_of
+
+    def regions(layout: str, heads: int, block: int = 16) -> KVRegions:
+        return KVRegions.from_kv_caches(views(layout, _BLOCKS, block, heads), _BLOCKS, layout)
+
+    two, four = EngineShape(HEADS, 2), EngineShape(HEADS, 4)
+    assert slot_of(regions("NHD", 2), regions("NHD", 4), two, EngineShape(HEADS, 1), 1, 0) == 1
+    assert slot_of(regions("NHD", 4), regions("NHD", 2), EngineShape(HEADS, 1), two, 0, 0) is None
+    assert slot_of(regions("NHD", 2), regions("HND", 2), two, two, 0, 0) is None
+    assert slot_of(regions("NHD", 1), regions("NHD", 2), four, two, 1, 0) == 1
+    assert slot_of(regions("NHD", 1), regions("NHD", 2), four, two, 2, 0) is None  # not its
+    gqa = EngineShape(2, 4)  # two heads over four workers: each held twice
+    assert slot_of(regions("NHD", 1), regions("NHD", 2), gqa, EngineShape(2, 1), 0, 0) is None
+    assert (
+        slot_of(regions("NHD", 2, 32), regions("NHD", 4), two, EngineShape(HEADS, 1), 0, 0) is None
+    )
+    assert slot_of(regions("BNHD", 2), regions("NHD", 4), two, EngineShape(HEADS, 1), 0, 0) is None

@@ -64,6 +64,7 @@ from .reshape import (
     region_checksums,
     same_blocks,
     slot_of,
+    slots_agree,
     turn_blocks,
     turned_pair,
     writers_of,
@@ -743,6 +744,13 @@ class OwnerHost(WorkerHost):
             links.append(link)
         if not links:
             return None, f"no prefill worker of engine {hs['engine_id']} writes heads here"
+        if not slots_agree([link.slot for link in links]):
+            slotted = [link.rank for link in links if link.slot is not None]
+            return None, (
+                f"prefill workers {slotted} of engine {hs['engine_id']} would land in slots "
+                f"and {[link.rank for link in links if link.slot is None]} as rows: their "
+                "geometries differ"
+            )
         return links, ""
 
     def _refuse(self, o: Load, error: str) -> None:

@@ -225,6 +225,15 @@ def slot_of(
     return p % k
 
 
+def slots_agree(slots: Sequence[int | None]) -> bool:
+    """Whether one decode worker's writers of a load (their :func:`slot_of`) can land
+    together: all by slots, each its own, so that one turn covers every slot of a span,
+    or none by slots. A mix would have the turn scramble the rows' bytes; the owner
+    refuses it before planning."""
+    taken = [s for s in slots if s is not None]
+    return not taken or (len(taken) == len(slots) and len(set(taken)) == len(taken))
+
+
 def plan_slots(
     src: KVRegions,
     dst: KVRegions,

@@ -437,3 +437,18 @@ def test_what_does_not_go_by_slots():
         slot_of(regions("NHD", 2, 32), regions("NHD", 4), two, EngineShape(HEADS, 1), 0, 0) is None
     )
     assert slot_of(regions("BNHD", 2), regions("NHD", 4), two, EngineShape(HEADS, 1), 0, 0) is None
+
+
+def test_a_decode_worker_takes_slots_from_all_its_writers_or_from_none():
+    """One turn covers every slot of a span: writers that would land some in slots and
+    some as rows, or two in one slot, are refused (the owner fails the load before any
+    plan goes out). Broken mode: a rule that takes any slot at all accepts the mix."""
+    from kvferry.cluster.vllm.reshape import slots_agree
+
+    assert slots_agree([0, 1]) and slots_agree([None, None]) and slots_agree([1, 0, 3, 2])
+    assert not slots_agree([0, None]) and not slots_agree([1, 1])
+
+    def broken(slots) -> bool:
+        return any(s is not None for s in slots) or all(s is None for s in slots)
+
+    assert broken([0, None])  # the mix the real rule refuses

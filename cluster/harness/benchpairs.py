@@ -319,8 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--rows",
         action="store_true",
-        help="move a pair that differs only inside each layer's span (HND against NHD) as "
-        "rows planned per request, not as whole blocks the decode turns (to compare the two)",
+        help="move a pair that differs only inside each layer's span (HND against NHD), or a "
+        "fan-in of one block size, as rows planned per request, not as whole blocks or spans "
+        "the decode turns (to compare the two)",
     )
     args = ap.parse_args(argv)
     print(

@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 
-def _bench(only: str) -> list[dict]:
+def _bench(only: str, *extra: str) -> list[dict]:
     """The benchmark at a tiny size for one pair: its JSON lines (the host's, then the pair's)."""
     env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
     out = subprocess.run(
         [sys.executable, "-m", "kvferry.cluster.harness.benchpairs", "--tokens", "100",
-         "--layers", "2", "--reps", "1", "--only", only],
+         "--layers", "2", "--reps", "1", "--only", only, *extra],
         capture_output=True,
         text=True,
         timeout=180,
@@ -26,14 +26,23 @@ def _bench(only: str) -> list[dict]:
 
 
 def test_the_pairs_benchmark_runs_and_checks_its_bytes():
-    lines = _bench("tp2/b16/NHD->tp1")
+    lines = _bench("tp2/b16/NHD->tp1", "--rows")
     assert len(lines) == 2 and "host" in lines[0], lines
     row = lines[1]
     assert row["src"] == "tp2/b16/NHD" and row["dst"] == "tp1/b16/NHD", row
     assert row["bytes_checked"] and row["bytes"] == 2 * 8 * 100 * 512 and row["ratio"] > 0, row
-    # two writers' heads interleave in each token's row at the target: a remote piece a run
+    # as rows, two writers' heads interleave in each token's row at the target: a remote
+    # piece a run
     assert row["pieces"]["remote"] == row["runs"] and row["pieces"]["local"] < row["runs"], row
-    assert not row["turned"], row
+    assert not row["turned"] and not row["slotted"], row
+
+
+def test_a_fan_in_of_one_block_size_is_benchmarked_by_slots():
+    (_, row) = _bench("tp2/b16/NHD->tp1")
+    assert row["slotted"] and not row["turned"] and row["bytes_checked"], row
+    # each writer's spans whole into its slot: a run, and a remote piece, per layer, block
+    # (7 of 16 tokens for 100) and writer
+    assert row["runs"] == 2 * 7 * 2 and row["pieces"]["remote"] == row["runs"], row
 
 
 def test_a_layout_change_alone_is_benchmarked_as_whole_blocks_turned_by_the_decode():

@@ -107,10 +107,9 @@ class WriterLink:
     runs: PairRuns | None = None  # None: whole blocks (a prefill worker of this shape)
     # whole blocks laid in the writer's order, turned into ours after the checks
     turn_from: KVRegions | None = None
-    # a fan-in's writer: its spans whole in slot ``slot`` of ours, of ``slots`` writers
-    # (turned, with the other slots', after the checks)
+    # a fan-in's writer: its spans whole in slot ``slot`` of ours (turned, with the other
+    # writers' slots, after the checks)
     slot: int | None = None
-    slots: int = 1
 
 
 @dataclass
@@ -284,7 +283,7 @@ class VerifyPath:
         if slotted:  # a fan-in's spans, every slot at once
             theirs = slotted[0].turn_from
             assert theirs is not None
-            turn_blocks(h.regions, theirs, o.blocks, writers=slotted[0].slots)
+            turn_blocks(h.regions, theirs, o.blocks, writers=len(slotted))
         h.driver.feed(o, OwnerEvent.VERIFIED)
 
     def _check_writer(self, o: Load, w: int) -> str:
@@ -726,7 +725,7 @@ class OwnerHost(WorkerHost):
                     )
                 except LayoutError as exc:
                     return None, f"cannot plan the spans of prefill worker tp{p}: {exc}"
-                link.turn_from, link.slot, link.slots = theirs, slot, prefill.tp // decode.tp
+                link.turn_from, link.slot = theirs, slot
             elif not (like and same_blocks(theirs, self.regions)):
                 try:
                     link.runs = plan_pair(

@@ -245,7 +245,7 @@ def plan_slots(
     """The runs of a pair that goes by slots (:func:`slot_of`): per layer, planned decode
     block and kernel block, the writer's whole span into slot ``slot`` of the owner's. The
     owner's blocks hold the prompt's last blocks, as in :func:`plan_pair`."""
-    _, need = _blocks_needed(src, dst, src_blocks, dst_blocks, tokens)
+    need = _blocks_needed(src, dst, src_blocks, dst_blocks, tokens)
     sb = np.asarray(src_blocks, dtype=np.int64)[need - len(dst_blocks) : need]
     db = np.asarray(dst_blocks, dtype=np.int64)
     which = np.arange(len(db), dtype=np.int64)
@@ -277,10 +277,10 @@ def _blocks_needed(
     src_blocks: Sequence[int],
     dst_blocks: Sequence[int],
     tokens: int,
-) -> tuple[int, int]:
-    """The blocks a prompt of ``tokens`` fills on each side, once the two engines pair
-    (:func:`_check_pair`) and the writer holds all of its and the owner plans at most all
-    of its (its last ones; it may hold the first already); else LayoutError."""
+) -> int:
+    """The decode blocks a prompt of ``tokens`` fills, once the two engines pair
+    (:func:`_check_pair`), the writer holds all the blocks it fills and the owner plans at
+    most all of its (its last ones; it may hold the first already); else LayoutError."""
     _check_pair(src, dst)
     p_src, p_dst = src.layers[0].block_tokens, dst.layers[0].block_tokens
     need_src, need_dst = -(-tokens // p_src), -(-tokens // p_dst)
@@ -291,7 +291,7 @@ def _blocks_needed(
             f"{len(dst_blocks)} decode blocks of {p_dst} tokens planned for a prompt of "
             f"{tokens} (at most {need_dst})"
         )
-    return need_src, need_dst
+    return need_dst
 
 
 def _check_pair(src: KVRegions, dst: KVRegions) -> None:
@@ -345,7 +345,7 @@ def plan_pair(
     hold the prompt's last blocks (the owner may hold its first tokens already). Each
     side's local head of global head ``h`` is ``h - *_first_head``."""
     p_src, p_dst = src.layers[0].block_tokens, dst.layers[0].block_tokens
-    _, need_dst = _blocks_needed(src, dst, src_blocks, dst_blocks, tokens)
+    need_dst = _blocks_needed(src, dst, src_blocks, dst_blocks, tokens)
     first = (need_dst - len(dst_blocks)) * p_dst
     contiguous = all(r.token_stride == r.row_bytes for r in (*src.layers, *dst.layers))
     grains = [r.kernel_tokens for r in (*src.layers, *dst.layers)] + [p_src, p_dst]

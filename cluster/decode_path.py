@@ -44,6 +44,7 @@ from kvferry.engine.verify import (
     check_part,
     checksum_steps,
     expected_canary_rows,
+    unchecked_rest,
 )
 
 from . import messages as m
@@ -261,7 +262,7 @@ class DecodePath(ReadPath):
             index = None  # the pages' places in the allocation (None: all, in order)
             if checked is not None and len(notice.checksums) == len(notice.pages):
                 # the parts checked their pages' canaries (check_part): only the rest now
-                notice, planned, index = self._unchecked(req, w, notice, planned, *checked)
+                notice, planned, index = unchecked_rest(planned, notice, *checked)
             check_canaries(planned, self.canaries.rows(notice.pages), index=index)
             yield from checksum_steps(planned, notice, checksums_of, per_step)
 
@@ -411,32 +412,6 @@ class DecodePath(ReadPath):
     @staticmethod
     def _per_step(view: torch.Tensor) -> int:
         return max(1, CHECKSUM_SLICE_BYTES // (view[0].numel() * view.element_size()))
-
-    @staticmethod
-    def _unchecked(
-        req: OwnedRequest,
-        writer: int,
-        notice: VerifyNotice,
-        planned: Planned,
-        mask: np.ndarray,
-        sums: np.ndarray,
-    ) -> tuple[VerifyNotice, Planned, np.ndarray]:
-        """The notice and plan cut to the pages no part checked, and those pages' places
-        in the notice; IntegrityError when the notice gives a checked page another
-        checksum than its part did."""
-        given = np.asarray(notice.checksums, dtype=np.int64)
-        differ = np.flatnonzero(mask & (given != sums))
-        if differ.size:
-            raise IntegrityError(
-                req.rid,
-                f"writer rank {writer}'s notice gives {differ.size} pages other checksums "
-                f"than its parts did (first: {[int(notice.pages[i]) for i in differ[:4]]})",
-            )
-        rest = np.flatnonzero(~mask)
-        pages = np.asarray(notice.pages)[rest]
-        gens = np.asarray(notice.generations)[rest]
-        cut = VerifyNotice(writer, notice.tokens, pages, gens, given[rest], notice.bytes)
-        return cut, Planned(planned.rid, planned.tokens, pages, gens, planned.bytes), rest
 
     def verify_parts(self, req: OwnedRequest) -> None:
         """The pipelined path: check the notice parts that arrived (the part's pages and

@@ -168,6 +168,29 @@ def check_part(
     return Planned(planned.rid, planned.tokens, pages, generations, share * n, planned.unit)
 
 
+def unchecked_rest(
+    planned: Planned, notice: Notice, mask: npt.NDArray[np.bool_], sums: npt.NDArray[np.int64]
+) -> tuple[Notice, Planned, npt.NDArray[np.int64]]:
+    """A writer's whole notice and plan cut to the pages none of its pipelined parts
+    checked (``mask``: per page of the notice, checked by a part; ``sums``: the checksums
+    those parts gave), and those pages' places in the notice (for the canaries' index).
+    IntegrityError when the notice gives a checked page another checksum than its part
+    did: the notice is the writer's last word on every page."""
+    given = _ints(notice.checksums)
+    differ = np.flatnonzero(mask & (given != sums))
+    if differ.size:
+        raise IntegrityError(
+            planned.rid,
+            f"writer rank {notice.writer}'s notice gives {differ.size} {planned.unit}s other "
+            f"checksums than its parts did (first: {_ints(notice.pages)[differ[:4]].tolist()})",
+        )
+    rest = np.flatnonzero(~mask)
+    pages = _ints(notice.pages)[rest]
+    gens = _ints(notice.generations)[rest]
+    cut = Notice(notice.writer, notice.tokens, pages, gens, given[rest], notice.bytes)
+    return cut, Planned(planned.rid, planned.tokens, pages, gens, planned.bytes, planned.unit), rest
+
+
 def checksum_steps(
     planned: Planned,
     notice: Notice,

@@ -19,7 +19,11 @@ whose engines differ only in the order inside each layer's span (HND against NHD
 size and block size: ``turned``) moves whole blocks as they lie at the prefill and the
 decode turns them into its order, timed with the turn, as the connector does; so does a
 fan-in of one block size (``slotted``: each prefill worker's layer spans whole into its
-slot of the decode's, :func:`~kvferry.cluster.vllm.reshape.slot_of`).
+slot of the decode's, :func:`~kvferry.cluster.vllm.reshape.slot_of`). Those two go in
+parts of about ``--part-mib`` per decode worker (the connector's ``part_bytes``;
+``parts``), as the connector pipelines them: each part posted and waited for, then turned
+on a thread of its own (the decode's, in the connector another process) while the next
+part is posted; timed until the last part is turned.
 
 Two engines in this one process over ``--transports`` (default shm; the same path as
 between two processes on one host: the kernel's cross-memory copy into the decode's
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +50,7 @@ from kvferry.transfer import Segment, TransferConfig, TransferEngine
 from ..vllm import reshape
 from ..vllm.layout import KVRegions
 from ..vllm.reshape import EngineShape, PairRuns, pairs, plan_pair, region_checksums
+from ..vllm.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -132,9 +138,10 @@ class Move:
         tokens: int,
         batch_bytes: int,
         rows: bool = False,
+        part_bytes: int = 0,
     ) -> None:
         self.eng, self.src, self.dst, self.tokens = src_eng, src, dst, tokens
-        self.batch_bytes = batch_bytes
+        self.batch_bytes, self.part_bytes = batch_bytes, part_bytes
         peer = src_eng.connect(dst_eng.address)
         self.rsegs = [
             src_eng.open_segment(peer, w.segment.descriptor().pack()) for w in dst.workers
@@ -161,6 +168,8 @@ class Move:
         self.blocks = self.whole() if self.turned else {}
         self.spans = self.slot_runs() if self.slotted else {}
         self.bytes = sum(p.bytes for p in self.plans.values())
+        # what the decode turns goes in parts, each turned while the next lands
+        self.parts = self.part_batches() if self.turned or self.slotted else []
 
     def plan(self) -> object:
         """What the connector plans for one request of this pair."""
@@ -200,6 +209,34 @@ class Move:
             out += [(p, d, triples[i : i + per]) for i in range(0, len(triples), per)]
         return out
 
+    def part_ranges(self) -> list[tuple[int, int]]:
+        """The decode blocks' ranges the connector's writers post as parts: about
+        ``part_bytes`` of each decode worker's blocks (one part when 0)."""
+        blocks = len(self.dst.workers[0].blocks)
+        per_block = max(1, self.bytes // len(self.dst.workers) // max(1, blocks))
+        step = blocks if self.part_bytes <= 0 else max(1, self.part_bytes // per_block)
+        return [(lo, min(blocks, lo + step)) for lo in range(0, blocks, step)]
+
+    def part_batches(self) -> list[tuple[int, int, list[tuple[int, int, np.ndarray]]]]:
+        """Per part: its block range and the (writer, owner, runs) batches that write it,
+        every writer's."""
+        out = []
+        for lo, hi in self.part_ranges():
+            batches: list[tuple[int, int, np.ndarray]] = []
+            for p, d in self.assigned:
+                s, t = self.src.workers[p], self.dst.workers[d]
+                if self.turned:
+                    triples = s.regions.triples(0, s.blocks[lo:hi], t.regions, t.blocks[lo:hi])
+                    per = max(1, self.batch_bytes // max(1, int(triples[:, 2].max())))
+                    batches += [(p, d, triples[i : i + per]) for i in range(0, len(triples), per)]
+                else:
+                    keep = np.zeros(len(t.blocks), dtype=bool)
+                    keep[lo:hi] = True
+                    part = self.spans[(p, d)].within(keep)
+                    batches += [(p, d, r) for _, _, r in part.batches(self.batch_bytes)]
+            out.append((lo, hi, batches))
+        return out
+
     def rows(self) -> dict[tuple[int, int], PairRuns]:
         out = {}
         for (p, d), heads in self.assigned.items():
@@ -217,22 +254,45 @@ class Move:
         return out
 
     def run(self) -> None:
-        batches = [
+        if self.parts:
+            self.run_parts()
+            return
+        self.post(self.batches())
+
+    def post(self, batches: list[tuple[int, int, np.ndarray]]) -> None:
+        """Post ``batches`` and wait for all of them."""
+        posted = [
             self.eng.write(self.peer, self.src.workers[p].segment, self.rsegs[d], triples)
-            for p, d, triples in self.batches()
+            for p, d, triples in batches
         ]
-        for b in batches:
+        for b in posted:
             self.eng.wait(b, 120.0)
             if b.error is not None:
                 raise RuntimeError(f"a batch failed: {b.error}")
-        for p, d in self.blocks:  # the owner turns what landed into its order
+
+    def run_parts(self) -> None:
+        """The connector's pipelined path: each part posted and waited for (its
+        NOTICE_PART follows), then turned by the decode's thread while the writer posts
+        the next; done once the last part is turned."""
+        with ThreadPoolExecutor(1, thread_name_prefix="decode") as decode:
+            turns = []
+            for lo, hi, batches in self.parts:
+                self.post(batches)
+                turns.append(decode.submit(self.turn, lo, hi))
+            for t in turns:
+                t.result()
+
+    def turn(self, lo: int, hi: int) -> None:
+        """Each decode worker turns its blocks ``[lo, hi)`` (their places in its plan)
+        into its order: whole blocks as their writer laid them, or a fan-in's slots."""
+        for p, d in self.blocks:
             t = self.dst.workers[d]
-            reshape.turn_blocks(t.regions, self.src.workers[p].regions, t.blocks)
-        if self.slotted:  # each owner turns its writers' slots, all at once
+            reshape.turn_blocks(t.regions, self.src.workers[p].regions, t.blocks[lo:hi])
+        if self.slotted:
             k = self.src.side.tp // self.dst.side.tp
             for d, t in enumerate(self.dst.workers):
                 theirs = self.src.workers[d * k].regions
-                reshape.turn_blocks(t.regions, theirs, t.blocks, writers=k)
+                reshape.turn_blocks(t.regions, theirs, t.blocks[lo:hi], writers=k)
 
     def pieces(self) -> tuple[int, int]:
         """(local, remote): the pieces of the posted batches once each side's contiguous
@@ -273,7 +333,9 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
         prefill = Workers(a, src, *shape, fill=1)
         decode = Workers(b, dst, *shape, fill=0)
         like = Workers(b, src, *shape, fill=0)
-        move = Move(a, b, prefill, decode, args.tokens, args.batch_mib << 20, args.rows)
+        move = Move(
+            a, b, prefill, decode, args.tokens, args.batch_mib << 20, args.rows, args.part_mib << 20
+        )
         base = Move(a, b, prefill, like, args.tokens, args.batch_mib << 20)
         t_pair, t_base = alternate(move.run, base.run, args.reps)
         runs = sum(len(t) for _, _, t in move.batches())
@@ -288,6 +350,7 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
             "pairs": len(move.plans),
             "turned": move.turned,
             "slotted": move.slotted,
+            "parts": len(move.parts) or None,
             "runs": runs,
             "mean_run_bytes": round(move.bytes / max(1, runs)),
             "pieces": dict(zip(("local", "remote"), move.pieces(), strict=True)),
@@ -312,6 +375,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--batch-mib", type=int, default=8, help="bytes per posted batch, MiB")
+    ap.add_argument(
+        "--part-mib",
+        type=int,
+        default=Settings.part_bytes >> 20,
+        help="a pair the decode turns goes in parts of about this many MiB per decode worker, "
+        "each turned while the next lands, as the connector's part_bytes (0: one part, turned "
+        "after the whole load landed)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--transports", default="shm")

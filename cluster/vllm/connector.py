@@ -515,11 +515,13 @@ class _WorkerSide:
                 self.owner.on_writer_abort(*found, m)
             else:
                 self.writer.on_owner_abort(msg, m)
-        elif kind in (wire.NOTICE, wire.ABORT_ACK):
+        elif kind in (wire.NOTICE_PART, wire.NOTICE, wire.ABORT_ACK):
             found = self.owner.load_from(msg, m)
             if found is None:
                 return
-            if kind == wire.NOTICE:
+            if kind == wire.NOTICE_PART:
+                self.owner.on_notice_part(*found, m)
+            elif kind == wire.NOTICE:
                 self.owner.on_notice(*found, m)
             else:
                 self.owner.on_ack(*found)

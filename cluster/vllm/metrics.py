@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: igno
 COUNTERS = (
     "bytes",
     "pages",
+    "parts",
     "quarantined_blocks",
     "severed_peers",
     "checksum_failures",

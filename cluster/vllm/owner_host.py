@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvferry.cluster.processes import DRAIN_S, process_gone
@@ -48,7 +49,14 @@ from kvferry.engine.protocol.owner_driver import (
 from kvferry.engine.protocol.proof import GoneFacts, Proof, gone_proof
 from kvferry.engine.protocol.words import AbortSource, Outcome, Release
 from kvferry.engine.verify import Notice as VerifyNotice
-from kvferry.engine.verify import Planned, check_all
+from kvferry.engine.verify import (
+    Planned,
+    check_canaries,
+    check_notice,
+    check_part,
+    checksum_steps,
+    unchecked_rest,
+)
 from kvferry.transfer import AddressInfo, Peer, TransferError, decode_address
 
 from . import wire
@@ -124,6 +132,10 @@ class Load:
     gens: list[int] = field(default_factory=list)
     links: list[WriterLink] = field(default_factory=list)  # its writers, once assigned
     notices: dict[int, dict[str, Any]] = field(default_factory=dict)  # whole, by writer
+    parts: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # NOTICE_PARTs to check
+    # per writer: which of the planned blocks its parts checked, and their checksums
+    checked: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    turned: np.ndarray | None = None  # the planned blocks turned into our order so far
     failed: bool = False  # REPORT_FAILED, or the writer ended it: failed_recving
     error: str = ""  # why it failed
     scheduler_aborted: bool = False  # vLLM ended it: no load error to report
@@ -248,16 +260,38 @@ class OwnerWire:
 class VerifyPath:
     """The owner's data path: I5 on the notice's arrival, by :mod:`kvferry.engine.verify`
     as a decode rank checks it (length, blocks and generations, bytes, canaries,
-    checksums); VERIFIED or CORRUPT back to the driver. Whole blocks of a writer whose
-    layout differs only inside each layer's span are checked as they landed, then turned
-    into this worker's order before VERIFIED (vLLM reads them from then on). Decoding is
-    vLLM's."""
+    checksums); VERIFIED or CORRUPT back to the driver. A large load comes in parts, each
+    checked when its NOTICE_PART arrives, so the whole notice leaves only the last part
+    to check. Whole blocks or spans that landed in the writer's order (a layout that
+    differs only inside each layer's span, a fan-in's slots) are checked as they landed,
+    then turned into this worker's order, part by part (vLLM reads them once VERIFIED).
+    Decoding is vLLM's."""
 
     def __init__(self, host: OwnerHost) -> None:
         self.host = host
 
     def verify_parts(self, o: Load) -> None:
-        raise NotImplementedError(f"request {o.rid}: a vLLM writer sends no notice parts")
+        """The pipelined path: check the NOTICE_PARTs that arrived (each part's blocks and
+        generations against the plan, their canaries and checksums) while the writers
+        write the rest, then turn the blocks that every writer landing in them has
+        checked; CORRUPT on a mismatch. A part proves nothing of its writer's later
+        writes: only its whole notice or its ack does (the table's)."""
+        h = self.host
+        while o.parts:
+            w, m = o.parts.pop(0)
+            err = "" if h.settings.unsafe else self._check_part(o, w, m)
+            if err:
+                o.parts.clear()
+                o.error = f"integrity check failed: {err}"
+                h.driver.feed(o, OwnerEvent.CORRUPT)
+                return
+            lo, n = int(m["offset"]), len(m["blocks"])
+            mask, sums = o.checked.setdefault(
+                w, (np.zeros(len(o.blocks), bool), np.zeros(len(o.blocks), np.int64))
+            )
+            mask[lo : lo + n] = True
+            sums[lo : lo + n] = m["checksums"]
+        self._turn(o, final=False)
 
     def start_decode(self, o: Load) -> None:
         """vLLM's own scheduler takes the loaded request on from here (its prefill's
@@ -275,61 +309,122 @@ class VerifyPath:
             o.error = f"integrity check failed: {err}"
             h.driver.feed(o, OwnerEvent.CORRUPT)
             return
-        assert h.regions is not None
-        for link in o.links:  # checked as they landed; vLLM reads them in its own order
-            if link.turn_from is not None and link.slot is None:
-                turn_blocks(h.regions, link.turn_from, o.blocks)
-        slotted = [link for link in o.links if link.slot is not None]
-        if slotted:  # a fan-in's spans, every slot at once
-            theirs = slotted[0].turn_from
-            assert theirs is not None
-            turn_blocks(h.regions, theirs, o.blocks, writers=len(slotted))
+        self._turn(o, final=True)  # checked as they landed; vLLM reads them in its order
         h.driver.feed(o, OwnerEvent.VERIFIED)
 
-    def _check_writer(self, o: Load, w: int) -> str:
-        """I5 for writer ``w``'s notice: '' or what failed. Whole blocks are checked by
-        their page checksums; rows of another shape by the region each writer wrote into
-        each block (:func:`.reshape.region_checksums` on the landed bytes)."""
+    def _turn(self, o: Load, final: bool) -> None:
+        """Turn into this worker's order the planned blocks not turned yet that are
+        final: those that every writer landing in them checked in a part, or all of them
+        once every notice was checked (``final``). A whole-block writer's blocks are its
+        own; a fan-in's spans are turned once every slot of the block was checked."""
         h = self.host
-        assert h.regions is not None and h.canaries is not None
-        n = o.notices.get(w)
-        if n is None:
-            return f"no notice from prefill worker {o.names([w])}"
-        regions, canaries, link = h.regions, h.canaries, o.links[w]
-        if link.runs is None:
-            planned_bytes = len(o.blocks) * regions.block_bytes
+        assert h.regions is not None
+        n = len(o.blocks)
+        if o.turned is None:
+            o.turned = np.zeros(n, bool)
+        turned = o.turned
 
-            def checksums_of(blocks: PageList) -> torch.Tensor:
-                return page_checksums(
-                    regions.block_bytes_of(list(blocks)), list(range(len(blocks)))
-                )
+        def ready(writers: list[int]) -> np.ndarray:
+            if final:
+                return ~turned
+            masks = [o.checked[w][0] if w in o.checked else np.zeros(n, bool) for w in writers]
+            return np.logical_and.reduce(masks) & ~turned
 
-        else:
-            runs = link.runs
-            planned_bytes = runs.bytes
-            landed: dict[int, int] = {}
+        for w, link in enumerate(o.links):
+            if link.turn_from is not None and link.slot is None:
+                idx = np.flatnonzero(ready([w]))
+                turn_blocks(h.regions, link.turn_from, [o.blocks[i] for i in idx])
+                turned[idx] = True
+        slotted = [w for w, link in enumerate(o.links) if link.slot is not None]
+        if slotted:  # a fan-in's spans, every slot at once
+            theirs = o.links[slotted[0]].turn_from
+            assert theirs is not None
+            idx = np.flatnonzero(ready(slotted))
+            turn_blocks(h.regions, theirs, [o.blocks[i] for i in idx], writers=len(slotted))
+            turned[idx] = True
 
-            def checksums_of(blocks: PageList) -> torch.Tensor:
-                if not landed:
-                    values = region_checksums(regions, runs, 1, len(o.blocks))
-                    landed.update(zip(o.blocks, values.tolist(), strict=True))
-                return torch.tensor([landed[b] for b in blocks], dtype=torch.int64)
+    def _planned(self, o: Load, w: int) -> Planned:
+        """What writer ``w`` was planned to write: the load's blocks and generations, and
+        the bytes its whole blocks or its runs hold."""
+        h = self.host
+        assert h.regions is not None
+        runs = o.links[w].runs
+        planned_bytes = len(o.blocks) * h.regions.block_bytes if runs is None else runs.bytes
+        return Planned(o.rid, o.tokens, o.blocks, o.gens, planned_bytes, "block")
 
-        planned = Planned(o.rid, o.tokens, o.blocks, o.gens, planned_bytes, "block")
-        notice = VerifyNotice(
-            link.rank, n["tokens"], n["blocks"], n["gens"], n["checksums"], n["bytes"]
-        )
-        integrity = h.settings.integrity
+    def _landed_sums(self, o: Load, w: int, keep: np.ndarray) -> dict[int, int]:
+        """Checksums of what landed from writer ``w`` in the planned blocks ``keep``
+        marks, by block: whole blocks by their page checksums, rows of another shape by
+        the region the writer wrote into each block (:func:`.reshape.region_checksums`)."""
+        h = self.host
+        assert h.regions is not None
+        idx = np.flatnonzero(keep)
+        blocks = [o.blocks[i] for i in idx]
+        runs = o.links[w].runs
+        if runs is None:
+            values = page_checksums(h.regions.block_bytes_of(blocks), list(range(len(blocks))))
+            return dict(zip(blocks, values.tolist(), strict=True))
+        sums = region_checksums(h.regions, runs.within(keep), 1, len(o.blocks))
+        return dict(zip(blocks, sums[idx].tolist(), strict=True))
+
+    def _check_part(self, o: Load, w: int, m: dict[str, Any]) -> str:
+        """I5 for one NOTICE_PART of writer ``w`` (its blocks' place in the plan, their
+        canaries and checksums): '' or what failed."""
+        h = self.host
+        link = o.links[w]
+        lo, blocks, gens, sums = int(m["offset"]), list(m["blocks"]), m["gens"], m["checksums"]
         try:
-            check_all(
-                planned,
-                notice,
-                canaries[torch.tensor(o.blocks)] if integrity else None,
-                checksums_of if integrity else None,
-            )
+            part = check_part(self._planned(o, w), link.rank, lo, blocks, gens, sums)
+            if h.settings.integrity:
+                notice = VerifyNotice(link.rank, o.tokens, blocks, gens, sums, part.bytes)
+                self._check_landed(o, w, part, notice, np.arange(lo, lo + len(blocks)))
         except IntegrityError as exc:
             return exc.reason
         return ""
+
+    def _check_writer(self, o: Load, w: int) -> str:
+        """I5 for writer ``w``'s whole notice: '' or what failed. The blocks its parts
+        checked are not read again; the notice must repeat their checksums."""
+        h = self.host
+        n = o.notices.get(w)
+        if n is None:
+            return f"no notice from prefill worker {o.names([w])}"
+        planned = self._planned(o, w)
+        notice = VerifyNotice(
+            o.links[w].rank, n["tokens"], n["blocks"], n["gens"], n["checksums"], n["bytes"]
+        )
+        try:
+            check_notice(planned, notice)
+            if not h.settings.integrity:
+                return ""
+            index = np.arange(len(o.blocks))  # the blocks' places in the plan
+            checked = o.checked.get(w)
+            if checked is not None and len(notice.checksums) == len(notice.pages):
+                notice, planned, index = unchecked_rest(planned, notice, *checked)
+            self._check_landed(o, w, planned, notice, index)
+        except IntegrityError as exc:
+            return exc.reason
+        return ""
+
+    def _check_landed(
+        self, o: Load, w: int, planned: Planned, notice: VerifyNotice, index: np.ndarray
+    ) -> None:
+        """Checks 4 and 5 for ``planned``'s blocks (at ``index`` in the load's plan):
+        their canaries, then the checksums of what writer ``w`` landed in them against
+        ``notice``'s. Raises IntegrityError."""
+        h = self.host
+        assert h.canaries is not None
+        blocks = torch.tensor([int(b) for b in planned.pages], dtype=torch.long)
+        check_canaries(planned, h.canaries[blocks], index)
+        keep = np.zeros(len(o.blocks), bool)
+        keep[index] = True
+        landed = self._landed_sums(o, w, keep)
+
+        def checksums_of(bs: PageList) -> torch.Tensor:
+            return torch.tensor([landed[int(b)] for b in bs], dtype=torch.int64)
+
+        for _ in checksum_steps(planned, notice, checksums_of, len(blocks) or 1):
+            pass
 
 
 class OwnerHost(WorkerHost):
@@ -603,6 +698,14 @@ class OwnerHost(WorkerHost):
             self.stats.count("stale_messages")
             return None
         return o, w
+
+    def on_notice_part(self, o: Load, w: int, m: dict[str, Any]) -> None:
+        """A part of writer ``w``'s blocks landed (its flush came first): checked now,
+        while the rest is written. Once the load left AWAITING it is of no use."""
+        if o.book.state is OwnerState.AWAITING and w not in o.book.whole:
+            o.parts.append((w, m))
+            self.stats.add(parts=1)
+        self.driver.feed(o, oc.on_part(o.book, w))
 
     def on_notice(self, o: Load, w: int, m: dict[str, Any]) -> None:
         if o.book.state is OwnerState.AWAITING:

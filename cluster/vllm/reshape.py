@@ -94,6 +94,18 @@ class PairRuns:
     def bytes(self) -> int:
         return int(self.runs[:, 2].sum())
 
+    def within(self, keep: np.ndarray) -> PairRuns:
+        """The runs that land in the planned blocks ``keep`` marks (``[blocks]`` bool,
+        by the blocks' places in the plan): a part of the request, or what its parts left."""
+        which = np.flatnonzero(keep[self.block])
+        return PairRuns(
+            self.runs[which],
+            self.src_buffer[which],
+            self.dst_buffer[which],
+            self.block[which],
+            self.unit,
+        )
+
     def batches(self, max_bytes: int) -> list[tuple[int, int, np.ndarray]]:
         """``(local buffer, remote buffer, runs)`` of at most ``max_bytes`` each (a run
         longer than that goes alone), in plan order: as many runs a batch as the longest

@@ -23,6 +23,9 @@ class Settings:
     ack_retry_s: float = 1.0  # decode: how often an abort is sent again while unacked
     hold_timeout_s: float = 480.0  # prefill: how long computed KV waits for a plan
     max_batch_bytes: int = 8 << 20  # prefill: bytes per posted batch (an abort stops within one)
+    # prefill: a load of more bytes goes in parts of about this many, each with a
+    # NOTICE_PART once it landed, checked (and turned) by the decode while the next lands
+    part_bytes: int = 8 << 20
     integrity: bool = True  # decode: checksums and canaries (I5) before finished_recving
     unsafe: bool = False  # BROKEN MODE, for tests only: report loads before they land
     # the handshake secret's file (else KVFERRY_SECRET_FILE, else KVFERRY_SECRET): a path,

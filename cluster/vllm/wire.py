@@ -2,7 +2,8 @@
 
 PLAN (decode worker -> prefill worker: where to write, and which of the model's KV heads;
 a PLAN with no heads tells a prefill worker whose heads others write that no write is
-wanted from it), NOTICE (prefill -> decode, sent
+wanted from it), NOTICE_PART (prefill -> decode, with ``notify``: blocks ``offset ..`` of
+the plan landed, to be checked while the rest is written), NOTICE (prefill -> decode, sent
 with ``notify``: after the flush of every write), ABORT (either way), ABORT_ACK (prefill
 -> decode, with ``notify``: after the flush). One codec for the whole project: the
 transfer engine's typed codec (:class:`kvferry.transfer.wire.Codec`, the one the ranks'
@@ -32,8 +33,9 @@ MAX_REQUEST_ID = 256
 MAX_HEADS = 1 << 12  # KV heads one plan names
 MAX_BLOB = 16 << 20  # regions, descriptors
 
-CODEC = Codec("kvf.vllm", version=3, max_bytes=64 << 20, max_items=MAX_LIST)
+CODEC = Codec("kvf.vllm", version=4, max_bytes=64 << 20, max_items=MAX_LIST)
 PLAN, NOTICE, ABORT, ABORT_ACK = Kind.PLAN, Kind.NOTICE, Kind.ABORT, Kind.ABORT_ACK
+NOTICE_PART = Kind.NOTICE_PART
 
 _RID = Field(FieldType.STR, max_len=MAX_REQUEST_ID)
 _INTS = Field(FieldType.INT_LIST, max_len=MAX_LIST)
@@ -51,6 +53,14 @@ CODEC.kind(
     tp_size=Field(FieldType.INT),
     kv_heads=Field(FieldType.INT),
     heads=Field(FieldType.INT_LIST, max_len=MAX_HEADS),
+)
+CODEC.kind(
+    NOTICE_PART,
+    **_IDS,
+    offset=Field(FieldType.INT),  # the part's first block's place in the plan
+    blocks=_INTS,
+    gens=_INTS,
+    checksums=_INTS,
 )
 CODEC.kind(
     NOTICE,

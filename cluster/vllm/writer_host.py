@@ -13,7 +13,10 @@ after its checks (:func:`.reshape.whole_blocks`); a fan-in (prefill TP a multipl
 decode's, one block size) moves its blocks' layer spans whole into its slot of the
 decode's, which the decode turns after its checks (:func:`.reshape.slot_of`); any other
 moves the rows of its heads as runs planned once (:func:`.reshape.plan_pair`). Both of
-these check with one region checksum per decode block. What each effect of the writer's
+these check with one region checksum per decode block. A job of more than ``part_bytes``
+goes in parts of whole decode blocks, the table's pipelined path: each part but the last
+is followed by a NOTICE_PART once it landed, so the decode checks (and turns) it while
+the next part is written. What each effect of the writer's
 table means is :class:`~kvferry.engine.protocol.writer_driver.WriterDriver`'s, as for the
 service's prefill rank; this module turns what reaches the worker (the scheduler's
 hand-over, the decode's PLAN and ABORT, settled batches, the hold timeout) into the
@@ -28,6 +31,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvferry.engine.integrity import page_checksums
 from kvferry.engine.protocol import writer as wc
@@ -91,6 +96,18 @@ class Prompt:
         return self.owners is not None and self.owners <= self.ended
 
 
+@dataclass(frozen=True)
+class Part:
+    """Blocks ``[lo, hi)`` of a job's plan (their places in it), posted together: the
+    batches that write them. A load of several parts goes pipelined: each part but the
+    last is followed, once its batches landed, by a NOTICE_PART (flush first) that lets
+    the owner check it while the next part is written."""
+
+    lo: int
+    hi: int
+    batches: list[tuple[int, int, Any]]  # (local buffer, remote buffer, triples)
+
+
 @dataclass
 class Job:
     """One decode worker's share of a request at this prefill worker: the writer's book
@@ -109,6 +126,8 @@ class Job:
     runs: PairRuns | None = None  # reshaped jobs: the rows' runs, planned once
     dst: KVRegions | None = None
     rsegs: list[RemoteSegment] = field(default_factory=list)
+    parts: list[Part] | None = None  # the parts not posted yet (None: the plan not checked)
+    part: Part | None = None  # the part posted last
     queue: list[tuple[int, int, Any]] = field(default_factory=list)  # (local, remote, triples)
     inflight: list[tuple[Batch, Callable[[Batch], None]]] = field(default_factory=list)
     posted_bytes: int = 0
@@ -258,7 +277,7 @@ class WriterHost(WorkerHost):
         that never planned posted nothing here)."""
         why = f"no plan from a decode within {self.settings.hold_timeout_s} s"
         for job in list(prompt.jobs.values()):
-            if job.book.state is WriterState.KV_READY:
+            if job.book.state in (WriterState.COMPUTING, WriterState.KV_READY):
                 self.fail(job, AbortSource.TRANSFER, why)
         if prompt.owners is None:
             prompt.owners = frozenset()
@@ -347,6 +366,8 @@ class WriterHost(WorkerHost):
             self.fail(job, AbortSource.TRANSFER, f"plan unusable: {exc}")
             return
         self.driver.feed(job, WriterEvent.PLAN)
+        if job.book.state is WriterState.COMPUTING_PLANNED:  # vLLM handed its KV over
+            self._start_writes(job)
 
     def on_owner_abort(self, msg: Any, m: dict[str, Any]) -> None:
         """An ABORT from an owner (a decode worker) for its job of one of our requests."""
@@ -398,9 +419,25 @@ class WriterHost(WorkerHost):
         return page_checksums(data, list(range(len(prompt.src)))).tolist()
 
     def start_prefill(self, job: Job) -> None:
-        """vLLM computed the KV already and the source blocks were checksummed when it
-        handed them over (:meth:`on_send`): KV_READY."""
-        self.driver.feed(job, WriterEvent.KV_READY)
+        """vLLM computed the KV already, and the source blocks were checksummed when it
+        handed them over (:meth:`on_send`). With the plan known the writes start; before
+        it, the job waits for its PLAN (COMPUTING, then COMPUTING_PLANNED and
+        :meth:`_start_writes`), so that a large load can go in parts."""
+        if job.book.state is WriterState.COMPUTING_PLANNED:
+            self._start_writes(job)
+
+    def _start_writes(self, job: Job) -> None:
+        """The plan and the prompt's KV are both here: check the plan, cut it into parts,
+        and feed the first (:meth:`_next_part`)."""
+        if self._prepare(job):
+            self._next_part(job)
+
+    def _next_part(self, job: Job) -> None:
+        """KV_PART while more than one part is left (each is posted, then its
+        NOTICE_PART sent), else KV_READY: the last part goes as a load of one part does,
+        ending with the whole NOTICE."""
+        assert job.parts is not None
+        self.driver.feed(job, WriterEvent.KV_PART if len(job.parts) > 1 else WriterEvent.KV_READY)
 
     def _like(self, job: Job) -> bool:
         """Whole blocks go as they lie here: the same TP rank and size and blocks, and
@@ -412,9 +449,9 @@ class WriterHost(WorkerHost):
             and whole_blocks(self.regions, job.dst)
         )
 
-    def post_writes(self, job: Job) -> None:
-        """Check the plan against the prompt, queue the writes in batches of at most
-        ``max_batch_bytes``, post the first."""
+    def _prepare(self, job: Job) -> bool:
+        """Check the plan against the prompt and plan its writes, in parts of about
+        ``part_bytes`` (batches of at most ``max_batch_bytes``); False once the job failed."""
         prompt = job.prompt
         assert job.plan is not None and prompt.src is not None and job.dst is not None
         assert self.regions is not None and prompt.checksums is not None
@@ -425,19 +462,35 @@ class WriterHost(WorkerHost):
                 AbortSource.PREFILL,
                 f"plan for a prompt of {job.plan['tokens']} tokens; this one has {prompt.tokens}",
             )
-            return
+            return False
         if not job.heads:  # a prefill worker whose heads others write: nothing to move
-            job.queue, job.posted_bytes, job.checksums = [], 0, []
+            job.parts, job.posted_bytes, job.checksums = [], 0, []
+            return True
+        return self._queue_blocks(job, dst) if self._like(job) else self._queue_rows(job, dst)
+
+    def _ranges(self, job: Job, blocks: int) -> list[tuple[int, int]]:
+        """The parts' block ranges: about ``part_bytes`` each (one part when 0)."""
+        want = self.settings.part_bytes
+        per_block = max(1, job.posted_bytes // max(1, blocks))
+        step = blocks if want <= 0 else max(1, want // per_block)
+        return [(lo, min(blocks, lo + step)) for lo in range(0, blocks, step)]
+
+    def post_writes(self, job: Job) -> None:
+        """The last part (a load's only one, most often): queue its batches, post the
+        first (ALL_LANDED, then the whole NOTICE, once they all landed)."""
+        if job.parts is None and not self._prepare(job):
+            return
+        assert job.parts is not None
+        if not job.parts:  # nothing to move (our heads are others')
+            job.queue = []
             self.driver.feed(job, WriterEvent.ALL_LANDED)
             return
-        if self._like(job):
-            self._queue_blocks(job, dst)
-        else:
-            self._queue_rows(job, dst)
+        job.part = job.parts.pop(0)
+        job.queue = list(job.part.batches)
         if job.book.state is WriterState.WRITING:
             self.post_next(job)
 
-    def _queue_blocks(self, job: Job, dst: list[int]) -> None:
+    def _queue_blocks(self, job: Job, dst: list[int]) -> bool:
         prompt = job.prompt
         assert self.regions is not None and job.dst is not None
         assert prompt.src is not None and prompt.checksums is not None
@@ -447,18 +500,23 @@ class WriterHost(WorkerHost):
                 AbortSource.PREFILL,
                 f"plan holds {len(dst)} blocks; the prompt's KV fills {len(prompt.src)}",
             )
-            return
+            return False
         src = prompt.src[len(prompt.src) - len(dst) :]
         per = max(1, self.settings.max_batch_bytes // max(1, self.regions.block_bytes))
-        job.queue = []
-        for lo in range(0, len(dst), per):
-            for i in range(len(self.regions.buffers)):
-                triples = self.regions.triples(i, src[lo : lo + per], job.dst, dst[lo : lo + per])
-                job.queue.append((i, i, triples))
         job.posted_bytes = len(dst) * self.regions.block_bytes
         job.checksums = prompt.checksums[len(prompt.src) - len(dst) :]
+        job.parts = []
+        for first, end in self._ranges(job, len(dst)):
+            batches = []
+            for lo in range(first, end, per):
+                hi = min(end, lo + per)
+                for i in range(len(self.regions.buffers)):
+                    triples = self.regions.triples(i, src[lo:hi], job.dst, dst[lo:hi])
+                    batches.append((i, i, triples))
+            job.parts.append(Part(first, end, batches))
+        return True
 
-    def _queue_rows(self, job: Job, dst: list[int]) -> None:
+    def _queue_rows(self, job: Job, dst: list[int]) -> bool:
         """Another shape: the rows of the job's heads as runs, planned once; the source
         blocks are checked against the checksums taken when vLLM handed them over (a
         block changed since is never sent), then each decode block's region checksum."""
@@ -483,7 +541,7 @@ class WriterHost(WorkerHost):
                 )
         except LayoutError as exc:
             self.fail(job, AbortSource.PREFILL, f"plan unusable: {exc}")
-            return
+            return False
         if self.settings.integrity:
             now = self._source_checksums(prompt)
             changed = [
@@ -496,13 +554,17 @@ class WriterHost(WorkerHost):
                     f"{len(changed)} of {len(prompt.src)} source blocks changed since vLLM "
                     f"handed them over (first: {changed[:4]})",
                 )
-                return
+                return False
         job.runs = runs
-        job.queue = [
-            (i, j, triples) for i, j, triples in runs.batches(self.settings.max_batch_bytes)
-        ]
         job.posted_bytes = runs.bytes
         job.checksums = region_checksums(self.regions, runs, 0, len(dst)).tolist()
+        job.parts = []
+        for lo, hi in self._ranges(job, len(dst)):
+            keep = np.zeros(len(dst), dtype=bool)
+            keep[lo:hi] = True
+            batches = runs.within(keep).batches(self.settings.max_batch_bytes)
+            job.parts.append(Part(lo, hi, list(batches)))
+        return True
 
     def post_next(self, job: Job) -> None:
         """Post one batch (an abort stops posting within one)."""
@@ -530,11 +592,34 @@ class WriterHost(WorkerHost):
         self.driver.feed(job, wc.on_settled(job.book, ok, bool(job.queue)))
 
     def post_part(self, job: Job) -> None:
-        raise NotImplementedError(
-            f"request {job.rid}: vLLM computes the KV before saving it: no part to pipeline"
-        )
+        """The next part of a pipelined load: queue its batches, post the first
+        (PART_LANDED once they all landed)."""
+        assert job.parts
+        job.part = job.parts.pop(0)
+        job.queue = list(job.part.batches)
+        self.post_next(job)
 
-    send_part = post_part
+    def send_part(self, job: Job) -> None:
+        """NOTICE_PART with notify (flush, then send) for the part whose batches all
+        landed: its blocks, generations and checksums, from its place in the plan. The
+        next part is fed at once; it is written while the owner checks this one."""
+        assert job.plan is not None and job.part is not None
+        lo, hi = job.part.lo, job.part.hi
+        payload = wire.encode(
+            wire.NOTICE_PART,
+            rid=job.request,
+            orid=job.orid,
+            offset=lo,
+            blocks=list(job.plan["blocks"][lo:hi]),
+            gens=list(job.plan["gens"][lo:hi]),
+            checksums=[int(c) for c in job.checksums[lo:hi]],
+        )
+        notice = self.link.notify(job.peer, payload, job.rid)
+        if notice is None:
+            self.fail(job, AbortSource.TRANSFER, "a notice part could not be sent")
+            return
+        job.inflight.append((notice, lambda b: None))
+        self._next_part(job)
 
     def send_notice(self, job: Job) -> None:
         """NOTICE with notify (flush, then send); NOTICE_FLUSHED once that completed. A
@@ -564,6 +649,7 @@ class WriterHost(WorkerHost):
     def stop_posting(self, job: Job) -> None:
         """Nothing more is posted; what is in flight settles through :meth:`settle`."""
         job.queue = []
+        job.parts = []
 
     # ------------------------------------------------------------ source blocks (a port)
     def free(self, jid: str) -> SourceFreed:

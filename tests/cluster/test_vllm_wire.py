@@ -28,6 +28,7 @@ CASES = {
         kv_heads=4,
         heads=[0, 1],
     ),
+    Kind.NOTICE_PART: dict(rid="d-1", orid="p-1", offset=2, blocks=[5], gens=[1], checksums=[9]),
     Kind.NOTICE: dict(
         rid="d-1", orid="p-1", tokens=20, blocks=[3, 4], gens=[1, 1], checksums=[7, 8], bytes=128
     ),
@@ -52,12 +53,13 @@ def test_every_kind_round_trips_with_the_cores_words(kind):
         b"junk",
         msgpack.packb(["kvf.vllm", 1, "PLAN", {}]),  # the old version
         msgpack.packb(["kvf.vllm", 2, "PLAN", {}]),  # the version before heads
-        msgpack.packb(["kvf.vllm", 3, "SHUTDOWN", {}]),  # no such kind here
-        msgpack.packb(["kvf.vllm", 3, "ABORT", {"rid": "a", "orid": "b", "reason": "x"}]),
+        msgpack.packb(["kvf.vllm", 3, "NOTICE_PART", {}]),  # the version before parts
+        msgpack.packb(["kvf.vllm", 4, "SHUTDOWN", {}]),  # no such kind here
+        msgpack.packb(["kvf.vllm", 4, "ABORT", {"rid": "a", "orid": "b", "reason": "x"}]),
         msgpack.packb(
             [
                 "kvf.vllm",
-                3,
+                4,
                 "ABORT",
                 {
                     "rid": "a",
@@ -75,6 +77,7 @@ def test_every_kind_round_trips_with_the_cores_words(kind):
         "garbage",
         "old-version",
         "version-2",
+        "version-3",
         "unknown-kind",
         "missing-field",
         "unknown-source",

@@ -452,12 +452,13 @@ def _corrupt_when_planned(writer: Any, regions: KVRegions, rid: str) -> None:
     for name in ("_queue_blocks", "_queue_rows"):
         original = getattr(writer, name)
 
-        def queued(job: Any, dst: Any, original: Any = original) -> None:
-            original(job, dst)
+        def queued(job: Any, dst: Any, original: Any = original) -> bool:
+            ok = original(job, dst)
             if job.request == rid and job.prompt.src is not None:
                 data = regions.block_bytes_of(job.prompt.src)
                 data[:, 5] ^= 0xFF
                 regions.write_block_bytes(job.prompt.src, data)
+            return bool(ok)
 
         setattr(writer, name, queued)
 

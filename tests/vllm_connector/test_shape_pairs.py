@@ -2,7 +2,9 @@
 sizes and KV layouts (``LBNHC`` = NHD, ``LBHNC`` = HND) that differ, each pair through
 vLLM's real Scheduler on both sides and real kvferry transfers between two processes.
 Per pair: the decode reads exactly the prefill's rows for its heads; corrupted bytes
-fail the load; a rejection frees the prefill at once; nothing leaks. Across writers: an
+fail the load; a rejection frees the prefill at once; nothing leaks. The prefill writes
+each load in parts of one block (``part_bytes``), so every case runs the pipelined path:
+each part checked (and turned) by the decode when its NOTICE_PART arrives. Across writers: an
 abort holds a decode worker's blocks until every one of its writers acked, and a broken
 mode that takes the first writer's ack for all (vLLM #56104) is caught."""
 
@@ -27,6 +29,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 PROMPT = 90  # a last block partly filled at every block size here
+PARTS = {"part_bytes": 1}  # the prefill's loads in parts of one block each
 DECODE_BLOCKS = 16
 ROWS: list[dict[str, Any]] = []
 
@@ -80,6 +83,22 @@ def decode_side(
     )
 
 
+def count_parts(side: h.Side) -> list[int]:
+    """A list that grows by one for each NOTICE_PART a decode worker of ``side``
+    takes in."""
+    seen: list[int] = []
+    for w in side.workers:
+        owner = w._worker.owner
+        on_part = owner.on_notice_part
+
+        def counted(o: Any, wr: int, m: dict[str, Any], on_part: Any = on_part) -> None:
+            seen.append(int(m["offset"]))
+            on_part(o, wr, m)
+
+        owner.on_notice_part = counted
+    return seen
+
+
 def one_request(shape: Shape) -> int:
     """A decode pool that holds one request of PROMPT tokens, not two (and the null
     block): a second request waits for the first one's blocks."""
@@ -119,7 +138,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module", params=PAIRS, ids=IDS)
 def pair(request, model):
     prefill_shape, decode_shape = request.param
-    p = ShapedPrefill(model, prefill_shape)
+    p = ShapedPrefill(model, prefill_shape, PARTS)
     yield p, decode_shape
     p.close()
 
@@ -131,6 +150,7 @@ def case_normal(model, prefill: ShapedPrefill, shape: Shape, unsafe: bool) -> di
     if unsafe:
         prefill.ask("run", False)  # nothing lands while the broken decode reports early
     d = decode_side(model, shape, unsafe)
+    parts = count_parts(d)
     try:
         add(d, "d-n", params)
         if unsafe:
@@ -146,6 +166,7 @@ def case_normal(model, prefill: ShapedPrefill, shape: Shape, unsafe: bool) -> di
             foreign_rows_read=int(not good),
             failed=d.outputs["d-n"].finish_reason == FinishReason.ERROR,
             blocks_leaked=leaked(d),
+            parts=len(parts),
         )
     finally:
         prefill.ask("run", True)
@@ -175,6 +196,58 @@ def case_corrupt(
             decoded="d-x" in d.first_read,
             failed=out.finish_reason == FinishReason.ERROR,
             blocks_leaked=leaked(d),
+        )
+    finally:
+        d.shutdown()
+
+
+def tear_first_part(side: h.Side) -> list[int]:
+    """At each decode worker, a byte of the first block of its first writer's first
+    NOTICE_PART is flipped as the part arrives, before it is checked: a write torn in
+    flight, in a block no later check reads again. Returns the blocks torn."""
+    torn: list[int] = []
+    for w in side.workers:
+        owner = w._worker.owner
+
+        def tearing(o: Any, wr: int, m: dict[str, Any], owner=owner, on_part=owner.on_notice_part):
+            if wr == 0 and not getattr(o, "torn", False):
+                block = int(m["blocks"][0])
+                data = owner.regions.block_bytes_of([block])
+                data[:, 5] ^= 0xFF
+                owner.regions.write_block_bytes([block], data)
+                o.torn = True
+                torn.append(block)
+            on_part(o, wr, m)
+
+        owner.on_notice_part = tearing
+    return torn
+
+
+def case_torn_part(model, prefill: ShapedPrefill, shape: Shape, broken: bool) -> dict[str, Any]:
+    """A block torn in the load's first part (:func:`tear_first_part`): the decode's
+    check of that part fails the load (the whole notice's check skips what the parts
+    checked, so nothing else would). Broken: a decode that takes its parts as checked
+    unread (tests/vllm_connector/broken_parts.py)."""
+    marker = f"t-{shape}-{broken}"
+    params = prefill.ask("prefill", marker, PROMPT)
+    module = "broken_parts" if broken else h.MODULE
+    d = decode_side(model, shape, module=module)
+    parts = count_parts(d)
+    torn = tear_first_part(d)
+    try:
+        add(d, "d-t", params)
+        steps(d, lambda: finished(d, "d-t"))
+        out = d.outputs["d-t"]
+        steps(d, lambda: marker not in prefill.ask("status")["holding"])
+        return record(
+            f"{prefill.shape}->{shape}",
+            "torn in an early part",
+            "kvferry" + (" (broken: parts taken unread)" if broken else ""),
+            decoded="d-t" in d.first_read,
+            failed=out.finish_reason == FinishReason.ERROR,
+            blocks_leaked=leaked(d),
+            parts=len(parts),
+            torn=len(torn),
         )
     finally:
         d.shutdown()
@@ -355,7 +428,20 @@ def test_pair_decodes_the_prefills_rows(model, pair):
     prefill, shape = pair
     row = case_normal(model, prefill, shape, unsafe=False)
     assert row["foreign_rows_read"] == 0 and not row["failed"], row
-    assert row["blocks_leaked"] == 0, row
+    assert row["blocks_leaked"] == 0 and row["parts"] >= 1, row
+
+
+def test_pair_goes_in_parts_each_checked_as_it_lands(model, pair):
+    prefill, shape = pair
+    row = case_torn_part(model, prefill, shape, broken=False)
+    assert row["parts"] >= 1 and row["torn"] >= 1, row  # else it tests nothing
+    assert row["failed"] and not row["decoded"] and row["blocks_leaked"] == 0, row
+
+
+def test_pair_parts_taken_unread_broken_mode_caught(model, pair):
+    prefill, shape = pair
+    row = case_torn_part(model, prefill, shape, broken=True)
+    assert row["torn"] >= 1 and row["decoded"] and not row["failed"], row
 
 
 def test_pair_broken_mode_caught(model, pair):

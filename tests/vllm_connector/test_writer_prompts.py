@@ -109,11 +109,17 @@ def opaque_descriptors(monkeypatch):
     monkeypatch.setattr(writer_host, "SegmentDescriptor", Descriptor)
 
 
-def host(tp: int, rank: int, kv_heads: int = 4, hold_s: float = 60.0):
+def host(
+    tp: int,
+    rank: int,
+    kv_heads: int = 4,
+    hold_s: float = 60.0,
+    part_bytes: int = Settings.part_bytes,
+):
     clock = Clock()
     link = Link()
     parts = WorkerParts(
-        Settings(hold_timeout_s=hold_s),
+        Settings(hold_timeout_s=hold_s, part_bytes=part_bytes),
         link,  # type: ignore[arg-type]
         KvferryStats(),
         Tombstones(clock),
@@ -251,3 +257,107 @@ def test_a_plan_asking_for_heads_this_worker_does_not_write_is_refused():
     aborts = [m for _, m in link.sent if m["k"] is wire.ABORT]
     assert len(aborts) == 1 and "asks for heads [2, 3]" in aborts[0]["reason"], aborts
     assert "writes it heads [0, 1]" in aborts[0]["reason"] and not link.engine.writes
+
+
+def logged(link: Link) -> list[tuple[str, Any]]:
+    """One list of what ``link`` carries, in order: ("write", the batch's remote
+    offsets) and (kind, the message)."""
+    log: list[tuple[str, Any]] = []
+    write, send = link.engine.write, link.send
+
+    def logged_write(peer, seg, rseg, triples):
+        log.append(("write", [int(x) for x in triples[:, 1]]))
+        return write(peer, seg, rseg, triples)
+
+    def logged_send(peer, payload, rid):
+        batch = send(peer, payload, rid)
+        log.append((link.sent[-1][1]["k"], link.sent[-1][1]))
+        return batch
+
+    link.engine.write = logged_write  # type: ignore[method-assign]
+    link.send = link.notify = logged_send  # type: ignore[method-assign]
+    return log
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["safe", "broken-notice-first"])
+def test_a_load_in_parts_notices_each_part_after_its_writes(monkeypatch, broken):
+    """``part_bytes`` of one block: each of the plan's blocks is a part. Every part but
+    the last is posted, then its NOTICE_PART names it (offset, blocks, generations and
+    the checksums the whole NOTICE repeats) after every write into its block and before
+    any later one; the last part ends with the whole NOTICE. Broken: a writer that
+    sends a part's notice as it posts the part, before its bytes landed."""
+    if broken:
+        post_part = writer_host.WriterHost.post_part
+
+        def notice_first(self, job):
+            job.part = job.parts[0]
+            self.link.notify(
+                job.peer,
+                wire.encode(
+                    wire.NOTICE_PART,
+                    rid=job.request,
+                    orid=job.orid,
+                    offset=job.part.lo,
+                    blocks=list(job.plan["blocks"][job.part.lo : job.part.hi]),
+                    gens=list(job.plan["gens"][job.part.lo : job.part.hi]),
+                    checksums=[int(c) for c in job.checksums[job.part.lo : job.part.hi]],
+                ),
+                job.rid,
+            )
+            post_part(self, job)
+
+        def next_only(self, job):  # its notice went already: the next part
+            self._next_part(job)
+
+        monkeypatch.setattr(writer_host.WriterHost, "post_part", notice_first)
+        monkeypatch.setattr(writer_host.WriterHost, "send_part", next_only)
+    w, link, _ = host(tp=1, rank=0, part_bytes=1)
+    log = logged(link)
+    src = [0, 1, 2]
+    w.on_send("r", {"blocks": src, "tokens": TOKENS})
+    plan(w, "r", 0, 1, [0, 1, 2, 3])
+    settle(w)
+    kinds = [k for k, _ in log]
+    notice = [m for k, m in log if k is wire.NOTICE]
+    parts = [m for k, m in log if k is wire.NOTICE_PART]
+    assert len(notice) == 1 and [p["offset"] for p in parts] == [0, 1], kinds
+    for p in parts:  # the blocks and checksums the whole notice gives at that place
+        at = p["offset"]
+        assert p["blocks"] == notice[0]["blocks"][at : at + 1], p
+        assert p["checksums"] == notice[0]["checksums"][at : at + 1], p
+    # the remote offsets of each planned block's writes
+    dst = KVRegions.from_wire(decode_regions(1))
+    offsets = {
+        b: {
+            int(x)
+            for i in range(len(w.regions.buffers))
+            for x in w.regions.triples(i, [s], dst, [b])[:, 1]
+        }
+        for s, b in zip(src, notice[0]["blocks"], strict=True)
+    }
+    in_order = True
+    for i, (k, m) in enumerate(log):
+        if k is wire.NOTICE_PART:
+            mine = offsets[m["blocks"][0]]
+            before = {x for kk, xs in log[:i] if kk == "write" for x in xs}
+            after = {x for kk, xs in log[i + 1 :] if kk == "write" for x in xs}
+            in_order &= mine <= before and not (mine & after)
+    assert in_order is not broken, kinds
+    assert kinds[-1] is wire.NOTICE and "r" in w.finished_sending
+
+
+def test_an_abort_between_parts_stops_the_writes_and_acks():
+    """An owner's ABORT after the first part landed: nothing more is posted, the ack
+    follows, the prompt goes back."""
+    w, link, _ = host(tp=1, rank=0, part_bytes=1)
+    log = logged(link)
+    w.on_send("r", {"blocks": [0, 1, 2], "tokens": TOKENS})
+    plan(w, "r", 0, 1, [0, 1, 2, 3])
+    w.settle()  # the first part landed: its notice out, the second part posted
+    abort(w, "r", 0, 1)
+    settle(w)
+    kinds = [k for k, _ in log]
+    writes_after = [k for k in kinds[kinds.index(wire.ABORT_ACK) :] if k == "write"]
+    assert wire.NOTICE_PART in kinds and wire.NOTICE not in kinds, kinds
+    assert kinds.count("write") < 3 * len(w.regions.buffers) * 8 and not writes_after, kinds
+    assert "r" in w.finished_sending and not w.jobs

@@ -14,13 +14,14 @@ block) moves the same rows in the same run, timed in alternation (pair, homogene
 pair, ...; medians): ``homogeneous_gbps``, and ``ratio`` = gbps / homogeneous_gbps (issue
 28's goal: >= 0.9). After the timed rounds, every decode worker's region checksums of what
 landed are compared with the writers' of their sources (``bytes_checked``). Block tables
-are random permutations; buffers are written once before timing (pre-faulted). A pair
+are random permutations; the prefill's buffers hold random bytes and every buffer is
+written once before timing (pre-faulted). A pair
 whose engines differ only in the order inside each layer's span (HND against NHD, one TP
 size and block size: ``turned``) moves whole blocks as they lie at the prefill and the
 decode turns them into its order, timed with the turn, as the connector does; so does a
 fan-in of one block size (``slotted``: each prefill worker's layer spans whole into its
 slot of the decode's, :func:`~kvferry.cluster.vllm.reshape.slot_of`). Those two go in
-parts of about ``--part-mib`` per decode worker (the connector's ``part_bytes``;
+parts of about ``--part-kib`` per decode worker (the connector's ``part_bytes``;
 ``parts``), as the connector pipelines them: each part posted and waited for, then turned
 on a thread of its own (the decode's, in the connector another process) while the next
 part is posted; timed until the last part is turned.
@@ -101,7 +102,7 @@ class Workers:
         width: int,
         tokens: int,
         rng: np.random.Generator,
-        fill: int,
+        random: bool,
     ) -> None:
         self.side, self.shape = side, EngineShape(heads, side.tp)
         blocks = -(-tokens // side.block)
@@ -110,7 +111,10 @@ class Workers:
             lo, hi = self.shape.heads_of(rank)
             n = hi - lo
             page = n * side.block * width  # elements of one block of one layer
-            raw = torch.full((layers * blocks * page,), fill, dtype=torch.int16)
+            raw = torch.zeros((layers * blocks * page,), dtype=torch.int16)
+            if random:  # every row distinct: a row in another place fails the bytes check
+                gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+                raw.random_(-(1 << 15), 1 << 15, generator=gen)
             views = {}
             for layer in range(layers):
                 if side.order == "HND":
@@ -330,11 +334,11 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
     b = TransferEngine(TransferConfig(transports=args.transports, name="bench-pairs-decode"))
     try:
         shape = (args.layers, args.kv_heads, width, args.tokens, rng)
-        prefill = Workers(a, src, *shape, fill=1)
-        decode = Workers(b, dst, *shape, fill=0)
-        like = Workers(b, src, *shape, fill=0)
+        prefill = Workers(a, src, *shape, random=True)
+        decode = Workers(b, dst, *shape, random=False)
+        like = Workers(b, src, *shape, random=False)
         move = Move(
-            a, b, prefill, decode, args.tokens, args.batch_mib << 20, args.rows, args.part_mib << 20
+            a, b, prefill, decode, args.tokens, args.batch_mib << 20, args.rows, args.part_kib << 10
         )
         base = Move(a, b, prefill, like, args.tokens, args.batch_mib << 20)
         t_pair, t_base = alternate(move.run, base.run, args.reps)
@@ -376,10 +380,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--batch-mib", type=int, default=8, help="bytes per posted batch, MiB")
     ap.add_argument(
-        "--part-mib",
+        "--part-kib",
         type=int,
-        default=Settings.part_bytes >> 20,
-        help="a pair the decode turns goes in parts of about this many MiB per decode worker, "
+        default=Settings.part_bytes >> 10,
+        help="a pair the decode turns goes in parts of about this many KiB per decode worker, "
         "each turned while the next lands, as the connector's part_bytes (0: one part, turned "
         "after the whole load landed)",
     )

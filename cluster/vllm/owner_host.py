@@ -277,9 +277,12 @@ class VerifyPath:
         checked; CORRUPT on a mismatch. A part proves nothing of its writer's later
         writes: only its whole notice or its ack does (the table's)."""
         h = self.host
+        if h.settings.unsafe:  # the broken mode checks nothing; all is turned at the end
+            o.parts.clear()
+            return
         while o.parts:
             w, m = o.parts.pop(0)
-            err = "" if h.settings.unsafe else self._check_part(o, w, m)
+            err = self._check_part(o, w, m)
             if err:
                 o.parts.clear()
                 o.error = f"integrity check failed: {err}"

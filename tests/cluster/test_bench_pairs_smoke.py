@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from kvferry.cluster.harness import benchpairs
+
 
 def _bench(only: str, *extra: str) -> list[dict]:
     """The benchmark at a tiny size for one pair: its JSON lines (the host's, then the pair's)."""
@@ -49,3 +53,34 @@ def test_a_layout_change_alone_is_benchmarked_as_whole_blocks_turned_by_the_deco
     (_, row) = _bench("tp2/b16/NHD->tp2/b16/HND")
     assert row["turned"] and row["bytes_checked"], row
     assert row["runs"] == row["homogeneous_runs"], row  # whole blocks, as the homogeneous pair
+
+
+def test_a_turned_pair_in_parts_turns_every_part():
+    """Parts of 16 KiB per decode worker (the connector's part_bytes): each part is
+    turned by the decode's thread while the next is posted, and every byte ends in the
+    decode's order (the bench's own check reads them there)."""
+    (_, row) = _bench("tp2/b16/NHD->tp2/b16/HND", "--part-kib", "16")
+    assert row["turned"] and row["parts"] > 2 and row["bytes_checked"], row
+    (_, row) = _bench("tp2/b16/NHD->tp1", "--part-kib", "16")
+    assert row["slotted"] and row["parts"] > 2 and row["bytes_checked"], row
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["safe", "broken-first-part-unturned"])
+def test_the_bytes_check_sees_a_part_left_in_the_writers_order(monkeypatch, capsys, broken):
+    """The check reads every row where the decode reads it: a part the decode never
+    turned (rows in the writer's order) fails it."""
+    if broken:
+        turn = benchpairs.Move.turn
+
+        def skip_first(self, lo, hi):
+            if lo:
+                turn(self, lo, hi)
+
+        monkeypatch.setattr(benchpairs.Move, "turn", skip_first)
+    monkeypatch.setenv("UCX_NET_DEVICES", os.environ.get("UCX_NET_DEVICES", "lo"))
+    benchpairs.main(
+        ["--tokens", "100", "--layers", "2", "--reps", "1", "--part-kib", "16",
+         "--only", "tp2/b16/NHD->tp2/b16/HND"]
+    )  # fmt: skip
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["parts"] > 2 and row["bytes_checked"] is not broken, row

@@ -221,19 +221,3 @@ def checksum_steps(
             f"checksum mismatch on {len(bad)} of {len(pages)} {planned.unit}s "
             f"written by rank {notice.writer} (first: {bad[:4]})",
         )
-
-
-def check_all(
-    planned: Planned,
-    notice: Notice,
-    canary_rows: torch.Tensor | None,
-    checksums_of: Callable[[PageList], torch.Tensor] | None,
-) -> None:
-    """Checks 1-5 at once (the canary and checksum checks only when their inputs are
-    given: integrity checks on); for a host that verifies a short prompt in one go."""
-    check_notice(planned, notice)
-    if canary_rows is not None:
-        check_canaries(planned, canary_rows)
-    if checksums_of is not None:
-        for _ in checksum_steps(planned, notice, checksums_of, len(notice.pages) or 1):
-            pass

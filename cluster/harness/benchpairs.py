@@ -209,30 +209,27 @@ class Move:
                 out += [(p, d, triples) for _, _, triples in runs.batches(self.batch_bytes)]
             return out
         for (p, d), triples in self.blocks.items():
-            per = max(1, self.batch_bytes // max(1, int(triples[:, 2].max())))
-            out += [(p, d, triples[i : i + per]) for i in range(0, len(triples), per)]
+            out += self._split(p, d, triples)
         return out
 
-    def part_ranges(self) -> list[tuple[int, int]]:
-        """The decode blocks' ranges the connector's writers post as parts: about
-        ``part_bytes`` of each decode worker's blocks (one part when 0)."""
-        blocks = len(self.dst.workers[0].blocks)
-        per_block = max(1, self.bytes // len(self.dst.workers) // max(1, blocks))
-        step = blocks if self.part_bytes <= 0 else max(1, self.part_bytes // per_block)
-        return [(lo, min(blocks, lo + step)) for lo in range(0, blocks, step)]
+    def _split(self, p: int, d: int, triples: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+        """Whole-block runs in batches of at most ``batch_bytes``."""
+        per = max(1, self.batch_bytes // max(1, int(triples[:, 2].max())))
+        return [(p, d, triples[i : i + per]) for i in range(0, len(triples), per)]
 
     def part_batches(self) -> list[tuple[int, int, list[tuple[int, int, np.ndarray]]]]:
         """Per part: its block range and the (writer, owner, runs) batches that write it,
         every writer's."""
         out = []
-        for lo, hi in self.part_ranges():
+        blocks = len(self.dst.workers[0].blocks)  # every decode worker plans as many
+        per_worker = self.bytes // len(self.dst.workers)
+        for lo, hi in reshape.part_ranges(blocks, per_worker, self.part_bytes):
             batches: list[tuple[int, int, np.ndarray]] = []
             for p, d in self.assigned:
                 s, t = self.src.workers[p], self.dst.workers[d]
                 if self.turned:
                     triples = s.regions.triples(0, s.blocks[lo:hi], t.regions, t.blocks[lo:hi])
-                    per = max(1, self.batch_bytes // max(1, int(triples[:, 2].max())))
-                    batches += [(p, d, triples[i : i + per]) for i in range(0, len(triples), per)]
+                    batches += self._split(p, d, triples)
                 else:
                     keep = np.zeros(len(t.blocks), dtype=bool)
                     keep[lo:hi] = True

@@ -121,6 +121,15 @@ class PairRuns:
         return out
 
 
+def part_ranges(blocks: int, nbytes: int, part_bytes: int) -> list[tuple[int, int]]:
+    """A load of ``blocks`` planned decode blocks holding ``nbytes`` cut into parts of
+    whole blocks, about ``part_bytes`` each (one part when ``part_bytes`` <= 0): each
+    part's ``[lo, hi)`` places in the plan, in order."""
+    per_block = max(1, nbytes // max(1, blocks))
+    step = max(1, blocks if part_bytes <= 0 else part_bytes // per_block)
+    return [(lo, min(blocks, lo + step)) for lo in range(0, blocks, step)]
+
+
 def same_blocks(a: KVRegions, b: KVRegions) -> bool:
     """Two workers' blocks are alike (whole blocks move as they are): the same layout,
     runs per block, block size and heads."""

@@ -59,6 +59,7 @@ from .reshape import (
     PairRuns,
     owners_of,
     pairs,
+    part_ranges,
     plan_pair,
     plan_slots,
     region_checksums,
@@ -277,7 +278,7 @@ class WriterHost(WorkerHost):
         that never planned posted nothing here)."""
         why = f"no plan from a decode within {self.settings.hold_timeout_s} s"
         for job in list(prompt.jobs.values()):
-            if job.book.state in (WriterState.COMPUTING, WriterState.KV_READY):
+            if job.book.state is WriterState.COMPUTING:  # no plan yet
                 self.fail(job, AbortSource.TRANSFER, why)
         if prompt.owners is None:
             prompt.owners = frozenset()
@@ -468,18 +469,10 @@ class WriterHost(WorkerHost):
             return True
         return self._queue_blocks(job, dst) if self._like(job) else self._queue_rows(job, dst)
 
-    def _ranges(self, job: Job, blocks: int) -> list[tuple[int, int]]:
-        """The parts' block ranges: about ``part_bytes`` each (one part when 0)."""
-        want = self.settings.part_bytes
-        per_block = max(1, job.posted_bytes // max(1, blocks))
-        step = blocks if want <= 0 else max(1, want // per_block)
-        return [(lo, min(blocks, lo + step)) for lo in range(0, blocks, step)]
-
     def post_writes(self, job: Job) -> None:
-        """The last part (a load's only one, most often): queue its batches, post the
-        first (ALL_LANDED, then the whole NOTICE, once they all landed)."""
-        if job.parts is None and not self._prepare(job):
-            return
+        """The last part (a load's only one, most often; the plan was checked and cut by
+        :meth:`_start_writes`): queue its batches, post the first (ALL_LANDED, then the
+        whole NOTICE, once they all landed)."""
         assert job.parts is not None
         if not job.parts:  # nothing to move (our heads are others')
             job.queue = []
@@ -506,7 +499,7 @@ class WriterHost(WorkerHost):
         job.posted_bytes = len(dst) * self.regions.block_bytes
         job.checksums = prompt.checksums[len(prompt.src) - len(dst) :]
         job.parts = []
-        for first, end in self._ranges(job, len(dst)):
+        for first, end in part_ranges(len(dst), job.posted_bytes, self.settings.part_bytes):
             batches = []
             for lo in range(first, end, per):
                 hi = min(end, lo + per)
@@ -559,7 +552,7 @@ class WriterHost(WorkerHost):
         job.posted_bytes = runs.bytes
         job.checksums = region_checksums(self.regions, runs, 0, len(dst)).tolist()
         job.parts = []
-        for lo, hi in self._ranges(job, len(dst)):
+        for lo, hi in part_ranges(len(dst), job.posted_bytes, self.settings.part_bytes):
             keep = np.zeros(len(dst), dtype=bool)
             keep[lo:hi] = True
             batches = runs.within(keep).batches(self.settings.max_batch_bytes)
@@ -603,9 +596,21 @@ class WriterHost(WorkerHost):
         """NOTICE_PART with notify (flush, then send) for the part whose batches all
         landed: its blocks, generations and checksums, from its place in the plan. The
         next part is fed at once; it is written while the owner checks this one."""
-        assert job.plan is not None and job.part is not None
-        lo, hi = job.part.lo, job.part.hi
-        payload = wire.encode(
+        assert job.part is not None
+        notice = self.link.notify(job.peer, self.part_notice(job, job.part), job.rid)
+        if notice is None:
+            self.fail(job, AbortSource.TRANSFER, "a notice part could not be sent")
+            return
+        job.inflight.append((notice, lambda b: None))
+        self._next_part(job)
+
+    @staticmethod
+    def part_notice(job: Job, part: Part) -> bytes:
+        """NOTICE_PART for ``part`` of ``job``: its offset in the plan, its blocks,
+        generations and checksums (those the whole NOTICE repeats)."""
+        assert job.plan is not None
+        lo, hi = part.lo, part.hi
+        return wire.encode(
             wire.NOTICE_PART,
             rid=job.request,
             orid=job.orid,
@@ -614,12 +619,6 @@ class WriterHost(WorkerHost):
             gens=list(job.plan["gens"][lo:hi]),
             checksums=[int(c) for c in job.checksums[lo:hi]],
         )
-        notice = self.link.notify(job.peer, payload, job.rid)
-        if notice is None:
-            self.fail(job, AbortSource.TRANSFER, "a notice part could not be sent")
-            return
-        job.inflight.append((notice, lambda b: None))
-        self._next_part(job)
 
     def send_notice(self, job: Job) -> None:
         """NOTICE with notify (flush, then send); NOTICE_FLUSHED once that completed. A

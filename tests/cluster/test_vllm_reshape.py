@@ -18,6 +18,7 @@ from kvferry.cluster.vllm.reshape import (
     EngineShape,
     owners_of,
     pairs,
+    part_ranges,
     plan_pair,
     region_checksums,
     writers_of,
@@ -452,3 +453,23 @@ def test_a_decode_worker_takes_slots_from_all_its_writers_or_from_none():
         return any(s is not None for s in slots) or all(s is None for s in slots)
 
     assert broken([0, None])  # the mix the real rule refuses
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 5000),
+    st.integers(1, 1 << 16),
+    st.integers(-1, 1 << 26),
+)
+def test_parts_cover_the_plan_in_order_each_within_its_bound(blocks, block_bytes, part_bytes):
+    """Every planned block is in exactly one part, in plan order; a part holds whole
+    blocks, at most ``part_bytes`` of them unless one block is more, and no part but the
+    last is short; ``part_bytes`` <= 0 is one part."""
+    ranges = part_ranges(blocks, blocks * block_bytes, part_bytes)
+    assert ranges[0][0] == 0 and ranges[-1][1] == blocks
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    sizes = [hi - lo for lo, hi in ranges]
+    step = blocks if part_bytes <= 0 else max(1, part_bytes // block_bytes)
+    assert all(0 < n <= step for n in sizes) and all(n == step for n in sizes[:-1])
+    if part_bytes <= 0:
+        assert ranges == [(0, blocks)]

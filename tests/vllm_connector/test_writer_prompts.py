@@ -290,20 +290,7 @@ def test_a_load_in_parts_notices_each_part_after_its_writes(monkeypatch, broken)
         post_part = writer_host.WriterHost.post_part
 
         def notice_first(self, job):
-            job.part = job.parts[0]
-            self.link.notify(
-                job.peer,
-                wire.encode(
-                    wire.NOTICE_PART,
-                    rid=job.request,
-                    orid=job.orid,
-                    offset=job.part.lo,
-                    blocks=list(job.plan["blocks"][job.part.lo : job.part.hi]),
-                    gens=list(job.plan["gens"][job.part.lo : job.part.hi]),
-                    checksums=[int(c) for c in job.checksums[job.part.lo : job.part.hi]],
-                ),
-                job.rid,
-            )
+            self.link.notify(job.peer, self.part_notice(job, job.parts[0]), job.rid)
             post_part(self, job)
 
         def next_only(self, job):  # its notice went already: the next part

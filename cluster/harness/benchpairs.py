@@ -24,7 +24,9 @@ slot of the decode's, :func:`~kvferry.cluster.vllm.reshape.slot_of`). Those two 
 parts of about ``--part-kib`` per decode worker (the connector's ``part_bytes``;
 ``parts``), as the connector pipelines them: each part posted and waited for, then turned
 on a thread of its own (the decode's, in the connector another process) while the next
-part is posted; timed until the last part is turned.
+part is posted; timed until the last part is turned. ``checks_ms`` (and
+``homogeneous_checks_ms``): the checksums the connector's hosts take for I5, timed once
+after the rounds (:meth:`Move.checks`), not part of ``gbps``.
 
 Two engines in this one process over ``--transports`` (default shm; the same path as
 between two processes on one host: the kernel's cross-memory copy into the decode's
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -167,6 +170,11 @@ class Move:
             for p, d in self.assigned
         }
         self.slotted = not rows and not self.turned and all(s is not None for s in slots.values())
+        # whole blocks checked as they lie: the homogeneous pair's and a turned pair's
+        self.whole_blocks = self.turned or all(
+            p == d and reshape.same_blocks(src.workers[p].regions, dst.workers[d].regions)
+            for p, d in self.assigned
+        )
         self.slots = slots if self.slotted else {}
         self.plans = self.rows()  # what each owner's rows must hold: the bytes check's
         self.blocks = self.whole() if self.turned else {}
@@ -295,6 +303,35 @@ class Move:
                 theirs = self.src.workers[d * k].regions
                 reshape.turn_blocks(t.regions, theirs, t.blocks[lo:hi], writers=k)
 
+    def checks(self) -> dict[str, float]:
+        """The connector's I5 checksums for one request of this pair, in ms, as its hosts
+        take them: ``handover`` (every prefill worker's blocks as vLLM hands them over),
+        ``writer`` (rows and slots only: the blocks checked again against those, then
+        each decode block's region), ``owner`` (what landed: whole blocks' checksums, or
+        the regions each writer's runs wrote)."""
+        t0 = time.perf_counter()
+        for w in self.src.workers:
+            reshape.block_checksums(w.regions, w.blocks)
+        t1 = time.perf_counter()
+        plans = {} if self.whole_blocks else (self.spans if self.slotted else self.plans)
+        for (p, d), runs in plans.items():
+            s = self.src.workers[p]
+            reshape.block_checksums(s.regions, s.blocks)
+            region_checksums(s.regions, runs, 0, len(self.dst.workers[d].blocks))
+        t2 = time.perf_counter()
+        for p, d in self.assigned:
+            t = self.dst.workers[d]
+            if self.whole_blocks:
+                reshape.block_checksums(t.regions, t.blocks)
+            else:
+                region_checksums(t.regions, plans[(p, d)], 1, len(t.blocks))
+        t3 = time.perf_counter()
+        return {
+            "handover": round((t1 - t0) * 1e3, 1),
+            "writer": round((t2 - t1) * 1e3, 1),
+            "owner": round((t3 - t2) * 1e3, 1),
+        }
+
     def pieces(self) -> tuple[int, int]:
         """(local, remote): the pieces of the posted batches once each side's contiguous
         neighbours are joined, as the cross-memory copy joins them (a remote piece costs
@@ -361,6 +398,8 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
             "homogeneous_gbps": round(base.bytes / t_base / 1e9, 3),
             "ratio": round((move.bytes / t_pair) / (base.bytes / t_base), 3),
             "bytes_checked": move.checked() and base.checked(),
+            "checks_ms": move.checks(),
+            "homogeneous_checks_ms": base.checks(),
         }
     finally:
         a.shutdown()

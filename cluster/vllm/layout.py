@@ -263,7 +263,11 @@ class KVRegions:
         return sum(b.block_bytes for b in self.buffers)
 
     def block_bytes_of(self, blocks: Sequence[int]) -> torch.Tensor:
-        """``[len(blocks), block_bytes]`` uint8: each block's bytes, every buffer's runs."""
+        """``[len(blocks), block_bytes]`` uint8: each block's bytes, every buffer's runs
+        (gathered through a byte index: for tests and small loads; checksums read them in
+        place, :func:`.reshape.block_checksums`)."""
+        if not len(blocks):
+            return torch.zeros((0, self.block_bytes), dtype=torch.uint8)
         rows = []
         for buf in self.buffers:
             runs = buf.block_runs(blocks).reshape(len(blocks), -1, 2)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvferry.cluster.processes import DRAIN_S, process_gone
-from kvferry.engine.integrity import IntegrityError, PageList, page_checksums, request_id_hash
+from kvferry.engine.integrity import IntegrityError, PageList, request_id_hash
 from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol.owner import OwnerBook, OwnerEvent, OwnerState
 from kvferry.engine.protocol.owner_driver import (
@@ -66,6 +66,7 @@ from .parts import WorkerHost, WorkerParts
 from .reshape import (
     EngineShape,
     PairRuns,
+    block_checksums,
     pairs,
     plan_pair,
     plan_slots,
@@ -365,7 +366,7 @@ class VerifyPath:
         blocks = [o.blocks[i] for i in idx]
         runs = o.links[w].runs
         if runs is None:
-            values = page_checksums(h.regions.block_bytes_of(blocks), list(range(len(blocks))))
+            values = block_checksums(h.regions, blocks)
             return dict(zip(blocks, values.tolist(), strict=True))
         sums = region_checksums(h.regions, runs.within(keep), 1, len(o.blocks))
         return dict(zip(blocks, sums[idx].tolist(), strict=True))
@@ -785,7 +786,10 @@ class OwnerHost(WorkerHost):
     def _handshake(self, remote: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
         key = (remote["host"], remote["port"])
         if key in self.handshake_errors:
-            return None, f"handshake with {key[0]}:{key[1]} failed: {self.handshake_errors[key]}"
+            return None, (
+                f"cannot connect to prefill engine {remote.get('engine', '?')}: its handshake "
+                f"at {key[0]}:{key[1]} failed: {self.handshake_errors[key]}"
+            )
         return self.handshakes.get(key), ""
 
     def _shapes(self, hs: dict[str, Any]) -> tuple[EngineShape, EngineShape]:

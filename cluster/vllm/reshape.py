@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvferry.engine.integrity import page_checksums
 from kvferry.engine.keysort import lexsort_order
 from kvferry.engine.pool import turn_rows
 from kvferry.engine.reshard import KVShape, PoolLayout, ReshardError, assign_heads, head_span
@@ -315,6 +316,18 @@ def _blocks_needed(
     return need_dst
 
 
+def source_blocks(
+    src: KVRegions, dst: KVRegions, planned: int, tokens: int, lo: int, hi: int
+) -> tuple[int, int]:
+    """``[a, b)``: the places, in the writer's block list (from token 0), of the source
+    blocks that decode blocks ``[lo, hi)`` of a plan of ``planned`` blocks read (the plan
+    holds the prompt's last blocks, as in :func:`plan_pair`)."""
+    p_src, p_dst = src.layers[0].block_tokens, dst.layers[0].block_tokens
+    first = (-(-tokens // p_dst) - planned) * p_dst
+    start, end = first + lo * p_dst, min(tokens, first + hi * p_dst)
+    return start // p_src, -(-end // p_src)
+
+
 def _check_pair(src: KVRegions, dst: KVRegions) -> None:
     if not src.layers or not dst.layers:
         raise LayoutError("an engine sent no row geometry (a kvferry too old to reshape)")
@@ -439,4 +452,42 @@ def region_checksums(regions: KVRegions, plan: PairRuns, column: int, blocks: in
     keys, values = combine_keyed(plan.block, order, runs[:, 2], sums, plan.unit)
     out = np.zeros(blocks, dtype=np.int64)
     out[keys] = values
+    return out
+
+
+def block_checksums(regions: KVRegions, blocks: Sequence[int]) -> np.ndarray:
+    """``[len(blocks)]`` int64: each block's checksum, the function of
+    :func:`kvferry.engine.integrity.page_checksums` over the block's bytes as
+    :meth:`.layout.KVRegions.block_bytes_of` lays them out (every buffer's runs, in
+    order), read in place: each run's checksum put together by its place in the block
+    (:func:`kvferry.engine.run_checksum.combine_keyed`). A gather of the bytes costs a
+    byte index as large as the load and runs at a few tens of MB/s; this reads them at
+    memory speed. Where a run's length is not whole 32-bit words but the block's is (no
+    vLLM layout: a K|V row is whole words), the runs cannot be put together and the
+    bytes are gathered."""
+    n = len(blocks)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    per_buffer = [b.block_runs(blocks).reshape(n, -1, 2) for b in regions.buffers]
+    lengths = np.concatenate([r[:, :, 1] for r in per_buffer], axis=1)  # [n, runs]
+    unit = 4 if regions.block_bytes % 4 == 0 else 1
+    if bool((lengths % unit).any()):
+        data = regions.block_bytes_of(blocks)
+        return page_checksums(data, list(range(n))).cpu().numpy()
+    sums = np.concatenate(
+        [
+            run_checksums(b.tensor, r[:, :, 0].reshape(-1), r[:, :, 1].reshape(-1), unit).reshape(
+                n, -1
+            )
+            for b, r in zip(regions.buffers, per_buffer, strict=True)
+        ],
+        axis=1,
+    )
+    place = np.cumsum(lengths, axis=1) - lengths  # each run's byte offset in its block
+    keys = np.repeat(np.arange(n, dtype=np.int64), lengths.shape[1])
+    found, values = combine_keyed(
+        keys, place.reshape(-1), lengths.reshape(-1), sums.reshape(-1), unit
+    )
+    out = np.zeros(n, dtype=np.int64)
+    out[found] = values
     return out

@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from kvferry.engine.integrity import page_checksums
 from kvferry.engine.protocol import writer as wc
 from kvferry.engine.protocol.ports import SourceFreed
 from kvferry.engine.protocol.proof import Proof
@@ -57,6 +56,7 @@ from .parts import WorkerHost, WorkerParts
 from .reshape import (
     EngineShape,
     PairRuns,
+    block_checksums,
     owners_of,
     pairs,
     part_ranges,
@@ -64,6 +64,7 @@ from .reshape import (
     plan_slots,
     region_checksums,
     slot_of,
+    source_blocks,
     whole_blocks,
 )
 
@@ -107,6 +108,7 @@ class Part:
     lo: int
     hi: int
     batches: list[tuple[int, int, Any]]  # (local buffer, remote buffer, triples)
+    runs: PairRuns | None = None  # rows of another shape: the part's runs, to checksum
 
 
 @dataclass
@@ -416,8 +418,7 @@ class WriterHost(WorkerHost):
     # ------------------------------------------------------------ the data path (a port)
     def _source_checksums(self, prompt: Prompt) -> list[int]:
         assert self.regions is not None and prompt.src is not None
-        data = self.regions.block_bytes_of(prompt.src)
-        return page_checksums(data, list(range(len(prompt.src)))).tolist()
+        return block_checksums(self.regions, prompt.src).tolist()
 
     def start_prefill(self, job: Job) -> None:
         """vLLM computed the KV already, and the source blocks were checksummed when it
@@ -479,6 +480,8 @@ class WriterHost(WorkerHost):
             self.driver.feed(job, WriterEvent.ALL_LANDED)
             return
         job.part = job.parts.pop(0)
+        if not self._sum_part(job, job.part):
+            return
         job.queue = list(job.part.batches)
         if job.book.state is WriterState.WRITING:
             self.post_next(job)
@@ -510,9 +513,9 @@ class WriterHost(WorkerHost):
         return True
 
     def _queue_rows(self, job: Job, dst: list[int]) -> bool:
-        """Another shape: the rows of the job's heads as runs, planned once; the source
-        blocks are checked against the checksums taken when vLLM handed them over (a
-        block changed since is never sent), then each decode block's region checksum."""
+        """Another shape: the rows of the job's heads as runs, planned once, cut into
+        parts; each part's region checksums are taken, and its source blocks checked, as
+        it is posted (:meth:`_sum_part`)."""
         prompt = job.prompt
         assert self.regions is not None and job.dst is not None and job.decode is not None
         assert prompt.src is not None and prompt.checksums is not None
@@ -535,28 +538,17 @@ class WriterHost(WorkerHost):
         except LayoutError as exc:
             self.fail(job, AbortSource.PREFILL, f"plan unusable: {exc}")
             return False
-        if self.settings.integrity:
-            now = self._source_checksums(prompt)
-            changed = [
-                b for b, x, y in zip(prompt.src, now, prompt.checksums, strict=True) if x != y
-            ]
-            if changed:
-                self.fail(
-                    job,
-                    AbortSource.PREFILL,
-                    f"{len(changed)} of {len(prompt.src)} source blocks changed since vLLM "
-                    f"handed them over (first: {changed[:4]})",
-                )
-                return False
         job.runs = runs
         job.posted_bytes = runs.bytes
-        job.checksums = region_checksums(self.regions, runs, 0, len(dst)).tolist()
+        job.checksums = [0] * len(dst)  # each part's as it is posted (_sum_part)
         job.parts = []
         for lo, hi in part_ranges(len(dst), job.posted_bytes, self.settings.part_bytes):
             keep = np.zeros(len(dst), dtype=bool)
             keep[lo:hi] = True
-            batches = runs.within(keep).batches(self.settings.max_batch_bytes)
-            job.parts.append(Part(lo, hi, list(batches)))
+            within = runs.within(keep)
+            job.parts.append(
+                Part(lo, hi, list(within.batches(self.settings.max_batch_bytes)), within)
+            )
         return True
 
     def post_next(self, job: Job) -> None:
@@ -589,8 +581,45 @@ class WriterHost(WorkerHost):
         (PART_LANDED once they all landed)."""
         assert job.parts
         job.part = job.parts.pop(0)
+        if not self._sum_part(job, job.part):
+            return
         job.queue = list(job.part.batches)
         self.post_next(job)
+
+    def _sum_part(self, job: Job, part: Part) -> bool:
+        """Rows of another shape: each decode block's region checksum for the part's
+        blocks, from the source, as the part is posted; then the source blocks the part
+        reads are checked against the checksums taken when vLLM handed them over (a block
+        changed since is never sent, and one changed after this check lands unlike its
+        region checksum, which the owner sees). Taken part by part, these passes go on
+        while the owner checks the parts before. Whole blocks carry the hand-over's
+        checksums as they are. False once the job failed."""
+        if part.runs is None:
+            return True
+        assert self.regions is not None and job.dst is not None
+        prompt = job.prompt
+        assert prompt.src is not None and prompt.checksums is not None
+        sums = region_checksums(self.regions, part.runs, 0, part.hi)
+        if self.settings.integrity:
+            planned = len(job.checksums)
+            a, b = source_blocks(self.regions, job.dst, planned, prompt.tokens, part.lo, part.hi)
+            now = block_checksums(self.regions, prompt.src[a:b])
+            changed = [
+                blk
+                for blk, x, y in zip(prompt.src[a:b], now, prompt.checksums[a:b], strict=True)
+                if x != y
+            ]
+            if changed:
+                self.fail(
+                    job,
+                    AbortSource.PREFILL,
+                    f"{len(changed)} of the {b - a} source blocks of decode blocks "
+                    f"[{part.lo}, {part.hi}) changed since vLLM handed them over "
+                    f"(first: {changed[:4]})",
+                )
+                return False
+        job.checksums[part.lo : part.hi] = sums[part.lo : part.hi].tolist()
+        return True
 
     def send_part(self, job: Job) -> None:
         """NOTICE_PART with notify (flush, then send) for the part whose batches all

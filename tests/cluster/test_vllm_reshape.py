@@ -21,6 +21,7 @@ from kvferry.cluster.vllm.reshape import (
     part_ranges,
     plan_pair,
     region_checksums,
+    source_blocks,
     writers_of,
 )
 
@@ -260,6 +261,43 @@ def test_property_runs_cover_each_owner_row_once(
                 hits[do : do + n] += 1
         assert hits.max() == 1
         assert hits.sum() == (tokens - skip * bs_d) * (hi - lo) * LAYERS * ROW
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bs_p=st.sampled_from([16, 32, 64]),
+    bs_d=st.sampled_from([16, 32, 64]),
+    lay_p=st.sampled_from(["HND", "NHD", "BNHD"]),
+    lay_d=st.sampled_from(["HND", "NHD"]),
+    tokens=st.integers(1, 300),
+    skip=st.integers(0, 3),
+    cut=st.data(),
+)
+def test_property_a_parts_source_blocks_are_the_ones_its_runs_read(
+    bs_p, bs_d, lay_p, lay_d, tokens, skip, cut
+):
+    """``source_blocks`` of decode blocks [lo, hi) names exactly the writer's blocks the
+    part's runs read from (the writer checks those against vLLM's hand-over before it
+    posts the part)."""
+    need_d = -(-tokens // bs_d)
+    skip = min(skip, need_d - 1)
+    src_blocks = list(range(-(-tokens // bs_p)))[::-1]
+    dst_blocks = list(range(skip, need_d))
+    rp = KVRegions.from_kv_caches(views(lay_p, 64, bs_p, 2), 64, lay_p)
+    rd = KVRegions.from_kv_caches(views(lay_d, 64, bs_d, 2), 64, lay_d)
+    plan = plan_pair(rp, rd, [0, 1], 0, 0, src_blocks, dst_blocks, tokens)
+    lo = cut.draw(st.integers(0, len(dst_blocks) - 1))
+    hi = cut.draw(st.integers(lo + 1, len(dst_blocks)))
+    keep = np.zeros(len(dst_blocks), dtype=bool)
+    keep[lo:hi] = True
+    part = plan.within(keep)
+    a, b = source_blocks(rp, rd, len(dst_blocks), tokens, lo, hi)
+    runs = rp.buffers[0].block_runs(list(range(64))).reshape(64, -1, 2)
+    read = set()
+    for so, n in part.runs[:, [0, 2]].tolist():
+        inside = (runs[:, :, 0] <= so) & (so + n <= runs[:, :, 0] + runs[:, :, 1])
+        read.add(int(np.flatnonzero(inside.any(axis=1))[0]))
+    assert read == set(src_blocks[a:b])
 
 
 def test_engines_of_another_model_are_refused_with_both_sides_named():

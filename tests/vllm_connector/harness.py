@@ -446,21 +446,24 @@ def prefill_main(
 
 
 def _corrupt_when_planned(writer: Any, regions: KVRegions, rid: str) -> None:
-    """Once a job of ``rid`` at this writer has its runs and checksums (its plan is in),
-    flip a byte of every source block: what it posts then differs from what it
-    checksummed, as a write torn in flight would."""
-    for name in ("_queue_blocks", "_queue_rows"):
-        original = getattr(writer, name)
+    """Once a job of ``rid`` at this writer has the checksums of the part it is about to
+    post (whole blocks: those of vLLM's hand-over; rows: the part's regions, taken and
+    its source checked as it is posted), flip a byte of every source block, once per
+    request: what it posts then differs from what it checksummed, as a write torn in
+    flight would."""
+    original = writer._sum_part
+    flipped: set[str] = set()
 
-        def queued(job: Any, dst: Any, original: Any = original) -> bool:
-            ok = original(job, dst)
-            if job.request == rid and job.prompt.src is not None:
-                data = regions.block_bytes_of(job.prompt.src)
-                data[:, 5] ^= 0xFF
-                regions.write_block_bytes(job.prompt.src, data)
-            return bool(ok)
+    def summed(job: Any, part: Any) -> bool:
+        ok = original(job, part)
+        if ok and job.request == rid and job.prompt.src is not None and rid not in flipped:
+            flipped.add(rid)
+            data = regions.block_bytes_of(job.prompt.src)
+            data[:, 5] ^= 0xFF
+            regions.write_block_bytes(job.prompt.src, data)
+        return bool(ok)
 
-        setattr(writer, name, queued)
+    writer._sum_part = summed
 
 
 def _jobs_of(side: Side, rid: str) -> list[Any]:

@@ -328,7 +328,7 @@ def case_crash(model, unsafe: bool, caplog) -> dict[str, Any]:
             "d-c" in r.getMessage()
             and (
                 "exited before its notice" in r.getMessage()
-                or "cannot connect to prefill worker" in r.getMessage()
+                or "cannot connect to prefill" in r.getMessage()
             )
             for r in caplog.records
         )

@@ -398,7 +398,7 @@ def case_crash(model, prefill_shape: Shape, shape: Shape, caplog) -> dict[str, A
             "d-c" in r.getMessage()
             and (
                 "exited before its notice" in r.getMessage()
-                or "cannot connect to prefill worker" in r.getMessage()
+                or "cannot connect to prefill" in r.getMessage()
             )
             for r in caplog.records
         )

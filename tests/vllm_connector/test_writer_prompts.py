@@ -348,3 +348,33 @@ def test_an_abort_between_parts_stops_the_writes_and_acks():
     assert wire.NOTICE_PART in kinds and wire.NOTICE not in kinds, kinds
     assert kinds.count("write") < 3 * len(w.regions.buffers) * 8 and not writes_after, kinds
     assert "r" in w.finished_sending and not w.jobs
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["safe", "broken-unchecked-parts"])
+def test_a_source_block_changed_between_parts_is_never_sent(monkeypatch, broken):
+    """Rows of another shape (prefill TP 1 into decode TP 2), a part per block: a source
+    block that changes after the first part was posted is found as its part is about to
+    be posted, before any of its bytes go; the job fails and tells its owner why. Broken:
+    a writer that checks no part's source blocks as it posts it (its region checksums,
+    taken from the changed bytes, would agree with what lands)."""
+    if broken:
+        monkeypatch.setattr(writer_host, "source_blocks", lambda *a: (0, 0))
+    w, link, _ = host(tp=1, rank=0, part_bytes=1)
+    log = logged(link)
+    src = [0, 1, 2]
+    w.on_send("r", {"blocks": src, "tokens": TOKENS})
+    plan(w, "r", 0, 2, [0, 1])
+    assert w.jobs and next(iter(w.jobs.values())).runs is not None  # the rows path
+    posted = len([k for k, _ in log if k == "write"])
+    data = w.regions.block_bytes_of([1])
+    data[0, 7] ^= 0x5A
+    w.regions.write_block_bytes([1], data)  # the second part's source block
+    settle(w)
+    kinds = [k for k, _ in log]
+    writes_after = kinds.count("write") - posted
+    reasons = [str(m.get("reason", "")) for k, m in log if k is wire.ABORT]
+    if broken:
+        assert wire.NOTICE in kinds and writes_after > 0, kinds
+    else:
+        assert writes_after == 0 and wire.NOTICE not in kinds, kinds
+        assert any("changed since vLLM handed them over" in r for r in reasons), log

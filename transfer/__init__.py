@@ -28,6 +28,7 @@ from .errors import (
     WireError,
     ucx_error,
 )
+from .local_copy import copy_runs
 from .memtypes import MemoryType
 from .peer import Peer, PeerState
 from .protocol import AddressInfo, IncomingMessage, decode_address
@@ -56,6 +57,7 @@ __all__ = [
     "TransferError",
     "UcxError",
     "WireError",
+    "copy_runs",
     "decode_address",
     "ucx_error",
 ]

@@ -24,9 +24,12 @@ slot of the decode's, :func:`~kvferry.cluster.vllm.reshape.slot_of`). Those two 
 parts of about ``--part-kib`` per decode worker (the connector's ``part_bytes``;
 ``parts``), as the connector pipelines them: each part posted and waited for, then turned
 on a thread of its own (the decode's, in the connector another process) while the next
-part is posted; timed until the last part is turned. ``checks_ms`` (and
-``homogeneous_checks_ms``): the checksums the connector's hosts take for I5, timed once
-after the rounds (:meth:`Move.checks`), not part of ``gbps``.
+part is posted; timed until the last part is turned. A pair moved as rows that lie
+scattered at the prefill and contiguous at the decode (``staged``) is gathered into
+staging memory batch by batch, the next batch's gather during each write, as the
+connector does with ``staging_slots`` (``--staging-slots 0``: posted as they lie).
+``checks_ms`` (and ``homogeneous_checks_ms``): the checksums the connector's hosts take
+for I5, timed once after the rounds (:meth:`Move.checks`), not part of ``gbps``.
 
 Two engines in this one process over ``--transports`` (default shm; the same path as
 between two processes on one host: the kernel's cross-memory copy into the decode's
@@ -55,6 +58,7 @@ from ..vllm import reshape
 from ..vllm.layout import KVRegions
 from ..vllm.reshape import EngineShape, PairRuns, pairs, plan_pair, region_checksums
 from ..vllm.settings import Settings
+from ..vllm.staging import Staging, worth_staging
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,7 @@ class Move:
         batch_bytes: int,
         rows: bool = False,
         part_bytes: int = 0,
+        staging_slots: int = 0,
     ) -> None:
         self.eng, self.src, self.dst, self.tokens = src_eng, src, dst, tokens
         self.batch_bytes, self.part_bytes = batch_bytes, part_bytes
@@ -182,6 +187,13 @@ class Move:
         self.bytes = sum(p.bytes for p in self.plans.values())
         # what the decode turns goes in parts, each turned while the next lands
         self.parts = self.part_batches() if self.turned or self.slotted else []
+        # rows scattered at the writer and contiguous at the decode: gathered first
+        first = self.batches()[0][2] if self.batches() else None
+        self.staging = (
+            Staging(src_eng, batch_bytes, staging_slots)
+            if staging_slots and not self.parts and first is not None and worth_staging(first)
+            else None
+        )
 
     def plan(self) -> object:
         """What the connector plans for one request of this pair."""
@@ -266,7 +278,33 @@ class Move:
         if self.parts:
             self.run_parts()
             return
+        if self.staging is not None:
+            self.run_staged()
+            return
         self.post(self.batches())
+
+    def run_staged(self) -> None:
+        """The connector's staged path (:mod:`kvferry.cluster.vllm.staging`): each batch
+        gathered into a slot, the next one's gather started as it is posted, its slot
+        given back once it landed."""
+        staging = self.staging
+        assert staging is not None
+        batches = [b for b in self.batches() if staging.fits(b[2])]
+        assert len(batches) == len(self.batches()), "a batch larger than a staging slot"
+        ahead = None
+        for k, (p, d, triples) in enumerate(batches):
+            staged = ahead or staging.stage(self.src.workers[p].segment, triples)
+            assert staged is not None
+            staged.ready.result()
+            ahead = None
+            if k + 1 < len(batches):
+                q, _, upcoming = batches[k + 1]
+                ahead = staging.stage(self.src.workers[q].segment, upcoming)
+            batch = self.eng.write(self.peer, staging.segment, self.rsegs[d], staged.runs)
+            self.eng.wait(batch, 120.0)
+            if batch.error is not None:
+                raise RuntimeError(f"a batch failed: {batch.error}")
+            staging.release(staged)
 
     def post(self, batches: list[tuple[int, int, np.ndarray]]) -> None:
         """Post ``batches`` and wait for all of them."""
@@ -372,7 +410,15 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
         decode = Workers(b, dst, *shape, random=False)
         like = Workers(b, src, *shape, random=False)
         move = Move(
-            a, b, prefill, decode, args.tokens, args.batch_mib << 20, args.rows, args.part_kib << 10
+            a,
+            b,
+            prefill,
+            decode,
+            args.tokens,
+            args.batch_mib << 20,
+            args.rows,
+            args.part_kib << 10,
+            args.staging_slots,
         )
         base = Move(a, b, prefill, like, args.tokens, args.batch_mib << 20)
         t_pair, t_base = alternate(move.run, base.run, args.reps)
@@ -389,6 +435,7 @@ def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[
             "turned": move.turned,
             "slotted": move.slotted,
             "parts": len(move.parts) or None,
+            "staged": move.staging is not None,
             "runs": runs,
             "mean_run_bytes": round(move.bytes / max(1, runs)),
             "pieces": dict(zip(("local", "remote"), move.pieces(), strict=True)),
@@ -422,6 +469,14 @@ def main(argv: list[str] | None = None) -> None:
         help="a pair the decode turns goes in parts of about this many KiB per decode worker, "
         "each turned while the next lands, as the connector's part_bytes (0: one part, turned "
         "after the whole load landed)",
+    )
+    ap.add_argument(
+        "--staging-slots",
+        type=int,
+        default=Settings.staging_slots,
+        help="a pair moved as rows scattered at the prefill and contiguous at the decode is "
+        "gathered into this many staging slots of a batch each, the next gather during each "
+        "write, as the connector's staging_slots (0: posted as the rows lie)",
     )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)

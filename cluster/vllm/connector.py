@@ -65,6 +65,7 @@ from .owner_host import OwnerHost
 from .parts import WorkerParts
 from .settings import Settings
 from .sidechannel import SideChannel
+from .staging import Staging
 from .writer_host import WriterHost
 
 log = logging.getLogger("kvferry.vllm")
@@ -430,8 +431,14 @@ class _WorkerSide:
                 f"{self.kv_heads}; vLLM splits them {max(1, self.kv_heads // self.tp_size)} "
                 "a worker"
             )
+        staging = None
+        on_host = all(b.tensor.device.type == "cpu" for b in self.regions.buffers)
+        if self.settings.staging_slots > 0 and on_host:
+            staging = Staging(
+                self.engine, self.settings.max_batch_bytes, self.settings.staging_slots
+            )
         self.owner.attach(self.regions, segments, self.kv_heads)
-        self.writer.attach(self.regions, segments, self.kv_heads)
+        self.writer.attach(self.regions, segments, self.kv_heads, staging)
         log.info(
             "kvferry worker tp%d/%d: %d layers in %d buffers (%s), %d bytes per block",
             self.tp_rank,
@@ -527,6 +534,8 @@ class _WorkerSide:
                 self.owner.on_ack(*found)
 
     def shutdown(self) -> None:
+        if self.writer.staging is not None:
+            self.writer.staging.close()
         try:
             self.engine.shutdown()
         except Exception:  # pragma: no cover

@@ -26,6 +26,10 @@ class Settings:
     # prefill: a load of more bytes goes in parts of about this many, each with a
     # NOTICE_PART once it landed, checked (and turned) by the decode while the next lands
     part_bytes: int = 8 << 20
+    # prefill: batches of rows scattered here and contiguous at the decode are gathered
+    # into this many slots of max_batch_bytes of registered memory, each while the batch
+    # before it is on the wire (host KV buffers; 0: posted as they lie)
+    staging_slots: int = 4
     integrity: bool = True  # decode: checksums and canaries (I5) before finished_recving
     unsafe: bool = False  # BROKEN MODE, for tests only: report loads before they land
     # the handshake secret's file (else KVFERRY_SECRET_FILE, else KVFERRY_SECRET): a path,

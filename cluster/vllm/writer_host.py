@@ -67,6 +67,7 @@ from .reshape import (
     source_blocks,
     whole_blocks,
 )
+from .staging import Staged, Staging, worth_staging
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -132,6 +133,8 @@ class Job:
     parts: list[Part] | None = None  # the parts not posted yet (None: the plan not checked)
     part: Part | None = None  # the part posted last
     queue: list[tuple[int, int, Any]] = field(default_factory=list)  # (local, remote, triples)
+    staged: bool = False  # rows scattered here, contiguous there: gathered before posting
+    next_stage: tuple[Any, Staged] | None = None  # (its triples, the gather) of the next batch
     inflight: list[tuple[Batch, Callable[[Batch], None]]] = field(default_factory=list)
     posted_bytes: int = 0
     batches_posted: int = 0
@@ -197,6 +200,8 @@ class WriterHost(WorkerHost):
         self.finished_sending: set[str] = set()
         self.regions: KVRegions | None = None
         self.segments: list[Any] = []
+        self.staging: Staging | None = None
+        self.waiting_for_slot: list[Job] = []  # staged jobs whose next batch waits for a slot
         self.remote_segments: dict[int, tuple[KVRegions, list[RemoteSegment]]] = {}
         ports = WriterPorts(
             data=self,
@@ -208,10 +213,18 @@ class WriterHost(WorkerHost):
         )
         self.driver = WriterDriver(ports, wc.WRITER_TABLE, settled=self._settled)
 
-    def attach(self, regions: KVRegions, segments: list[Any], kv_heads: int) -> None:
+    def attach(
+        self,
+        regions: KVRegions,
+        segments: list[Any],
+        kv_heads: int,
+        staging: Staging | None = None,
+    ) -> None:
         """vLLM's KV buffers, registered with the transfer engine; the engine's KV heads
-        (:attr:`WorkerHost.kv_heads`)."""
+        (:attr:`WorkerHost.kv_heads`); the staging memory rows are gathered into, if any
+        (:mod:`.staging`)."""
         self.regions, self.segments, self.kv_heads = regions, segments, kv_heads
+        self.staging = staging
 
     @property
     def shape(self) -> EngineShape:
@@ -237,6 +250,7 @@ class WriterHost(WorkerHost):
         """A job that ended (after its notice's or its ack's flush, or with nothing ever
         posted) ends its hold on the prompt's blocks."""
         if job.book.state in (WriterState.DONE, WriterState.ABORTED):
+            self.stop_posting(job)  # a gather started ahead gives its slot back
             if self.jobs.get(job.rid) is job:
                 del self.jobs[job.rid]
             prompt = job.prompt
@@ -549,11 +563,16 @@ class WriterHost(WorkerHost):
             job.parts.append(
                 Part(lo, hi, list(within.batches(self.settings.max_batch_bytes)), within)
             )
+        first = job.parts[0].batches[0][2] if job.parts and job.parts[0].batches else None
+        job.staged = self.staging is not None and first is not None and worth_staging(first)
         return True
 
     def post_next(self, job: Job) -> None:
         """Post one batch (an abort stops posting within one)."""
         if not job.queue:
+            return
+        if job.staged and self.staging is not None and self.staging.fits(job.queue[0][2]):
+            self._post_staged(job)
             return
         (i, j, triples), job.queue = job.queue[0], job.queue[1:]
         assert job.peer is not None
@@ -566,6 +585,74 @@ class WriterHost(WorkerHost):
         job.batches_posted += 1
         self.stats.add(bytes=int(triples[:, 2].sum()))
         job.inflight.append((batch, lambda b: self._written(job, b)))
+
+    def _post_staged(self, job: Job) -> None:
+        """Post the next batch from staging memory (:mod:`.staging`): gathered already
+        while the batch before it was on the wire, or now; before it is posted, the
+        gather of the batch after it starts, so that the two overlap. With every slot
+        in flight the job waits for one (:meth:`_staged_written`)."""
+        assert self.staging is not None and job.peer is not None
+        i, j, triples = job.queue[0]
+        staged = self._take_stage(job, triples)
+        if staged is None:
+            staged = self.staging.stage(self.segments[i], triples)
+        if staged is None:
+            self.waiting_for_slot.append(job)
+            return
+        job.queue = job.queue[1:]
+        try:
+            staged.ready.result()
+            self._stage_upcoming(job)
+            batch = self.link.engine.write(
+                job.peer, self.staging.segment, job.rsegs[j], staged.runs
+            )
+        except TransferError as exc:
+            self.staging.release(staged)
+            self.fail(job, AbortSource.TRANSFER, f"write refused: {exc}")
+            return
+        wc.on_posted(job.book)
+        job.batches_posted += 1
+        self.stats.add(bytes=int(triples[:, 2].sum()))
+        job.inflight.append((batch, lambda b: self._staged_written(job, staged, b)))
+
+    def _take_stage(self, job: Job, triples: Any) -> Staged | None:
+        """The gather started for ``triples`` ahead of its turn, if any (one started for
+        another batch is given back)."""
+        ahead, job.next_stage = job.next_stage, None
+        if ahead is None:
+            return None
+        if ahead[0] is triples:
+            return ahead[1]
+        assert self.staging is not None
+        self.staging.release(ahead[1])
+        return None
+
+    def _stage_upcoming(self, job: Job) -> None:
+        """Start gathering the batch after the one being posted: the next in this
+        part's queue, else the first of the next part (its checks run when it is
+        posted; a source byte changed in between lands unlike its region checksum)."""
+        assert self.staging is not None
+        if job.queue:
+            i, _, triples = job.queue[0]
+        elif job.parts and job.parts[0].batches:
+            i, _, triples = job.parts[0].batches[0]
+        else:
+            return
+        if not self.staging.fits(triples):
+            return
+        staged = self.staging.stage(self.segments[i], triples)
+        if staged is not None:
+            job.next_stage = (triples, staged)
+
+    def _staged_written(self, job: Job, staged: Staged, batch: Batch) -> None:
+        """A staged batch settled: its slot goes back (the transport reads it no more),
+        then as :meth:`_written`; a job that waited for a slot posts now."""
+        assert self.staging is not None
+        self.staging.release(staged)
+        self._written(job, batch)
+        waiting, self.waiting_for_slot = self.waiting_for_slot, []
+        for other in waiting:
+            self.post_next(other)
 
     def _written(self, job: Job, batch: Batch) -> None:
         ok = batch.peek() is BatchStatus.COMPLETED
@@ -675,9 +762,13 @@ class WriterHost(WorkerHost):
         job.inflight.append((notice, lambda b: self.driver.feed(job, WriterEvent.NOTICE_FLUSHED)))
 
     def stop_posting(self, job: Job) -> None:
-        """Nothing more is posted; what is in flight settles through :meth:`settle`."""
+        """Nothing more is posted; what is in flight settles through :meth:`settle`. A
+        gather started ahead gives its slot back once done."""
         job.queue = []
         job.parts = []
+        if job.next_stage is not None and self.staging is not None:
+            self.staging.release(job.next_stage[1])
+        job.next_stage = None
 
     # ------------------------------------------------------------ source blocks (a port)
     def free(self, jid: str) -> SourceFreed:

@@ -59,6 +59,7 @@ from ..vllm.layout import KVRegions
 from ..vllm.reshape import EngineShape, PairRuns, pairs, plan_pair, region_checksums
 from ..vllm.settings import Settings
 from ..vllm.staging import Staging, worth_staging
+from ..vllm.staging import pieces as joined_pieces
 
 
 @dataclass(frozen=True)
@@ -376,8 +377,8 @@ class Move:
         the kernel about 0.5 us, a local one about 0.1-0.3 us)."""
         local = remote = 0
         for _, _, triples in self.batches():
-            local += _pieces(triples[:, 0], triples[:, 2])
-            remote += _pieces(triples[:, 1], triples[:, 2])
+            local += joined_pieces(triples[:, 0], triples[:, 2])
+            remote += joined_pieces(triples[:, 1], triples[:, 2])
         return local, remote
 
     def checked(self) -> bool:
@@ -389,13 +390,6 @@ class Move:
             if not np.array_equal(want, got):
                 return False
         return True
-
-
-def _pieces(offsets: np.ndarray, lengths: np.ndarray) -> int:
-    """How many pieces runs at ``offsets`` make once contiguous neighbours are joined."""
-    if not len(offsets):
-        return 0
-    return 1 + int(np.count_nonzero(offsets[1:] != offsets[:-1] + lengths[:-1]))
 
 
 def run_pair(args: argparse.Namespace, src: Side, dst: Side, seed: int) -> dict[str, object]:

@@ -428,6 +428,7 @@ class WriterHost(WorkerHost):
                 else:
                     then(batch)
             job.inflight = kept + job.inflight
+        self._post_waiting()
 
     # ------------------------------------------------------------ the data path (a port)
     def _source_checksums(self, prompt: Prompt) -> list[int]:
@@ -590,7 +591,7 @@ class WriterHost(WorkerHost):
         """Post the next batch from staging memory (:mod:`.staging`): gathered already
         while the batch before it was on the wire, or now; before it is posted, the
         gather of the batch after it starts, so that the two overlap. With every slot
-        in flight the job waits for one (:meth:`_staged_written`)."""
+        in flight the job waits for one (:meth:`_post_waiting`)."""
         assert self.staging is not None and job.peer is not None
         i, j, triples = job.queue[0]
         staged = self._take_stage(job, triples)
@@ -646,13 +647,16 @@ class WriterHost(WorkerHost):
 
     def _staged_written(self, job: Job, staged: Staged, batch: Batch) -> None:
         """A staged batch settled: its slot goes back (the transport reads it no more),
-        then as :meth:`_written`; a job that waited for a slot posts now."""
+        then as :meth:`_written`."""
         assert self.staging is not None
         self.staging.release(staged)
         self._written(job, batch)
-        waiting, self.waiting_for_slot = self.waiting_for_slot, []
-        for other in waiting:
-            self.post_next(other)
+
+    def _post_waiting(self) -> None:
+        """Jobs that waited for a staging slot post, while slots are free (from the poll,
+        outside any job's effects: a slot goes back in several of them)."""
+        while self.waiting_for_slot and self.staging is not None and self.staging.free:
+            self.post_next(self.waiting_for_slot.pop(0))
 
     def _written(self, job: Job, batch: Batch) -> None:
         ok = batch.peek() is BatchStatus.COMPLETED

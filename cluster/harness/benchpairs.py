@@ -189,10 +189,10 @@ class Move:
         # what the decode turns goes in parts, each turned while the next lands
         self.parts = self.part_batches() if self.turned or self.slotted else []
         # rows scattered at the writer and contiguous at the decode: gathered first
-        first = self.batches()[0][2] if self.batches() else None
+        batches = self.batches()
         self.staging = (
             Staging(src_eng, batch_bytes, staging_slots)
-            if staging_slots and not self.parts and first is not None and worth_staging(first)
+            if staging_slots and not self.parts and batches and worth_staging(batches[0][2])
             else None
         )
 
@@ -290,8 +290,8 @@ class Move:
         given back once it landed."""
         staging = self.staging
         assert staging is not None
-        batches = [b for b in self.batches() if staging.fits(b[2])]
-        assert len(batches) == len(self.batches()), "a batch larger than a staging slot"
+        batches = self.batches()
+        assert all(staging.fits(b[2]) for b in batches), "a batch larger than a staging slot"
         ahead = None
         for k, (p, d, triples) in enumerate(batches):
             staged = ahead or staging.stage(self.src.workers[p].segment, triples)

@@ -316,6 +316,12 @@ def _blocks_needed(
     return need_dst
 
 
+def _first_planned_token(block_tokens: int, tokens: int, planned: int) -> int:
+    """The first token of a plan of ``planned`` decode blocks of ``block_tokens``: the
+    prompt's last blocks (the owner may hold its first tokens already)."""
+    return (-(-tokens // block_tokens) - planned) * block_tokens
+
+
 def source_blocks(
     src: KVRegions, dst: KVRegions, planned: int, tokens: int, lo: int, hi: int
 ) -> tuple[int, int]:
@@ -323,7 +329,7 @@ def source_blocks(
     blocks that decode blocks ``[lo, hi)`` of a plan of ``planned`` blocks read (the plan
     holds the prompt's last blocks, as in :func:`plan_pair`)."""
     p_src, p_dst = src.layers[0].block_tokens, dst.layers[0].block_tokens
-    first = (-(-tokens // p_dst) - planned) * p_dst
+    first = _first_planned_token(p_dst, tokens, planned)
     start, end = first + lo * p_dst, min(tokens, first + hi * p_dst)
     return start // p_src, -(-end // p_src)
 
@@ -379,8 +385,8 @@ def plan_pair(
     hold the prompt's last blocks (the owner may hold its first tokens already). Each
     side's local head of global head ``h`` is ``h - *_first_head``."""
     p_src, p_dst = src.layers[0].block_tokens, dst.layers[0].block_tokens
-    need_dst = _blocks_needed(src, dst, src_blocks, dst_blocks, tokens)
-    first = (need_dst - len(dst_blocks)) * p_dst
+    _blocks_needed(src, dst, src_blocks, dst_blocks, tokens)
+    first = _first_planned_token(p_dst, tokens, len(dst_blocks))
     contiguous = all(r.token_stride == r.row_bytes for r in (*src.layers, *dst.layers))
     grains = [r.kernel_tokens for r in (*src.layers, *dst.layers)] + [p_src, p_dst]
     starts, lengths = _segments(first, tokens, grains if contiguous else [1])

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvferry.engine.reshard import coalesce
 from kvferry.transfer import Segment, TransferEngine, copy_runs
 
 STAGE_WHEN_PIECES = 2  # stage a batch whose source pieces are at least this many per target piece
@@ -76,7 +77,7 @@ class Staging:
     def __init__(self, engine: TransferEngine, slot_bytes: int, slots: int) -> None:
         if slot_bytes <= 0 or slots <= 0:
             raise ValueError(f"staging of {slots} slots of {slot_bytes} bytes")
-        self.slot_bytes, self.slots = slot_bytes, slots
+        self.slot_bytes = slot_bytes
         self.memory = torch.empty(slot_bytes * slots, dtype=torch.uint8)
         self.engine = engine
         self.segment: Segment = engine.register(self.memory)
@@ -103,13 +104,7 @@ class Staging:
         t = triples[np.argsort(triples[:, 1], kind="stable")]
         at = slot * self.slot_bytes + np.cumsum(t[:, 2]) - t[:, 2]
         gather = np.stack([t[:, 0], at, t[:, 2]], axis=1)
-        post = np.stack([at, t[:, 1], t[:, 2]], axis=1)
-        follows = (post[1:, 0] == post[:-1, 0] + post[:-1, 2]) & (
-            post[1:, 1] == post[:-1, 1] + post[:-1, 2]
-        )
-        starts = np.flatnonzero(np.r_[True, ~follows])
-        joined = post[starts].copy()
-        joined[:, 2] = np.add.reduceat(post[:, 2], starts)
+        joined = coalesce(np.stack([at, t[:, 1], t[:, 2]], axis=1))
         ready = self.gather.submit(copy_runs, self.segment, src, gather)
         return Staged(slot, joined, ready)
 

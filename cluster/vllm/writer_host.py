@@ -619,17 +619,15 @@ class WriterHost(WorkerHost):
         self.stats.add(bytes=int(triples[:, 2].sum()))
         job.inflight.append((batch, lambda b: self._staged_written(job, staged, b)))
 
-    def _take_stage(self, job: Job, triples: Any) -> Staged | None:
-        """The gather started for ``triples`` ahead of its turn, if any (one started for
-        another batch is given back)."""
+    @staticmethod
+    def _take_stage(job: Job, triples: Any) -> Staged | None:
+        """The gather started for ``triples`` ahead of its turn, if any (one is only ever
+        started for the batch posted next)."""
         ahead, job.next_stage = job.next_stage, None
         if ahead is None:
             return None
-        if ahead[0] is triples:
-            return ahead[1]
-        assert self.staging is not None
-        self.staging.release(ahead[1])
-        return None
+        assert ahead[0] is triples, "a gather started ahead for another batch"
+        return ahead[1]
 
     def _stage_upcoming(self, job: Job) -> None:
         """Start gathering the batch after the one being posted: the next in this

@@ -148,3 +148,11 @@ def link(request):
     lk = make_link(request.param)
     yield lk
     close_link(lk)
+
+
+@pytest.fixture
+def engine(request):
+    """One engine over shared memory in this process, named for the test."""
+    eng = TransferEngine(TransferConfig(transports="shm", name=request.node.name[:40]))
+    yield eng
+    eng.shutdown()

@@ -70,13 +70,6 @@ def test_tls_lists():
     assert memtypes.tls_names_cuda("^tcp") and not memtypes.tls_names_cuda("^cuda_ipc,cuda_copy")
 
 
-@pytest.fixture
-def engine():
-    eng = TransferEngine(TransferConfig(transports="shm", name="cuda-test"))
-    yield eng
-    eng.shutdown()
-
-
 def test_registering_cuda_memory_through_this_ucx_is_refused(engine):
     """This machine's UCX context has no CUDA memory type (no driver): registering a
     device pointer is refused with the UCX version and library, nothing is mapped."""

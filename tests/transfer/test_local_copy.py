@@ -6,14 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvferry.transfer import SegmentBoundsError, TransferConfig, TransferEngine, copy_runs
-
-
-@pytest.fixture
-def engine():
-    eng = TransferEngine(TransferConfig(transports="shm", name="local-copy"))
-    yield eng
-    eng.shutdown()
+from kvferry.transfer import SegmentBoundsError, copy_runs
 
 
 def test_runs_are_copied_where_they_say(engine):

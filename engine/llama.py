@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import write_kv_pages, write_kv_tokens
-from .kernels import paged_decode_attention  # Triton on CUDA tensors, the torch reference elsewhere
+from .attention import write_kv_pages
+from .headgroup import LayerQuery, attend_held
 from .kernels.ownership import PageOwnership
 from .pool import PoolConfig, check_pool_shape
 from .stepwise import PrefillByLayers, run_to_end
@@ -69,6 +69,7 @@ class _Layer:
 
 class LlamaModel(PrefillByLayers):
     stop_token: int | None = EOS
+    attention_mixes_heads = True  # a layer's output reads every head: a split decode combines
 
     def __init__(
         self,
@@ -255,6 +256,25 @@ class LlamaModel(PrefillByLayers):
             h = h + self._mlp(block, h)
         return self._logits(h[-1:])[0]
 
+    def decode_layers(
+        self, positions: torch.Tensor, tokens: torch.Tensor
+    ) -> Generator[LayerQuery, torch.Tensor, torch.Tensor]:
+        """A decode step with each layer's attention left to the caller: yields the
+        layer's :class:`~.headgroup.LayerQuery` (every head of the input tokens at
+        ``positions`` ``[batch]``) and takes back its attention ``[batch, q_heads,
+        head_dim]``; returns the logits ``[batch, vocab]`` fp32. A decode group whose
+        members each hold some of the heads answers each layer from all of them
+        (:mod:`.headgroup`); :meth:`decode_logits` answers from one pool."""
+        positions = positions.to(device=self.device, dtype=torch.int64)
+        tokens = tokens.to(device=self.device, dtype=torch.int64)
+        h = self.embed[tokens]
+        for layer, block in enumerate(self.blocks):
+            q, k, v = self._qkv(block, h, positions)
+            attn = yield LayerQuery(layer, q, k, v)
+            h = h + attn.to(self.device).reshape(h.shape[0], -1) @ block.wo
+            h = h + self._mlp(block, h)
+        return self._logits(h)
+
     def decode_logits(
         self,
         kv: torch.Tensor,
@@ -268,29 +288,17 @@ class LlamaModel(PrefillByLayers):
         first layer's attention (every layer reads the same pages through the same table,
         and canaries change only between steps)."""
         self._check_pool(kv)
-        positions = positions.to(device=self.device, dtype=torch.int64)
-        tokens = tokens.to(device=self.device, dtype=torch.int64)
-        table = page_table.to(kv.device)
-        page_size = kv.shape[4]
-        kv_positions = positions.to(kv.device)
-        pages = table.gather(1, (kv_positions // page_size)[:, None]).squeeze(1)
-        slots = kv_positions % page_size
-        seq_lens = (kv_positions + 1).to(torch.int32)
-        h = self.embed[tokens]
-        for layer, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, h, positions)
-            write_kv_tokens(kv, layer, k.to(kv.device), v.to(kv.device), pages, slots)
-            attn = paged_decode_attention(
-                q.to(kv.device),
-                kv,
-                layer,
-                table,
-                seq_lens,
-                ownership=ownership if layer == 0 else None,
+        step = self.decode_layers(positions, tokens)
+        query = next(step)
+        while True:
+            attn = attend_held(
+                kv, query, page_table, positions, ownership if query.layer == 0 else None
             )
-            h = h + attn.to(self.device).reshape(h.shape[0], -1) @ block.wo
-            h = h + self._mlp(block, h)
-        return self._logits(h)
+            try:
+                query = step.send(attn)
+            except StopIteration as end:
+                logits: torch.Tensor = end.value
+                return logits
 
     def decode_step(
         self,

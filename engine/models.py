@@ -36,6 +36,9 @@ class PagedModel(Protocol):
     kv_heads: int
     head_dim: int
     stop_token: int | None
+    # a layer's output reads every head's attention (Llama): members of a decode group that
+    # split the heads step together (engine.headgroup); False: each head answers alone
+    attention_mixes_heads: bool
 
     def pool_config(
         self, page_size: int, num_pages: int, dtype: torch.dtype = ..., device: str = ...

@@ -120,6 +120,7 @@ class FirstRead:
 
 class ReplayModel(PrefillByLayers):
     stop_token: int | None = None
+    attention_mixes_heads = False  # each head answers alone: a split decode needs no combine
 
     def __init__(self, config: ReplayConfig = ReplayConfig()) -> None:
         if config.head_dim < max(config.position_bits, TOKEN_BITS):

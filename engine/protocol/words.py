@@ -27,6 +27,12 @@ class Kind(enum.StrEnum):
     STATS = "STATS"  # any -> router: pool and transfer figures
     SEVERED = "SEVERED"  # owner -> router: a writer cut off, route nothing to it
     SHUTDOWN = "SHUTDOWN"  # router -> every rank: stop serving
+    # a decode group whose members each hold some of the KV heads of a model that mixes
+    # heads (cluster.group_decode): the lead steps, each member attends over its heads
+    MEMBER_READY = "MEMBER_READY"  # member -> lead: its pages are verified, it can attend
+    ATTEND = "ATTEND"  # lead -> member: one layer's query for the member's heads
+    ATTENDED = "ATTENDED"  # member -> lead: that layer's attention over its pages
+    STEPPED = "STEPPED"  # lead -> member: the step's tokens (the member reports them too)
 
 
 class Outcome(enum.StrEnum):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kvferry.engine import integrity, llama, replay
+from kvferry.engine import headgroup, integrity, llama, replay
 from kvferry.engine.allocator import PageGrant
 from kvferry.engine.attention import paged_decode_attention as reference
 from kvferry.engine.integrity import CanaryTable, IntegrityError, expected_canaries
@@ -40,7 +40,7 @@ def small_case(device: str = "cpu", dtype: torch.dtype = torch.float32):
 
 def test_models_call_the_dispatcher():
     assert replay.paged_decode_attention is paged_decode_attention
-    assert llama.paged_decode_attention is paged_decode_attention
+    assert headgroup.paged_decode_attention is paged_decode_attention  # llama's attention
 
 
 def test_cpu_goes_to_the_reference_without_importing_triton():
@@ -143,7 +143,7 @@ def test_a_models_step_checks_ownership_in_its_first_layer_only(monkeypatch, nam
         seen.append((layer, ownership))
         return torch.zeros_like(q)
 
-    module = replay if name == "replay" else llama
+    module = replay if name == "replay" else headgroup  # llama attends through headgroup
     monkeypatch.setattr(module, "paged_decode_attention", recording)
     if name == "replay":
         model = replay.ReplayModel(replay.ReplayConfig(layers=3))

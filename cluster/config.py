@@ -181,9 +181,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.decode_tp,
         help="tensor-parallel size of a decode group: each member holds its share of the KV "
         "heads in a pool of its own (with more members than heads, members share a head) "
-        "and owns its pages; any --tp writes into any --decode-tp. With --model llama only "
-        "with --kv-replicated: a llama decode step needs every head at each layer "
-        "(default %(default)s)",
+        "and owns its pages; any --tp writes into any --decode-tp. With --model llama the "
+        "group steps together: its first member runs the model and asks the others for "
+        "their heads' attention at each layer (default %(default)s)",
     )
     p.add_argument(
         "--kv-replicated",

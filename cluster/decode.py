@@ -62,6 +62,7 @@ from .books import RankBooks
 from .chunks import PAGES_PER_CHUNK, Reassembly
 from .clock import MonotonicClock
 from .decode_path import DecodePath, ReadPath, StepPlan
+from .group_decode import AttendJob, Group, GroupDecode, GroupStep
 from .ports import RankOwnerWire
 from .runtime import RankRuntime
 from .topology import HeadSplit
@@ -69,6 +70,7 @@ from .topology import HeadSplit
 log = logging.getLogger("kvferry.cluster")
 
 OWNER_RECEIVES = frozenset({Kind.ASSIGN, Kind.NOTICE, Kind.NOTICE_PART, Kind.ABORT, Kind.ABORT_ACK})
+GROUP_RECEIVES = frozenset({Kind.MEMBER_READY, Kind.ATTEND, Kind.ATTENDED, Kind.STEPPED})
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,9 @@ class OwnedRequest:
     # another incarnation of that rank (restarted since) proves nothing for this request
     writer_incs: dict[int, int] = field(default_factory=dict)
     router_inc: int = 0  # the router incarnation that assigned it (0: not known)
+    # its decode group, where the group splits the heads of a model mixing them (the lead
+    # steps it: .group_decode); None: this rank decodes it alone
+    group: Group | None = None
 
     def __post_init__(self) -> None:
         self.book = OwnerBook(self.rid, tuple(self.writers))
@@ -152,6 +157,12 @@ class OwnedRequest:
         pages = np.fromiter((g.page for g in self.grants), np.int64, len(self.grants))
         gens = np.fromiter((g.generation for g in self.grants), np.int64, len(self.grants))
         return pages, gens
+
+    @property
+    def next_position(self) -> int:
+        """Where its next decode step writes the input token's K/V (the last prompt
+        position, then one further for each token it generated)."""
+        return self.prompt_len - 1 + len(self.generated)
 
     @functools.cached_property
     def page_row(self) -> np.ndarray:
@@ -222,8 +233,12 @@ class DecodeRank(RankBooks):
             Kind.NOTICE_PART: self._on_notice_part,
             Kind.ABORT: self._on_abort,
             Kind.ABORT_ACK: self._on_ack,
+            **{kind: self._on_group_message for kind in GROUP_RECEIVES},
         }
-        assert set(self.handlers) == OWNER_RECEIVES
+        assert set(self.handlers) == OWNER_RECEIVES | GROUP_RECEIVES
+        # set by serving() where this rank is a member of a decode group that splits the
+        # heads of a model mixing them
+        self.group_decode: GroupDecode | None = None
         runtime.set_handlers(self.handlers, role="decode")
         runtime.on_request_error = self.fail_request
         runtime.on_card_replaced = self._on_card_replaced
@@ -251,6 +266,7 @@ class DecodeRank(RankBooks):
         (deadlines, the broken modes, the batch)."""
         clock = clock or MonotonicClock()
         unsafe = bool(options.get("unsafe", False))
+        reply_s = float(options.pop("group_reply_s", options.get("abort_deadline_s", 5.0)))
         path = DecodePath(
             runtime,
             model,
@@ -262,7 +278,16 @@ class DecodeRank(RankBooks):
             prefill_tp=prefill_tp,
             member=decode_member,
         )
-        return cls(runtime, path, pool, router, clock=clock, **options)
+        rank = cls(runtime, path, pool, router, clock=clock, **options)
+        if decode_member is not None:
+            split, position = decode_member
+            if (
+                split.decode_tp > 1
+                and not split.replicated
+                and getattr(model, "attention_mixes_heads", False)
+            ):
+                rank.group_decode = GroupDecode(rank, split, position, reply_s)
+        return rank
 
     # -------------------------------------------------------------- the table
     def _init_driver(self, table: dict) -> None:
@@ -291,6 +316,12 @@ class DecodeRank(RankBooks):
         it)."""
         if event in ABORT_EVENTS and before not in HELD:
             req.abort_started = req.abort_started or self.path.event_time()
+        if (
+            self.group_decode is not None
+            and req.state is OwnerState.DECODING
+            and before is not OwnerState.DECODING
+        ):
+            self.group_decode.decoding(req)
         self.path.moved(req, before)
 
     def _abort(
@@ -348,6 +379,8 @@ class DecodeRank(RankBooks):
         }
         req.router_inc = msg.inc
         mismatch = self.path.writers_mismatch(req)
+        if mismatch is None and self.group_decode is not None:
+            mismatch = self.group_decode.join(req, msg)
         if mismatch is not None:  # refused before any page is allocated
             req.error = f"request {rid} refused by decode rank {self.rt.rank}: {mismatch}"
             self._feed(req, core.on_assign(req.book, req.book.writers, granted=False))
@@ -430,50 +463,87 @@ class DecodeRank(RankBooks):
         try:
             self.path.step(batch)
         except Exception as exc:
-            self._step_failed(batch, exc)
+            self.fail_step(batch, exc)
         return True
 
-    def begin_step(self) -> StepPlan | None:
+    def begin_step(self) -> StepPlan | GroupStep | AttendJob | None:
         """The next step's plan, for :meth:`~.decode_path.ReadPath.run_step` to run
         anywhere (see :mod:`.stepping`), or None when nothing decodes. Its requests are
         pinned in the driver until :meth:`end_step`: an ABORT or a timer meanwhile waits
         for the step, since the step reads their pages and writes the new token's KV into
-        them (freed under it, a page could be another request's by then)."""
+        them (freed under it, a page could be another request's by then). In a decode
+        group that splits the heads (:mod:`.group_decode`): a member's share of its lead's
+        layer, or the lead's step going on once its members answered (its requests stay
+        pinned between layers)."""
+        group = self.group_decode
+        if group is not None:
+            work = group.next_work()
+            if work is not None:
+                return work
+            if group.waiting():
+                return None
         batch = self._batch()
         if not batch:
             return None
         try:
             plan = self.path.plan_step(batch)
         except Exception as exc:
-            self._step_failed(batch, exc)
+            self.fail_step(batch, exc)
             return None
         if plan is not None:
             for r in plan.batch:
                 self.driver.pin(r)
+            if group is not None:
+                return group.start(plan)
         return plan
 
-    def run_step(self, plan: StepPlan) -> list[int] | None:
+    def run_step(self, plan: StepPlan | GroupStep | AttendJob) -> Any:
         """The step's compute (any thread: see :mod:`.stepping`)."""
+        if isinstance(plan, (GroupStep, AttendJob)):
+            assert self.group_decode is not None
+            return self.group_decode.run(plan)
         return self.path.run_step(plan)
 
-    def end_step(self, plan: StepPlan, out: list[int] | None, error: BaseException | None) -> None:
+    def end_step(
+        self, plan: StepPlan | GroupStep | AttendJob, out: Any, error: BaseException | None
+    ) -> None:
         """The step of ``plan`` ran (``out``, or it raised ``error``): what its requests
         received meanwhile is carried out first (an aborted one gets no token), then the
         step's results."""
+        if isinstance(plan, (GroupStep, AttendJob)):
+            assert self.group_decode is not None
+            self.group_decode.end(plan, out, error)
+            return
         for r in plan.batch:
             self.driver.unpin(r)
         if error is not None:
-            self._step_failed(plan.batch, error)
+            self.fail_step(plan.batch, error)
             return
         try:
             self.path.apply_step(plan, out)
         except Exception as exc:
-            self._step_failed(plan.batch, exc)
+            self.fail_step(plan.batch, exc)
 
     def _batch(self) -> list[OwnedRequest]:
-        return [r for r in self.reqs.values() if r.state is OwnerState.DECODING][: self.max_batch]
+        decoding = [r for r in self.reqs.values() if r.state is OwnerState.DECODING]
+        if self.group_decode is not None:  # its lead steps a group's requests
+            return self.group_decode.batch(decoding, self.max_batch)
+        return decoding[: self.max_batch]
 
-    def _step_failed(self, batch: list[OwnedRequest], exc: BaseException) -> None:
+    def _on_group_message(self, msg: Message) -> None:
+        """A decode group's step message (:mod:`.group_decode`); dropped, with a log
+        line, by a rank whose group does not split the heads of a model mixing them."""
+        if self.group_decode is None:
+            log.warning(
+                "%s from rank %d dropped: rank %d decodes no group that splits the heads",
+                msg.kind,
+                msg.src,
+                self.rt.rank,
+            )
+            return
+        self.group_decode.handlers[Kind(msg.kind)](msg)
+
+    def fail_step(self, batch: list[OwnedRequest], exc: BaseException) -> None:
         reason = f"decode step on rank {self.rt.rank} failed: {type(exc).__name__}: {exc}"
         log.error("requests %s: %s", [r.rid for r in batch], reason, exc_info=exc)
         for r in batch:
@@ -723,5 +793,16 @@ class DecodeRank(RankBooks):
             for r in self.reqs.values()
         )
 
+    def awaiting_peers(self) -> bool:
+        """A decode group's peer will message soon (a lead's step waits for its members'
+        shares, a member's lead steps its requests): the loop polls rather than sleeps,
+        a wake-up a layer being the group step's cost."""
+        return self.group_decode is not None and self.group_decode.awaiting()
+
     def busy(self) -> bool:
+        """A step to run now (in a split decode group: a member's share to compute, or
+        the lead's step or batch while no step waits for its members)."""
+        group = self.group_decode
+        if group is not None:
+            return group.busy() or (not group.waiting() and bool(self._batch()))
         return any(r.state is OwnerState.DECODING for r in self.reqs.values())

@@ -470,7 +470,7 @@ class DecodePath(ReadPath):
             yield from self._turn(req, np.logical_and.reduce(masks))
 
     # -------------------------------------------------------------- decoding
-    def _page_table(self, batch: list[OwnedRequest]) -> torch.Tensor:
+    def page_table(self, batch: list[OwnedRequest]) -> torch.Tensor:
         """``[batch, width]`` int32: each request's pages, padded (never read past its
         sequence)."""
         width = max(len(r.grants) for r in batch)
@@ -481,7 +481,7 @@ class DecodePath(ReadPath):
             table[i, len(pages) :] = pages[0]
         return torch.from_numpy(table)
 
-    def _still_owned(
+    def still_owned(
         self,
         batch: list[OwnedRequest],
         table: torch.Tensor,
@@ -560,13 +560,13 @@ class DecodePath(ReadPath):
         from kvferry.engine.kernels import dispatch
 
         device = self.pool.kv.device
-        table = self._page_table(batch)
+        table = self.page_table(batch)
         fused = self.integrity and dispatch.use_triton(self.pool.kv)
         if self.integrity:
             keep = (
-                self._still_owned(batch, table, written_only=True)
+                self.still_owned(batch, table, written_only=True)
                 if fused
-                else self._still_owned(batch, table)
+                else self.still_owned(batch, table)
             )
             if len(keep) < len(batch):
                 if not keep:
@@ -582,7 +582,7 @@ class DecodePath(ReadPath):
         return StepPlan(
             batch,
             table=table,
-            positions=torch.tensor([r.prompt_len - 1 + len(r.generated) for r in batch]),
+            positions=torch.tensor([r.next_position for r in batch]),
             inputs=torch.tensor([r.generated[-1] if r.generated else r.last_token for r in batch]),
             prompt_lens=torch.tensor([r.prompt_len for r in batch]),
             labels=[f"prompt_len={r.prompt_len}" for r in batch],
@@ -612,13 +612,13 @@ class DecodePath(ReadPath):
         assert out is not None and plan.table is not None
         batch = plan.batch
         if plan.fused:  # the kernel's flags: a flagged request fails and gets no token
-            keep = self._still_owned(batch, plan.table, checked=plan.step_args["ownership"])
+            keep = self.still_owned(batch, plan.table, checked=plan.step_args["ownership"])
             if len(keep) < len(batch):
                 batch, out = [batch[i] for i in keep], [out[i] for i in keep]
         for r, tok in zip(batch, out, strict=True):
             if r.state is not OwnerState.DECODING:
                 continue  # ended while its step ran (its events waited for the step)
-            self._emit(r, int(tok))
+            self.emit(r, int(tok))
 
     def start_decode(self, req: OwnedRequest) -> None:
         """The prefill's first token goes out as soon as the pages are verified: the
@@ -626,9 +626,9 @@ class DecodePath(ReadPath):
         second. Without one, the first step reads it from the pages."""
         if req.first_token is None:
             return
-        self._emit(req, req.first_token)
+        self.emit(req, req.first_token)
 
-    def _emit(self, r: OwnedRequest, tok: int) -> None:
+    def emit(self, r: OwnedRequest, tok: int) -> None:
         """``tok`` is ``r``'s next token: TOKENS to the router (the first at once, then
         every ``TOKEN_FLUSH``), and FINISHED after the last."""
         r.generated.append(tok)

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 lo, hi = split.owner_heads(topology.decode_member(rank)[1])
                 held = hi - lo
             model = build_model(cfg, kv_heads=held)
-            pcfg = pool_config(cfg, model, prefill=role is Role.PREFILL)
+            pcfg = pool_config(cfg, model, prefill=role is Role.PREFILL, kv_heads=held)
             segment = engine.allocate(pcfg.total_bytes)
             pool = KVPool.from_buffer(pcfg, segment.as_torch())
             lowered = (
@@ -469,7 +469,8 @@ def run_worker(
             if busy and worker.in_flight():
                 runtime.progress_for(max(DRAIN_MIN_S, step_s))
             else:
-                runtime.pump(0.0 if busy else 0.05, stay_awake=worker.in_flight())
+                awake = worker.in_flight() or (decode and worker.awaiting_peers())
+                runtime.pump(0.0 if busy else 0.05, stay_awake=awake)
             if busy and stepper is not None:
                 t0 = time.monotonic()
                 stepper.poll()

@@ -26,6 +26,13 @@ page.
     W/D -> R RELEASED(rid, pages)                 the rank freed the request's pages
     any -> R STATS(...)                           pool and transfer figures for /metrics
     D -> R   SEVERED(peer_rank, incarnation)      D cut that writer off: route nothing to it
+
+A decode group that splits the KV heads of a model that mixes them (cluster.group_decode;
+lead L, the group's first member, and members M):
+    M -> L   MEMBER_READY(rid, member)            M's pages verified: it can attend
+    L -> M   ATTEND(step, layer, rids, q, k, v)   per layer of a step: M's heads' query
+    M -> L   ATTENDED(step, layer, out, failed)   their attention over M's pages
+    L -> M   STEPPED(rids, tokens)                the step's tokens (M reports them too)
 """
 
 from __future__ import annotations
@@ -66,8 +73,12 @@ ASSIGN = CODEC.kind(
     prompt_len=Field(FieldType.INT),
     max_tokens=Field(FieldType.INT),
     writers=Field(FieldType.INT_LIST, max_len=256),
-    last_token=Field(FieldType.INT),
-)  # decode's first input (see engine.models)
+    last_token=Field(FieldType.INT),  # decode's first input (see engine.models)
+    # a decode group's members (their request ids and ranks, in group order) when the
+    # group splits the heads of a model that mixes them (cluster.group_decode)
+    group_rids=Field(FieldType.STR_LIST, max_len=64, optional=True),
+    group_ranks=Field(FieldType.INT_LIST, max_len=64, optional=True),
+)
 PLAN = CODEC.kind(
     Kind.PLAN,
     **_HEADER,
@@ -174,6 +185,40 @@ SEVERED = CODEC.kind(
 )
 SHUTDOWN = CODEC.kind(Kind.SHUTDOWN, **_HEADER)
 
+# A decode group that splits a head-mixing model's KV heads (cluster.group_decode): the
+# lead's step asks each member for each layer's attention over the member's heads.
+MAX_GROUP_BATCH = 256  # requests in one group step
+MAX_SHARE_BYTES = 1 << 20  # one of a layer's q, k, v or attention tensors for one member
+MEMBER_READY = CODEC.kind(
+    Kind.MEMBER_READY, **_HEADER, rid=_RID, member=Field(FieldType.INT)
+)  # rid: the lead's request; member: the sender's position in the group
+ATTEND = CODEC.kind(
+    Kind.ATTEND,
+    **_HEADER,
+    step=Field(FieldType.UINT64),  # the lead's step number
+    layer=Field(FieldType.INT),
+    rids=Field(FieldType.STR_LIST, max_len=MAX_GROUP_BATCH),  # the member's request ids
+    positions=Field(FieldType.INT64_ARRAY, max_len=MAX_GROUP_BATCH),  # where the K/V goes
+    q=Field(FieldType.BYTES, max_len=MAX_SHARE_BYTES),  # [batch, held q heads, head_dim]
+    k=Field(FieldType.BYTES, max_len=MAX_SHARE_BYTES),  # [batch, held kv heads, head_dim]
+    v=Field(FieldType.BYTES, max_len=MAX_SHARE_BYTES),
+)
+ATTENDED = CODEC.kind(
+    Kind.ATTENDED,
+    **_HEADER,
+    step=Field(FieldType.UINT64),
+    layer=Field(FieldType.INT),
+    out=Field(FieldType.BYTES, max_len=MAX_SHARE_BYTES),  # [batch, held q heads, head_dim]
+    failed=Field(FieldType.STR_LIST, max_len=MAX_GROUP_BATCH),  # rids it could not attend
+    error=Field(FieldType.STR, max_len=MAX_ERROR_CHARS, optional=True),  # why
+)
+STEPPED = CODEC.kind(
+    Kind.STEPPED,
+    **_HEADER,
+    rids=Field(FieldType.STR_LIST, max_len=MAX_GROUP_BATCH),  # the member's request ids
+    tokens=Field(FieldType.INT_LIST, max_len=MAX_GROUP_BATCH),
+)
+
 KINDS: dict[str, MessageKind] = dict(CODEC.kinds)
 assert set(KINDS) == {k.value for k in Kind}, "every protocol word has its message"
 
@@ -192,6 +237,10 @@ SENDS: dict[Kind, tuple[frozenset[Role], frozenset[Role]]] = {
     Kind.STATS: (frozenset({Role.PREFILL, Role.DECODE}), frozenset({Role.ROUTER})),
     Kind.SEVERED: (frozenset({Role.DECODE}), frozenset({Role.ROUTER})),
     Kind.SHUTDOWN: (frozenset({Role.ROUTER}), frozenset({Role.PREFILL, Role.DECODE})),
+    Kind.MEMBER_READY: (frozenset({Role.DECODE}), frozenset({Role.DECODE})),
+    Kind.ATTEND: (frozenset({Role.DECODE}), frozenset({Role.DECODE})),
+    Kind.ATTENDED: (frozenset({Role.DECODE}), frozenset({Role.DECODE})),
+    Kind.STEPPED: (frozenset({Role.DECODE}), frozenset({Role.DECODE})),
 }
 """Who sends each kind to whom; every role handles every kind sent to it (a test checks
 the handler tables of the router and both ranks against this)."""

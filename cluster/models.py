@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvferry.engine.models import LlamaConfig, LlamaModel, PagedModel, ReplayConfig, ReplayModel
-from kvferry.engine.pool import PoolConfig, parse_dtype
+from kvferry.engine.monolithic import MonolithicEngine
+from kvferry.engine.pool import KVPool, PoolConfig, parse_dtype
 from kvferry.engine.replay import PREFILL_CHUNK_TOKENS
 from kvferry.engine.reshard import Order
 
@@ -15,15 +16,10 @@ from .config import ServeConfig
 def build_model(cfg: ServeConfig, kv_heads: int | None = None) -> PagedModel:
     """The same weights on every rank: the replay model is hand-built, the Llama-style
     model is seeded, so prefill and decode ranks compute consistent KV. ``kv_heads``: the
-    heads a member of a decode group holds (default all of ``cfg.kv_heads``); only the
-    replay model splits its decode (each head answers alone, the router combines)."""
-    if cfg.model != "replay" and cfg.decode_tp > 1 and not cfg.kv_replicated:
-        raise ValueError(
-            f"--decode-tp {cfg.decode_tp} with --model {cfg.model}: a llama decode step needs "
-            "the attention of every KV head at each layer (an all-reduce across the decode "
-            "group), which kvferry's decode ranks do not run; use --model replay, "
-            "--decode-tp 1, or --kv-replicated (every member holds every head)"
-        )
+    heads a member of a decode group holds (default all of ``cfg.kv_heads``): the replay
+    model is built for those (each head answers alone, the router combines); the llama
+    model is built whole (its decode group steps together: cluster.group_decode) and the
+    pool holds the member's heads (:func:`pool_config`)."""
     if cfg.model == "replay":
         return ReplayModel(
             ReplayConfig(
@@ -48,11 +44,23 @@ def build_model(cfg: ServeConfig, kv_heads: int | None = None) -> PagedModel:
     )
 
 
-def pool_config(cfg: ServeConfig, model: PagedModel, *, prefill: bool = False) -> PoolConfig:
+def pool_config(
+    cfg: ServeConfig, model: PagedModel, *, prefill: bool = False, kv_heads: int | None = None
+) -> PoolConfig:
     """The pool of a decode rank, or of a prefill rank (``prefill``: its own page size,
-    ``--prefill-page-size``, when given)."""
+    ``--prefill-page-size``, when given); ``kv_heads``: the heads it holds (default the
+    model's)."""
     page_size = (cfg.prefill_page_size or cfg.page_size) if prefill else cfg.page_size
     layout = (cfg.prefill_kv_layout or cfg.kv_layout) if prefill else cfg.kv_layout
     pages = max(1, cfg.pool_tokens // page_size)
     config = model.pool_config(page_size, pages, dtype=parse_dtype(cfg.dtype))
-    return dataclasses.replace(config, order=Order(layout))
+    return dataclasses.replace(config, order=Order(layout), kv_heads=kv_heads or config.kv_heads)
+
+
+def monolithic_engine(cfg: ServeConfig) -> MonolithicEngine:
+    """The oracle a cluster served with ``cfg`` must match bit for bit: the monolithic
+    engine over the same model, one pool of every head, the same context length."""
+    model = build_model(cfg)
+    return MonolithicEngine(
+        model, KVPool(pool_config(cfg, model)), context_length=cfg.context_length
+    )

@@ -103,6 +103,15 @@ class RoutedRequest(Routed):
         return detokenize(self.req.output_tokens)
 
 
+def group_fields(routed: Routed) -> dict:
+    """ASSIGN's fields naming the decode group of a request decoded by one (every
+    member's request id and rank, in group order); none for a request decoded alone."""
+    if routed.group is None:
+        return {}
+    members = routed.group.members
+    return {"group_rids": [r.rid for r in members], "group_ranks": [r.owner for r in members]}
+
+
 def share_of(routed: Routed, writer: int) -> str:
     """The request id ``writer`` holds ``routed``'s prompt under: the first member of its
     decode group that it writes into (where the router reserved its pages, once), or the
@@ -420,6 +429,7 @@ class Router:
             max_tokens=max_tokens,
             writers=routed.writers,
             last_token=int(tokens[-1]),
+            **group_fields(routed),
         )
         for w in routed.writers:
             for lo, hi in spans(len(packed), TOKENS_PER_CHUNK):

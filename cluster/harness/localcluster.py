@@ -153,6 +153,18 @@ class LocalCluster:
     def status(self) -> dict:
         return self.call("GET", "/status", timeout=10).body
 
+    def wait_status(self, ok: Callable[[dict], bool], what: str, timeout_s: float) -> dict:
+        """/status once ``ok(status)`` holds (looked at every 0.2 s); AssertionError naming
+        ``what`` and the last status when it does not within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        body: dict = {}
+        while time.monotonic() < deadline:
+            body = self.status()
+            if ok(body):
+                return body
+            time.sleep(0.2)
+        raise AssertionError(f"/status never showed {what} within {timeout_s} s: {body}")
+
     def releases(self) -> dict[str, float]:
         """``kvferry_releases_total`` by justification (the proof each release recorded)."""
         return releases_by_justification(self.metrics())

@@ -135,7 +135,15 @@ def test_every_message_kind_round_trips():
         "PREFILL": dict(
             rid="r", tokens=b"\x01\x00\x00\x00", offset=0, total=1, owner=2, owner_inc=5
         ),
-        "ASSIGN": dict(rid="r", prompt_len=1, max_tokens=2, writers=[1, 2], last_token=65),
+        "ASSIGN": dict(
+            rid="r",
+            prompt_len=1,
+            max_tokens=2,
+            writers=[1, 2],
+            last_token=65,
+            group_rids=["r", "r.1"],
+            group_ranks=[3, 4],
+        ),
         "PLAN": dict(rid="r", offset=0, total=2, pages=[1, 2], generations=[3, 4]),
         "NOTICE": dict(
             rid="r",
@@ -156,6 +164,12 @@ def test_every_message_kind_round_trips():
         "RELEASED": dict(rid="r", pages=3, how="acked", justification="acked", abort_ms=0.5),
         "SEVERED": dict(peer_rank=1, incarnation=9, reason="no ack"),
         "SHUTDOWN": dict(),
+        "MEMBER_READY": dict(rid="r", member=1),
+        "ATTEND": dict(
+            step=3, layer=1, rids=["r.1", "s.1"], positions=[40, 77], q=b"q" * 8, k=b"k", v=b"v"
+        ),
+        "ATTENDED": dict(step=3, layer=1, out=b"o" * 8, failed=["s.1"], error="s.1: aborted"),
+        "STEPPED": dict(rids=["r.1"], tokens=[66]),
     }
     for kind, fields in samples.items():
         msg = m.KINDS[kind].make(**HEADER, **fields)

@@ -41,7 +41,8 @@ PAIRS = [(tp, dtp) for tp in (1, 2, 4) for dtp in (1, 2, 4)]
 
 def _model(kv_heads: int, llama: bool):
     if llama:
-        return LlamaModel(LlamaConfig(layers=2, q_heads=4, kv_heads=kv_heads, head_dim=32))
+        config = LlamaConfig(layers=2, q_heads=max(4, 2 * kv_heads), kv_heads=kv_heads, head_dim=32)
+        return LlamaModel(config)
     return ReplayModel(
         ReplayConfig(layers=2, kv_heads=kv_heads, q_per_kv=2, head_dim=32, max_positions=4096)
     )
@@ -114,15 +115,14 @@ def _group(
         rt = TimedRuntime(rank)
         rt.cards = cards
         lo, hi = split.owner_heads(j)
-        model = _model(hi - lo, llama)
+        # the replay model is built for the member's heads; llama whole, its pool the share
+        model = _model(kv_heads, llama) if llama else _model(hi - lo, llama)
+        config = model.pool_config(dst_page, 64)
         owners[rank] = (
             DecodeRank.serving(
                 rt,
                 model,
-                KVPool(
-                    dataclasses.replace(model.pool_config(dst_page, 64), order=orders[1]),
-                    zero=True,
-                ),
+                KVPool(dataclasses.replace(config, order=orders[1], kv_heads=hi - lo), zero=True),
                 router=0,
                 transfer_timeout_s=5.0,
                 abort_deadline_s=1.0,
@@ -153,7 +153,7 @@ def _serve(g: Group, writers_of=None) -> dict[int, str]:
         writers = [group[w] for w in writers_of(j)]
         ort.deliver(
             m.ASSIGN, src=0, rid=rid, prompt_len=PROMPT, max_tokens=STEPS, writers=writers,
-            last_token=int(tokens[-1]),
+            last_token=int(tokens[-1]), **_group_fields(g),
         )  # fmt: skip
         plan = next((f for _, k, f in ort.sent if k == "PLAN" and f["rid"] == rid), None)
         if plan is None:  # refused before any page was planned
@@ -173,6 +173,15 @@ def _serve(g: Group, writers_of=None) -> dict[int, str]:
                     ort.deliver(m.NOTICE, src=w, **fields)
         ort.pump()
     return rids
+
+
+def _group_fields(g: Group) -> dict:
+    """ASSIGN's naming of the decode group, as the router sends it to every member."""
+    ranks = g.topology.decode_groups[0]
+    if len(ranks) == 1:
+        return {}
+    rids = ["r" if j == 0 else f"r.{j}" for j in range(len(ranks))]
+    return {"group_rids": rids, "group_ranks": list(ranks)}
 
 
 def _copy_writes(writer: PrefillRank, wrt: RecordingRuntime, owner: DecodeRank, rank: int) -> None:
@@ -201,7 +210,7 @@ def _dispatch(g: Group) -> dict[int, str]:
         writers = [group[w] for w in g.split.writers_of(j)]
         ort.deliver(
             m.ASSIGN, src=0, rid=rid, prompt_len=PROMPT, max_tokens=STEPS, writers=writers,
-            last_token=int(tokens[-1]),
+            last_token=int(tokens[-1]), **_group_fields(g),
         )  # fmt: skip
         plan = next(f for _, k, f in ort.sent if k == "PLAN" and f["rid"] == rid)
         for w in writers:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvferry.cluster import messages as m
-from kvferry.cluster.decode import OWNER_RECEIVES, DecodeRank
+from kvferry.cluster.decode import GROUP_RECEIVES, OWNER_RECEIVES, DecodeRank
 from kvferry.cluster.prefill import WRITER_RECEIVES, PrefillRank
 from kvferry.cluster.router import Router
 from kvferry.cluster.topology import Role
@@ -19,7 +19,8 @@ LOOP_KINDS = frozenset({Kind.SHUTDOWN})
 def handled(role: Role) -> frozenset[Kind]:
     if role is Role.ROUTER:
         return frozenset(Router.HANDLES)
-    return (OWNER_RECEIVES if role is Role.DECODE else WRITER_RECEIVES) | LOOP_KINDS
+    decode = OWNER_RECEIVES | GROUP_RECEIVES
+    return (decode if role is Role.DECODE else WRITER_RECEIVES) | LOOP_KINDS
 
 
 @pytest.mark.parametrize("role", list(Role))
@@ -62,5 +63,5 @@ def test_the_ranks_install_exactly_their_tables():
         abort_deadline_s=1,
     )
     PrefillRank.serving(writer_rt, model, KVPool(model.pool_config(16, 8)), None, (0, 2), 0)
-    assert set(owner_rt.handlers) == OWNER_RECEIVES and owner_rt.role == "decode"
+    assert set(owner_rt.handlers) == OWNER_RECEIVES | GROUP_RECEIVES and owner_rt.role == "decode"
     assert set(writer_rt.handlers) == WRITER_RECEIVES and writer_rt.role == "prefill"

@@ -15,7 +15,6 @@ Every wait is on an event (a log line, a field of /status), each with its deadli
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 
@@ -42,17 +41,6 @@ ARGS = [
 WRITER = 1  # rank 0 routes, rank 1 prefills, rank 2 decodes
 
 
-def _wait_status(cluster, ok, what: str, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    body: dict = {}
-    while time.monotonic() < deadline:
-        body = cluster.status()
-        if ok(body):
-            return body
-        time.sleep(0.2)
-    raise AssertionError(f"/status never showed {what} within {timeout_s} s: {body}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["restart", "off"])
 def test_a_writer_severed_for_a_late_ack_is_restarted_and_the_service_recovers(tmp_path, policy):
@@ -66,8 +54,7 @@ def test_a_writer_severed_for_a_late_ack_is_restarted_and_the_service_recovers(t
         tail.wait_for(rf"writers \[{WRITER}\] .*severing them", 15)
         if policy == "restart":
             tail.wait_for(rf"rank {WRITER} \(pid \d+, incarnation \S+\) fenced: ", 10)
-            _wait_status(
-                cluster,
+            cluster.wait_status(
                 lambda s: s["rejoined"] >= 1 and not s["unhealthy"] and not s["severed"],
                 "the fenced writer rejoined",
                 60,

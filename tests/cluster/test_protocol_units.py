@@ -72,6 +72,9 @@ class RecordingRuntime:
     def watch(self, batch, callback, rid=None) -> None:
         callback(batch)
 
+    def run_for(self, rid, what, fn) -> None:
+        fn()
+
     def defer(self, fn, rid=None) -> None:
         if self.defer_at_once:
             fn()
@@ -573,7 +576,7 @@ def test_a_page_that_loses_its_owner_mid_decode_fails_the_request_at_the_next_st
 
     if not checked:
         monkeypatch.setattr(
-            DecodePath, "_still_owned", lambda self, batch, table: list(range(len(batch)))
+            DecodePath, "still_owned", lambda self, batch, table: list(range(len(batch)))
         )
     owner, rt = _owner(integrity=True)
     notice = _assign_and_notice_fields(owner, rt, "r11", checksums=True)

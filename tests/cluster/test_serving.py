@@ -20,9 +20,7 @@ from kvferry.cluster.config import ServeConfig
 from kvferry.cluster.harness.localcluster import start
 from kvferry.cluster.harness.workload import expected_replay, make_prompt
 from kvferry.cluster.launch import STATS_INTERVAL_S
-from kvferry.cluster.models import build_model, pool_config
-from kvferry.engine.monolithic import MonolithicEngine
-from kvferry.engine.pool import KVPool
+from kvferry.cluster.models import monolithic_engine
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +33,7 @@ SHORT_MARKER = "@5h0r7@"
 
 def oracle(prompts: list[tuple[str, int]], **overrides) -> list[str]:
     cfg = ServeConfig(context_length=CONTEXT, pool_tokens=POOL, **overrides)
-    model = build_model(cfg)
-    engine = MonolithicEngine(model, KVPool(pool_config(cfg, model)), context_length=CONTEXT)
-    results = engine.generate([(f"r{i}", p, n) for i, (p, n) in enumerate(prompts)])
+    results = monolithic_engine(cfg).generate([(f"r{i}", p, n) for i, (p, n) in enumerate(prompts)])
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     return [r.text for r in results]
 
@@ -216,6 +212,32 @@ def test_prefill_groups_whose_size_does_not_divide_the_heads(
     assert c.quiesce() == 0
     routed = re.findall(r"-> prefill (\[[0-9, ]*\]), decode", c.log.read_text())
     assert len(routed) >= len(prompts) and set(routed) == {str(writers)}
+
+
+@pytest.mark.parametrize(
+    "tp, decode_tp, kv_heads",
+    [(1, 2, 4), (2, 2, 3), (1, 4, 2)],
+    ids=["llama-1-to-2", "llama-2-to-2-uneven", "llama-1-to-4-shared-heads"],
+)
+def test_llama_decode_groups_that_split_the_heads(cluster_factory, tp, decode_tp, kv_heads):
+    """A decode group whose members each hold a share of a llama model's KV heads: the
+    lead steps, every member attends over its own pages for each layer (heads split
+    evenly, unevenly, and shared by more members than heads); answers equal the
+    monolithic engine's and every page comes back."""
+    shape = ["--kv-heads", str(kv_heads), "--q-heads", str(2 * kv_heads), "--model", "llama"]
+    c = cluster_factory(
+        1 + tp + decode_tp,
+        *COMMON,
+        "--prefill", str(tp), "--tp", str(tp), "--decode-tp", str(decode_tp), *shape,
+    )  # fmt: skip
+    prompts = workload(6)
+    replies = run_concurrently(c, prompts)
+    assert [r.status for r in replies] == [200] * len(prompts), [
+        r.body for r in replies if r.status != 200
+    ]
+    expected = oracle(prompts, kv_heads=kv_heads, q_heads=2 * kv_heads, model="llama")
+    assert [r.body["text"] for r in replies] == expected
+    assert c.quiesce() == 0
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,9 @@ class SlowRank:
     def in_flight(self) -> bool:
         return False
 
+    def awaiting_peers(self) -> bool:
+        return False
+
     def begin_step(self) -> Plan | None:
         if self.left <= 0:
             return None

@@ -56,6 +56,11 @@ Matrix (source x point; cells that cannot happen are not run):
     #decode-tp-2 client, prefill, stall, crash and owner-crash @mid-transfer with A decoded by
                 a decode group of two (``--decode-tp 2``): two owners, one answer; the
                 owner-crash row kills one of the two owners
+    #decode-tp-2-llama client and prefill @mid-transfer with A decoded by a llama decode group
+                of two that splits the KV heads (the lead steps, the member attends over
+                its own pages for every layer); the answers are checked against the
+                monolithic llama engine (no marker can show in a llama answer: a late
+                write shows as B's answer changed)
     #kv-replicated client @mid-transfer between groups of two holding replicated KV
                 (``--kv-replicated``): each owner written by one member, waiting for
                 no other
@@ -77,6 +82,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import http.client
 import json
 import re
@@ -398,6 +404,8 @@ def scenarios() -> list[Scenario]:
 
 
 DECODE_TP = "decode-tp-2"  # the decode-group rows' shape
+DECODE_TP_LLAMA = "decode-tp-2-llama"  # a llama decode group of two that splits the heads
+LLAMA_SHAPE = ("--model", "llama", "--kv-heads", "4", "--q-heads", "8")
 KV_REPLICATED = "kv-replicated"  # MLA-style KV: every member holds every head
 
 
@@ -425,6 +433,19 @@ def decode_group_scenarios() -> list[Scenario]:
         row("stall", f"at:mid-transfer:stop:{{tag}}:{stalled}", "decode-tp-stall"),
         row("crash", "at:mid-transfer:kill:{tag}", "decode-tp-domains"),
         row("owner-crash", f"at:mid-transfer:pause:{{tag}}:{HOLD_S}", "decode-tp-domains"),
+        row(
+            "client",
+            f"at:mid-transfer:pause:{{tag}}:{HOLD_S}",
+            "decode-tp-llama",
+            DECODE_TP_LLAMA,
+            cancel_after=CLIENT_CANCEL_S,
+        ),
+        row(
+            "prefill",
+            f"at:mid-transfer:fail-prefill:{{tag}}:{HOLD_S}",
+            "decode-tp-llama",
+            DECODE_TP_LLAMA,
+        ),
         row(
             "client",
             f"at:mid-transfer:pause:{{tag}}:{HOLD_S}",
@@ -550,6 +571,7 @@ GROUPS = (
     # decode groups of two (issue 28): router, a prefill rank, one decode group; with two
     # prefill ranks for the stall; as failure domains, two of each (two decode groups)
     Group("decode-tp", 4, ("--prefill", "1", "--decode-tp", "2")),
+    Group("decode-tp-llama", 4, ("--prefill", "1", "--decode-tp", "2", *LLAMA_SHAPE)),
     Group(
         "decode-tp-stall",
         5,
@@ -770,6 +792,28 @@ def _wait_owner_decided(tail: LogTail, sc: Scenario, unsafe: bool, out: Outcome)
     _logged(out, lambda: tail.wait_for(decided, OWNER_DECIDED_S))
 
 
+def expected_answer(sc: Scenario, prompt: str, max_tokens: int) -> str:
+    """What the cluster of ``sc``'s group must answer: the replay, or for the llama rows
+    the monolithic llama engine's answer (computed here, once per prompt)."""
+    if sc.shape != DECODE_TP_LLAMA:
+        return expected_replay(prompt, max_tokens)
+    return _llama_answer(prompt, max_tokens)
+
+
+@functools.cache
+def _llama_answer(prompt: str, max_tokens: int) -> str:
+    from kvferry.cluster.config import add_serve_arguments, config_from_args
+    from kvferry.cluster.models import monolithic_engine
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    cfg = config_from_args(parser.parse_known_args(suite_args(list(LLAMA_SHAPE)))[0])
+    (result,) = monolithic_engine(cfg).generate([("oracle", prompt, max_tokens)])
+    if not result.ok:
+        raise RuntimeError(f"the monolithic llama engine failed the oracle: {result.error}")
+    return result.text
+
+
 def _check_a(sc: Scenario, out: Outcome, prompt_a: str, body_a: dict, took_a: float) -> None:
     if took_a > REQUEST_TIMEOUT + 5:
         out.answered_in_time = False
@@ -778,7 +822,7 @@ def _check_a(sc: Scenario, out: Outcome, prompt_a: str, body_a: dict, took_a: fl
         out.problems.append(f"A: expected 400, got {out.a_status}")
     if sc.expect_a == "error" and out.a_status == 200:
         out.problems.append("A: a faulted request was answered 200")
-    if out.a_status == 200 and body_a.get("text") != expected_replay(prompt_a, sc.max_tokens):
+    if out.a_status == 200 and body_a.get("text") != expected_answer(sc, prompt_a, sc.max_tokens):
         out.problems.append("A: answered 200 with a wrong replay")
 
 
@@ -797,7 +841,7 @@ def _check_b_and_after(
     if out.b_status != 200:
         out.problems.append(f"B: expected 200, got {out.b_status}: {str(body_b)[:200]}")
         out.members_disagreed = "decode group members disagree" in str(body_b)
-    elif body_b.get("text") != expected_replay(pair.prompt_b, PROMPT):
+    elif body_b.get("text") != expected_answer(sc, pair.prompt_b, PROMPT):
         out.wrong_answer = True
         out.problems.append("B: answered 200 with a wrong replay")
     texts = [
@@ -1211,7 +1255,7 @@ def _print_row(r: Outcome) -> None:
     mode = "UNSAFE" if r.unsafe else "safe"
     verdict = ("LEAK" if r.leak else "no leak") if r.unsafe else ("pass" if r.passed else "FAIL")
     print(
-        f"{r.scenario:<34} {mode:<6} A={r.a_status!s:<4} B={r.b_status!s:<4} "
+        f"{r.scenario:<38} {mode:<6} A={r.a_status!s:<4} B={r.b_status!s:<4} "
         f"foreign={len(r.foreign):<2}{' (B wrong)' if r.wrong_answer else ''}"
         f"{' (B: members disagree)' if r.members_disagreed else ''} "
         f"held={r.held_after:<4} {r.seconds:5.1f}s  {verdict}"
@@ -1233,7 +1277,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvferry-faults-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"{'scenario':<26} {'mode':<6} answers     checks", flush=True)
+    print(f"{'scenario':<38} {'mode':<6} answers     checks", flush=True)
     report = run_suite(not args.no_unsafe, log_dir, args.only, args.group)
     s = report["summary"]
     print(f"cluster logs: {log_dir}")

@@ -19,8 +19,9 @@ written once before timing (pre-faulted). A pair
 whose engines differ only in the order inside each layer's span (HND against NHD, one TP
 size and block size: ``turned``) moves whole blocks as they lie at the prefill and the
 decode turns them into its order, timed with the turn, as the connector does; so does a
-fan-in of one block size (``slotted``: each prefill worker's layer spans whole into its
-slot of the decode's, :func:`~kvferry.cluster.vllm.reshape.slot_of`). Those two go in
+fan-in whose decode kernel blocks are a whole number of the prefill's (``slotted``: each
+prefill worker's layer spans whole into its slots of the decode's,
+:func:`~kvferry.cluster.vllm.reshape.slot_of`). Those two go in
 parts of about ``--part-kib`` per decode worker (the connector's ``part_bytes``;
 ``parts``), as the connector pipelines them: each part posted and waited for, then turned
 on a thread of its own (the decode's, in the connector another process) while the next

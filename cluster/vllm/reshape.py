@@ -184,35 +184,45 @@ def turned_pair(a: KVRegions, b: KVRegions) -> bool:
 def turn_blocks(
     mine: KVRegions, theirs: KVRegions, blocks: Sequence[int], writers: int = 1
 ) -> None:
-    """Turn ``blocks`` (scheduler blocks of ``mine``), whose every layer's span holds
+    """Turn ``blocks`` (scheduler blocks of ``mine``) into ``mine``'s order, in place, per
+    layer (:func:`~kvferry.engine.pool.turn_rows`). Each layer's kernel span landed as
+    ``[q, writers, writer's span]``: ``q`` (``mine``'s kernel tokens over ``theirs``')
+    kernel spans of ``theirs`` one after another in token order, each of them as
     ``writers`` spans laid as ``theirs`` orders them, one after another in head order
-    (landed whole: :func:`turnable_blocks` with one writer, :func:`slot_of` with several),
-    into ``mine``'s order, in place, per layer (:func:`~kvferry.engine.pool.turn_rows`):
-    heads-major landed into token-major, the heads and tokens swapped; token-major landed,
-    each writer's tokens and heads swapped (into heads-major) or the writers and tokens
-    swapped (into token-major). Spans that landed in ``mine``'s order are left."""
+    (landed whole: :func:`turnable_blocks`, one writer and ``q`` = 1; by slots,
+    :func:`slot_of`). Heads-major spans landed ``[q, heads, tokens, row]``: into
+    token-major, the heads and tokens swapped; into heads-major, ``q`` and the heads.
+    Token-major spans landed ``[q, writers, tokens, share, row]``: into token-major, the
+    writers and tokens swapped; into heads-major, each writer's tokens and heads, then
+    ``q`` and the heads. A span that landed in ``mine``'s order is left."""
     if not len(blocks):
         return
     for x, y in zip(theirs.layers, mine.layers, strict=True):
+        q = y.kernel_tokens // x.kernel_tokens
+        tokens, row, heads = x.kernel_tokens, y.row_bytes, y.heads
+        share = heads // writers
         src_heads_major = x.token_stride == x.row_bytes
         dst_heads_major = y.token_stride == y.row_bytes
-        if src_heads_major == dst_heads_major and (src_heads_major or writers == 1):
-            continue  # landed in mine's order ([writers, share, tokens] is [heads, tokens])
+        steps: list[tuple[tuple[int, ...], int]] = []  # (landed, axis) one pass each
+        if src_heads_major and not dst_heads_major:
+            steps.append(((q, heads, tokens, row), 1))
+        elif not src_heads_major:
+            if dst_heads_major:
+                steps.append(((q * writers, tokens, share, row), 1))
+            elif writers > 1:
+                steps.append(((q, writers, tokens, share * row), 1))
+        if dst_heads_major and q > 1:  # [q, heads, tokens, row] by now
+            steps.append(((q, heads, tokens * row), 0))
+        if not steps:
+            continue  # landed in mine's order
         buf = mine.buffers[y.buffer].tensor
-        kernel = (
-            np.asarray(blocks, dtype=np.int64)[:, None] * y.ratio + np.arange(y.ratio)
-        ).reshape(-1)
+        kernel = torch.from_numpy(
+            (np.asarray(blocks, dtype=np.int64)[:, None] * y.ratio + np.arange(y.ratio)).reshape(-1)
+        ).to(buf.device)
         span = y.heads * y.kernel_tokens * y.row_bytes  # dense (_layer_dense)
         spans = buf.as_strided((mine.num_blocks * y.ratio, span), (y.block_stride, 1), y.offset)
-        share, tokens, row = y.heads // writers, y.kernel_tokens, y.row_bytes
-        landed: tuple[int, ...]
-        if src_heads_major:  # landed [heads, tokens, row]; mine token-major
-            landed, axis = (y.heads, tokens, row), 0
-        elif dst_heads_major:  # landed [writers, tokens, share, row]
-            landed, axis = (writers, tokens, share, row), 1
-        else:  # landed [writers, tokens, share * row]
-            landed, axis = (writers, tokens, share * row), 0
-        turn_rows(spans, torch.from_numpy(kernel).to(buf.device), landed, axis=axis)
+        for landed, axis in steps:
+            turn_rows(spans, kernel, landed, axis=axis)
 
 
 def slot_of(
@@ -220,15 +230,17 @@ def slot_of(
 ) -> int | None:
     """Where prefill worker ``p``'s spans go in decode worker ``d``'s, when the pair goes
     by slots, else None. A fan-in (prefill TP a multiple of the decode's, no head held by
-    two prefill workers) of one block size and row, both sides' layers dense spans
-    (:func:`_layer_dense`): each of the ``k = prefill.tp // decode.tp`` writers of a decode
-    worker holds a contiguous share of its heads, so each writes every kernel block's
-    span whole, as it lies, into slot ``p % k`` of the owner's span (the ``k`` writers in
-    head order). The owner's span then holds ``[writers, writer's span]``, which its turn
-    puts into its order after the checks (:func:`turn_blocks` with ``writers=k``); spans
-    already in the owner's order (heads-major on both sides) need none. One remote piece a
-    block and writer, where rows would make one per token and head in a token-major
-    span. Both sides ask this of the same geometries, so they agree."""
+    two prefill workers) of one row, whose decode kernel blocks hold a whole number ``q``
+    of the prefill's (``q`` >= 1: block sizes alike, or the decode's larger), both sides'
+    layers dense spans (:func:`_layer_dense`): each of the ``k = prefill.tp // decode.tp``
+    writers of a decode worker holds a contiguous share of its heads, so each writes every
+    kernel block's span whole, as it lies, into slot ``u * k + p % k`` of the owner's
+    kernel span that holds it (``u``: its place among the ``q``). The owner's span then
+    holds ``[q, writers, writer's span]``, which its turn puts into its order after the
+    checks (:func:`turn_blocks` with ``writers=k``); spans already in the owner's order
+    (heads-major on both sides, ``q`` = 1) need none. One remote piece a source kernel
+    block and writer, where rows would make one per token and head in a token-major span.
+    Returns ``p % k``. Both sides ask this of the same geometries, so they agree."""
     if not (prefill.tp > decode.tp and prefill.tp % decode.tp == 0):
         return None
     k = prefill.tp // decode.tp
@@ -238,7 +250,7 @@ def slot_of(
     if len(src.layers) != len(dst.layers) or not src.layers:
         return None
     for x, y in zip(src.layers, dst.layers, strict=True):
-        if (x.kernel_tokens, x.ratio, x.row_bytes) != (y.kernel_tokens, y.ratio, y.row_bytes):
+        if x.row_bytes != y.row_bytes or y.kernel_tokens % x.kernel_tokens:
             return None
         if x.heads != share or y.heads != share * k:
             return None
@@ -264,28 +276,39 @@ def plan_slots(
     dst_blocks: Sequence[int],
     tokens: int,
 ) -> PairRuns:
-    """The runs of a pair that goes by slots (:func:`slot_of`): per layer, planned decode
-    block and kernel block, the writer's whole span into slot ``slot`` of the owner's. The
-    owner's blocks hold the prompt's last blocks, as in :func:`plan_pair`."""
-    need = _blocks_needed(src, dst, src_blocks, dst_blocks, tokens)
-    sb = np.asarray(src_blocks, dtype=np.int64)[need - len(dst_blocks) : need]
+    """The runs of a pair that goes by slots (:func:`slot_of`, ``slot`` its answer): per
+    layer, planned decode block, kernel block and each of the ``q`` prefill kernel blocks
+    it holds, the writer's whole span into slot ``u * k + slot`` of the owner's kernel
+    span. The owner's blocks hold the prompt's last blocks, as in :func:`plan_pair`; a
+    prefill kernel block wholly past the prompt is not written (its place in the owner's
+    span holds tokens past the prompt once turned)."""
+    _blocks_needed(src, dst, src_blocks, dst_blocks, tokens)
+    first = _first_planned_token(dst.layers[0].block_tokens, tokens, len(dst_blocks))
+    sb = np.asarray(src_blocks, dtype=np.int64)
     db = np.asarray(dst_blocks, dtype=np.int64)
     which = np.arange(len(db), dtype=np.int64)
     parts = []
     for x, y in zip(src.layers, dst.layers, strict=True):
+        q, k = y.kernel_tokens // x.kernel_tokens, y.heads // x.heads
         span = x.heads * x.kernel_tokens * x.row_bytes
-        j = np.arange(x.ratio, dtype=np.int64)
-        so = x.offset + (sb[:, None] * x.ratio + j) * x.block_stride
-        do = y.offset + (db[:, None] * y.ratio + j) * y.block_stride + slot * span
+        j = np.arange(y.ratio, dtype=np.int64)[None, :, None]
+        u = np.arange(q, dtype=np.int64)[None, None, :]
+        # [planned blocks, kernel blocks, q]: the prefill kernel block each place holds
+        g = first // x.kernel_tokens + (which[:, None, None] * y.ratio + j) * q + u
+        do = y.offset + (db[:, None, None] * y.ratio + j) * y.block_stride + (u * k + slot) * span
+        key = np.broadcast_to(which[:, None, None], g.shape)
+        keep = g * x.kernel_tokens < tokens
+        g, do, key = g[keep], do[keep], key[keep]
+        so = x.offset + (sb[g // x.ratio] * x.ratio + g % x.ratio) * x.block_stride
         n = so.size
         parts.append(
             (
-                so.reshape(-1),
-                do.reshape(-1),
+                so,
+                do,
                 np.full(n, span, dtype=np.int64),
                 np.full(n, x.buffer, dtype=np.int64),
                 np.full(n, y.buffer, dtype=np.int64),
-                np.broadcast_to(which[:, None], so.shape).reshape(-1),
+                key,
             )
         )
     so, do, ln, sbuf, dbuf, key = (np.concatenate(c) for c in zip(*parts, strict=True))

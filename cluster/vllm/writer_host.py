@@ -10,13 +10,13 @@ job writes, is :mod:`.reshape`'s rule, known at the first plan (it carries the d
 TP size). A job between like workers (same TP rank and size and block size) moves
 whole blocks as they lie here, its layout the decode's or one the decode turns them from
 after its checks (:func:`.reshape.whole_blocks`); a fan-in (prefill TP a multiple of the
-decode's, one block size) moves its blocks' layer spans whole into its slot of the
-decode's, which the decode turns after its checks (:func:`.reshape.slot_of`); any other
-moves the rows of its heads as runs planned once (:func:`.reshape.plan_pair`). Both of
-these check with one region checksum per decode block, taken (and the part's source
-blocks checked against the hand-over's) as each part is posted; rows that lie scattered
-here and contiguous at the decode are gathered into staging memory first
-(:mod:`.staging`). A job of more than ``part_bytes``
+decode's, the decode's kernel blocks a whole number of the prefill's) moves its kernel
+blocks' layer spans whole into its slots of the decode's, which the decode turns after
+its checks (:func:`.reshape.slot_of`); any other moves the rows of its heads as runs
+planned once (:func:`.reshape.plan_pair`). Both of these check with one region checksum
+per decode block, taken (and the part's source blocks checked against the hand-over's)
+as each part is posted; rows that lie scattered here and contiguous at the decode are
+gathered into staging memory first (:mod:`.staging`). A job of more than ``part_bytes``
 goes in parts of whole decode blocks, the table's pipelined path: each part but the last
 is followed by a NOTICE_PART once it landed, so the decode checks (and turns) it while
 the next part is written. What each effect of the writer's

@@ -410,26 +410,35 @@ FAN_IN = [
 
 @pytest.mark.parametrize("tp_p, tp_d, lay_p, lay_d", FAN_IN)
 @pytest.mark.parametrize("ratio", [1, 2])
-def test_a_fan_in_goes_by_slots_and_the_owner_turns_it(tp_p, tp_d, lay_p, lay_d, ratio):
-    """Prefill TP a multiple of the decode's, one block size: each writer moves its
-    blocks' spans whole into its slot of the owner's (one run per layer, kernel block and
-    block), the region checksums of what landed equal the writers', and the owner's one
-    turn puts every row where its layout reads it. Broken mode: an owner that never turns
-    reads other rows (but heads-major on both sides, where the slots are its order)."""
+@pytest.mark.parametrize("bs_d, held", [(16, 0), (32, 0), (64, 0), (32, 1)])
+def test_a_fan_in_goes_by_slots_and_the_owner_turns_it(tp_p, tp_d, lay_p, lay_d, ratio, bs_d, held):
+    """Prefill TP a multiple of the decode's, decode blocks as large as the prefill's or a
+    whole number of them: each writer moves its blocks' spans whole into its slots of the
+    owner's (one run per layer, kernel block of the prefill and block; none for a kernel
+    block past the prompt), the region checksums of what landed equal the writers', and
+    the owner's turn puts every row where its layout reads it; ``held``: the owner holds
+    the prompt's first blocks already and plans the rest. Broken mode: an owner that never
+    turns reads other rows (but heads-major on both sides with blocks alike, where the
+    slots are its order)."""
     from kvferry.cluster.vllm.reshape import plan_slots, slot_of, turn_blocks
 
     tokens, seed, block = 70, 3, 16
-    src_blocks, dst_blocks = [9, 2, 5, 0, 7], [4, 10, 1, 6, 3]
+    src_blocks = [9, 2, 5, 0, 7]
+    need = -(-tokens // bs_d)
+    dst_blocks = [4, 10, 1, 6, 3][held:need]
+    first = held * bs_d
     pre, dec = EngineShape(HEADS, tp_p), EngineShape(HEADS, tp_d)
     _, caches_d, regions_p, regions_d = engines(
-        pre, dec, (lay_p, block), (lay_d, block), src_blocks, tokens, seed, ratio
+        pre, dec, (lay_p, block), (lay_d, bs_d), src_blocks, tokens, seed, ratio
     )
     k = tp_p // tp_d
+    q = bs_d // block
     for (p, d), _heads in pairs(pre, dec).items():
         slot = slot_of(regions_p[p], regions_d[d], pre, dec, p, d)
         assert slot == p % k
         plan = plan_slots(regions_p[p], regions_d[d], slot, src_blocks, dst_blocks, tokens)
-        assert len(plan.runs) <= LAYERS * ratio * len(dst_blocks)
+        spans = -(-(tokens - first) // (block // ratio))  # the prefill kernel blocks it reads
+        assert len(plan.runs) <= LAYERS * spans
         copy_runs(regions_p[p], regions_d[d], plan)
         n = len(dst_blocks)
         assert np.array_equal(
@@ -440,16 +449,17 @@ def test_a_fan_in_goes_by_slots_and_the_owner_turns_it(tp_p, tp_d, lay_p, lay_d,
         lo, hi = dec.heads_of(d)
         return all(
             torch.equal(
-                read_row(caches_d[d], dst_blocks, 0, t, h, li),
+                read_row(caches_d[d], dst_blocks, first, t, h, li),
                 expected_row(seed, li, lo + h, t, ROW // 2),
             )
             for li in range(LAYERS)
-            for t in range(tokens)
+            for t in range(first, tokens)
             for h in range(hi - lo)
         )
 
     for d in range(tp_d):
-        assert reads_right(d) == (lay_p == lay_d == "HND")  # the broken mode: never turned
+        # the broken mode: never turned
+        assert reads_right(d) == (lay_p == lay_d == "HND" and q == 1)
         untouched = regions_d[d].block_bytes_of([8]).clone()
         turn_blocks(regions_d[d], regions_p[d * k], dst_blocks, writers=k)
         assert reads_right(d)
@@ -472,8 +482,15 @@ def test_what_does_not_go_by_slots():
     assert slot_of(regions("NHD", 1), regions("NHD", 2), four, two, 2, 0) is None  # not its
     gqa = EngineShape(2, 4)  # two heads over four workers: each held twice
     assert slot_of(regions("NHD", 1), regions("NHD", 2), gqa, EngineShape(2, 1), 0, 0) is None
+    # the decode's blocks smaller than the prefill's: rows
     assert (
         slot_of(regions("NHD", 2, 32), regions("NHD", 4), two, EngineShape(HEADS, 1), 0, 0) is None
+    )
+    # larger by a whole number of the prefill's: slots; by another number: rows
+    assert slot_of(regions("NHD", 2), regions("NHD", 4, 64), two, EngineShape(HEADS, 1), 1, 0) == 1
+    assert (
+        slot_of(regions("NHD", 2, 32), regions("NHD", 4, 48), two, EngineShape(HEADS, 1), 0, 0)
+        is None
     )
     assert slot_of(regions("BNHD", 2), regions("NHD", 4), two, EngineShape(HEADS, 1), 0, 0) is None
 

@@ -432,10 +432,14 @@ class _WorkerSide:
                 "a worker"
             )
         staging = None
-        on_host = all(b.tensor.device.type == "cpu" for b in self.regions.buffers)
-        if self.settings.staging_slots > 0 and on_host:
+        devices = {b.tensor.device for b in self.regions.buffers}
+        if self.settings.staging_slots > 0 and len(devices) == 1:
+            # host buffers gather natively; CUDA buffers on their device (torch)
             staging = Staging(
-                self.engine, self.settings.max_batch_bytes, self.settings.staging_slots
+                self.engine,
+                self.settings.max_batch_bytes,
+                self.settings.staging_slots,
+                device=devices.pop(),
             )
         self.owner.attach(self.regions, segments, self.kv_heads)
         self.writer.attach(self.regions, segments, self.kv_heads, staging)

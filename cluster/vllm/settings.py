@@ -28,7 +28,8 @@ class Settings:
     part_bytes: int = 8 << 20
     # prefill: batches of rows scattered here and contiguous at the decode are gathered
     # into this many slots of max_batch_bytes of registered memory, each while the batch
-    # before it is on the wire (host KV buffers; 0: posted as they lie)
+    # before it is on the wire (on the KV buffers' device: host or CUDA memory; 0: posted
+    # as they lie)
     staging_slots: int = 4
     integrity: bool = True  # decode: checksums and canaries (I5) before finished_recving
     unsafe: bool = False  # BROKEN MODE, for tests only: report loads before they land

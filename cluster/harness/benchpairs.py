@@ -87,6 +87,7 @@ def default_pairs() -> list[tuple[Side, Side]]:
         (Side(2, 16, "NHD"), Side(2, 16, "HND")),
         (Side(2, 16, "HND"), Side(2, 16, "NHD")),
         (Side(4, 16, "HND"), Side(1, 64, "NHD")),
+        (Side(2, 16, "NHD"), Side(1, 64, "HND")),
     ]
 
 

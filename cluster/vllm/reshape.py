@@ -181,20 +181,36 @@ def turned_pair(a: KVRegions, b: KVRegions) -> bool:
     return turnable_blocks(a, b) and not same_blocks(a, b)
 
 
+def writers_outer(theirs: LayerRows, mine: LayerRows) -> bool:
+    """How a layer's kernel span of ``mine`` lands when it holds ``q`` kernel spans of
+    ``theirs`` from each of ``writers`` writers: ``[writers, q, span]`` (True) or ``[q,
+    writers, span]`` (heads-major spans into a token-major one). Either way the owner's
+    turn is one pass (:func:`turn_blocks`), and writer-major gives each writer one remote
+    piece per decode kernel block where it can; with ``q`` = 1 the two are the same."""
+    return not (theirs.token_stride == theirs.row_bytes and mine.token_stride != mine.row_bytes)
+
+
 def turn_blocks(
     mine: KVRegions, theirs: KVRegions, blocks: Sequence[int], writers: int = 1
 ) -> None:
     """Turn ``blocks`` (scheduler blocks of ``mine``) into ``mine``'s order, in place, per
-    layer (:func:`~kvferry.engine.pool.turn_rows`). Each layer's kernel span landed as
-    ``[q, writers, writer's span]``: ``q`` (``mine``'s kernel tokens over ``theirs``')
-    kernel spans of ``theirs`` one after another in token order, each of them as
-    ``writers`` spans laid as ``theirs`` orders them, one after another in head order
-    (landed whole: :func:`turnable_blocks`, one writer and ``q`` = 1; by slots,
-    :func:`slot_of`). Heads-major spans landed ``[q, heads, tokens, row]``: into
-    token-major, the heads and tokens swapped; into heads-major, ``q`` and the heads.
-    Token-major spans landed ``[q, writers, tokens, share, row]``: into token-major, the
-    writers and tokens swapped; into heads-major, each writer's tokens and heads, then
-    ``q`` and the heads. A span that landed in ``mine``'s order is left."""
+    layer, in one pass (:func:`~kvferry.engine.pool.turn_rows`). Each layer's kernel span
+    holds ``q`` (``mine``'s kernel tokens over ``theirs``') kernel spans of ``theirs``
+    from each of ``writers`` writers (each holding ``share`` of the heads), laid as
+    ``theirs`` orders them, landed as :func:`writers_outer` says: whole blocks
+    (:func:`turnable_blocks`, one writer and ``q`` = 1) or slots (:func:`slot_of`).
+
+    - heads-major into token-major: landed ``[q, heads, tokens, row]``, the heads and
+      tokens swapped;
+    - heads-major into heads-major: landed ``[writers, q, share, tokens * row]``, ``q``
+      and the share swapped;
+    - token-major into token-major: landed ``[writers, q * tokens, share * row]``, the
+      writers and the tokens swapped;
+    - token-major into heads-major: landed ``[writers, q * tokens, share, row]``, each
+      writer's tokens and heads swapped.
+
+    A span that landed in ``mine``'s order (heads-major both, ``q`` = 1 or one head a
+    writer; token-major both, one writer) is left."""
     if not len(blocks):
         return
     for x, y in zip(theirs.layers, mine.layers, strict=True):
@@ -203,26 +219,28 @@ def turn_blocks(
         share = heads // writers
         src_heads_major = x.token_stride == x.row_bytes
         dst_heads_major = y.token_stride == y.row_bytes
-        steps: list[tuple[tuple[int, ...], int]] = []  # (landed, axis) one pass each
+        landed: tuple[int, ...]
         if src_heads_major and not dst_heads_major:
-            steps.append(((q, heads, tokens, row), 1))
-        elif not src_heads_major:
-            if dst_heads_major:
-                steps.append(((q * writers, tokens, share, row), 1))
-            elif writers > 1:
-                steps.append(((q, writers, tokens, share * row), 1))
-        if dst_heads_major and q > 1:  # [q, heads, tokens, row] by now
-            steps.append(((q, heads, tokens * row), 0))
-        if not steps:
-            continue  # landed in mine's order
+            landed, axis = (q, heads, tokens, row), 1
+        elif src_heads_major:
+            if q == 1:
+                continue
+            landed, axis = (writers, q, share, tokens * row), 1
+        elif not dst_heads_major:
+            if writers == 1:
+                continue
+            landed, axis = (writers, q * tokens, share * row), 0
+        else:
+            landed, axis = (writers, q * tokens, share, row), 1
+        if 1 in landed[axis : axis + 2]:
+            continue  # swapping an axis of one: in mine's order already
         buf = mine.buffers[y.buffer].tensor
         kernel = torch.from_numpy(
             (np.asarray(blocks, dtype=np.int64)[:, None] * y.ratio + np.arange(y.ratio)).reshape(-1)
         ).to(buf.device)
         span = y.heads * y.kernel_tokens * y.row_bytes  # dense (_layer_dense)
         spans = buf.as_strided((mine.num_blocks * y.ratio, span), (y.block_stride, 1), y.offset)
-        for landed, axis in steps:
-            turn_rows(spans, kernel, landed, axis=axis)
+        turn_rows(spans, kernel, landed, axis=axis)
 
 
 def slot_of(
@@ -234,11 +252,11 @@ def slot_of(
     of the prefill's (``q`` >= 1: block sizes alike, or the decode's larger), both sides'
     layers dense spans (:func:`_layer_dense`): each of the ``k = prefill.tp // decode.tp``
     writers of a decode worker holds a contiguous share of its heads, so each writes every
-    kernel block's span whole, as it lies, into slot ``u * k + p % k`` of the owner's
-    kernel span that holds it (``u``: its place among the ``q``). The owner's span then
-    holds ``[q, writers, writer's span]``, which its turn puts into its order after the
-    checks (:func:`turn_blocks` with ``writers=k``); spans already in the owner's order
-    (heads-major on both sides, ``q`` = 1) need none. One remote piece a source kernel
+    kernel block's span whole, as it lies, into its slot of the owner's kernel span that
+    holds it: ``(p % k) * q + u`` or ``u * k + p % k`` (``u``: its place among the ``q``),
+    as :func:`writers_outer` says. The owner's turn puts the span into its order after
+    the checks (:func:`turn_blocks` with ``writers=k``); spans already in the owner's order
+    need none. One remote piece a source kernel
     block and writer, where rows would make one per token and head in a token-major span.
     Returns ``p % k``. Both sides ask this of the same geometries, so they agree."""
     if not (prefill.tp > decode.tp and prefill.tp % decode.tp == 0):
@@ -278,10 +296,11 @@ def plan_slots(
 ) -> PairRuns:
     """The runs of a pair that goes by slots (:func:`slot_of`, ``slot`` its answer): per
     layer, planned decode block, kernel block and each of the ``q`` prefill kernel blocks
-    it holds, the writer's whole span into slot ``u * k + slot`` of the owner's kernel
-    span. The owner's blocks hold the prompt's last blocks, as in :func:`plan_pair`; a
-    prefill kernel block wholly past the prompt is not written (its place in the owner's
-    span holds tokens past the prompt once turned)."""
+    it holds, the writer's whole span into its place ``u`` among them in its slot of the
+    owner's kernel span (:func:`writers_outer`: ``slot * q + u``, else ``u * k + slot``).
+    The owner's blocks hold the prompt's last blocks, as in :func:`plan_pair`; a prefill
+    kernel block wholly past the prompt is not written (its place in the owner's span
+    holds tokens past the prompt once turned)."""
     _blocks_needed(src, dst, src_blocks, dst_blocks, tokens)
     first = _first_planned_token(dst.layers[0].block_tokens, tokens, len(dst_blocks))
     sb = np.asarray(src_blocks, dtype=np.int64)
@@ -295,7 +314,8 @@ def plan_slots(
         u = np.arange(q, dtype=np.int64)[None, None, :]
         # [planned blocks, kernel blocks, q]: the prefill kernel block each place holds
         g = first // x.kernel_tokens + (which[:, None, None] * y.ratio + j) * q + u
-        do = y.offset + (db[:, None, None] * y.ratio + j) * y.block_stride + (u * k + slot) * span
+        place = slot * q + u if writers_outer(x, y) else u * k + slot
+        do = y.offset + (db[:, None, None] * y.ratio + j) * y.block_stride + place * span
         key = np.broadcast_to(which[:, None, None], g.shape)
         keep = g * x.kernel_tokens < tokens
         g, do, key = g[keep], do[keep], key[keep]

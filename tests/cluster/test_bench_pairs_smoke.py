@@ -30,7 +30,7 @@ def _bench(only: str, *extra: str) -> list[dict]:
 
 
 def test_the_pairs_benchmark_runs_and_checks_its_bytes():
-    lines = _bench("tp2/b16/NHD->tp1", "--rows")
+    lines = _bench("tp2/b16/NHD->tp1/b16", "--rows")
     assert len(lines) == 2 and "host" in lines[0], lines
     row = lines[1]
     assert row["src"] == "tp2/b16/NHD" and row["dst"] == "tp1/b16/NHD", row
@@ -42,11 +42,21 @@ def test_the_pairs_benchmark_runs_and_checks_its_bytes():
 
 
 def test_a_fan_in_of_one_block_size_is_benchmarked_by_slots():
-    (_, row) = _bench("tp2/b16/NHD->tp1")
+    (_, row) = _bench("tp2/b16/NHD->tp1/b16")
     assert row["slotted"] and not row["turned"] and row["bytes_checked"], row
     # each writer's spans whole into its slot: a run, and a remote piece, per layer, block
     # (7 of 16 tokens for 100) and writer
     assert row["runs"] == 2 * 7 * 2 and row["pieces"]["remote"] == row["runs"], row
+
+
+def test_a_fan_in_into_larger_blocks_is_benchmarked_by_slots():
+    """Decode blocks of 64 tokens, each four of the prefill's: every prefill kernel block
+    of the prompt a run (7 of 16 tokens for 100), per layer and writer; a writer's four
+    spans of a decode block follow each other there (writer-major), so a remote piece per
+    layer, decode block (2 of 64 tokens) and writer."""
+    (_, row) = _bench("tp2/b16/NHD->tp1/b64/HND")
+    assert row["slotted"] and row["bytes_checked"], row
+    assert row["runs"] <= 2 * 7 * 2 and row["pieces"]["remote"] == 2 * 2 * 2, row
 
 
 def test_a_layout_change_alone_is_benchmarked_as_whole_blocks_turned_by_the_decode():
@@ -61,7 +71,7 @@ def test_a_turned_pair_in_parts_turns_every_part():
     decode's order (the bench's own check reads them there)."""
     (_, row) = _bench("tp2/b16/NHD->tp2/b16/HND", "--part-kib", "16")
     assert row["turned"] and row["parts"] > 2 and row["bytes_checked"], row
-    (_, row) = _bench("tp2/b16/NHD->tp1", "--part-kib", "16")
+    (_, row) = _bench("tp2/b16/NHD->tp1/b16", "--part-kib", "16")
     assert row["slotted"] and row["parts"] > 2 and row["bytes_checked"], row
 
 

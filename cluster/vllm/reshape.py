@@ -256,9 +256,9 @@ def slot_of(
     holds it: ``(p % k) * q + u`` or ``u * k + p % k`` (``u``: its place among the ``q``),
     as :func:`writers_outer` says. The owner's turn puts the span into its order after
     the checks (:func:`turn_blocks` with ``writers=k``); spans already in the owner's order
-    need none. One remote piece a source kernel
-    block and writer, where rows would make one per token and head in a token-major span.
-    Returns ``p % k``. Both sides ask this of the same geometries, so they agree."""
+    need none. A remote piece a decode kernel block and writer (writer-major) or a prefill
+    kernel block and writer, where rows would make one per token and head in a token-major
+    span. Returns ``p % k``. Both sides ask this of the same geometries, so they agree."""
     if not (prefill.tp > decode.tp and prefill.tp % decode.tp == 0):
         return None
     k = prefill.tp // decode.tp

@@ -376,7 +376,7 @@ class Move:
     def pieces(self) -> tuple[int, int]:
         """(local, remote): the pieces of the posted batches once each side's contiguous
         neighbours are joined, as the cross-memory copy joins them (a remote piece costs
-        the kernel about 0.8 us besides its bytes, a scattered local one 0.2-0.5 us)."""
+        the kernel about 0.8 us besides its bytes, a scattered local one 0.2-0.6 us)."""
         local = remote = 0
         for _, _, triples in self.batches():
             local += joined_pieces(triples[:, 0], triples[:, 2])

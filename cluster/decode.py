@@ -281,11 +281,7 @@ class DecodeRank(RankBooks):
         rank = cls(runtime, path, pool, router, clock=clock, **options)
         if decode_member is not None:
             split, position = decode_member
-            if (
-                split.decode_tp > 1
-                and not split.replicated
-                and getattr(model, "attention_mixes_heads", False)
-            ):
+            if split.decode_tp > 1 and not split.replicated and model.attention_mixes_heads:
                 rank.group_decode = GroupDecode(rank, split, position, reply_s)
         return rank
 

@@ -140,7 +140,6 @@ class AttendJob:
     lead: int
     step: int
     layer: int
-    entries: int
     rows: list[int]
     batch: list[Any]
     share: LayerQuery
@@ -529,7 +528,6 @@ class GroupDecode:
                 msg.src,
                 msg.step,
                 msg.layer,
-                n,
                 rows,
                 batch,
                 share,
@@ -565,18 +563,21 @@ class GroupDecode:
         step read the same pages, which stay the request's while it decodes, and each
         layer is taken only in order (:meth:`_cannot_attend`). None (answered already)
         when no request is left to attend."""
-        if job.batch and self.path.integrity and job.layer == 0:
-            table = self.path.page_table(job.batch)
+        table = self.path.page_table(job.batch) if job.batch else None
+        if table is not None and self.path.integrity and job.layer == 0:
             keep = self.path.still_owned(job.batch, table)
-            for i, r in enumerate(job.batch):
-                if i not in keep:
-                    job.failed[r.rid] = f"page ownership check on rank {self.rt.rank}: {r.error}"
-            job.rows = [job.rows[i] for i in keep]
-            job.batch = [job.batch[i] for i in keep]
-        if not job.batch:
+            if len(keep) < len(job.batch):
+                for i, r in enumerate(job.batch):
+                    if i not in keep:
+                        why = f"page ownership check on rank {self.rt.rank}: {r.error}"
+                        job.failed[r.rid] = why
+                job.rows = [job.rows[i] for i in keep]
+                job.batch = [job.batch[i] for i in keep]
+                table = self.path.page_table(job.batch) if job.batch else None
+        if table is None:
             self._reply(job.lead, job.step, job.layer, b"", job.failed)
             return None
-        job.table = self.path.page_table(job.batch)
+        job.table = table
         for r in job.batch:
             self.owner.driver.pin(r)
         return job
@@ -588,7 +589,7 @@ class GroupDecode:
         rows = torch.tensor(job.rows, dtype=torch.int64)
         share = LayerQuery(job.layer, job.share.q[rows], job.share.k[rows], job.share.v[rows])
         got = attend_held(self.path.pool.kv, share, job.table, job.positions[rows])
-        out = torch.zeros((job.entries, *got.shape[1:]), dtype=got.dtype)
+        out = torch.zeros((job.share.q.shape[0], *got.shape[1:]), dtype=got.dtype)
         out[rows] = got.to("cpu")
         return out
 

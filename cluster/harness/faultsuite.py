@@ -823,7 +823,7 @@ def _check_a(sc: Scenario, out: Outcome, prompt_a: str, body_a: dict, took_a: fl
     if sc.expect_a == "error" and out.a_status == 200:
         out.problems.append("A: a faulted request was answered 200")
     if out.a_status == 200 and body_a.get("text") != expected_answer(sc, prompt_a, sc.max_tokens):
-        out.problems.append("A: answered 200 with a wrong replay")
+        out.problems.append("A: answered 200 with a wrong answer")
 
 
 def _check_b_and_after(
@@ -843,7 +843,7 @@ def _check_b_and_after(
         out.members_disagreed = "decode group members disagree" in str(body_b)
     elif body_b.get("text") != expected_answer(sc, pair.prompt_b, PROMPT):
         out.wrong_answer = True
-        out.problems.append("B: answered 200 with a wrong replay")
+        out.problems.append("B: answered 200 with a wrong answer")
     texts = [
         str(body_a.get("text", "")) + str(body_a.get("message", "")),
         str(body_b.get("text", "")) + str(body_b.get("message", "")),

@@ -28,7 +28,7 @@ from .errors import (
     WireError,
     ucx_error,
 )
-from .local_copy import copy_runs
+from .local_copy import copy_runs, copy_tensor_runs
 from .memtypes import MemoryType
 from .peer import Peer, PeerState
 from .protocol import AddressInfo, IncomingMessage, decode_address
@@ -58,6 +58,7 @@ __all__ = [
     "UcxError",
     "WireError",
     "copy_runs",
+    "copy_tensor_runs",
     "decode_address",
     "ucx_error",
 ]

@@ -9,9 +9,10 @@ copy (and an RDMA NIC, per work request) pays for every piece, so such a batch c
 times the homogeneous pair's. Gathered first, in the order the bytes land, the batch goes
 as the target's pieces; the gather runs in C on a thread of its own with the GIL released
 while the batch before it is on the wire, so the two overlap. KV buffers in CUDA memory
-are gathered into staging memory on their device (:func:`gather_runs`, on a stream of
-the staging's own), where the gather is a device copy at memory speed and what it saves
-is the NIC's per-work-request cost (GPUDirect writes of a few KiB each).
+are gathered into staging memory on their device
+(:func:`~kvferry.transfer.copy_tensor_runs`, on a stream of the staging's own), where the
+gather is a device copy at memory speed and what it saves is the NIC's per-work-request
+cost (GPUDirect writes of a few KiB each).
 
 A slot is one batch of at most ``slot_bytes``. Its lifetime is the rule that keeps I5: a
 slot is taken when its gather starts and given back only once the batch posted from it
@@ -30,8 +31,7 @@ import numpy as np
 import torch
 
 from kvferry.engine.reshard import coalesce
-from kvferry.transfer import Segment, TransferEngine, copy_runs
-from kvferry.transfer.runs import as_runs, check_runs
+from kvferry.transfer import Segment, TransferEngine, copy_runs, copy_tensor_runs
 
 STAGE_WHEN_PIECES = 2  # stage a batch whose source pieces are at least this many per target piece
 # ... and whose target pieces are this large on average: where they are small (writers'
@@ -39,7 +39,6 @@ STAGE_WHEN_PIECES = 2  # stage a batch whose source pieces are at least this man
 # and the gather only adds its pass (HND TP 4 -> NHD TP 1, blocks 16 -> 64: 1 KiB pieces,
 # 0.30 of the homogeneous pair as the rows lie, 0.23-0.30 gathered)
 STAGE_MIN_TARGET_PIECE = 4096
-GATHER_UNIT_MAX = 4096  # the torch gather's widest unit: index 8 bytes per unit moved
 
 
 def pieces(offsets: np.ndarray, lengths: np.ndarray) -> int:
@@ -64,46 +63,6 @@ def worth_staging(triples: np.ndarray) -> bool:
     )
 
 
-def gather_unit(runs: np.ndarray) -> int:
-    """The widest power of two, at most :data:`GATHER_UNIT_MAX`, dividing every offset
-    and length of ``runs``."""
-    g = int(np.gcd.reduce(runs.reshape(-1))) if runs.size else GATHER_UNIT_MAX
-    return min(GATHER_UNIT_MAX, g & -g) if g else GATHER_UNIT_MAX
-
-
-def gather_runs(dst: torch.Tensor, src: torch.Tensor, runs: np.ndarray) -> int:
-    """Copy ``runs`` (``[n, 3]``: offset in ``src``, offset in ``dst``, length) between
-    two flat uint8 tensors of one device, in torch (on a CUDA device, queued on the
-    current stream), and return the bytes copied. Every run is checked against both
-    tensors first (:class:`~kvferry.transfer.SegmentBoundsError` with the numbers,
-    nothing copied). The bytes move in units of :func:`gather_unit`: one index_select of
-    the source's units and one index_copy into the destination's. The gather of CUDA
-    staging memory, and the same bytes as the native host copy
-    (:func:`kvferry.transfer.copy_runs`), which a test holds it to."""
-    arr = as_runs(runs)
-    total = check_runs(arr, src.numel(), dst.numel())
-    if not len(arr):
-        return 0
-    if src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.device != dst.device:
-        raise TypeError(
-            f"gather_runs copies between uint8 tensors of one device: {src.dtype} on "
-            f"{src.device} into {dst.dtype} on {dst.device}"
-        )
-    unit = gather_unit(arr)
-    counts = arr[:, 2] // unit
-    place = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
-        np.cumsum(counts) - counts, counts
-    )
-    src_units = torch.from_numpy(np.repeat(arr[:, 0] // unit, counts) + place)
-    dst_units = torch.from_numpy(np.repeat(arr[:, 1] // unit, counts) + place)
-    source = src.reshape(-1)[: src.numel() // unit * unit].view(-1, unit)
-    target = dst.reshape(-1)[: dst.numel() // unit * unit].view(-1, unit)
-    target.index_copy_(
-        0, dst_units.to(dst.device), source.index_select(0, src_units.to(src.device))
-    )
-    return total
-
-
 @dataclass
 class Staged:
     """One gathered batch: its slot, the runs to post from the staging segment
@@ -119,10 +78,10 @@ class Staging:
     """``slots`` batches of ``slot_bytes`` each on ``device`` (host memory, or the CUDA
     device the KV buffers are on), registered with ``engine``, and the thread that
     gathers into them. ``gather``: ``"native"`` (host memory only: the native copy,
-    :func:`kvferry.transfer.copy_runs`) or ``"torch"`` (:func:`gather_runs` from the
-    tensor a segment registers; on a CUDA device on a stream of the staging's own, which
-    the thread waits for, so a batch is ready once its future is). Device memory is
-    always gathered by torch."""
+    :func:`kvferry.transfer.copy_runs`) or ``"torch"``
+    (:func:`kvferry.transfer.copy_tensor_runs` from the tensor a segment registers; on a
+    CUDA device on a stream of the staging's own, which the thread waits for, so a batch
+    is ready once its future is). Device memory is always gathered by torch."""
 
     def __init__(
         self,
@@ -173,9 +132,10 @@ class Staging:
         return Staged(slot, joined, ready)
 
     def _gather_by_torch(self, src: Segment, runs: np.ndarray) -> int:
-        """:func:`gather_runs` from the tensor ``src`` registers. On a CUDA device, on
-        the staging's stream once the device's default stream (where the KV was written)
-        is done with what it was given before; returns once the gather finished."""
+        """:func:`~kvferry.transfer.copy_tensor_runs` from the tensor ``src`` registers.
+        On a CUDA device, on the staging's stream once the device's default stream (where
+        the KV was written) is done with what it was given before; returns once the
+        gather finished."""
         source = src.owner
         if (
             not isinstance(source, torch.Tensor)
@@ -189,10 +149,10 @@ class Staging:
             )
         flat = source.reshape(-1).view(torch.uint8)
         if self.stream is None:
-            return gather_runs(self.memory, flat, runs)
+            return copy_tensor_runs(self.memory, flat, runs)
         self.stream.wait_stream(torch.cuda.default_stream(self.memory.device))
         with torch.cuda.stream(self.stream):
-            n = gather_runs(self.memory, flat, runs)
+            n = copy_tensor_runs(self.memory, flat, runs)
         self.stream.synchronize()
         return n
 

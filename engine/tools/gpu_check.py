@@ -14,7 +14,11 @@ read + written per second); decode attention on batch x context 1x131072, 16x819
 32 query heads, 8 KV heads, head dim 128, page size 16, bf16, check off and on, in GB/s of
 KV + Q + O bytes; the torch baselines on the same cases (gather into dense KV +
 ``scaled_dot_product_attention``; FlexAttention on the gathered KV where this torch has
-it), whose GB/s count the same bytes; checksums over a whole pool in GB/s read.
+it), whose GB/s count the same bytes; checksums over a whole pool in GB/s read; the
+staging gather of a TP 1 -> 2 fan-out (``kvferry.transfer.copy_tensor_runs``: one decode
+worker's half of every token's row of a token-major pool, blocks in a random order, a
+batch of 8 MiB at a time as the vLLM connector stages it, index building on the host
+included), checked against torch indexing, in GB/s read + written.
 
 GPU page transfer: two processes on one GPU, a CUDA pool each (one plain allocation),
 256 pages of 2 MiB scattered into the target's pool through kvferry's transfer engine
@@ -729,6 +733,49 @@ def relayout_bandwidth(copy_gbs: float, warmup: int, iters: int) -> None:
     )
 
 
+def staging_gather_bandwidth(copy_gbs: float, warmup: int, iters: int) -> None:
+    """The vLLM connector's staging gather on the device (what a fan-out's writer does
+    before each batch goes on the wire): from a token-major layer span ``[blocks, 16
+    tokens, 8 heads, 128]`` bf16, the first 4 heads of every token (1 KiB of every 2 KiB)
+    of blocks in a random order, into contiguous staging, one batch of 8 MiB per call
+    with its indices built on the host as the connector builds them. Checked against
+    torch indexing, then timed (read + written, as the copy counts) beside the copy."""
+    import numpy as np
+
+    from kvferry.transfer.local_copy import copy_tensor_runs, copy_unit, copy_word
+
+    tokens, heads, dim, share = 16, 8, 128, 4
+    blocks = 64 if SMALL else 65536  # 2 GiB of K
+    block_bytes, piece = tokens * heads * dim * 2, share * dim * 2
+    batch_blocks = (8 << 20) // (tokens * piece)
+    pool = torch.empty(blocks * block_bytes, dtype=torch.uint8, device=DEV).random_()
+    order = np.random.default_rng(0).permutation(blocks)[: min(blocks, batch_blocks)]
+    src_at = (order[:, None] * block_bytes + np.arange(tokens) * (heads * dim * 2)).reshape(-1)
+    runs = np.stack(
+        [src_at, np.arange(len(src_at)) * piece, np.full(len(src_at), piece)], axis=1
+    ).astype(np.int64)
+    staging = torch.empty(len(runs) * piece, dtype=torch.uint8, device=DEV)
+    moved = copy_tensor_runs(staging, pool, runs)
+    spans = pool.view(torch.bfloat16).view(blocks, tokens, heads, dim)
+    want = spans[torch.from_numpy(order).to(DEV), :, :share].contiguous().view(torch.uint8)
+    check("staging gather of a fan-out's rows", torch.equal(staging, want.reshape(-1)))
+    times, _ = cuda_time_interleaved(  # eager: the host builds each batch's indices
+        {"gather": lambda: copy_tensor_runs(staging, pool, runs)}, warmup, iters, graph=False
+    )
+    t = times["gather"]
+    emit(
+        "staging_gather",
+        bytes=2 * moved,
+        seconds=t,
+        gb_s=2 * moved / t / 1e9,
+        of_copy=2 * moved / t / 1e9 / copy_gbs,
+        pieces=len(runs),
+        piece_bytes=piece,
+        unit=copy_unit(runs),
+        word=copy_word(copy_unit(runs), staging, pool),
+    )
+
+
 # --- GPU page transfer -------------------------------------------------------------
 def _pool_buffer(nbytes: int, device: str) -> torch.Tensor:
     """A pool's bytes: on CUDA one plain allocation (kvferry.engine.pool), zeroed."""
@@ -1163,6 +1210,8 @@ def table() -> None:
             _row("checksum, whole pool", r, r.get("launch", ""))
         elif r["kind"] == "relayout":
             _row("relayout (landed HND -> NHD pool)", r)
+        elif r["kind"] == "staging_gather":
+            _row("staging gather (fan-out, 8 MiB)", r, f"{r['pieces']} x {r['piece_bytes']} B")
         elif r["kind"] == "checksum_launch":
             _row("checksum, another launch", r, r["launch"])
         elif r["kind"] == "transfer" and "gb_s" in r:
@@ -1308,6 +1357,8 @@ def main(argv: list[str] | None = None) -> int:
             checksum_bandwidth(copy_gbs, args.warmup, args.iters)
         if time.monotonic() < t0 + args.budget:
             relayout_bandwidth(copy_gbs, args.warmup, args.iters)
+        if time.monotonic() < t0 + args.budget:
+            staging_gather_bandwidth(copy_gbs, args.warmup, args.iters)
         if args.no_transfer:
             emit("skipped", name="page transfer", reason="--no-transfer")
         elif time.monotonic() < t0 + args.budget:

@@ -63,6 +63,29 @@ def test_the_page_transfer_moves_host_pages_between_two_processes(monkeypatch):
     }
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_staging_gather_row_checks_its_bytes(monkeypatch, broken):
+    """The device run's staging gather (a fan-out's rows into contiguous staging, as the
+    vLLM connector stages them) is checked against torch indexing before it is timed.
+    BROKEN MODE: a unit wider than the rows (no whole unit in a run, so nothing lands)
+    fails that check."""
+    from kvferry.engine.tools import gpu_check
+    from kvferry.transfer import local_copy
+
+    monkeypatch.setattr(gpu_check, "DEV", "cpu")
+    monkeypatch.setattr(gpu_check, "SMALL", True)
+    monkeypatch.setattr(gpu_check, "RESULTS", [])
+    monkeypatch.setattr(gpu_check, "FAILED", [])
+    if broken:
+        monkeypatch.setattr(local_copy, "copy_unit", lambda runs: 2048)
+    gpu_check.staging_gather_bandwidth(10.0, 1, 1)
+    (check,) = [r for r in gpu_check.RESULTS if r["kind"] == "check"]
+    (row,) = [r for r in gpu_check.RESULTS if r["kind"] == "staging_gather"]
+    assert check["ok"] is not broken
+    assert gpu_check.FAILED == (["staging gather of a fan-out's rows"] if broken else [])
+    assert row["pieces"] == 1024 and row["piece_bytes"] == 1024 and row["bytes"] == 2 << 20
+
+
 def _script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(SCRIPT), *args],

@@ -34,7 +34,6 @@ import collections
 import functools
 import itertools
 import logging
-import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +110,8 @@ class GroupStep:
     query: LayerQuery | None = None
     own: torch.Tensor | None = None
     own_s: float = 0.0
+    asked_at: float = 0.0  # when the members were asked for the layer (the rank's clock)
+    deadline_s: float = 0.0  # their reply's deadline, from asked_at
     replies: dict[int, torch.Tensor] = field(default_factory=dict)
     waiting: set[int] = field(default_factory=set)
     dropped: dict[int, str] = field(default_factory=dict)
@@ -133,13 +134,14 @@ class GroupStep:
 
 @dataclass
 class AttendJob:
-    """A member's share of one layer of its lead's step, checked: ``rows`` are the
-    ATTEND's entries it attends (``batch``, its own requests), ``failed`` the others'
-    request ids with the reason."""
+    """A member's share of one layer of its lead's step, checked: ``rids`` the ATTEND's
+    request ids in its order (echoed in the reply), ``rows`` the entries it attends
+    (``batch``, its own requests), ``failed`` the others' request ids with the reason."""
 
     lead: int
     step: int
     layer: int
+    rids: list[str]
     rows: list[int]
     batch: list[Any]
     share: LayerQuery
@@ -180,6 +182,7 @@ class GroupDecode:
         self.batch_cap = max(1, min(m.MAX_GROUP_BATCH, m.MAX_SHARE_BYTES // per_request))
         self.position = position
         self.reply_s = reply_s
+        self.own_s_by_layer: dict[int, float] = {}  # the lead's own share, by layer, last timed
         self.step: GroupStep | None = None
         self.jobs: collections.deque[AttendJob] = collections.deque()
         # request id -> (member position, sender rank) of each MEMBER_READY before its ASSIGN
@@ -320,6 +323,7 @@ class GroupDecode:
         error = error or work.failure
         if error is None and isinstance(out, Waiting):
             if work.own is not None:
+                self._measured(work)
                 return  # its own share is in; the members' come as ATTENDED
             try:
                 self._ask(work)  # the members compute theirs while it computes its own
@@ -348,7 +352,7 @@ class GroupDecode:
         plan = gs.plan
         assert plan.table is not None and plan.positions is not None  # a path's plan_step
         if gs.query is not None and gs.own is None:
-            started = time.monotonic()
+            started = self.owner.clock.now()
             layer = gs.query.layer
             gs.own = attend_held(
                 self.path.pool.kv,
@@ -357,7 +361,8 @@ class GroupDecode:
                 plan.positions,
                 plan.step_args.get("ownership") if layer == 0 else None,
             )
-            gs.own_s = time.monotonic() - started
+            gs.own_s = self.owner.clock.now() - started
+            self.own_s_by_layer[layer] = gs.own_s
             return WAITING
         if gs.layers is None:
             if self.rt.faults.enabled:
@@ -400,8 +405,26 @@ class GroupDecode:
                 k=_to_bytes(share.k),
                 v=_to_bytes(share.v),
             )
-        deadline = self.reply_s + SLOWER_MEMBER_FACTOR * gs.own_s
-        gs.timer = self.rt.call_later(deadline, functools.partial(self._expired, gs, deadline))
+        # the lead's own share of this layer at its last step (a step's first layer reads
+        # every page's canaries too): the deadline grows once this one's is timed
+        expected = self.own_s_by_layer.get(gs.query.layer, gs.own_s)
+        gs.asked_at = self.owner.clock.now()
+        gs.deadline_s = self.reply_s + SLOWER_MEMBER_FACTOR * expected
+        gs.timer = self.rt.call_later(
+            gs.deadline_s, functools.partial(self._expired, gs, gs.deadline_s)
+        )
+
+    def _measured(self, gs: GroupStep) -> None:
+        """The lead's own share of the asked layer is in: a member has ``reply_s`` plus
+        :data:`SLOWER_MEMBER_FACTOR` times it from the ask, where that is later than the
+        deadline set when asking."""
+        wanted = self.reply_s + SLOWER_MEMBER_FACTOR * gs.own_s
+        if not gs.waiting or gs.timer is None or wanted <= gs.deadline_s:
+            return
+        gs.timer.cancel()
+        gs.deadline_s = wanted
+        left = max(0.0, gs.asked_at + wanted - self.owner.clock.now())
+        gs.timer = self.rt.call_later(left, functools.partial(self._expired, gs, wanted))
 
     def _expired(self, gs: GroupStep, deadline: float) -> None:
         if self.step is not gs or not gs.waiting:
@@ -423,6 +446,14 @@ class GroupDecode:
         ranks = gs.batch[0].group.ranks
         p = ranks.index(msg.src) if msg.src in ranks else -1
         if p not in gs.waiting:
+            return
+        asked = [r.group.rids[p] for r in gs.batch]
+        if list(msg.rids) != asked:  # an answer to another lead's step of this number
+            log.warning(
+                "decode group step %d: ATTENDED of rank %d for layer %d names requests %s, "
+                "not this step's %s; ignored",
+                gs.number, msg.src, msg.layer, list(msg.rids)[:8], asked[:8],
+            )  # fmt: skip
             return
         held = self.held[p]
         shape = (len(gs.batch), (held.hi - held.lo) * held.group, self.model.head_dim)
@@ -514,7 +545,8 @@ class GroupDecode:
         except ValueError as exc:
             why = f"ATTEND of rank {msg.src} (step {msg.step}, layer {msg.layer}): {exc}"
             log.error("requests %s: %s", list(msg.rids), why)
-            self._reply(msg.src, msg.step, msg.layer, b"", {rid: why for rid in msg.rids})
+            failed = {rid: why for rid in msg.rids}
+            self._reply(msg.src, msg.step, msg.layer, list(msg.rids), b"", failed)
             return
         for i, rid in enumerate(msg.rids):
             refused = self._cannot_attend(rid, msg.src, int(msg.positions[i]), msg.layer)
@@ -528,6 +560,7 @@ class GroupDecode:
                 msg.src,
                 msg.step,
                 msg.layer,
+                list(msg.rids),
                 rows,
                 batch,
                 share,
@@ -561,8 +594,15 @@ class GroupDecode:
         read checked against their canaries (the torch reference, before the share runs;
         a request that fails is CORRUPT and named in ``failed``): the later layers of the
         step read the same pages, which stay the request's while it decodes, and each
-        layer is taken only in order (:meth:`_cannot_attend`). None (answered already)
-        when no request is left to attend."""
+        layer is taken only in order (:meth:`_cannot_attend`). A request is checked again
+        as its job is taken, on the thread that pins it: one aborted (or failed) since its
+        ATTEND was queued has freed its pages, which may be another request's by now, so
+        it goes into ``failed`` and nothing is written for it (I4). None (answered
+        already) when no request is left to attend."""
+        keep = [i for i, r in enumerate(job.batch) if self._still_attends(job, job.rows[i], r)]
+        if len(keep) < len(job.batch):
+            job.rows = [job.rows[i] for i in keep]
+            job.batch = [job.batch[i] for i in keep]
         table = self.path.page_table(job.batch) if job.batch else None
         if table is not None and self.path.integrity and job.layer == 0:
             keep = self.path.still_owned(job.batch, table)
@@ -575,12 +615,28 @@ class GroupDecode:
                 job.batch = [job.batch[i] for i in keep]
                 table = self.path.page_table(job.batch) if job.batch else None
         if table is None:
-            self._reply(job.lead, job.step, job.layer, b"", job.failed)
+            self._reply(job.lead, job.step, job.layer, job.rids, b"", job.failed)
             return None
         job.table = table
         for r in job.batch:
             self.owner.driver.pin(r)
         return job
+
+    def _still_attends(self, job: AttendJob, row: int, req: Any) -> bool:
+        """Whether ``req``, accepted when ``job``'s ATTEND came, may still be attended
+        (:meth:`_cannot_attend` again, and still this rank's same request); if not, why
+        goes into ``job.failed``."""
+        why = (
+            f"request {req.rid} ended on rank {self.rt.rank} ({req.state.value}) before its "
+            f"share of layer {job.layer} of step {job.step} ran"
+            if self.owner.reqs.get(req.rid) is not req
+            else self._cannot_attend(req.rid, job.lead, int(job.positions[row]), job.layer)
+        )
+        if why is None:
+            return True
+        log.warning("request %s: %s", req.rid, why)
+        job.failed[req.rid] = why
+        return False
 
     def _attend(self, job: AttendJob) -> torch.Tensor:
         assert job.table is not None
@@ -602,17 +658,20 @@ class GroupDecode:
             why = f"attention on rank {self.rt.rank} failed: {type(error).__name__}: {error}"
             log.error("requests %s: %s", [r.rid for r in job.batch], why, exc_info=error)
             job.failed.update({r.rid: why for r in job.batch})
-            self._reply(job.lead, job.step, job.layer, b"", job.failed)
+            self._reply(job.lead, job.step, job.layer, job.rids, b"", job.failed)
             return
-        self._reply(job.lead, job.step, job.layer, _to_bytes(out), job.failed)
+        self._reply(job.lead, job.step, job.layer, job.rids, _to_bytes(out), job.failed)
 
-    def _reply(self, lead: int, step: int, layer: int, out: bytes, failed: dict[str, str]) -> None:
+    def _reply(
+        self, lead: int, step: int, layer: int, rids: list[str], out: bytes, failed: dict[str, str]
+    ) -> None:
         error = "; ".join(f"{rid}: {why}" for rid, why in failed.items())
         self.rt.send(
             lead,
             m.ATTENDED,
             step=step,
             layer=layer,
+            rids=rids,
             out=out,
             failed=list(failed),
             error=error or None,
@@ -623,7 +682,9 @@ class GroupDecode:
         token as its own (its position moves on)."""
         if len(msg.tokens) != len(msg.rids):
             log.error(
-                "STEPPED of rank %d: %d tokens for %d requests",
+                "requests %s: STEPPED of rank %d has %d tokens for %d requests; ignored (they "
+                "end at the router's request timeout)",
+                list(msg.rids)[:16],
                 msg.src,
                 len(msg.tokens),
                 len(msg.rids),

@@ -31,7 +31,7 @@ A decode group that splits the KV heads of a model that mixes them (cluster.grou
 lead L, the group's first member, and members M):
     M -> L   MEMBER_READY(rid, member)            M's pages verified: it can attend
     L -> M   ATTEND(step, layer, rids, q, k, v)   per layer of a step: M's heads' query
-    M -> L   ATTENDED(step, layer, out, failed)   their attention over M's pages
+    M -> L   ATTENDED(step, layer, rids, out, failed)   their attention over M's pages
     L -> M   STEPPED(rids, tokens)                the step's tokens (M reports them too)
 """
 
@@ -208,6 +208,7 @@ ATTENDED = CODEC.kind(
     **_HEADER,
     step=Field(FieldType.UINT64),
     layer=Field(FieldType.INT),
+    rids=Field(FieldType.STR_LIST, max_len=MAX_GROUP_BATCH),  # the ATTEND's, in its order
     out=Field(FieldType.BYTES, max_len=MAX_SHARE_BYTES),  # [batch, held q heads, head_dim]
     failed=Field(FieldType.STR_LIST, max_len=MAX_GROUP_BATCH),  # rids it could not attend
     error=Field(FieldType.STR, max_len=MAX_ERROR_CHARS, optional=True),  # why

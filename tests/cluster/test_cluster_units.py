@@ -168,7 +168,9 @@ def test_every_message_kind_round_trips():
         "ATTEND": dict(
             step=3, layer=1, rids=["r.1", "s.1"], positions=[40, 77], q=b"q" * 8, k=b"k", v=b"v"
         ),
-        "ATTENDED": dict(step=3, layer=1, out=b"o" * 8, failed=["s.1"], error="s.1: aborted"),
+        "ATTENDED": dict(
+            step=3, layer=1, rids=["s.1", "s.2"], out=b"o" * 8, failed=["s.1"], error="s.1: aborted"
+        ),
         "STEPPED": dict(rids=["r.1"], tokens=[66]),
     }
     for kind, fields in samples.items():

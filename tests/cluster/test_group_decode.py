@@ -20,6 +20,8 @@ every member report the lead's tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_decode_groups import PAIRS, Group, _group, _monolithic, _serve_together
@@ -336,3 +338,137 @@ def test_a_member_attends_a_steps_layers_only_in_order(monkeypatch, broken):
         return
     assert reply["failed"] == ["r.1"] and "expects layer 0" in reply["error"]
     assert torch.equal(member.pool.kv, before)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["checked-again", "broken-checked-once"])
+def test_a_share_queued_before_an_abort_writes_nothing_into_the_freed_pages(monkeypatch, broken):
+    """A member accepts an ATTEND for layer 1 and queues it; before its share runs, the
+    router's ABORT ends the request there (between layers a member's request is not
+    pinned, so its pages are freed at once) and another request takes the pages. The
+    share is refused when its job is taken: nothing is written, the lead is told.
+    Broken mode: a share checked only when its ATTEND came writes the new token's K/V
+    into pages that are now the other request's."""
+    if broken:
+        monkeypatch.setattr(
+            group_decode.GroupDecode, "_still_attends", lambda self, job, row, req: True
+        )
+    g, seen = _ready_pair()
+    lead_rank, member_rank = g.topology.decode_groups[0]
+    lead, _ = g.owners[lead_rank]
+    member, mrt = g.owners[member_rank]
+    step = lead.begin_step()  # the model to layer 0's query, asked of the member
+    lead.end_step(step, lead.run_step(step), None)
+    _exchange(g, seen)
+    _work(g)  # the member's layer 0 and the lead's own share
+    _exchange(g, seen)
+    step = lead.begin_step()
+    assert isinstance(step, group_decode.GroupStep)
+    lead.end_step(step, lead.run_step(step), None)  # joined; layer 1's query asked
+    assert step.query is not None and step.query.layer == 1
+    _exchange(g, seen)
+    assert len(member.group_decode.jobs) == 1  # layer 1's share queued at the member
+    _client_abort(g, member_rank, "r.1")
+    assert "r.1" not in member.reqs
+    assert member.allocator.free_pages == member.pool.num_pages
+    taken = {grant.page for grant in member.allocator.allocate("next", member.pool.num_pages)}
+    member.pool.kv[sorted(taken)] = 0.25  # the next request's KV (whatever r.1 left there)
+    before = member.pool.kv.clone()
+    while member.busy():
+        work = member.begin_step()
+        if work is None:
+            break
+        member.end_step(work, member.run_step(work), None)
+    written = {int(p) for p in (member.pool.kv != before).nonzero()[:, 0].tolist()}
+    if broken:
+        assert written & taken  # the aborted request's K/V landed in the next one's pages
+        return
+    assert not written
+    (reply,) = [f for to, k, f in mrt.sent if k == "ATTENDED" and f["layer"] == 1]
+    assert reply["failed"] == ["r.1"]
+    assert "r.1 ended on rank" in reply["error"] and "layer 1 of step" in reply["error"]
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["named", "broken-step-and-layer-only"])
+def test_an_answer_naming_other_requests_is_not_taken_for_the_steps(monkeypatch, broken):
+    """Step numbers start again with each lead process, so an ATTENDED of the same step,
+    layer and member may answer an earlier lead's step (a share that ran late). The
+    answer names the requests of its ATTEND; one naming others is ignored, the member's
+    own answer is taken and the group answers as the monolithic engine. Broken mode:
+    matched by step, layer and sender alone, the stray answer is taken and every
+    member reports the same wrong tokens (no disagreement shows it)."""
+    if broken:
+        real = group_decode.GroupDecode._on_attended
+
+        def by_number_only(self, msg):
+            gs = self.step
+            if gs is not None and gs.query is not None:
+                p = gs.batch[0].group.ranks.index(msg.src)
+                asked = [r.group.rids[p] for r in gs.batch]
+                msg = dataclasses.replace(msg, fields={**msg.fields, "rids": asked})
+            real(self, msg)
+
+        monkeypatch.setattr(group_decode.GroupDecode, "_on_attended", by_number_only)
+    g = _group(1, 2, 4, 16, 16, llama=True)
+    rids, seen = _waiting_step(g)
+    lead_rank, member_rank = g.topology.decode_groups[0]
+    lead, lrt = g.owners[lead_rank]
+    gs = lead.group_decode.step
+    # 1 request, the member's 2 KV heads x 2 query heads: another step's attention
+    stray = torch.randn((1, 4, 32), generator=torch.Generator().manual_seed(3)) * 50
+    lrt.deliver(
+        m.ATTENDED, src=member_rank, step=gs.number, layer=0, rids=["an-earlier-lead's.1"],
+        out=stray.numpy().tobytes(), failed=[], error=None,
+    )  # fmt: skip
+    assert (1 in gs.replies) is broken
+    _decode(g, seen)
+    got = _tokens(g, rids)
+    if broken:
+        assert got[0] == got[1] != _monolithic(4)
+        return
+    assert got == [_monolithic(4)] * 2
+
+
+class _HandClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def now(self) -> float:
+        return self.t
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["measured", "broken-fixed-at-ask"])
+def test_a_members_deadline_grows_with_the_leads_own_share_of_the_layer(monkeypatch, broken):
+    """A step's first layer is asked before the lead has timed anything of it (its first
+    step: the deadline is --abort-deadline alone), and a member's share may be as long
+    as the lead's own (a long context; the canaries of every page at that layer). Once
+    the lead's own share is timed, the deadline becomes --abort-deadline plus four times
+    it from the ask; the next step asks with that time at once. Broken mode: a deadline
+    fixed when asking fails a member as slow as the lead at a long context."""
+    if broken:
+        monkeypatch.setattr(group_decode.GroupDecode, "_measured", lambda self, gs: None)
+    g = _group(1, 2, 4, 16, 16, llama=True)
+    lead, lrt = g.owners[g.topology.decode_groups[0][0]]
+    clock = lead.clock = _HandClock()
+    held = group_decode.attend_held
+
+    def slow_share(*args, **kwargs):
+        clock.t += 30.0  # the lead's own share of a long context's layer
+        return held(*args, **kwargs)
+
+    monkeypatch.setattr(group_decode, "attend_held", slow_share)
+    _waiting_step(g)
+    gd = lead.group_decode
+    reply_s = gd.reply_s
+
+    def deadlines() -> list[float]:
+        return [t.delay for t in lrt.timers if getattr(t.fn, "func", None) == gd._expired]
+
+    assert deadlines() == [reply_s]  # nothing of layer 0 timed yet
+    part = lead.begin_step()  # the lead's own share of layer 0: 30 s
+    lead.end_step(part, lead.run_step(part), None)
+    if broken:
+        assert deadlines() == [reply_s]
+        return
+    # reply_s + 4 x 30 s from the ask, of which 30 s have passed
+    assert deadlines() == [reply_s, reply_s + 4 * 30.0 - 30.0]
+    assert gd.own_s_by_layer[0] == 30.0

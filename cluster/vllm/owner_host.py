@@ -74,6 +74,7 @@ from .reshape import (
     same_blocks,
     slot_of,
     slots_agree,
+    slotted_alike,
     turn_blocks,
     turned_pair,
     writers_of,
@@ -859,6 +860,15 @@ class OwnerHost(WorkerHost):
                 f"prefill workers {slotted} of engine {hs['engine_id']} would land in slots "
                 f"and {[link.rank for link in links if link.slot is None]} as rows: their "
                 "geometries differ"
+            )
+        spans = [(link.rank, link.turn_from) for link in links if link.turn_from is not None]
+        if any(link.slot is not None for link in links) and not slotted_alike(
+            [regions for _, regions in spans]
+        ):
+            return None, (
+                f"prefill workers {[rank for rank, _ in spans]} of engine {hs['engine_id']} "
+                f"would land in slots of one span with layouts that differ "
+                f"({[regions.layout for _, regions in spans]}): one turn cannot order them"
             )
         return links, ""
 

@@ -286,6 +286,22 @@ def slots_agree(slots: Sequence[int | None]) -> bool:
     return not taken or (len(taken) == len(slots) and len(set(taken)) == len(taken))
 
 
+def slotted_alike(writers: Sequence[KVRegions]) -> bool:
+    """Whether the writers that land in one decode worker's slots lay their layers out
+    alike (heads, kernel tokens, blocks per scheduler block, row, and the strides that
+    make a span heads- or token-major): the owner turns every slot of a span by the
+    first one's geometry, so writers that differ (engines whose workers disagree, a
+    handshake that lies) would have it scramble their bytes; the owner refuses them."""
+
+    def geometry(regions: KVRegions) -> list[tuple[int, ...]]:
+        return [
+            (x.heads, x.kernel_tokens, x.ratio, x.row_bytes, x.head_stride, x.token_stride)
+            for x in regions.layers
+        ]
+
+    return all(geometry(w) == geometry(writers[0]) for w in writers[1:])
+
+
 def plan_slots(
     src: KVRegions,
     dst: KVRegions,

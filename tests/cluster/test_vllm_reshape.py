@@ -511,6 +511,35 @@ def test_a_decode_worker_takes_slots_from_all_its_writers_or_from_none():
     assert broken([0, None])  # the mix the real rule refuses
 
 
+def test_writers_of_one_span_in_unlike_layouts_are_refused():
+    """Two writers of one decode worker, one heads-major and one token-major (workers of
+    one engine never differ; a handshake that lies could), each get a slot and
+    slots_agree accepts them, but their places in the span would overlap: the owner's
+    turn orders every slot by one geometry. slotted_alike refuses them, and accepts
+    writers alike. Broken mode: without it, the two plans write the same bytes."""
+    from kvferry.cluster.vllm.reshape import plan_slots, slot_of, slots_agree, slotted_alike
+
+    pre, dec = EngineShape(4, 2), EngineShape(4, 1)
+    heads_major = KVRegions.from_kv_caches(views("HND", 8, 4, 2), 8, "HND")
+    token_major = KVRegions.from_kv_caches(views("NHD", 8, 4, 2), 8, "NHD")
+    decode = KVRegions.from_kv_caches(views("NHD", 8, 8, 4), 8, "NHD")  # q = 2
+    s0 = slot_of(heads_major, decode, pre, dec, 0, 0)
+    s1 = slot_of(token_major, decode, pre, dec, 1, 0)
+    assert (s0, s1) == (0, 1) and slots_agree([s0, s1])
+    assert not slotted_alike([heads_major, token_major])
+    assert slotted_alike([token_major, KVRegions.from_kv_caches(views("NHD", 8, 4, 2), 8, "NHD")])
+    assert s0 is not None and s1 is not None
+    spans = [
+        {
+            b
+            for _, at, n in plan_slots(regions, decode, slot, [0, 1], [5], 8).runs
+            for b in range(int(at), int(at + n))
+        }
+        for regions, slot in ((heads_major, s0), (token_major, s1))
+    ]
+    assert spans[0] & spans[1]  # what the refusal prevents
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.integers(1, 5000),

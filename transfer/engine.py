@@ -732,6 +732,13 @@ class TransferEngine:
         self._sweep_at = max(256, 2 * len(self._inflight))
 
     # ------------------------------------------------------------ batch evaluation
+    def reading(self, batch: Batch) -> bool:
+        """Whether the transport may still touch the batch's local bytes: operations of
+        it posted and not completed. A FAILED batch can be (a post that failed part way
+        leaves the puts before it in flight, and they complete, or fail, later); memory a
+        batch was posted from is reused only once this is False."""
+        return int(batch.native.outstanding) != 0
+
     def poll(self, batch: Batch) -> BatchStatus:
         """The batch's status now, from its native completion tracker: PENDING,
         COMPLETED, FAILED (``batch.error`` says why) or TIMED_OUT. Never blocks, drives

@@ -516,7 +516,24 @@ class _WorkerSide:
         self.tombstones.sweep()
 
     def _on_message(self, msg: Any) -> None:
+        """One message, decoded (MalformedMessage otherwise) and acted on. One that
+        decodes but that a host cannot act on (an exception of its own) fails the request
+        it names on that host, through the protocol, and the loop goes on."""
         m = wire.decode(msg.payload)
+        try:
+            self._act_on(msg, m)
+        except Exception as exc:
+            self.stats.count("internal_errors")
+            log.error(
+                "kvferry: request %s: a %s from %s could not be acted on: %s: %s",
+                m.get("rid"), m["k"].name, msg.sender_name, type(exc).__name__, exc,
+            )  # fmt: skip
+            if m["k"] in (wire.PLAN, wire.ABORT):
+                self.writer.fail_request(m.get("rid"), exc)
+            if m["k"] is not wire.PLAN:
+                self.owner.fail_request(m.get("rid"), exc)
+
+    def _act_on(self, msg: Any, m: dict[str, Any]) -> None:
         kind = m["k"]
         if kind == wire.PLAN:
             self.writer.on_plan(msg, m)

@@ -18,6 +18,7 @@ COUNTERS = (
     "severed_peers",
     "checksum_failures",
     "malformed_messages",
+    "internal_errors",
     "stale_messages",
 )
 

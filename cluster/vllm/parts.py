@@ -50,7 +50,7 @@ class WorkerHost:
             rid=rid,
             orid=orid,
             source=source.value,
-            reason=reason,
+            reason=wire.clip_reason(reason),
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             kv_heads=self.kv_heads,

@@ -32,6 +32,14 @@ MAX_LIST = 1 << 20  # blocks in one request (a million-token prompt at block siz
 MAX_REQUEST_ID = 256
 MAX_HEADS = 1 << 12  # KV heads one plan names
 MAX_BLOB = 16 << 20  # regions, descriptors
+MAX_REASON = 4096  # characters of an ABORT's reason
+
+
+def clip_reason(reason: str) -> str:
+    """``reason`` as an ABORT carries it: at most :data:`MAX_REASON` characters, the end
+    of a longer one cut (the log keeps it whole)."""
+    return reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
+
 
 CODEC = Codec("kvf.vllm", version=4, max_bytes=64 << 20, max_items=MAX_LIST)
 PLAN, NOTICE, ABORT, ABORT_ACK = Kind.PLAN, Kind.NOTICE, Kind.ABORT, Kind.ABORT_ACK
@@ -75,7 +83,7 @@ CODEC.kind(
     ABORT,
     **_IDS,
     source=Field(FieldType.STR, choices=AbortSource),
-    reason=Field(FieldType.STR, max_len=4096),
+    reason=Field(FieldType.STR, max_len=MAX_REASON),
     tp_rank=Field(FieldType.INT),  # the sender's TP rank, TP size and KV heads in all
     tp_size=Field(FieldType.INT),
     kv_heads=Field(FieldType.INT),

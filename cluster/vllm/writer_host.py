@@ -192,6 +192,15 @@ class WriterWire:
             job.inflight.append((ack, lambda _batch: flushed()))
 
 
+def _listed(values: Any, most: int = 16) -> str:
+    """``values`` for a message: whole up to ``most``, else its ends and its length."""
+    xs = [int(v) for v in values]
+    if len(xs) <= most:
+        return str(xs)
+    head, tail = ", ".join(map(str, xs[: most - 2])), ", ".join(map(str, xs[-2:]))
+    return f"[{head}, ..., {tail}] ({len(xs)} of them)"
+
+
 class WriterHost(WorkerHost):
     """A prefill worker's prompts and jobs: what arrives becomes the writer's events, fed
     to its driver; this object is the driver's data path, source blocks and report ports."""
@@ -205,6 +214,8 @@ class WriterHost(WorkerHost):
         self.segments: list[Any] = []
         self.staging: Staging | None = None
         self.waiting_for_slot: list[Job] = []  # staged jobs whose next batch waits for a slot
+        # slots of failed batches whose puts are still in flight (given back once done)
+        self.slots_being_read: list[tuple[Staged, Batch]] = []
         self.remote_segments: dict[int, tuple[KVRegions, list[RemoteSegment]]] = {}
         ports = WriterPorts(
             data=self,
@@ -366,8 +377,8 @@ class WriterHost(WorkerHost):
             job.heads = pairs(self.shape, job.decode).get((self.tp_rank, decode_rank), ())
             if tuple(m["heads"]) != job.heads:
                 refused = (
-                    f"decode TP rank {decode_rank} asks for heads {list(m['heads'])}; this "
-                    f"prefill worker writes it heads {list(job.heads)}"
+                    f"decode TP rank {decode_rank} asks for heads {_listed(m['heads'])}; "
+                    f"this prefill worker writes it heads {_listed(job.heads)}"
                 )
         if refused:
             self.fail(job, AbortSource.TRANSFER, f"plan refused: {refused}")
@@ -416,6 +427,16 @@ class WriterHost(WorkerHost):
             self.stats.abort(m["source"])
         else:
             self.stats.abort(m["source"])
+            if (
+                job.book.state in (WriterState.DONE, WriterState.ABORTED)
+                and self.jobs.get(jid) is not job
+            ):
+                # ended and settled while the prompt's other jobs go on: its book again,
+                # for the row that acks once more (nothing of it is in flight), over the
+                # endpoint this abort came from
+                self.jobs[jid] = job
+                if peer is not None:
+                    job.meet(peer, orid)
         if job.peer is None:
             job.meet(peer, orid)
         self.driver.feed(job, wc.on_abort(job.book))
@@ -431,6 +452,7 @@ class WriterHost(WorkerHost):
                 else:
                     then(batch)
             job.inflight = kept + job.inflight
+        self._release_read_slots()
         self._post_waiting()
 
     # ------------------------------------------------------------ the data path (a port)
@@ -606,6 +628,12 @@ class WriterHost(WorkerHost):
         job.queue = job.queue[1:]
         try:
             staged.ready.result()
+        except Exception as exc:  # the gather's thread: a device error, a buffer refused
+            self.staging.release(staged)
+            why = f"gathering a batch into staging failed: {type(exc).__name__}: {exc}"
+            self.fail(job, AbortSource.INTERNAL, why)
+            return
+        try:
             self._stage_upcoming(job)
             batch = self.link.engine.write(
                 job.peer, self.staging.segment, job.rsegs[j], staged.runs
@@ -647,11 +675,28 @@ class WriterHost(WorkerHost):
             job.next_stage = (triples, staged)
 
     def _staged_written(self, job: Job, staged: Staged, batch: Batch) -> None:
-        """A staged batch settled: its slot goes back (the transport reads it no more),
-        then as :meth:`_written`."""
+        """A staged batch settled: its slot goes back once the transport reads it no more
+        (a failed batch may still have puts in flight: then at a later poll,
+        :meth:`_release_read_slots`), then as :meth:`_written`."""
         assert self.staging is not None
-        self.staging.release(staged)
+        if self.link.engine.reading(batch):
+            self.slots_being_read.append((staged, batch))
+        else:
+            self.staging.release(staged)
         self._written(job, batch)
+
+    def _release_read_slots(self) -> None:
+        """Give back the slots of failed batches whose last puts have completed."""
+        if not self.slots_being_read:
+            return
+        assert self.staging is not None
+        still = []
+        for staged, batch in self.slots_being_read:
+            if self.link.engine.reading(batch):
+                still.append((staged, batch))
+            else:
+                self.staging.release(staged)
+        self.slots_being_read = still
 
     def _post_waiting(self) -> None:
         """Jobs that waited for a staging slot post, while slots are free (from the poll,
@@ -661,7 +706,7 @@ class WriterHost(WorkerHost):
 
     def _written(self, job: Job, batch: Batch) -> None:
         ok = batch.peek() is BatchStatus.COMPLETED
-        if not ok and job.book.state is WriterState.WRITING:
+        if not ok and job.book.state in (WriterState.WRITING, WriterState.COMPUTING_PLANNED):
             job.abort_source, job.abort_reason = (
                 AbortSource.TRANSFER,
                 f"write failed: {batch.error}",

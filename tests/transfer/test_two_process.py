@@ -46,6 +46,17 @@ def test_scattered_write_byte_exact(link):
     assert link.eng.counters.bytes_written == 256 * (16 << 10)
 
 
+def test_a_settled_batch_no_longer_reads_its_memory(link):
+    """``reading``: a batch's local bytes may be touched while any of its operations is
+    posted and not completed; a completed one touches them no more."""
+    src = link.eng.register(np.zeros(1 << 20, dtype=np.uint8))
+    pages = scattered_pages(16, 4096, src.length, link.rseg.length, seed=7)
+    batch = link.eng.write(link.peer, src, link.rseg, pages)
+    batch.wait(10.0)
+    assert batch.status() is BatchStatus.COMPLETED
+    assert not link.eng.reading(batch)
+
+
 def test_write_notify_rounds_checked_on_arrival(link):
     src = link.eng.register(np.zeros(4 << 20, dtype=np.uint8))
     for k in range(25):

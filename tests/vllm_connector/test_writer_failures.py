@@ -1,0 +1,197 @@
+"""A prefill worker's failures that are its own (cluster/vllm/writer_host.py): each ends its
+job through the protocol (the owner told why, the ack after what is in flight, every
+staging slot given back), whatever input or thread it came from, and an owner that asks
+again is answered again."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (.ci/vllm.sh builds its venv)")
+
+from writer_fakes import TOKENS, abort, make_writer, plan, sender
+
+from kvferry.cluster.vllm import staging as staging_module
+from kvferry.cluster.vllm import wire
+from kvferry.cluster.vllm.connector import _WorkerSide
+from kvferry.cluster.vllm.metrics import KvferryStats
+from kvferry.cluster.vllm.staging import Staging
+from kvferry.engine.protocol.writer import WriterState
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["cut", "broken-whole"])
+def test_a_reason_longer_than_an_abort_carries_is_cut_and_acked(monkeypatch, broken):
+    """A job fails with a reason of 10,000 characters (an exception's text): the ABORT
+    carries its first 4,096 and the ack follows the batches in flight. Broken mode: the
+    reason sent whole does not encode, and the owner is never told (it waits for its
+    transfer timeout; where the ack was due in the same row, it never goes)."""
+    if broken:
+        monkeypatch.setattr(wire, "clip_reason", lambda reason: reason)
+    wr = make_writer(monkeypatch)
+    wr.hand_over()
+    wr.host.on_plan(sender(0), plan(0, wr.dsts[0], TOKENS))
+    failure = RuntimeError("x" * 10_000)
+    if broken:
+        with pytest.raises(Exception, match="4096"):
+            wr.host.fail_request("r", failure)
+        wr.settle_all()
+        assert not wr.link.of(wire.ABORT)
+        return
+    wr.host.fail_request("r", failure)
+    wr.settle_all()
+    (told,) = wr.link.of(wire.ABORT)
+    assert len(told["reason"]) == wire.MAX_REASON and told["reason"].endswith("...")
+    assert len(wr.link.of(wire.ABORT_ACK)) == 1
+    assert wr.host.prompts["r"].jobs[0].book.state is WriterState.ABORTED
+
+
+def test_a_plan_that_names_many_heads_is_refused_in_a_short_reason(monkeypatch):
+    """A PLAN naming 1,500 heads (the wire takes 4,096) is refused; the reason names the
+    list's ends and its length, not every head."""
+    wr = make_writer(monkeypatch)
+    wr.hand_over()
+    wr.host.on_plan(sender(0), plan(0, wr.dsts[0], TOKENS, heads=list(range(1500))))
+    wr.settle_all()
+    (told,) = wr.link.of(wire.ABORT)
+    assert (
+        "asks for heads [0, 1, " in told["reason"]
+        and "1498, 1499] (1500 of them)" in told["reason"]
+    )
+    assert len(told["reason"]) < 300
+    assert len(wr.link.of(wire.ABORT_ACK)) == 1
+
+
+def _gather_fails_at(monkeypatch, call: int) -> None:
+    real = staging_module.copy_runs
+    calls = [0]
+
+    def copy(dst, src, runs, *rest):
+        calls[0] += 1
+        if calls[0] == call:
+            raise RuntimeError("the device said no")
+        return real(dst, src, runs, *rest)
+
+    monkeypatch.setattr(staging_module, "copy_runs", copy)
+
+
+@pytest.mark.parametrize("call", [1, 2], ids=["its-own-gather", "the-gather-ahead"])
+@pytest.mark.parametrize("broken", [False, True], ids=["given-back", "broken-kept"])
+def test_a_gather_that_fails_fails_its_job_and_gives_its_slot_back(monkeypatch, call, broken):
+    """The gather of a staged batch raises on its thread (a CUDA error, a buffer of the
+    wrong device): its job fails, the owner is told why with the request, the ack
+    follows the batches in flight, and every slot is free again. Broken mode: a slot
+    kept after a failed gather, lost to every later request."""
+    if broken:
+        release = Staging.release
+        monkeypatch.setattr(
+            Staging,
+            "release",
+            lambda self, staged: None if staged.ready.exception() else release(self, staged),
+        )
+    _gather_fails_at(monkeypatch, call)
+    wr = make_writer(monkeypatch, staging_slots=2)
+    assert wr.staging is not None
+    wr.hand_over()
+    wr.host.on_plan(sender(0), plan(0, wr.dsts[0], TOKENS))
+    wr.settle_all()
+    (told,) = wr.link.of(wire.ABORT)
+    assert told["source"] == "internal" and "RuntimeError: the device said no" in told["reason"]
+    assert len(wr.link.of(wire.ABORT_ACK)) == 1
+    assert wr.host.prompts["r"].jobs[0].book.state is WriterState.ABORTED
+    assert (len(wr.staging.free) == 2) is not broken
+
+
+@pytest.mark.parametrize("part_bytes", [16384, 1 << 20], ids=["of-a-part", "of-the-load"])
+def test_a_failed_batch_tells_the_owner_why(monkeypatch, part_bytes):
+    """A batch fails on the wire, in a pipelined load's first part or in a load of one
+    part: the owner's ABORT names the transfer and the failure either way."""
+    wr = make_writer(monkeypatch, staging_slots=0, part_bytes=part_bytes)
+    wr.hand_over()
+    wr.host.on_plan(sender(0), plan(0, wr.dsts[0], TOKENS))
+    wr.engine.finish(0, fail=True)
+    wr.host.settle()
+    wr.settle_all()
+    (told,) = wr.link.of(wire.ABORT)
+    assert told["source"] == "transfer" and told["reason"].startswith("write failed")
+
+
+def test_an_owner_that_aborts_again_after_the_job_ended_is_acked_again(monkeypatch):
+    """TP 1 -> TP 2: decode worker 0's job ended (landed and noticed; or aborted and
+    acked) while worker 1's goes on, so the prompt lives. An ABORT from worker 0 then
+    (its retry, the first ack lost) is acked again, over the endpoint it came from."""
+    for first in ("landed", "aborted"):
+        wr = make_writer(monkeypatch, staging_slots=0, part_bytes=1 << 20)
+        wr.hand_over()
+        for d in range(2):
+            wr.host.on_plan(sender(d), plan(d, wr.dsts[d], TOKENS))
+        if first == "aborted":
+            wr.host.on_owner_abort(sender(0), abort(0))
+        wr.settle_all(rseg=b"x0")
+        job = wr.host.prompts["r"].jobs[0]
+        ended = WriterState.DONE if first == "landed" else WriterState.ABORTED
+        assert job.book.state is ended and "r@tp0" not in wr.host.jobs
+        acks = len(wr.link.of(wire.ABORT_ACK))
+        wr.host.on_owner_abort(sender(0), abort(0))
+        wr.host.settle()
+        assert len(wr.link.of(wire.ABORT_ACK)) == acks + 1, first
+        assert "r@tp0" not in wr.host.jobs  # ended again, its book let go
+
+
+def test_a_message_a_host_cannot_act_on_fails_its_request_and_the_loop_goes_on():
+    """A message that decodes but raises in a host (a bug, or input its checks missed)
+    is counted, its request fails on that host, and the poll goes on."""
+    failed: list[tuple[str | None, str]] = []
+
+    def broken_plan(msg, m):
+        raise KeyError("regions")
+
+    side = object.__new__(_WorkerSide)
+    side.stats = KvferryStats()
+    side.writer = SimpleNamespace(
+        on_plan=broken_plan, fail_request=lambda rid, exc: failed.append((rid, str(exc)))
+    )
+    side.owner = SimpleNamespace(fail_request=lambda rid, exc: failed.append(("owner", rid)))
+    wr_plan = wire.encode(
+        wire.PLAN,
+        rid="p-1",
+        orid="d-1",
+        blocks=[1],
+        gens=[1],
+        tokens=16,
+        regions={},
+        descs=[],
+        tp_rank=0,
+        tp_size=1,
+        kv_heads=4,
+        heads=[0, 1, 2, 3],
+    )
+    side._on_message(SimpleNamespace(payload=wr_plan, sender_name="decode0"))
+    assert failed == [("p-1", "'regions'")]
+    assert side.stats.data["internal_errors"] == 1
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["after-its-puts", "broken-at-failure"])
+def test_a_failed_batchs_slot_goes_back_only_once_its_puts_are_done(monkeypatch, broken):
+    """A staged batch fails part way (its post failed after some puts went out, which
+    complete later): the job fails at once, but its staging slot goes back only once the
+    transport reads it no more, so no other batch is gathered under those puts. Broken
+    mode: the slot back as the batch fails."""
+    wr = make_writer(monkeypatch, staging_slots=2)
+    assert wr.staging is not None
+    if broken:
+        monkeypatch.setattr(type(wr.engine), "reading", lambda self, batch: False)
+    wr.hand_over()
+    wr.host.on_plan(sender(0), plan(0, wr.dsts[0], TOKENS))
+    failed = wr.engine.finish(0, fail=True, still_reading=2)
+    wr.host.settle()
+    wr.settle_all()
+    assert wr.link.of(wire.ABORT)  # the job failed at once
+    if broken:
+        assert len(wr.staging.free) == 2  # given back under the puts in flight
+        return
+    assert len(wr.staging.free) == 1  # the failed batch's slot still read
+    failed.outstanding = 0
+    wr.host.settle()
+    assert len(wr.staging.free) == 2

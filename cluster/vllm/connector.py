@@ -394,6 +394,7 @@ class _WorkerSide:
             TransferConfig(
                 transports=settings.transports,
                 name=f"kvferry-{self.engine_id}-tp{self.tp_rank}",
+                max_message_bytes=wire.MESSAGE_BYTES,
             )
         )
         self.link = Link(self.engine)

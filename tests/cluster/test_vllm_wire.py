@@ -4,6 +4,8 @@ input raises MalformedMessage and nothing else. No vLLM needed."""
 
 from __future__ import annotations
 
+import random
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -112,3 +114,43 @@ def test_random_bytes_raise_only_malformed(data):
         wire.decode(data)
     except wire.MalformedMessage:
         pass
+
+
+def test_a_million_token_loads_messages_fit_the_connectors_engine():
+    """A NOTICE and a PLAN of a 1,048,576-token prompt at block size 16 (65,536 blocks,
+    each with a 64-bit checksum and a generation) fit the connector's engine
+    (wire.MESSAGE_BYTES, within the transport's largest message); at the engine's
+    default of 256 KiB the NOTICE would not (the load would fail after every byte had
+    moved: "the notice could not be sent")."""
+    from kvferry.transfer import TransferConfig
+    from kvferry.transfer.protocol import MAX_PAYLOAD
+
+    blocks = list(range(1 << 16))
+    rng = random.Random(0)
+    notice = wire.encode(
+        wire.NOTICE,
+        rid="cmpl-" + "x" * 40,
+        orid="cmpl-" + "y" * 40,
+        tokens=1 << 20,
+        blocks=blocks,
+        gens=[rng.randrange(1 << 20) for _ in blocks],
+        checksums=[rng.randrange(-(1 << 63), 1 << 63) for _ in blocks],
+        bytes=1 << 36,
+    )
+    plan = wire.encode(
+        wire.PLAN,
+        rid="cmpl-" + "x" * 40,
+        orid="cmpl-" + "y" * 40,
+        blocks=blocks,
+        gens=[rng.randrange(1 << 20) for _ in blocks],
+        tokens=1 << 20,
+        regions={"layers": [{"name": f"model.layers.{i}.attn"} for i in range(80)]},
+        descs=[b"d" * 200] * 4,
+        tp_rank=0,
+        tp_size=8,
+        kv_heads=8,
+        heads=[0],
+    )
+    assert wire.MESSAGE_BYTES <= MAX_PAYLOAD
+    assert len(notice) <= wire.MESSAGE_BYTES and len(plan) <= wire.MESSAGE_BYTES
+    assert len(notice) > TransferConfig().max_message_bytes  # the default would refuse it

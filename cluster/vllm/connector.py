@@ -248,6 +248,12 @@ class _SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         if self.is_consumer and params.get("do_remote_prefill"):
+            try:
+                _remote(params, request.request_id)
+            except BadRemoteParams as exc:  # a client's own: the prompt is computed here
+                log.error("request %s: no remote prefill: %s", request.request_id, exc)
+                params["do_remote_prefill"] = False
+                return 0, False
             count = len(request.prompt_token_ids) - num_computed
             if count > 0:
                 return count, True
@@ -258,7 +264,7 @@ class _SchedulerSide:
         if not (self.is_consumer and params.get("do_remote_prefill")):
             return
         params["do_remote_prefill"] = False  # staged once, even if vLLM calls twice
-        remote = _remote(params)
+        remote = _remote(params, request.request_id)  # checked by get_num_new_matched_tokens
         if num_external > 0:
             groups = blocks.get_unhashed_block_ids_all_groups()
             if len(groups) != 1:
@@ -299,9 +305,19 @@ class _SchedulerSide:
             # Rejected (or aborted) before any block was allocated: the prefill still
             # holds the prompt's blocks and must be told.
             params["do_remote_prefill"] = False
-            self.meta.refuse[rid] = _remote(params)
+            try:
+                self.meta.refuse[rid] = _remote(params, rid)
+            except BadRemoteParams as exc:
+                log.error("request %s: the prefill cannot be told to free: %s", rid, exc)
             return False, None
         if not (self.is_producer and params.get("do_remote_decode")):
+            return False, None
+        if len(rid) > wire.MAX_REQUEST_ID:
+            log.error(
+                "request %s...: not sent to a decode: its id has %d characters, the wire "
+                "carries %d",
+                rid[:64], len(rid), wire.MAX_REQUEST_ID,
+            )  # fmt: skip
             return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None  # aborted at the prefill: no decode will ask for it
@@ -363,14 +379,34 @@ class _SchedulerSide:
             self.side.close()
 
 
-def _remote(params: dict[str, Any]) -> dict[str, Any]:
+class BadRemoteParams(ValueError):
+    """A request's ``kv_transfer_params`` that name no prefill kvferry can load from."""
+
+
+def _remote(params: dict[str, Any], rid: str) -> dict[str, Any]:
+    """The prefill a decode request ``rid`` loads from, as its ``kv_transfer_params``
+    (a client's input) name it; BadRemoteParams says what does not parse."""
+    try:
+        remote_rid = str(params.get("remote_request_id", ""))
+        port = int(params.get("remote_port") or 0)
+        tp_size = int(params.get("tp_size") or 0)
+        src = [int(b) for b in params.get("remote_block_ids") or ()]
+    except (TypeError, ValueError) as exc:
+        raise BadRemoteParams(f"kv_transfer_params do not parse: {exc}") from None
+    for what, value in (("request id", rid), ("remote_request_id", remote_rid)):
+        if len(value) > wire.MAX_REQUEST_ID:
+            raise BadRemoteParams(
+                f"its {what} has {len(value)} characters, the wire carries {wire.MAX_REQUEST_ID}"
+            )
+    if not 0 <= port < 1 << 16 or tp_size < 0:
+        raise BadRemoteParams(f"remote_port {port}, tp_size {tp_size}")
     return {
         "engine": str(params.get("remote_engine_id", "")),
         "host": str(params.get("remote_host", "")),
-        "port": int(params.get("remote_port") or 0),
-        "rid": str(params.get("remote_request_id", "")),
-        "tp_size": int(params.get("tp_size") or 0),
-        "src": [int(b) for b in params.get("remote_block_ids") or ()],
+        "port": port,
+        "rid": remote_rid,
+        "tp_size": tp_size,
+        "src": src,
     }
 
 
@@ -385,6 +421,8 @@ class _WorkerSide:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        # an ABORT no load of ours claims is an owner's for our send only where we send
+        self.sends = vllm_config.kv_transfer_config.kv_role in ("kv_producer", "kv_both")
         self.tp_rank, self.tp_size = _tp(vllm_config)
         self.kv_heads = _kv_heads(vllm_config)
         self.layout = str(getattr(vllm_config.cache_config, "kv_cache_layout", None) or "?")
@@ -526,13 +564,15 @@ class _WorkerSide:
         except Exception as exc:
             self.stats.count("internal_errors")
             log.error(
-                "kvferry: request %s: a %s from %s could not be acted on: %s: %s",
-                m.get("rid"), m["k"].name, msg.sender_name, type(exc).__name__, exc,
+                "kvferry: request %s (decode) / %s (prefill): a %s from %s could not be acted "
+                "on: %s: %s",
+                m.get("orid"), m.get("rid"), m["k"].name, msg.sender_name, type(exc).__name__, exc,
             )  # fmt: skip
+            # rid names the prefill's request, orid the decode's, whichever way it goes
             if m["k"] in (wire.PLAN, wire.ABORT):
                 self.writer.fail_request(m.get("rid"), exc)
             if m["k"] is not wire.PLAN:
-                self.owner.fail_request(m.get("rid"), exc)
+                self.owner.fail_request(m.get("orid"), exc)
 
     def _act_on(self, msg: Any, m: dict[str, Any]) -> None:
         kind = m["k"]
@@ -542,8 +582,10 @@ class _WorkerSide:
             found = self.owner.load_from(msg, m)
             if found is not None:  # a writer's own abort, to us as its owner
                 self.owner.on_writer_abort(*found, m)
-            else:
+            elif self.sends:
                 self.writer.on_owner_abort(msg, m)
+            else:  # a writer's, late (its load ended here) or of an incarnation not its
+                self.stats.count("stale_messages")
         elif kind in (wire.NOTICE_PART, wire.NOTICE, wire.ABORT_ACK):
             found = self.owner.load_from(msg, m)
             if found is None:

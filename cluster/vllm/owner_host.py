@@ -84,6 +84,9 @@ from .sidechannel import Fetcher
 log = logging.getLogger("kvferry.vllm")
 
 WRITER = 0  # a load's first writer (writers are numbered by their place in Load.links)
+# a prefill's failed handshake fails the loads that wait for it; a load that comes this
+# long after asks again (the prefill may have been starting, or has restarted)
+HANDSHAKE_RETRY_S = 5.0
 
 
 class QuarantineBreach(RuntimeError):
@@ -441,7 +444,8 @@ class OwnerHost(WorkerHost):
         self.me = me
         self.loads: dict[str, Load] = {}
         self.handshakes: dict[tuple[str, int], dict[str, Any]] = {}
-        self.handshake_errors: dict[tuple[str, int], str] = {}
+        # a failed handshake: why, and when it failed
+        self.handshake_errors: dict[tuple[str, int], tuple[str, float]] = {}
         self.fetcher = Fetcher(self.settings.handshake_timeout_s, self.settings.key)
         self._pending_aborts: list[tuple[Load, AbortSource, str]] = []  # for a handshake
         self.finished_recving: set[str] = set()
@@ -752,7 +756,7 @@ class OwnerHost(WorkerHost):
         for key, hs, err in self.fetcher.take():
             arrived = True
             if hs is None:
-                self.handshake_errors[key] = err
+                self.handshake_errors[key] = (err, self.clock.now())
             else:
                 self.handshakes[key] = hs
         if arrived:
@@ -787,10 +791,14 @@ class OwnerHost(WorkerHost):
     def _handshake(self, remote: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
         key = (remote["host"], remote["port"])
         if key in self.handshake_errors:
-            return None, (
-                f"cannot connect to prefill engine {remote.get('engine', '?')}: its handshake "
-                f"at {key[0]}:{key[1]} failed: {self.handshake_errors[key]}"
-            )
+            err, at = self.handshake_errors[key]
+            if self.clock.now() - at < HANDSHAKE_RETRY_S:
+                return None, (
+                    f"cannot connect to prefill engine {remote.get('engine', '?')}: its "
+                    f"handshake at {key[0]}:{key[1]} failed: {err}"
+                )
+            del self.handshake_errors[key]  # asked again; the load waits for the answer
+            self.fetcher.ask(key, again=True)
         return self.handshakes.get(key), ""
 
     def _shapes(self, hs: dict[str, Any]) -> tuple[EngineShape, EngineShape]:

@@ -345,9 +345,10 @@ class Fetcher:
         )
         self.asked: set[tuple[str, int]] = set()
 
-    def ask(self, key: tuple[str, int]) -> None:
-        """Fetch ``key``'s handshake once (so a refusal is logged once per side channel)."""
-        if key in self.asked:
+    def ask(self, key: tuple[str, int], again: bool = False) -> None:
+        """Fetch ``key``'s handshake once (so a refusal is logged once per side channel);
+        ``again``: once more, after the last fetch failed."""
+        if key in self.asked and not again:
             return
         self.asked.add(key)
 

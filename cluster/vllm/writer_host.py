@@ -192,6 +192,9 @@ class WriterWire:
             job.inflight.append((ack, lambda _batch: flushed()))
 
 
+TERMINAL = (WriterState.DONE, WriterState.ABORTED)
+
+
 def _listed(values: Any, most: int = 16) -> str:
     """``values`` for a message: whole up to ``most``, else its ends and its length."""
     xs = [int(v) for v in values]
@@ -355,6 +358,17 @@ class WriterHost(WorkerHost):
             return
         prompt = self._prompt(rid)
         job = prompt.jobs.get(decode_rank) or self._new_job(prompt, decode_rank)
+        if job.plan is not None and job.orid != orid:
+            # another decode request names ours (a router's retry, params that lie): it
+            # fails at once, acked (nothing of ours goes into its blocks); ours goes on
+            reason = (
+                f"request {rid} at prefill worker tp{self.tp_rank} is planned by decode "
+                f"request {job.orid} already"
+            )
+            log.warning("request %s: the plan of decode request %s refused: %s", jid, orid, reason)
+            self.link.send(peer, self.abort_payload(rid, orid, AbortSource.PREFILL, reason), rid)
+            self.link.notify(peer, wire.encode(wire.ABORT_ACK, rid=rid, orid=orid), rid)
+            return
         if job.plan is not None:
             log.warning("request %s: a second plan (from %s) ignored", jid, msg.sender_name)
             return
@@ -425,12 +439,21 @@ class WriterHost(WorkerHost):
             self._expect(prompt, EngineShape(int(m["kv_heads"]), int(m["tp_size"])))
             job = self._new_job(prompt, decode_rank)
             self.stats.abort(m["source"])
+        elif job.orid and job.orid != orid and job.book.state not in TERMINAL:
+            # Another decode request names our request (a router's retry, or params that
+            # lie): its plan was refused (or never came), so nothing of ours goes into its
+            # blocks; it is acked as it is, and the job it did not plan goes on.
+            log.warning(
+                "request %s: ABORT of decode request %s, but this job writes for %s: acked, "
+                "the job goes on",
+                jid, orid, job.orid,
+            )  # fmt: skip
+            if peer is not None:
+                self.link.notify(peer, wire.encode(wire.ABORT_ACK, rid=rid, orid=orid), jid)
+            return
         else:
             self.stats.abort(m["source"])
-            if (
-                job.book.state in (WriterState.DONE, WriterState.ABORTED)
-                and self.jobs.get(jid) is not job
-            ):
+            if job.book.state in TERMINAL and self.jobs.get(jid) is not job:
                 # ended and settled while the prompt's other jobs go on: its book again,
                 # for the row that acks once more (nothing of it is in flight), over the
                 # endpoint this abort came from

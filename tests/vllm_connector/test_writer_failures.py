@@ -139,36 +139,28 @@ def test_an_owner_that_aborts_again_after_the_job_ended_is_acked_again(monkeypat
         assert "r@tp0" not in wr.host.jobs  # ended again, its book let go
 
 
-def test_a_message_a_host_cannot_act_on_fails_its_request_and_the_loop_goes_on():
+@pytest.mark.parametrize("kind", ["PLAN", "NOTICE"])
+def test_a_message_a_host_cannot_act_on_fails_its_request_and_the_loop_goes_on(kind):
     """A message that decodes but raises in a host (a bug, or input its checks missed)
-    is counted, its request fails on that host, and the poll goes on."""
-    failed: list[tuple[str | None, str]] = []
-
-    def broken_plan(msg, m):
-        raise KeyError("regions")
-
-    side = object.__new__(_WorkerSide)
-    side.stats = KvferryStats()
-    side.writer = SimpleNamespace(
-        on_plan=broken_plan, fail_request=lambda rid, exc: failed.append((rid, str(exc)))
-    )
-    side.owner = SimpleNamespace(fail_request=lambda rid, exc: failed.append(("owner", rid)))
-    wr_plan = wire.encode(
-        wire.PLAN,
-        rid="p-1",
-        orid="d-1",
-        blocks=[1],
-        gens=[1],
-        tokens=16,
-        regions={},
-        descs=[],
-        tp_rank=0,
-        tp_size=1,
-        kv_heads=4,
-        heads=[0, 1, 2, 3],
-    )
-    side._on_message(SimpleNamespace(payload=wr_plan, sender_name="decode0"))
-    assert failed == [("p-1", "'regions'")]
+    is counted and fails its request on that host, named as that host keys it (a PLAN's
+    at the prefill by rid, a NOTICE's at the decode by orid), and the poll goes on."""
+    if kind == "PLAN":
+        side, calls = _side(sends=True, failing="writer.on_plan")
+        payload = wire.encode(
+            wire.PLAN, rid="p-1", orid="d-1", blocks=[1], gens=[1], tokens=16, regions={},
+            descs=[], tp_rank=0, tp_size=1, kv_heads=4, heads=[0, 1, 2, 3],
+        )  # fmt: skip
+        want = [("writer.fail_request", "p-1")]
+    else:
+        side, calls = _side(sends=True, failing="owner.on_notice")
+        side.owner.load_from = lambda msg, m: (object(), 0)
+        payload = wire.encode(
+            wire.NOTICE, rid="p-1", orid="d-1", tokens=16, blocks=[1], gens=[1],
+            checksums=[7], bytes=4096,
+        )  # fmt: skip
+        want = [("owner.fail_request", "d-1")]
+    side._on_message(SimpleNamespace(payload=payload, sender_name="peer0"))
+    assert calls == want
     assert side.stats.data["internal_errors"] == 1
 
 
@@ -195,3 +187,78 @@ def test_a_failed_batchs_slot_goes_back_only_once_its_puts_are_done(monkeypatch,
     failed.outstanding = 0
     wr.host.settle()
     assert len(wr.staging.free) == 2
+
+
+def _side(sends: bool, failing: str | None = None):
+    """A worker side over recording hosts; ``failing``: the host method that raises."""
+    calls: list[tuple[str, str | None]] = []
+
+    def record(name):
+        def call(*args):
+            if name == failing:
+                raise KeyError("regions")
+            calls.append((name, args[0] if args and isinstance(args[0], str) else None))
+
+        return call
+
+    side = object.__new__(_WorkerSide)
+    side.stats = KvferryStats()
+    side.sends = sends
+    side.writer = SimpleNamespace(
+        on_plan=record("writer.on_plan"),
+        on_owner_abort=record("writer.on_owner_abort"),
+        fail_request=lambda rid, exc: calls.append(("writer.fail_request", rid)),
+    )
+    side.owner = SimpleNamespace(
+        load_from=lambda msg, m: None,
+        on_notice=record("owner.on_notice"),
+        fail_request=lambda rid, exc: calls.append(("owner.fail_request", rid)),
+    )
+    return side, calls
+
+
+def _abort_from(rid: str, orid: str) -> bytes:
+    return wire.encode(
+        wire.ABORT, rid=rid, orid=orid, source="transfer", reason="late", tp_rank=0,
+        tp_size=1, kv_heads=4,
+    )  # fmt: skip
+
+
+def test_a_late_writers_abort_at_a_decode_only_engine_is_stale_not_an_owners():
+    """An ABORT no load of this worker claims (its load ended here, or it comes from
+    another incarnation) is an owner's abort of a send only on an engine that sends; on a
+    decode-only engine it is counted stale, and no prompt or ack is made of it."""
+    side, calls = _side(sends=False)
+    side._on_message(SimpleNamespace(payload=_abort_from("p-1", "d-1"), sender_name="prefill0"))
+    assert calls == [] and side.stats.data["stale_messages"] == 1
+    side, calls = _side(sends=True)
+    side._on_message(SimpleNamespace(payload=_abort_from("p-1", "d-1"), sender_name="decode0"))
+    assert calls == [("writer.on_owner_abort", None)]
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["by-its-decode-request", "broken-by-rank"])
+def test_a_second_decode_request_naming_ours_neither_plans_nor_aborts_it(monkeypatch, broken):
+    """Two decode requests of one decode worker name our request (a router's retry, or
+    params that lie). The second's PLAN is refused at once (ABORT and ack to it: nothing
+    of ours goes into its blocks), and its client's ABORT is acked as its own; the first
+    one's job goes on and lands. Broken mode: an abort matched by the decode rank alone
+    aborts the first one's job."""
+    wr = make_writer(monkeypatch, staging_slots=0, part_bytes=1 << 20)
+    wr.hand_over()
+    wr.host.on_plan(sender(0), plan(0, wr.dsts[0], TOKENS))  # decode request d-r
+    second = {**plan(0, wr.dsts[0], TOKENS), "orid": "d-r2"}
+    wr.host.on_plan(sender(0), second)
+    refused = [m for m in wr.link.of(wire.ABORT) if m["orid"] == "d-r2"]
+    assert refused and "planned by decode request d-r already" in refused[0]["reason"]
+    assert [m["orid"] for m in wr.link.of(wire.ABORT_ACK)] == ["d-r2"]
+    job = wr.host.prompts["r"].jobs[0]
+    if broken:
+        job.orid = ""  # the job's owner unknown: an abort is matched by the rank alone
+    wr.host.on_owner_abort(sender(0), {**abort(0), "orid": "d-r2"})
+    wr.settle_all()
+    if broken:
+        assert job.book.state is WriterState.ABORTED
+        return
+    assert [m["orid"] for m in wr.link.of(wire.ABORT_ACK)] == ["d-r2", "d-r2"]
+    assert job.book.state is WriterState.DONE
+    assert [m["orid"] for m in wr.link.of(wire.NOTICE)] == ["d-r"]

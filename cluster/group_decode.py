@@ -149,6 +149,11 @@ class AttendJob:
     failed: dict[str, str]
     table: torch.Tensor | None = None
 
+    def keep(self, kept: list[int]) -> None:
+        """Only the entries of ``batch`` (and ``rows``) at ``kept`` are attended."""
+        self.rows = [self.rows[i] for i in kept]
+        self.batch = [self.batch[i] for i in kept]
+
 
 def _to_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
@@ -409,10 +414,13 @@ class GroupDecode:
         # every page's canaries too): the deadline grows once this one's is timed
         expected = self.own_s_by_layer.get(gs.query.layer, gs.own_s)
         gs.asked_at = self.owner.clock.now()
-        gs.deadline_s = self.reply_s + SLOWER_MEMBER_FACTOR * expected
-        gs.timer = self.rt.call_later(
-            gs.deadline_s, functools.partial(self._expired, gs, gs.deadline_s)
-        )
+        self._arm(gs, self.reply_s + SLOWER_MEMBER_FACTOR * expected)
+
+    def _arm(self, gs: GroupStep, deadline_s: float) -> None:
+        """The members' reply is due ``deadline_s`` after the ask."""
+        gs.deadline_s = deadline_s
+        left = max(0.0, gs.asked_at + deadline_s - self.owner.clock.now())
+        gs.timer = self.rt.call_later(left, functools.partial(self._expired, gs))
 
     def _measured(self, gs: GroupStep) -> None:
         """The lead's own share of the asked layer is in: a member has ``reply_s`` plus
@@ -422,11 +430,9 @@ class GroupDecode:
         if not gs.waiting or gs.timer is None or wanted <= gs.deadline_s:
             return
         gs.timer.cancel()
-        gs.deadline_s = wanted
-        left = max(0.0, gs.asked_at + wanted - self.owner.clock.now())
-        gs.timer = self.rt.call_later(left, functools.partial(self._expired, gs, wanted))
+        self._arm(gs, wanted)
 
-    def _expired(self, gs: GroupStep, deadline: float) -> None:
+    def _expired(self, gs: GroupStep) -> None:
         if self.step is not gs or not gs.waiting:
             return
         assert gs.query is not None
@@ -435,7 +441,7 @@ class GroupDecode:
             gs,
             GroupStepError(
                 f"decode group step {gs.number}: member ranks {ranks} sent no attention for "
-                f"layer {gs.query.layer} within {deadline:.1f} s"
+                f"layer {gs.query.layer} within {gs.deadline_s:.1f} s"
             ),
         )
 
@@ -599,20 +605,16 @@ class GroupDecode:
         ATTEND was queued has freed its pages, which may be another request's by now, so
         it goes into ``failed`` and nothing is written for it (I4). None (answered
         already) when no request is left to attend."""
-        keep = [i for i, r in enumerate(job.batch) if self._still_attends(job, job.rows[i], r)]
-        if len(keep) < len(job.batch):
-            job.rows = [job.rows[i] for i in keep]
-            job.batch = [job.batch[i] for i in keep]
+        job.keep([i for i, r in enumerate(job.batch) if self._still_attends(job, job.rows[i], r)])
         table = self.path.page_table(job.batch) if job.batch else None
         if table is not None and self.path.integrity and job.layer == 0:
-            keep = self.path.still_owned(job.batch, table)
-            if len(keep) < len(job.batch):
+            kept = self.path.still_owned(job.batch, table)
+            if len(kept) < len(job.batch):
                 for i, r in enumerate(job.batch):
-                    if i not in keep:
+                    if i not in kept:
                         why = f"page ownership check on rank {self.rt.rank}: {r.error}"
                         job.failed[r.rid] = why
-                job.rows = [job.rows[i] for i in keep]
-                job.batch = [job.batch[i] for i in keep]
+                job.keep(kept)
                 table = self.path.page_table(job.batch) if job.batch else None
         if table is None:
             self._reply(job.lead, job.step, job.layer, job.rids, b"", job.failed)

@@ -312,12 +312,10 @@ class _SchedulerSide:
             return False, None
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
-        if len(rid) > wire.MAX_REQUEST_ID:
-            log.error(
-                "request %s...: not sent to a decode: its id has %d characters, the wire "
-                "carries %d",
-                rid[:64], len(rid), wire.MAX_REQUEST_ID,
-            )  # fmt: skip
+        try:
+            _check_id("request id", rid)
+        except BadRemoteParams as exc:
+            log.error("request %s...: not sent to a decode: %s", rid[:64], exc)
             return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None  # aborted at the prefill: no decode will ask for it
@@ -383,6 +381,14 @@ class BadRemoteParams(ValueError):
     """A request's ``kv_transfer_params`` that name no prefill kvferry can load from."""
 
 
+def _check_id(what: str, rid: str) -> None:
+    """BadRemoteParams when ``rid`` is longer than the wire carries."""
+    if len(rid) > wire.MAX_REQUEST_ID:
+        raise BadRemoteParams(
+            f"its {what} has {len(rid)} characters, the wire carries {wire.MAX_REQUEST_ID}"
+        )
+
+
 def _remote(params: dict[str, Any], rid: str) -> dict[str, Any]:
     """The prefill a decode request ``rid`` loads from, as its ``kv_transfer_params``
     (a client's input) name it; BadRemoteParams says what does not parse."""
@@ -393,11 +399,8 @@ def _remote(params: dict[str, Any], rid: str) -> dict[str, Any]:
         src = [int(b) for b in params.get("remote_block_ids") or ()]
     except (TypeError, ValueError) as exc:
         raise BadRemoteParams(f"kv_transfer_params do not parse: {exc}") from None
-    for what, value in (("request id", rid), ("remote_request_id", remote_rid)):
-        if len(value) > wire.MAX_REQUEST_ID:
-            raise BadRemoteParams(
-                f"its {what} has {len(value)} characters, the wire carries {wire.MAX_REQUEST_ID}"
-            )
+    _check_id("request id", rid)
+    _check_id("remote_request_id", remote_rid)
     if not 0 <= port < 1 << 16 or tp_size < 0:
         raise BadRemoteParams(f"remote_port {port}, tp_size {tp_size}")
     return {

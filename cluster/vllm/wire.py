@@ -26,6 +26,7 @@ import msgpack
 
 from kvferry.engine.protocol.words import AbortSource, Kind
 from kvferry.transfer.errors import WireError
+from kvferry.transfer.protocol import MAX_PAYLOAD
 from kvferry.transfer.wire import Codec, Field, FieldType
 
 MAX_LIST = 1 << 20  # blocks in one request (a million-token prompt at block size 1)
@@ -33,10 +34,10 @@ MAX_REQUEST_ID = 256
 MAX_HEADS = 1 << 12  # KV heads one plan names
 MAX_BLOB = 16 << 20  # regions, descriptors
 MAX_REASON = 4096  # characters of an ABORT's reason
-# the transport's largest message (kvferry.transfer's MAX_PAYLOAD): a NOTICE names every
-# block of its load with a checksum, about 14 bytes a block, and a PLAN every block and
-# generation; a million-token prompt at block size 16 makes a NOTICE of about 0.9 MiB
-MESSAGE_BYTES = 4 << 20
+# the transport's largest message: a NOTICE names every block of its load with a
+# checksum, about 14 bytes a block, and a PLAN every block and generation; a
+# million-token prompt at block size 16 makes a NOTICE of about 0.9 MiB
+MESSAGE_BYTES = MAX_PAYLOAD
 
 
 def clip_reason(reason: str) -> str:

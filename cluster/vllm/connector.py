@@ -20,6 +20,9 @@ the prefill workers that hold its heads (:mod:`.reshape`: with equal TP sizes th
 worker of the same rank, else one or several, each writing the heads it is assigned).
 The two engines may differ in TP size, block size and KV layout: rows that do not sit
 alike on both sides move as runs planned once per request, checked per decode block.
+A decode request loads only from ``kv_transfer_params`` whose ticket the prefill's
+scheduler sealed for that very prompt (:mod:`.params`): the parameters are a client's
+input, and no client can name another request's KV.
 vLLM's ``KVOutputAggregator`` reports a request to the scheduler only once every TP
 worker reported it, so the abort-ack protocol holds across every TP worker of both
 engines: each decode worker quarantines until each of its writers acked after its flush
@@ -62,6 +65,7 @@ from .link import Link
 from .loop import PollTimers, Tombstones
 from .metrics import KvferryPromMetrics, KvferryStats
 from .owner_host import OwnerHost
+from .params import TICKET, BadRemoteParams, check_id, checked, prompt_digest, seal
 from .parts import WorkerParts
 from .settings import Settings
 from .sidechannel import SideChannel
@@ -243,13 +247,24 @@ class _SchedulerSide:
         self.meta = KvferryMetadata()
         self.staged: set[str] = set()  # decode: loads not yet reported by the workers
         self.holding: set[str] = set()  # prefill: blocks held until finished_sending
+        self.remotes: dict[str, dict[str, Any]] = {}  # decode: tickets checked, not yet staged
         self.side: SideChannel | None = None
+
+    def _remote(self, request: Any) -> dict[str, Any]:
+        """The prefill decode ``request`` loads from, its ticket checked against its prompt
+        once (vLLM asks again each step the request waits for blocks)."""
+        rid = request.request_id
+        if rid not in self.remotes:
+            params = request.kv_transfer_params or {}
+            key = self.settings.key.ticket_key
+            self.remotes[rid] = checked(key, params, rid, request.prompt_token_ids)
+        return self.remotes[rid]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         if self.is_consumer and params.get("do_remote_prefill"):
             try:
-                _remote(params, request.request_id)
+                self._remote(request)
             except BadRemoteParams as exc:  # a client's own: the prompt is computed here
                 log.error("request %s: no remote prefill: %s", request.request_id, exc)
                 params["do_remote_prefill"] = False
@@ -264,7 +279,8 @@ class _SchedulerSide:
         if not (self.is_consumer and params.get("do_remote_prefill")):
             return
         params["do_remote_prefill"] = False  # staged once, even if vLLM calls twice
-        remote = _remote(params, request.request_id)  # checked by get_num_new_matched_tokens
+        remote = self._remote(request)  # checked by get_num_new_matched_tokens
+        self.remotes.pop(request.request_id, None)
         if num_external > 0:
             groups = blocks.get_unhashed_block_ids_all_groups()
             if len(groups) != 1:
@@ -296,6 +312,7 @@ class _SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         params = request.kv_transfer_params or {}
+        remote = self.remotes.pop(rid, None)
         if rid in self.staged:
             # Aborted while WAITING_FOR_REMOTE_KVS: vLLM keeps the blocks until the
             # workers report the request, which they do only with proof (I4).
@@ -305,20 +322,22 @@ class _SchedulerSide:
             # Rejected (or aborted) before any block was allocated: the prefill still
             # holds the prompt's blocks and must be told.
             params["do_remote_prefill"] = False
-            try:
-                self.meta.refuse[rid] = _remote(params, rid)
+            try:  # only a ticket's prefill request is told: never another's, a client named
+                self.meta.refuse[rid] = remote or self._remote(request)
             except BadRemoteParams as exc:
                 log.error("request %s: the prefill cannot be told to free: %s", rid, exc)
+            self.remotes.pop(rid, None)
             return False, None
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
-        try:
-            _check_id("request id", rid)
-        except BadRemoteParams as exc:
-            log.error("request %s...: not sent to a decode: %s", rid[:64], exc)
-            return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None  # aborted at the prefill: no decode will ask for it
+        try:
+            check_id("request id", rid)
+            digest = prompt_digest(request.prompt_token_ids)
+        except BadRemoteParams as exc:
+            log.error("request %s: not sent to a decode: %s", rid[:64], exc)
+            return False, None
         tokens = len(request.prompt_token_ids)
         blocks = list(block_ids[0])[: -(-tokens // self.block_size)]
         if any(len(g) for g in block_ids[1:]):
@@ -326,17 +345,24 @@ class _SchedulerSide:
             return False, None
         self.meta.send[rid] = {"blocks": blocks, "tokens": tokens}
         self.holding.add(rid)
-        host = self.side.host if self.side else self.settings.side_channel_host
-        port = self.side.port if self.side else self.settings.side_channel_port
+        remote = {
+            "engine": self.engine_id,
+            "host": self.side.host if self.side else self.settings.side_channel_host,
+            "port": self.side.port if self.side else self.settings.side_channel_port,
+            "rid": rid,
+            "tp_size": self.tp_size,
+            "src": blocks,
+        }
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_host": host,
-            "remote_port": port,
+            "remote_engine_id": remote["engine"],
+            "remote_host": remote["host"],
+            "remote_port": remote["port"],
             "remote_request_id": rid,
             "remote_block_ids": blocks,
             "tp_size": self.tp_size,
+            TICKET: seal(self.settings.key.ticket_key, remote, digest),
         }
 
     def pending(self) -> bool:
@@ -375,42 +401,6 @@ class _SchedulerSide:
     def shutdown(self) -> None:
         if self.side is not None:
             self.side.close()
-
-
-class BadRemoteParams(ValueError):
-    """A request's ``kv_transfer_params`` that name no prefill kvferry can load from."""
-
-
-def _check_id(what: str, rid: str) -> None:
-    """BadRemoteParams when ``rid`` is longer than the wire carries."""
-    if len(rid) > wire.MAX_REQUEST_ID:
-        raise BadRemoteParams(
-            f"its {what} has {len(rid)} characters, the wire carries {wire.MAX_REQUEST_ID}"
-        )
-
-
-def _remote(params: dict[str, Any], rid: str) -> dict[str, Any]:
-    """The prefill a decode request ``rid`` loads from, as its ``kv_transfer_params``
-    (a client's input) name it; BadRemoteParams says what does not parse."""
-    try:
-        remote_rid = str(params.get("remote_request_id", ""))
-        port = int(params.get("remote_port") or 0)
-        tp_size = int(params.get("tp_size") or 0)
-        src = [int(b) for b in params.get("remote_block_ids") or ()]
-    except (TypeError, ValueError) as exc:
-        raise BadRemoteParams(f"kv_transfer_params do not parse: {exc}") from None
-    _check_id("request id", rid)
-    _check_id("remote_request_id", remote_rid)
-    if not 0 <= port < 1 << 16 or tp_size < 0:
-        raise BadRemoteParams(f"remote_port {port}, tp_size {tp_size}")
-    return {
-        "engine": str(params.get("remote_engine_id", "")),
-        "host": str(params.get("remote_host", "")),
-        "port": port,
-        "rid": remote_rid,
-        "tp_size": tp_size,
-        "src": src,
-    }
 
 
 # ====================================================================== worker side

@@ -64,6 +64,7 @@ MAX_ANSWER_BYTES = 16 << 20  # every worker's address and layout, with room to s
 MAX_IN_FLIGHT = 64  # connections a server handles at once; more are refused at once
 _PROOF_LABEL = b"kvferry vllm side channel proof"
 _ANSWER_LABEL = b"kvferry vllm side channel answer"
+_TICKET_LABEL = b"kvferry vllm load ticket"
 
 NO_SECRET = (
     "kvferry connector: no handshake secret. Give kv_connector_extra_config's "
@@ -80,13 +81,15 @@ class HandshakeRefused(ConnectionError):
 
 
 class HandshakeKey:
-    """The side channel's two keys, derived from the engines' secret. ``repr`` shows the
-    cluster fingerprint (whether two engines hold the same secret, nothing more)."""
+    """The connector's keys, derived from the engines' secret: the side channel's two, and
+    the one that seals load tickets (:mod:`.params`). ``repr`` shows the cluster
+    fingerprint (whether two engines hold the same secret, nothing more)."""
 
     def __init__(self, secret: bytes) -> None:
         self.fingerprint = Trust(secret).fingerprint  # and the secret's length checked
         self._proof_key = derive(secret, _PROOF_LABEL)
         self._answer = AESGCM(derive(secret, _ANSWER_LABEL))
+        self.ticket_key = derive(secret, _TICKET_LABEL)
 
     def __repr__(self) -> str:
         return f"HandshakeKey(fingerprint={self.fingerprint})"

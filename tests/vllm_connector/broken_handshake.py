@@ -1,9 +1,12 @@
 """A deliberately broken connector for the wrong-secret case's broken mode: its side
 channel is what it was before the handshake was authenticated (the blob served to any
 client, in the clear; any answer taken). Loaded by module path in both engines; the key
-of each connector instance is switched, nothing else in the process."""
+of each connector instance is switched, and the decode, a stranger's, checks no ticket
+(stranger.py); nothing else in the process."""
 
 from typing import Any
+
+from stranger import take_tickets_unchecked
 
 from kvferry.cluster.vllm.connector import KvferryConnector as _Base
 from kvferry.cluster.vllm.sidechannel import HandshakeKey
@@ -24,3 +27,4 @@ class KvferryConnector(_Base):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.settings.key.__class__ = _OpenKey  # the Fetcher's and the SideChannel's key
+        take_tickets_unchecked(self)

@@ -175,15 +175,22 @@ def kv_caches(kcc: KVCacheConfig, layout: str) -> dict[str, torch.Tensor]:
 
 
 def request(
-    rid: str, prompt_len: int, params: dict[str, Any] | None, max_tokens: int, block: int = BLOCK
+    rid: str,
+    prompt_len: int,
+    params: dict[str, Any] | None,
+    max_tokens: int,
+    block: int = BLOCK,
+    prompt_of: str | None = None,
 ) -> Request:
+    """A request of ``prompt_len`` tokens: the prompt of request ``prompt_of`` (default
+    ``rid``; a decode request names its prefill's, whose ticket binds that prompt)."""
     global _hash_ready
     if not _hash_ready:
         init_none_hash(sha256)
         _hash_ready = True
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sp.update_from_generation_config({}, EOS)
-    seed = sum(map(ord, rid))
+    seed = sum(map(ord, prompt_of or rid))
     req = Request(
         request_id=rid,
         prompt_token_ids=[(seed * 7 + i) % 900 + 1 for i in range(prompt_len)],

@@ -136,7 +136,10 @@ def leaked(side: h.Side, limit_s: float = 5.0, blocks: int = DECODE_BLOCKS) -> i
 def add(
     side: h.Side, rid: str, params: dict[str, Any], max_tokens: int = 2, prompt: int = PROMPT
 ) -> None:
-    side.sched.add_request(h.request(rid, prompt, dict(params), max_tokens, side.block))
+    prefill_rid = params.get("remote_request_id")  # the same prompt the prefill computed
+    side.sched.add_request(
+        h.request(rid, prompt, dict(params), max_tokens, side.block, prompt_of=prefill_rid)
+    )
 
 
 def finished(side: h.Side, rid: str) -> bool:
@@ -450,16 +453,24 @@ def case_corrupt(model, prefill, unsafe: bool) -> dict[str, Any]:
         d.shutdown()
 
 
-def case_wrong_secret(model, tmp_path, caplog, broken: bool) -> dict[str, Any]:
+def case_wrong_secret(
+    model, tmp_path, caplog, broken: bool, decode_module: str = "stranger"
+) -> dict[str, Any]:
     """The decode holds another handshake secret than the prefill. Its own prefill, whose
-    hold timeout is short: no decode can reach it to say the load failed."""
+    hold timeout is short: no decode can reach it to say the load failed. The decode is a
+    stranger's (``decode_module``), which takes the prefill's parameters without checking
+    their ticket, so that the side channel is what refuses it; kvferry's own decode
+    refuses the ticket first."""
     module = "broken_handshake" if broken else h.MODULE
     p = Prefill(model, {"hold_timeout_s": 5.0}, module=module)
     other = tmp_path / "another-secret"
     other.write_text(generate_secret() + "\n")
     other.chmod(0o600)
     extra = {**DECODE_EXTRA, "secret_file": str(other)}
-    d = h.Side(model, "kv_consumer", "decode", extra, tp=2, num_blocks=DECODE_BLOCKS, module=module)
+    decode_module = module if broken else decode_module
+    d = h.Side(
+        model, "kv_consumer", "decode", extra, tp=2, num_blocks=DECODE_BLOCKS, module=decode_module
+    )
     try:
         free0 = p.ask("status")["free"]
         params = p.ask("prefill", "s-1", PROMPT)
@@ -473,13 +484,19 @@ def case_wrong_secret(model, tmp_path, caplog, broken: bool) -> dict[str, Any]:
             "d-s" in r.getMessage() and "refused this engine's proof" in r.getMessage()
             for r in caplog.records
         )
+        ticket_refused = any(
+            "request d-s: no remote prefill: kvferry_ticket does not check" in r.getMessage()
+            for r in caplog.records
+        )
         row = record(
             "decode with another secret",
             False,
             failed=out.finish_reason == FinishReason.ERROR,
             clear_error=clear,
+            ticket_refused=ticket_refused,
             addresses_learned=learned,
             decoded="d-s" in d.first_read,
+            read_prefills_bytes="d-s" in d.first_read and own_bytes(d, "d-s", "s-1"),
             prefill_refused=status["refused"],
             blocks_leaked=leaked(d),
             prefill_blocks_leaked=free0 - status["free"],
@@ -591,6 +608,17 @@ def test_another_secret_is_refused_at_the_handshake(model, tmp_path, caplog):
     row = case_wrong_secret(model, tmp_path, caplog, broken=False)
     assert row["failed"] and row["clear_error"] and not row["decoded"], row
     assert row["addresses_learned"] == 0 and row["prefill_refused"] == 2, row  # one per TP worker
+    assert row["blocks_leaked"] == 0 and row["prefill_blocks_leaked"] == 0, row
+
+
+def test_another_secret_is_refused_at_the_ticket(model, tmp_path, caplog):
+    """kvferry's own decode of another secret: the ticket does not check, so it computes
+    the prompt itself and never asks the prefill's side channel."""
+    caplog.set_level(logging.INFO, logger="kvferry.vllm")
+    row = case_wrong_secret(model, tmp_path, caplog, broken=False, decode_module=h.MODULE)
+    assert row["ticket_refused"] and not row["failed"] and row["decoded"], row
+    assert not row["read_prefills_bytes"], row
+    assert row["addresses_learned"] == 0 and row["prefill_refused"] == 0, row
     assert row["blocks_leaked"] == 0 and row["prefill_blocks_leaked"] == 0, row
 
 

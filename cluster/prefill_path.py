@@ -648,6 +648,7 @@ class PrefillPath(WritePath):
             triples = self._triples(job, job.posted_pages, job.sent_pages)
         job.posted_pages = job.sent_pages
         job.posted_bytes += int(triples[:, 2].sum())
+        triples = self._behind_queued(job, triples)
         if job.book.in_flight:  # a part's batch: the rest follows it, one batch at a time
             job.queue = triples
             return
@@ -657,6 +658,14 @@ class PrefillPath(WritePath):
         # The action injected at mid-transfer (a pause needs nothing more: the held half
         # is in flight and lands on its own).
         self.at_point(job, "mid-transfer", lambda j: None)
+
+    def _behind_queued(self, job: WriteJob, triples: np.ndarray) -> np.ndarray:
+        """``triples`` after the rows still queued: those of a part the prefill ended
+        under, not yet posted (the notice names their pages, so they must land first)."""
+        if not job.queued():
+            return triples
+        assert job.queue is not None
+        return np.concatenate([job.queue, triples])
 
     def _hold_in_flight(self, job: WriteJob, triples: np.ndarray, point: str) -> Any:
         """Queue ``triples``, less what a fault injected at ``point`` holds in flight

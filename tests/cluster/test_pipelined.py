@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_protocol_units import RecordingRuntime, _owner
 
-from kvferry.cluster import decode_path
+from kvferry.cluster import decode_path, prefill_path
 from kvferry.cluster import messages as m
 from kvferry.cluster.decode import OwnerState
 from kvferry.cluster.prefill import PrefillRank
@@ -59,7 +59,7 @@ class HoldingRuntime(RecordingRuntime):
 
 
 def _writer(
-    rt: RecordingRuntime, table=None, slice_s: float = 0.0
+    rt: RecordingRuntime, table=None, slice_s: float = 0.0, max_batch_bytes: int = 256 << 20
 ) -> tuple[PrefillRank, ReplayModel]:
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     model.prefill_chunk_tokens = CHUNK
@@ -71,6 +71,7 @@ def _writer(
         head_range=(0, 2),
         router=0,
         prefill_slice_s=slice_s,  # 0: back to the loop after every step
+        max_batch_bytes=max_batch_bytes,
     )
     if table is not None:
         writer.driver.table = table
@@ -216,6 +217,35 @@ def test_an_abort_mid_pipeline_waits_for_the_part_in_flight(drains):
     assert rt.kinds()[-2:] == ["ABORT_ACK", "RELEASED"]
     assert "NOTICE" not in rt.kinds()
     assert writer.allocator.counts()["owned"] == 0
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "broken-queue-replaced"])
+def test_a_prefill_that_ends_while_a_part_is_posted_still_writes_every_page(kept, monkeypatch):
+    """A part of several batches is half posted (one batch in flight, the rest queued)
+    when the prefill ends: the rest of the prompt goes behind the part's queued rows, so
+    every page the NOTICE names was written. Broken mode: the rest replaces the queue, as
+    it once did; a page named by the notice is never written (with integrity off, the
+    decode would read whatever another request left in it)."""
+    if not kept:
+        monkeypatch.setattr(prefill_path.PrefillPath, "_behind_queued", lambda self, job, t: t)
+    rt = HoldingRuntime(rank=1)
+    writer, _ = _writer(rt, max_batch_bytes=1)  # one row a batch: a part takes several
+    _plan_then_prompt(rt, "p9")
+    rt.pump_once()  # the first step: part [0, 2) posted, its first batch in flight
+    job = writer.jobs["p9"]
+    assert job.part == (0, 2) and len(rt.in_flight) == 1 and job.queued()
+    _pump(rt)  # the prefill ends while that batch is in flight
+    rt.settle_all()
+    _pump(rt)
+    notice = next(f for _, k, f in rt.sent if k == "NOTICE")
+    assert list(notice["pages"]) == PLANNED
+    page_bytes = writer.pool.page_bytes
+    written = (np.concatenate([rows[:, 1] for _, rows in rt.writes]) // page_bytes).tolist()
+    if not kept:
+        assert sorted(set(written)) != PLANNED  # the test catches the page never written
+        return
+    assert written == PLANNED  # each page once, in order
+    assert notice["bytes"] == len(PLANNED) * page_bytes
 
 
 def test_a_part_that_fails_to_land_fails_the_request_with_its_reason():

@@ -32,6 +32,7 @@ from kvferry.engine.kernels.ownership import (
     describe_kinds,
 )
 from kvferry.engine.pool import KVPool
+from kvferry.engine.protocol import owner as oc
 from kvferry.engine.protocol.owner import OwnerEvent, OwnerState
 from kvferry.engine.protocol.ports import Clock
 from kvferry.engine.reshard import KVShape, Order, heads_between_pools, page_for_page
@@ -440,7 +441,7 @@ class DecodePath(ReadPath):
                 yield from self._check_part(req, req.parts.pop(0))
         except IntegrityError as exc:
             req.error = f"integrity: {exc}"
-            self.driver.feed(req, OwnerEvent.CORRUPT)
+            self.driver.feed(req, oc.on_part_corrupt(req.book))
         req.checking_parts = False
 
     def _check_part(self, req: OwnedRequest, part: NoticePart) -> Iterator[None]:

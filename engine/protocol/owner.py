@@ -58,6 +58,7 @@ class OwnerEvent(IdentityEnum):
     FAIL_FLUSHED = "the owner fails the request when every writer has flushed"
     VERIFIED = "the I5 checks passed"
     CORRUPT = "an I5 check failed: on arrival, or at a decode step's ownership check"
+    CORRUPT_FLUSHED = "a part failed its I5 check when every writer has flushed"
     FINISHED = "the last token was generated"
     RETRY = "time to ask the writers that have not acked again"
     DEADLINE = "the abort deadline passed with writers still silent"
@@ -119,6 +120,10 @@ OWNER_ROWS: dict[tuple[OwnerState, OwnerEvent], Move[OwnerState, OwnerDo]] = {
     (S.AWAITING, E.CORRUPT): Move(
         S.QUARANTINED,
         (D.COUNT_INTEGRITY, D.REPORT_FAILED, *_QUARANTINE, D.ASK_ACKS, *_GUARD),
+    ),
+    # ... and once every writer flushed (a notice chunk of each came): nothing can land
+    (S.AWAITING, E.CORRUPT_FLUSHED): Move(
+        S.CLOSED, (D.COUNT_INTEGRITY, D.REPORT_FAILED, D.TOMBSTONE, D.CANCEL_TIMER, D.FREE)
     ),
     (S.AWAITING, E.ALL_NOTICED): Move(S.VERIFYING, (D.CANCEL_TIMER, D.VERIFY)),
     (S.AWAITING, E.ABORT): Move(S.QUARANTINED, (*_QUARANTINE, D.ASK_ACKS, *_GUARD)),
@@ -271,6 +276,11 @@ def on_abort(book: OwnerBook, writers_told: bool) -> OwnerEvent:
     if book.writers_done():
         return OwnerEvent.ABORT_FLUSHED
     return OwnerEvent.ABORT_TOLD if writers_told else OwnerEvent.ABORT
+
+
+def on_part_corrupt(book: OwnerBook) -> OwnerEvent:
+    """A part failed its check while the request awaits its notices."""
+    return OwnerEvent.CORRUPT_FLUSHED if book.writers_done() else OwnerEvent.CORRUPT
 
 
 def on_failure(book: OwnerBook) -> OwnerEvent:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_protocol_units import RecordingRuntime, _owner
 
-from kvferry.cluster import decode_path, prefill_path
+from kvferry.cluster import decode, decode_path, prefill_path
 from kvferry.cluster import messages as m
 from kvferry.cluster.decode import OwnerState
 from kvferry.cluster.prefill import PrefillRank
@@ -334,6 +334,31 @@ def test_a_corrupt_part_fails_the_request_but_keeps_its_pages_from_the_writer(
     assert owner.allocator.counts()["quarantined"] == 3
     rt.deliver(m.ABORT_ACK, src=1, rid="o2")
     assert [f["how"] for _, k, f in rt.sent if k == "RELEASED"] == ["acked"]
+
+
+@pytest.mark.parametrize("frees", [True, False], ids=["frees", "broken-quarantines"])
+def test_a_corrupt_part_after_every_writer_flushed_frees_at_once(frees, monkeypatch):
+    """The writer's NOTICE is in chunks and its first came (sent after its flush: nothing
+    more can land), then a part fails its check: the pages are freed at once, the failure
+    reported. Broken mode: the failure quarantines as if writes could still land, asks
+    nobody, and holds the pages to the abort deadline, then releases them as severed."""
+    if not frees:
+        monkeypatch.setattr(oc, "on_part_corrupt", lambda book: oc.OwnerEvent.CORRUPT)
+    monkeypatch.setattr(decode, "PAGES_PER_CHUNK", 2)
+    owner, rt = _owner()
+    pages, gens = _assign(owner, rt, "o3")
+    first = _part(owner, pages, gens, 0, 2)
+    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
+    rt.deliver(m.NOTICE, src=1, rid="o3", tokens=40, total=3, bytes=3 * slice_bytes, **first)
+    rt.deliver(m.NOTICE_PART, src=1, rid="o3", **_part(owner, pages, gens, 2, 3, corrupt=True))
+    rt.pump()
+    done = [f for _, k, f in rt.sent if k == "DONE"]
+    assert len(done) == 1 and "checksum mismatch" in done[0]["error"]
+    if not frees:
+        assert owner.allocator.counts()["quarantined"] == 3  # the test catches the hold
+        return
+    assert "o3" not in owner.reqs and owner.allocator.counts()["quarantined"] == 0
+    assert [f["how"] for _, k, f in rt.sent if k == "RELEASED"] == ["freed"]
 
 
 def _deliver_notice(owner, rt: RecordingRuntime, rid: str, whole: dict) -> None:

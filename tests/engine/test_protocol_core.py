@@ -100,6 +100,7 @@ def test_the_owner_releases_only_on_its_proofs():
     proofs = {
         OwnerEvent.ABORT_FLUSHED,
         OwnerEvent.FAIL_FLUSHED,
+        OwnerEvent.CORRUPT_FLUSHED,
         OwnerEvent.LAST_FLUSH,
         OwnerEvent.PROOF,
     }

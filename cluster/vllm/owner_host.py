@@ -60,6 +60,7 @@ from kvferry.engine.verify import (
 from kvferry.transfer import AddressInfo, Peer, TransferError, decode_address
 
 from . import wire
+from .handshake import handshake_problem
 from .layout import KVRegions, LayoutError
 from .loop import PollTimers
 from .parts import WorkerHost, WorkerParts
@@ -291,7 +292,7 @@ class VerifyPath:
             if err:
                 o.parts.clear()
                 o.error = f"integrity check failed: {err}"
-                h.driver.feed(o, OwnerEvent.CORRUPT)
+                h.driver.feed(o, oc.on_part_corrupt(o.book))
                 return
             lo, n = int(m["offset"]), len(m["blocks"])
             mask, sums = o.checked.setdefault(
@@ -755,6 +756,9 @@ class OwnerHost(WorkerHost):
         arrived = False
         for key, hs, err in self.fetcher.take():
             arrived = True
+            if hs is not None and (problem := handshake_problem(hs)):
+                hs, err = None, f"its handshake does not fit: {problem}"
+                log.error("prefill engine at %s:%s: %s", key[0], key[1], err)
             if hs is None:
                 self.handshake_errors[key] = (err, self.clock.now())
             else:
@@ -888,6 +892,12 @@ class OwnerHost(WorkerHost):
         self.driver.feed(o, oc.on_assign(o.book, (WRITER,), granted=False))
 
     def _try_assign(self, o: Load) -> None:
+        try:
+            self._assign(o)
+        except Exception as exc:  # the load fails through the protocol, never into vLLM
+            self.fail_request(o.rid, exc)
+
+    def _assign(self, o: Load) -> None:
         links, err = self._links(o)
         if links is None and not err:
             return  # the handshake is on its way
@@ -910,7 +920,7 @@ class OwnerHost(WorkerHost):
                 )
                 return
             info = decode_address(address)
-            link.pid = int(link.card["pid"])
+            link.pid = info.pid  # the process behind the address (the handshake checked the card's)
             link.local = (info.host, info.boot_id, info.pidns) == (
                 self.me.host,
                 self.me.boot_id,

@@ -15,10 +15,17 @@ from kvferry.cluster.vllm.loop import PollTimers, Tombstones
 from kvferry.cluster.vllm.metrics import KvferryStats
 from kvferry.cluster.vllm.parts import WorkerParts
 from kvferry.cluster.vllm.settings import Settings
+from kvferry.transfer.protocol import ADDRESS, CODEC
 
 KEY = ("127.0.0.1", 5600)  # the prefill's side channel
-W_ADDR = b"prefill-w0"
 W_INC = 0x1234
+W_PID = 4242
+# the prefill worker's transfer address, as its engine encodes it: on another host
+W_ADDR = CODEC.encode(
+    ADDRESS.make(
+        ucx=b"ucx", incarnation=W_INC, name="prefill0", host="h2", boot_id="b2", pidns=1, pid=W_PID
+    )
+)
 
 
 class FakeLink:
@@ -71,7 +78,7 @@ class _Segment:
         return SimpleNamespace(pack=lambda: b"desc")
 
 
-def make_owner(monkeypatch, **settings: Any) -> SimpleNamespace:
+def make_owner(**settings: Any) -> SimpleNamespace:
     """A TP 1 decode worker (NHD, HEADS heads) whose prefill (one TP 1 worker on this
     host) has not given its handshake yet: ``handshake()`` is the one it would give."""
     clock = Clock()
@@ -94,13 +101,10 @@ def make_owner(monkeypatch, **settings: Any) -> SimpleNamespace:
     host.attach(dst, [_Segment()], HEADS)  # type: ignore[list-item]
     host.fetcher = HandFetcher()  # type: ignore[assignment]
     src = KVRegions.from_kv_caches(caches(HEADS, 7), BLOCKS, "NHD")
-    monkeypatch.setattr(
-        owner_host, "decode_address", lambda a: SimpleNamespace(host="h", boot_id="b", pidns=1)
-    )
 
     def handshake() -> dict:
         card = dict(
-            tp_rank=0, tp_size=1, address=W_ADDR, pid=-1, layout="NHD",
+            tp_rank=0, tp_size=1, address=W_ADDR, pid=W_PID, layout="NHD",
             signature=src.signature(), regions=src.to_wire(),
         )  # fmt: skip
         return {"engine_id": "prefill-0", "tp_size": 1, "kv_heads": HEADS, "workers": {0: card}}

@@ -19,7 +19,7 @@ def test_a_failed_handshake_is_asked_again_by_a_later_load(monkeypatch, broken):
     retry_s = owner_host.HANDSHAKE_RETRY_S
     if broken:
         monkeypatch.setattr(owner_host, "HANDSHAKE_RETRY_S", float("inf"))
-    o = make_owner(monkeypatch)
+    o = make_owner()
     host, fetcher = o.host, o.host.fetcher
     host.on_recv("d-1", spec("p-1"))
     assert fetcher.asks == [(KEY, False)]

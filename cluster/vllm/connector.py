@@ -64,7 +64,7 @@ from .layout import KVRegions, LayoutError
 from .link import Link
 from .loop import PollTimers, Tombstones
 from .metrics import KvferryPromMetrics, KvferryStats
-from .owner_host import OwnerHost
+from .owner_host import Load, OwnerHost
 from .params import TICKET, BadRemoteParams, check_id, checked, prompt_digest, seal
 from .parts import WorkerParts
 from .settings import Settings
@@ -550,10 +550,12 @@ class _WorkerSide:
     def _on_message(self, msg: Any) -> None:
         """One message, decoded (MalformedMessage otherwise) and acted on. One that
         decodes but that a host cannot act on (an exception of its own) fails the request
-        it names on that host, through the protocol, and the loop goes on."""
+        it names on the host it went to, through the protocol, and the loop goes on."""
         m = wire.decode(msg.payload)
+        side = ""
         try:
-            self._act_on(msg, m)
+            side, found = self._route(msg, m)
+            self._act_on(msg, m, side, found)
         except Exception as exc:
             self.stats.count("internal_errors")
             log.error(
@@ -561,34 +563,47 @@ class _WorkerSide:
                 "on: %s: %s",
                 m.get("orid"), m.get("rid"), m["k"].name, msg.sender_name, type(exc).__name__, exc,
             )  # fmt: skip
-            # rid names the prefill's request, orid the decode's, whichever way it goes
-            if m["k"] in (wire.PLAN, wire.ABORT):
+            # the writer keys its jobs by the prefill's request id, the owner its loads by
+            # the decode's: each fails only its own (a kv_both engine hosts both)
+            if side == "writer":
                 self.writer.fail_request(m.get("rid"), exc)
-            if m["k"] is not wire.PLAN:
+            elif side == "owner":
                 self.owner.fail_request(m.get("orid"), exc)
 
-    def _act_on(self, msg: Any, m: dict[str, Any]) -> None:
+    def _route(self, msg: Any, m: dict[str, Any]) -> tuple[str, tuple[Load, int] | None]:
+        """The host a message goes to ("writer", "owner", or "" when none claims it) and,
+        for the owner, the load and writer it is from."""
         kind = m["k"]
         if kind == wire.PLAN:
-            self.writer.on_plan(msg, m)
-        elif kind == wire.ABORT:
-            found = self.owner.load_from(msg, m)
-            if found is not None:  # a writer's own abort, to us as its owner
-                self.owner.on_writer_abort(*found, m)
-            elif self.sends:
-                self.writer.on_owner_abort(msg, m)
-            else:  # a writer's, late (its load ended here) or of an incarnation not its
-                self.stats.count("stale_messages")
-        elif kind in (wire.NOTICE_PART, wire.NOTICE, wire.ABORT_ACK):
-            found = self.owner.load_from(msg, m)
-            if found is None:
-                return
-            if kind == wire.NOTICE_PART:
-                self.owner.on_notice_part(*found, m)
-            elif kind == wire.NOTICE:
-                self.owner.on_notice(*found, m)
+            return "writer", None
+        found = self.owner.load_from(msg, m)
+        if found is not None:  # a writer's message to us as its owner
+            return "owner", found
+        if kind == wire.ABORT and self.sends:  # an owner's abort of one of our sends
+            return "writer", None
+        if kind == wire.ABORT:  # a writer's, late (its load ended here) or of another incarnation
+            self.stats.count("stale_messages")
+        return "", None
+
+    def _act_on(
+        self, msg: Any, m: dict[str, Any], side: str, found: tuple[Load, int] | None
+    ) -> None:
+        kind = m["k"]
+        if side == "writer":
+            if kind == wire.PLAN:
+                self.writer.on_plan(msg, m)
             else:
-                self.owner.on_ack(*found)
+                self.writer.on_owner_abort(msg, m)
+        elif side == "owner" and found is not None:
+            o, w = found
+            if kind == wire.ABORT:
+                self.owner.on_writer_abort(o, w, m)
+            elif kind == wire.NOTICE_PART:
+                self.owner.on_notice_part(o, w, m)
+            elif kind == wire.NOTICE:
+                self.owner.on_notice(o, w, m)
+            elif kind == wire.ABORT_ACK:
+                self.owner.on_ack(o, w)
 
     def shutdown(self) -> None:
         if self.writer.staging is not None:

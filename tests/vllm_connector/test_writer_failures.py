@@ -236,6 +236,16 @@ def test_a_late_writers_abort_at_a_decode_only_engine_is_stale_not_an_owners():
     assert calls == [("writer.on_owner_abort", None)]
 
 
+def test_an_abort_the_writer_cannot_act_on_fails_only_the_writers_request():
+    """An owner's ABORT of one of our sends that raises in the writer fails the writer's
+    job for it, and no load of ours: the decode request id it names is the remote
+    decode's, which a load of this (kv_both) engine may share."""
+    side, calls = _side(sends=True, failing="writer.on_owner_abort")
+    side._on_message(SimpleNamespace(payload=_abort_from("p-1", "d-1"), sender_name="decode0"))
+    assert calls == [("writer.fail_request", "p-1")]
+    assert side.stats.data["internal_errors"] == 1
+
+
 @pytest.mark.parametrize("broken", [False, True], ids=["by-its-decode-request", "broken-by-rank"])
 def test_a_second_decode_request_naming_ours_neither_plans_nor_aborts_it(monkeypatch, broken):
     """Two decode requests of one decode worker name our request (a router's retry, or

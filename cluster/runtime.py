@@ -344,9 +344,27 @@ class RankRuntime:
         except (RendezvousError, RuntimeError, OSError) as exc:
             log.warning("rank %d: cannot read rank %d's exit record: %s", self.rank, rank, exc)
             return False
-        if record is not None:
-            self.exited.add((rank, incarnation))
-        return record is not None
+        if record is None or not self._record_fits(record):
+            return False
+        self.exited.add((rank, incarnation))
+        return True
+
+    def _record_fits(self, record: ExitRecord) -> bool:
+        """Whether an exit record names the process the card of its incarnation named
+        (same host and pid): a launcher's record for a process it did not run proves
+        nothing. Counted and logged when it does not fit; one of an incarnation this rank
+        never saw a card of is taken as it is."""
+        card = self.card_of(record.rank, record.incarnation)
+        if card is None or (card.host, card.pid) == (record.host, record.pid):
+            return True
+        self.counters.exit_records_refused += 1
+        log.warning(
+            "rank %d: the exit record of rank %d incarnation %#x names pid %d on %s, its card "
+            "pid %d on %s; it is not taken as gone",
+            self.rank, record.rank, record.incarnation, record.pid, record.host, card.pid,
+            card.host,
+        )  # fmt: skip
+        return False
 
     def poll_exits(self) -> list[ExitRecord]:
         """The exit records published since the last poll (one store round trip when
@@ -360,6 +378,7 @@ class RankRuntime:
         except (RendezvousError, RuntimeError, OSError) as exc:
             log.warning("rank %d: cannot read the exit log: %s", self.rank, exc)
             return []
+        fresh = [r for r in fresh if self._record_fits(r)]
         self.exited.update((r.rank, r.incarnation) for r in fresh)
         return fresh
 

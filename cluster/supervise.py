@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .fencing import FENCE_POLL_S, FenceOrder, FenceRefused, fence_ordered
 from .hostid import this_host
-from .rendezvous import ExitRecord, card_key, open_card, publish_exit
+from .rendezvous import ExitRecord, RankCard, card_key, open_card, publish_exit
 from .trust import Trust, process_trust
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class FenceWatch:
         if not self.store.check([key]):
             return None
         card = open_card(self.store.get(key), self.trust, self.rank)
-        return card.incarnation if card.pid == self.child else None
+        return card.incarnation if _is_childs(card, self.child) else None
 
     def _complain(self, kind: str, what: str) -> None:
         """Say ``what`` once per ``kind`` (a lost store's errors differ at each try)."""
@@ -145,6 +145,17 @@ def _forward(child: int, sig: int, frame: object = None) -> None:
         pass
 
 
+def _is_childs(card: RankCard, pid: int) -> bool:
+    """Whether ``card`` is the one this launcher's child ``pid`` published. The pid alone
+    does not say: a rank restarted in a fresh pid namespace (a new container, another
+    node) gets small pids again, and the card still in the store may be its predecessor's
+    with the same one. Taken for the child's, the predecessor's fence order would kill
+    the child and its exit record would prove a process gone that this launcher never
+    ran (it may be alive behind a partition, writing). Within one host, boot and pid
+    namespace, a pid is one live process."""
+    return card.pid == pid and card.host == this_host()
+
+
 def _publish(rank: int, pid: int, code: int, store_address: str | StoreSpec, trust: Trust) -> None:
     from .store import connect
 
@@ -153,7 +164,7 @@ def _publish(rank: int, pid: int, code: int, store_address: str | StoreSpec, tru
     if not store.check([key]):
         return  # it died before publishing a card: no peer knows of it
     card = open_card(store.get(key), trust, rank)  # a stranger's card: CardRefused
-    if card.pid != pid:
+    if not _is_childs(card, pid):
         return  # the card is an earlier incarnation's: this one never published
     publish_exit(
         store,

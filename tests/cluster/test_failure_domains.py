@@ -376,11 +376,12 @@ def test_the_launcher_publishes_a_killed_rank_exit(store, tmp_path):
         sys.path.insert(0, {str(ROOT.parent)!r})
         from kvferry.cluster.supervise import fork_rank
         from kvferry.cluster.store import connect
+        from kvferry.cluster.hostid import this_host
         from kvferry.cluster.rendezvous import RankCard, publish
         fork_rank(5, "127.0.0.1:{store.port}")
         card = RankCard(rank=5, role="prefill", address=b"", incarnation=0xABC, segment=None,
                         num_pages=1, page_size=16, capacity_tokens=16, context_length=16,
-                        host="h", pid=os.getpid())
+                        host=this_host(), pid=os.getpid())
         publish(connect("127.0.0.1:{store.port}"), card)
         os.kill(os.getpid(), signal.SIGKILL)
         """

@@ -16,6 +16,9 @@ import subprocess
 import pytest
 from test_protocol_units import _card as rank_card
 
+from kvferry.cluster import runtime as runtime_mod
+from kvferry.cluster import store as store_mod
+from kvferry.cluster import supervise
 from kvferry.cluster.fencing import (
     FenceOrder,
     FenceRefused,
@@ -23,8 +26,17 @@ from kvferry.cluster.fencing import (
     fence_ordered,
     order_fence,
 )
-from kvferry.cluster.rendezvous import RankCard, card_key, seal_card
-from kvferry.cluster.supervise import FenceWatch, _wait_fenced
+from kvferry.cluster.hostid import this_host
+from kvferry.cluster.rendezvous import (
+    ExitRecord,
+    RankCard,
+    card_key,
+    exit_record,
+    publish_exit,
+    seal_card,
+)
+from kvferry.cluster.runtime import DRAIN_S, RankRuntime
+from kvferry.cluster.supervise import FenceWatch, _publish, _wait_fenced
 from kvferry.cluster.trust import Trust
 
 RANK, INCARNATION = 1, 0x51
@@ -45,9 +57,18 @@ class DictStore:
     def check(self, keys: list[str]) -> bool:
         return all(k in self.data for k in keys)
 
+    def add(self, key: str, n: int) -> int:
+        value = int(self.data.get(key, b"0")) + n
+        self.data[key] = str(value).encode()
+        return value
 
-def _card(pid: int, incarnation: int = INCARNATION) -> RankCard:
-    return dataclasses.replace(rank_card(RANK, "prefill"), pid=pid, incarnation=incarnation)
+
+def _card(pid: int, incarnation: int = INCARNATION, host: str | None = None) -> RankCard:
+    """Rank 1's card of ``incarnation``: its process ``pid`` on ``host`` (default this
+    launcher's)."""
+    return dataclasses.replace(
+        rank_card(RANK, "prefill"), pid=pid, incarnation=incarnation, host=host or this_host()
+    )
 
 
 def _watched(child: subprocess.Popen, store: DictStore) -> FenceWatch:
@@ -106,3 +127,89 @@ def test_a_card_of_an_earlier_incarnation_names_nobody():
     order_fence(store, fence_order(RANK, INCARNATION, "severed"), TRUST)
     status = _wait_fenced(child.pid, watch)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+# A rank restarted in a fresh pid namespace (a new container, another node) gets small pids
+# again: the card still in the store may be its predecessor's, with the new child's pid.
+OTHER_HOST = "node-a:deadbeef:4026531836"
+
+
+def _pid_only(card: RankCard, pid: int) -> bool:
+    return card.pid == pid
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["pid-and-host", "broken-pid-only"])
+def test_a_predecessors_card_with_the_childs_pid_on_another_host_names_nobody(monkeypatch, broken):
+    """Its fence order is not the child's. Broken mode: the card matched by pid alone; the
+    predecessor's order kills the new child."""
+    if broken:
+        monkeypatch.setattr(supervise, "_is_childs", _pid_only)
+    store = DictStore()
+    child = subprocess.Popen(["sleep", "1"])
+    watch = _watched(child, store)
+    store.set(card_key(RANK), seal_card(_card(child.pid, host=OTHER_HOST), TRUST))
+    order_fence(store, fence_order(RANK, INCARNATION, "severed"), TRUST)
+    status = _wait_fenced(child.pid, watch)
+    assert os.waitstatus_to_exitcode(status) == (-signal.SIGKILL if broken else 0)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["pid-and-host", "broken-pid-only"])
+def test_a_launcher_publishes_no_exit_for_a_predecessor_it_never_ran(monkeypatch, broken):
+    """The new child dies before its card: the card in the store is the predecessor's
+    (same pid, another host), which may be alive behind a partition. No exit record may
+    say it is gone. Broken mode: matched by pid alone, its exit is published."""
+    if broken:
+        monkeypatch.setattr(supervise, "_is_childs", _pid_only)
+    store = DictStore()
+    monkeypatch.setattr(store_mod, "connect", lambda *a, **k: store)
+    child = subprocess.Popen(["true"])
+    child.wait()
+    store.set(card_key(RANK), seal_card(_card(child.pid, host=OTHER_HOST), TRUST))
+    _publish(RANK, child.pid, 3, "127.0.0.1:1", TRUST)
+    assert (exit_record(store, RANK, INCARNATION, TRUST) is not None) is broken
+    store.set(card_key(RANK), seal_card(_card(child.pid), TRUST))  # its own card: published
+    _publish(RANK, child.pid, 3, "127.0.0.1:1", TRUST)
+    assert exit_record(store, RANK, INCARNATION, TRUST) is not None
+
+
+class _Engine:
+    incarnation = 7
+
+    def set_message_handler(self, fn) -> None:
+        pass
+
+    def failure_horizon(self):
+        return type("Horizon", (), {"seconds": 4.0})()
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["card-checked", "broken-taken"])
+def test_an_exit_record_that_names_another_process_than_the_card_proves_nothing(
+    monkeypatch, broken
+):
+    """An owner on a third host waits on rank 1's incarnation: a signed exit record for
+    that incarnation naming another host or pid than its card (a launcher that took a
+    predecessor's card for its child's) is refused and counted. Broken mode: any signed
+    record is taken; the quarantine is released on it."""
+    if broken:
+        monkeypatch.setattr(RankRuntime, "_record_fits", lambda self, record: True)
+    clock = [1000.0]
+    monkeypatch.setattr(runtime_mod.time, "monotonic", lambda: clock[0])
+    store = DictStore()
+    writer = _card(4321, host=OTHER_HOST)
+    record = ExitRecord(
+        rank=RANK, incarnation=INCARNATION, pid=4321, host="node-b:1:1", status=-9, at=0.0
+    )
+    publish_exit(store, record, TRUST)
+    cards = {
+        2: dataclasses.replace(rank_card(2, "decode"), incarnation=7, host="node-c:1:1"),
+        RANK: writer,
+    }
+    rt = RankRuntime(2, _Engine(), cards, store=store, trust=TRUST)
+    rt.write_path_closed(RANK, INCARNATION)
+    clock[0] += 4.0 + DRAIN_S + 0.01
+    proof = rt.write_path_closed(RANK, INCARNATION)
+    if broken:
+        assert proof is not None  # the test catches the release on a record of another
+        return
+    assert proof is None and rt.counters.exit_records_refused >= 1
+    assert rt.poll_exits() == [] and not rt.process_exited(RANK)

@@ -289,7 +289,9 @@ def test_an_exit_record_without_a_valid_mac_fences_nothing(checked, store, monke
     monkeypatch.setattr(runtime_mod.time, "monotonic", lambda: clock[0])
     trust = Trust.generate()
     rt = RankRuntime(2, _Engine(), _cards(writer_host="far"), store=store, trust=trust)
-    record = ExitRecord(rank=1, incarnation=7, pid=4242, host="far", status=-9, at=time.time())
+    record = ExitRecord(
+        rank=1, incarnation=7, pid=os.getpid(), host="far", status=-9, at=time.time()
+    )  # the writer's card: this process's pid, on host "far"
     stranger = _stranger(store)
     for n, value in enumerate(
         (record.pack() + b"\0" * 32, rendezvous.sign_exit(record, Trust.generate()))

@@ -126,11 +126,15 @@ class Rejoin:
     once it has reported (STATS) and no healthy rank still waits on its old incarnation
     (every one has adopted its new card and lists no quarantine of the old one)."""
 
-    old_incarnation: int
+    old_incarnations: tuple[int, ...]  # every one since it was last admitted
     new_incarnation: int
     epoch: int  # the card epoch at which the router saw the new card
     since: float
     heard: bool = False
+
+    def names(self, rank: int) -> set[str]:
+        """The old incarnations as ranks list their quarantines ("rank:incarnation")."""
+        return {f"{rank}:{inc:x}" for inc in self.old_incarnations}
 
 
 class Router:
@@ -649,12 +653,13 @@ class Router:
             rank, f"exited (pid {old.pid}, incarnation {old.incarnation:#x}; restarted)"
         )
         self.severed.pop(rank, None)
-        self.rejoining[rank] = Rejoin(
-            old.incarnation, new.incarnation, self.rt.cards_epoch, self.clock.now()
-        )
+        # restarted again before it was admitted: ranks may still wait on every one
+        before = self.rejoining.get(rank)
+        olds = (*before.old_incarnations, old.incarnation) if before else (old.incarnation,)
+        self.rejoining[rank] = Rejoin(olds, new.incarnation, self.rt.cards_epoch, self.clock.now())
         self.unhealthy[rank] = (
             f"rejoining as incarnation {new.incarnation:#x}: until no rank waits on "
-            f"incarnation {old.incarnation:#x}"
+            f"incarnation {', '.join(f'{inc:#x}' for inc in olds)}"
         )
         self.last_seen[rank] = self.clock.now()
 
@@ -662,16 +667,9 @@ class Router:
         for rank, rejoin in list(self.rejoining.items()):
             if not rejoin.heard:
                 continue
-            old = f"{rank}:{rejoin.old_incarnation:x}"
+            olds = rejoin.names(rank)
             waiting = [
-                r
-                for r in self.ledger.totals
-                if r != rank
-                and r not in self.unhealthy
-                and (
-                    (self.rank_stats.get(r, {}).get("cards_epoch") or 0) < rejoin.epoch
-                    or old in (self.rank_stats.get(r, {}).get("fenced") or ())
-                )
+                r for r in self.ledger.totals if r != rank and self._waits_on(r, rejoin, olds)
             ]
             if waiting:
                 continue
@@ -684,13 +682,27 @@ class Router:
             self._capacity_changed.set()
             log.info(
                 "rank %d rejoined as incarnation %#x (pid %d) %.1f s after it came back: "
-                "no rank waits on its old incarnation %#x any more",
+                "no rank waits on its old incarnations %s any more",
                 rank,
                 card.incarnation,
                 card.pid,
                 self.clock.now() - rejoin.since,
-                rejoin.old_incarnation,
+                ", ".join(f"{inc:#x}" for inc in rejoin.old_incarnations),
             )
+
+    def _waits_on(self, r: int, rejoin: Rejoin, olds: set[str]) -> bool:
+        """Whether rank ``r`` may still wait on an old incarnation of a rejoining rank: it
+        lists a quarantine of one in its last STATS, or (while healthy) has not adopted
+        the new card yet. A rank gone (exited, or back as a new incarnation with a fresh
+        pool) waits on nothing; one only late (no heartbeat) still holds what its last
+        STATS said."""
+        reason = self.unhealthy.get(r, "")
+        if reason.startswith(("exited", "rejoining")):
+            return False
+        stats = self.rank_stats.get(r, {})
+        if olds & set(stats.get("fenced") or ()):
+            return True
+        return not reason and (stats.get("cards_epoch") or 0) < rejoin.epoch
 
     def check_liveness(self) -> None:
         """With a rendezvous store (failure domains): adopt restarted ranks' cards, mark

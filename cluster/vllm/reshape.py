@@ -133,10 +133,28 @@ def part_ranges(blocks: int, nbytes: int, part_bytes: int) -> list[tuple[int, in
 
 def same_blocks(a: KVRegions, b: KVRegions) -> bool:
     """Two workers' blocks are alike (whole blocks move as they are): the same layout,
-    runs per block, block size and heads."""
+    runs per block, and every layer's rows at the same bytes of the block (heads, kernel
+    blocks per scheduler block and their tokens, row, offset and strides). Block size,
+    heads and runs alone do not say: a block of 16 tokens in one kernel block and one in
+    two kernel blocks of 8 hold the same bytes in another order, and moved whole, the
+    decode would read other rows, past the prompt those of whatever the block held
+    before."""
 
-    def rows(r: KVRegions) -> list[tuple[int, int, int]]:
-        return [(x.block_tokens, x.heads, x.row_bytes) for x in r.layers]
+    def rows(r: KVRegions) -> list[tuple[int, ...]]:
+        return [
+            (
+                x.buffer,
+                x.offset,
+                x.block_stride,
+                x.head_stride,
+                x.token_stride,
+                x.heads,
+                x.kernel_tokens,
+                x.ratio,
+                x.row_bytes,
+            )
+            for x in r.layers
+        ]
 
     return a.layout == b.layout and a.signature() == b.signature() and rows(a) == rows(b)
 

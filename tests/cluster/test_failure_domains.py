@@ -32,7 +32,7 @@ from kvferry.cluster.decode import DecodeRank
 from kvferry.cluster.domains import DomainPlanError, job_command, plan_jobs
 from kvferry.cluster.faults import FaultPlan
 from kvferry.cluster.rendezvous import ExitRecord, exit_record, publish, publish_exit
-from kvferry.cluster.router import Ledger, Router, Unavailable
+from kvferry.cluster.router import Ledger, Rejoin, Router, Unavailable
 from kvferry.cluster.runtime import DRAIN_S, RankRuntime
 from kvferry.cluster.topology import Topology
 from kvferry.engine.protocol import owner as core
@@ -317,6 +317,76 @@ def test_a_restarted_rank_is_admitted_only_once_no_rank_waits_on_its_old_incarna
     router, writers = asyncio.run(run())
     if gated:
         assert router.rejoined == 1 and 1 in writers and 2 in writers
+
+
+def _names_the_last_only(self, rank: int) -> set[str]:
+    """BROKEN: a rank restarted twice before it was admitted waits on its last old
+    incarnation only."""
+    return {f"{rank}:{self.old_incarnations[-1]:x}"}
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["every-old-one", "broken-last-only"])
+def test_a_rank_restarted_twice_waits_for_every_old_incarnations_quarantines(gated, monkeypatch):
+    """Incarnation 1 is replaced by 5, which dies while it waits to be admitted and is
+    replaced by 6: decode rank 3 still lists a quarantine of incarnation 1, so 6 waits.
+    Broken mode: the gate asks after incarnation 5 only, and 6 is admitted."""
+    if not gated:
+        monkeypatch.setattr(Rejoin, "names", _names_the_last_only)
+
+    async def run():
+        router, rt = _router_with_rejoin()
+        i1 = rt.cards[1]
+        i5 = rt.cards[1] = dataclasses.replace(i1, incarnation=5, pid=99)
+        router._on_card_replaced(i1, i5)
+        rt.cards_epoch = 4
+        i6 = rt.cards[1] = dataclasses.replace(i1, incarnation=6, pid=100)
+        router._on_card_replaced(i5, i6)
+        assert "0x1, 0x5" in router.unhealthy[1]
+        rt.deliver(m.STATS, src=1, **STATS)
+        rt.deliver(m.STATS, src=2, **STATS, cards_epoch=4)
+        rt.deliver(m.STATS, src=3, **STATS, cards_epoch=4, fenced=["1:1"])
+        router._admit_rejoined()
+        held = 1 in router.rejoining
+        rt.deliver(m.STATS, src=3, **STATS, cards_epoch=4, fenced=[])
+        router._admit_rejoined()
+        return held, 1 in router.rejoining
+
+    held, still = asyncio.run(run())
+    assert held is gated and not still
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["asks-late-ranks", "broken-skips-them"])
+def test_a_rank_late_with_a_quarantine_of_the_old_incarnation_holds_the_rejoin(gated, monkeypatch):
+    """Decode rank 3 missed its heartbeats (a stalled loop, alive) after it listed a
+    quarantine of rank 1's old incarnation: rank 1's new incarnation waits for it (its
+    last STATS). Broken mode: ranks marked unhealthy for any reason are not asked."""
+    if not gated:
+        waits_on = Router._waits_on
+        monkeypatch.setattr(
+            Router,
+            "_waits_on",
+            lambda self, r, rejoin, olds: (
+                r not in self.unhealthy and waits_on(self, r, rejoin, olds)
+            ),
+        )
+
+    async def run():
+        router, rt = _router_with_rejoin()
+        rt.deliver(m.STATS, src=3, **STATS, cards_epoch=3, fenced=["1:1"])
+        router._on_rank_lost(3, "no heartbeat for 3.0 s")
+        old = rt.cards[1]
+        rt.cards[1] = dataclasses.replace(old, incarnation=5, pid=99)
+        router._on_card_replaced(old, rt.cards[1])
+        rt.deliver(m.STATS, src=1, **STATS)
+        rt.deliver(m.STATS, src=2, **STATS, cards_epoch=3)
+        router._admit_rejoined()
+        held = 1 in router.rejoining
+        router._on_rank_exited(3, "exited (pid 3)")  # its pool, and the quarantine, gone
+        router._admit_rejoined()
+        return held, 1 in router.rejoining
+
+    held, still = asyncio.run(run())
+    assert held is gated and not still
 
 
 def test_a_dead_rank_fails_its_requests_and_its_ledger_is_dropped():

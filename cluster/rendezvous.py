@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import msgpack
 
@@ -234,33 +234,57 @@ def publish_exit(store, record: ExitRecord, trust: Trust | None = None) -> None:
     store.set(f"{EXIT_LOG_PREFIX}{slot}", packed)
 
 
+# how long a counted slot of the exit log may stay unwritten before it is given up: its
+# launcher died (or lost the store) between counting it and writing it
+EXIT_SLOT_GRACE_S = 60.0
+
+
 @dataclass
 class ExitLog:
     """A reader's place in the store's exit log. :meth:`read_new` costs one store round
     trip when nothing exited since the last call, and two more per new record; so a
     router watching a thousand ranks asks the store once a tick, not once a rank."""
 
-    seen: int = 0
+    seen: int = 0  # every slot up to here is read (or given up)
     refused: int = 0  # records whose MAC did not verify: skipped, counted, logged
+    # counted slots not written yet, past ``seen``: since when each was missing
+    holes: dict[int, float] = field(default_factory=dict)
+    given_up: int = 0
 
-    def read_new(self, store, trust: Trust | None = None) -> list[ExitRecord]:
-        """The records published since the last call, oldest first. A slot counted but
-        not written yet (its launcher is between the two calls) ends the read; the next
-        call resumes there. A record that does not authenticate (or decode) is skipped,
-        counted in ``refused`` and logged: it fences nothing."""
+    def read_new(
+        self, store, trust: Trust | None = None, now: float | None = None
+    ) -> list[ExitRecord]:
+        """The records published since the last call, in the log's order. A slot counted
+        but not written yet (its launcher is between the two calls) is read again at the
+        next calls, while the slots after it are read now: one launcher that died between
+        the two calls hides no later exit. A slot still unwritten after
+        ``EXIT_SLOT_GRACE_S`` is given up (logged). A record that does not authenticate
+        (or decode) is skipped, counted in ``refused`` and logged: it fences nothing."""
         trust = trust or process_trust()
+        now = time.monotonic() if now is None else now
         count = int(store.add(EXIT_COUNT_KEY, 0))
         out: list[ExitRecord] = []
-        while self.seen < count:
-            key = f"{EXIT_LOG_PREFIX}{self.seen + 1}"
+        for slot in [*sorted(self.holes), *range(self.seen + 1, count + 1)]:
+            key = f"{EXIT_LOG_PREFIX}{slot}"
             if not store.check([key]):
-                break
-            self.seen += 1
+                since = self.holes.setdefault(slot, now)
+                if now - since >= EXIT_SLOT_GRACE_S:
+                    del self.holes[slot]
+                    self.given_up += 1
+                    log.warning(
+                        "%s of the store's exit log still unwritten after %.0f s: given up "
+                        "(its launcher died between counting and writing it)",
+                        key,
+                        now - since,
+                    )
+                continue
+            self.holes.pop(slot, None)
             try:
                 out.append(open_exit(store.get(key), trust))
             except RendezvousError as exc:
                 self.refused += 1
                 log.warning("%s in the store's exit log: %s; it fences nothing", key, exc)
+        self.seen = max(self.seen, count)
         return out
 
 

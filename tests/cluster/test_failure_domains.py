@@ -260,7 +260,7 @@ def test_watching_many_remote_ranks_costs_one_store_round_trip_a_tick(logged, st
         assert calls >= 64  # the test catches a round trip per rank
         return
     assert exited == [] and calls <= 2, calls
-    publish_exit(store, ExitRecord(rank=17, incarnation=7, pid=1, host="h17", status=-9, at=0.0))
+    publish_exit(store, ExitRecord(rank=17, incarnation=7, pid=17, host="h17", status=-9, at=0.0))
     exited, calls = tick()
     assert exited == [17] and calls <= 4, calls
     assert tick() == ([17], 2)

@@ -51,6 +51,7 @@ from kvferry.cluster.store import (
     parse_store,
 )
 from kvferry.cluster.topology import Topology
+from kvferry.cluster.trust import process_trust
 
 NO_ETCD = etcdcluster.unavailable_reason()
 needs_etcd = pytest.mark.skipif(NO_ETCD is not None, reason=NO_ETCD or "")
@@ -475,3 +476,61 @@ def test_a_cluster_whose_tcpstore_dies_names_it_and_logs_it_once_per_rank(tmp_pa
         _kill_jobs(cluster)
     finally:
         cluster.stop()
+
+
+class _DictStore:
+    """The store's key-value calls over a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self.data[key] = bytes(value)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def add(self, key: str, n: int) -> int:
+        value = int(self.data.get(key, b"0")) + n
+        self.data[key] = str(value).encode()
+        return value
+
+
+def _stuck_at_holes(self, store, trust=None, now=None):
+    """BROKEN: the read ends at the first slot counted but not written, for good."""
+    trust = trust or process_trust()
+    count, out = int(store.add(rendezvous.EXIT_COUNT_KEY, 0)), []
+    while self.seen < count and store.check([f"{rendezvous.EXIT_LOG_PREFIX}{self.seen + 1}"]):
+        self.seen += 1
+        out.append(
+            rendezvous.open_exit(store.get(f"{rendezvous.EXIT_LOG_PREFIX}{self.seen}"), trust)
+        )
+    return out
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["reads-past", "broken-stops-there"])
+def test_a_slot_its_launcher_never_wrote_hides_no_later_exit(monkeypatch, broken):
+    """A launcher died between counting its slot and writing it: the exits published
+    after it are read all the same, the slot is read again while it may still come, and
+    given up after its grace. Broken mode: the read stops at the slot for good."""
+    if broken:
+        monkeypatch.setattr(ExitLog, "read_new", _stuck_at_holes)
+    store, log = _DictStore(), ExitLog()
+    store.add(rendezvous.EXIT_COUNT_KEY, 1)  # rank 4's launcher counted slot 1, then died
+    later = ExitRecord(rank=5, incarnation=0x77, pid=9, host="h5", status=-9, at=0.0)
+    rendezvous.publish_exit(store, later)
+    seen = log.read_new(store, now=0.0)
+    if broken:
+        assert seen == []  # the test catches the exit it hides
+        return
+    assert seen == [later] and log.holes == {1: 0.0}
+    late = ExitRecord(rank=4, incarnation=0x66, pid=8, host="h4", status=-9, at=0.0)
+    store.set(f"{rendezvous.EXIT_LOG_PREFIX}1", rendezvous.sign_exit(late, process_trust()))
+    assert log.read_new(store, now=1.0) == [late] and log.holes == {}  # it came after all
+    store.add(rendezvous.EXIT_COUNT_KEY, 1)  # slot 3: another launcher gone between calls
+    assert log.read_new(store, now=2.0) == [] and log.holes == {3: 2.0}
+    assert log.read_new(store, now=2.0 + rendezvous.EXIT_SLOT_GRACE_S) == []
+    assert log.holes == {} and log.given_up == 1

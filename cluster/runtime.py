@@ -621,9 +621,8 @@ class RankRuntime:
             and self.refresh_cards()
         ):
             card = self.cards.get(src)  # a peer restarted: the first word of its new self
-        why = receive.refusal(
-            msg.kind, msg.inc, card.incarnation if card else None, self.is_severed(src)
-        )
+        severed = card is not None and self.is_severed(src)  # a rank with no card: stale
+        why = receive.refusal(msg.kind, msg.inc, card.incarnation if card else None, severed)
         if why is receive.Refusal.STALE:
             self.counters.dropped_stale += 1
             log.info(

@@ -62,6 +62,9 @@ MAX_HELLO_BYTES = 64
 MAX_PROOF_BYTES = 64
 MAX_ANSWER_BYTES = 16 << 20  # every worker's address and layout, with room to spare
 MAX_IN_FLIGHT = 64  # connections a server handles at once; more are refused at once
+MAX_IN_FLIGHT_PER_PEER = 8  # of those, from one address (idle strangers lock out no one)
+PROOF_TIMEOUT_S = 2.0  # a client's proof (48 bytes, sent at once) must come within this
+ACCEPT_BACKOFF_S = 0.1  # after accept() failed (descriptors exhausted, a network error)
 _PROOF_LABEL = b"kvferry vllm side channel proof"
 _ANSWER_LABEL = b"kvferry vllm side channel answer"
 _TICKET_LABEL = b"kvferry vllm load ticket"
@@ -204,6 +207,8 @@ class SideChannel:
         self.refusals: dict[str, int] = {}  # peer address -> handshakes refused
         self._cv = threading.Condition()
         self._in_flight = 0
+        self._per_peer: dict[str, int] = {}  # peer address -> its connections in flight
+        self.accept_errors = 0
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.host, self.port = host, self.sock.getsockname()[1]
         self._stop = False
@@ -220,23 +225,60 @@ class SideChannel:
         while not self._stop:
             try:
                 conn, addr = self.sock.accept()
-            except OSError:
-                return
+            except OSError as exc:  # closed (stop), or a failure that may pass (EMFILE)
+                if self._stop:
+                    return
+                self._accept_failed(exc)
+                continue
             peer = str(addr[0])
             with self._cv:
                 busy = self._in_flight >= MAX_IN_FLIGHT
-                if not busy:
-                    self._in_flight += 1
-            if busy:
+                crowded = self._per_peer.get(peer, 0) >= MAX_IN_FLIGHT_PER_PEER
+                if not (busy or crowded):
+                    self._take(peer, +1)
+            if busy or crowded:
                 conn.close()
-                self._refused(peer, f"over {MAX_IN_FLIGHT} handshakes in flight")
+                limit = (
+                    f"{MAX_IN_FLIGHT} handshakes"
+                    if busy
+                    else (f"{MAX_IN_FLIGHT_PER_PEER} handshakes from {peer}")
+                )
+                self._refused(peer, f"over {limit} in flight")
                 continue
-            threading.Thread(
-                target=self._handle,
-                args=(conn, peer),
-                name="kvferry-side-channel-conn",
-                daemon=True,
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._handle,
+                    args=(conn, peer),
+                    name="kvferry-side-channel-conn",
+                    daemon=True,
+                ).start()
+            except RuntimeError as exc:  # no thread to be had: this client is refused
+                conn.close()
+                with self._cv:
+                    self._take(peer, -1)
+                self._refused(peer, f"no thread for its handshake: {exc}")
+
+    def _take(self, peer: str, n: int) -> None:
+        """Count a connection of ``peer`` in (+1) or out (-1); under ``_cv``."""
+        self._in_flight += n
+        left = self._per_peer.get(peer, 0) + n
+        if left:
+            self._per_peer[peer] = left
+        else:
+            self._per_peer.pop(peer, None)
+        self._cv.notify_all()
+
+    def _accept_failed(self, exc: OSError) -> None:
+        self.accept_errors += 1
+        if self.accept_errors == 1 or self.accept_errors % 1000 == 0:
+            log.error(
+                "kvferry side channel %s:%d: accept failed (%d so far): %s; retrying",
+                self.host,
+                self.port,
+                self.accept_errors,
+                exc,
+            )
+        time.sleep(ACCEPT_BACKOFF_S)
 
     def _handle(self, conn: socket.socket, peer: str) -> None:
         where = f"{peer} (a client of {self.host}:{self.port})"
@@ -246,7 +288,9 @@ class SideChannel:
                 deadline = time.monotonic() + self.timeout_s
                 server_nonce = os.urandom(CHALLENGE_BYTES)
                 _send(conn, HELLO + server_nonce)
-                frame = _recv_frame(conn, deadline, self.timeout_s, MAX_PROOF_BYTES, where)
+                proof_by = min(deadline, time.monotonic() + PROOF_TIMEOUT_S)
+                proof_s = min(self.timeout_s, PROOF_TIMEOUT_S)
+                frame = _recv_frame(conn, proof_by, proof_s, MAX_PROOF_BYTES, where)
                 if len(frame) != CHALLENGE_BYTES + PROOF_BYTES:
                     want = CHALLENGE_BYTES + PROOF_BYTES
                     self._refused(peer, f"a proof frame of {len(frame)} bytes, not {want}")
@@ -264,8 +308,7 @@ class SideChannel:
             self._refused(peer, f"{type(exc).__name__}: {exc}")
         finally:
             with self._cv:
-                self._in_flight -= 1
-                self._cv.notify_all()
+                self._take(peer, -1)
 
     def _refused(self, peer: str, reason: str) -> None:
         with self._cv:

@@ -670,3 +670,14 @@ def test_a_cluster_of_failure_domains_serves_with_its_secret_and_key(tmp_path):
         assert "cluster secret from KVFERRY_SECRET (fingerprint" in text
     finally:
         cluster.stop()
+
+
+def test_a_message_from_a_rank_without_a_card_is_dropped_as_stale():
+    """An authenticated message naming a sender rank this rank has no card of (its card
+    not read yet, or a rank of another topology) is dropped as stale, not raised out of
+    the receive path."""
+    rt = RankRuntime(2, _Engine(), _cards(), trust=Trust.generate())
+    rt.set_handlers({k: lambda msg: None for k in Kind}, role="test")
+    encoded = m.encode(m.ABORT_ACK.make(src=5, inc=7, seq=1, rid="r1"))
+    rt._on_payload(b"rank5", rt.seal_to_self(encoded))
+    assert rt.counters.dropped_stale == 1

@@ -21,6 +21,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import msgpack
@@ -327,3 +328,75 @@ def test_the_side_channel_imports_without_vllm():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "plugin: blocked: vllm" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("capped", [True, False], ids=["per-peer-cap", "broken-shared-slots"])
+def test_idle_strangers_do_not_lock_holders_of_the_secret_out(key, monkeypatch, capped):
+    """A stranger holds every slot it can with idle connections: one address gets
+    MAX_IN_FLIGHT_PER_PEER of them, and must send its proof within PROOF_TIMEOUT_S; a
+    decode with the secret is served all the same. Broken mode: one cap shared by every
+    peer; the stranger takes all MAX_IN_FLIGHT and the decode is closed at once."""
+    if not capped:
+        monkeypatch.setattr(sc, "MAX_IN_FLIGHT_PER_PEER", sc.MAX_IN_FLIGHT)
+    side = SideChannel("127.0.0.1", 0, {"workers": [1, 2]}, key, timeout_s=5.0)
+    idle = []
+    try:
+        for _ in range(sc.MAX_IN_FLIGHT):  # from another address than the decode's
+            idle.append(socket.create_connection(("127.0.0.1", side.port), None, ("127.0.0.2", 0)))
+        deadline = time.monotonic() + 5
+        while side._in_flight < min(sc.MAX_IN_FLIGHT, sc.MAX_IN_FLIGHT_PER_PEER):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        if not capped:
+            with pytest.raises(ConnectionError):  # the test catches the lock-out
+                fetch("127.0.0.1", side.port, 2.0, key)
+            return
+        assert fetch("127.0.0.1", side.port, 2.0, key) == {"workers": [1, 2]}
+    finally:
+        for s in idle:
+            s.close()
+        side.close()
+
+
+SERVER_NEAR_ITS_DESCRIPTOR_LIMIT = textwrap.dedent(
+    """
+    import os, resource, sys, time
+    sys.path.insert(0, {root!r})
+    from kvferry.cluster.vllm.sidechannel import HandshakeKey, SideChannel
+    side = SideChannel("127.0.0.1", 0, {{"ok": 1}}, HandshakeKey(b"k" * 64), timeout_s=1.0)
+    used = len(os.listdir("/proc/self/fd"))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 4, hard))
+    print(side.port, flush=True)
+    sys.stdin.read()
+    print(side.accept_errors, side.thread.is_alive(), flush=True)
+    """
+)
+
+
+def test_an_accept_that_fails_a_while_does_not_stop_the_side_channel():
+    """A burst of connections takes a server near its descriptor limit past it (accept()
+    fails with EMFILE): it logs, backs off and goes on accepting, and once the burst is
+    over a decode is served. (It returned on the first failure, its listening socket
+    open: every later decode waited for a HELLO that never came.)"""
+    root = str(Path(__file__).resolve().parents[2].parent)  # as test_failure_domains
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER_NEAR_ITS_DESCRIPTOR_LIMIT.format(root=root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(proc.stdout.readline())
+        burst = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]
+        time.sleep(0.5)
+        for s in burst:
+            s.close()
+        time.sleep(1.5)  # every connection it took has timed out (1 s)
+        assert fetch("127.0.0.1", port, 3.0, HandshakeKey(b"k" * 64)) == {"ok": 1}
+        out, _ = proc.communicate("", timeout=10)
+        errors, alive = out.split()
+        assert int(errors) >= 1 and alive == "True"
+    finally:
+        proc.kill()

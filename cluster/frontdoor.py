@@ -206,11 +206,11 @@ class FrontDoor:
                 return await self._stream(request, routed)
             return await self._whole(routed)
         except asyncio.CancelledError:
-            self.router.abort(routed.rid, AbortSource.CLIENT, "client disconnected")
+            self.router.abort_request(routed, AbortSource.CLIENT, "client disconnected")
             raise
         except Exception as exc:
-            self.router.abort(
-                routed.rid, AbortSource.INTERNAL, f"front door: {type(exc).__name__}: {exc}"
+            self.router.abort_request(
+                routed, AbortSource.INTERNAL, f"front door: {type(exc).__name__}: {exc}"
             )
             raise
 

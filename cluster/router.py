@@ -350,8 +350,8 @@ class Router:
         routed = members[0]
         routed.deadline = asyncio.get_running_loop().call_later(
             self.request_timeout_s,
-            lambda: self.abort(
-                rid, AbortSource.DEADLINE, f"no answer within {self.request_timeout_s:.1f} s"
+            lambda: self.abort_request(
+                routed, AbortSource.DEADLINE, f"no answer within {self.request_timeout_s:.1f} s"
             ),
         )
         log.info(
@@ -477,6 +477,11 @@ class Router:
     def abort(self, rid: str, source: AbortSource, reason: str) -> None:
         """Abort a live request: fan ABORT out to its owner and every writer (step 2)."""
         self.core.abort(rid, source, reason)
+
+    def abort_request(self, routed: RoutedRequest, source: AbortSource, reason: str) -> None:
+        """Abort what the client holds: the request, or every live member of its decode
+        group (:meth:`RouterCore.abort_request`)."""
+        self.core.abort_request(routed, source, reason)
 
     def shutdown(self, reason: str) -> int:
         """Before the router stops: every live request ends now with an error (HTTP 503),

@@ -204,8 +204,8 @@ class RouterCore(Generic[R]):
             req.transition(S.DECODING)
         req.transition(target, error or "")
         routed.outcome, routed.error = outcome, error
-        if routed.deadline is not None:
-            routed.deadline.cancel()
+        if routed.deadline is not None and routed.group is None:
+            routed.deadline.cancel()  # a group's runs until the group is answered
         self.ledger.end(routed.rid, routed.ranks)
         if routed.group is None:
             self.ports.client.done(routed, outcome, error)
@@ -248,6 +248,8 @@ class RouterCore(Generic[R]):
         group.answered = True
         lead = group.lead
         lead.outcome, lead.error, lead.abort_source = outcome, error, source
+        if lead.deadline is not None:
+            lead.deadline.cancel()
         self.ports.client.done(lead, outcome, error)
 
     def _give(self, routed: R, chunk: list[int]) -> None:
@@ -294,6 +296,21 @@ class RouterCore(Generic[R]):
         self.fan_out_abort(routed, source, reason)
         self.finish(routed, AbortSource(source).answer, f"{source}: {reason}")
         return routed
+
+    def abort_request(self, routed: R, source: AbortSource, reason: str) -> None:
+        """Abort what ``routed`` stands for towards its client (its deadline, the client
+        gone): the request, or, for a request decoded by a TP group, every member still
+        live while the group is unanswered (its lead may have finished already, the
+        others not: aborting the lead alone would end nothing)."""
+        group = routed.group
+        if group is None:
+            self.abort(routed.rid, source, reason)
+            return
+        for member in list(group.members):
+            if group.answered:  # the first member's abort answers it and ends the rest
+                break
+            if member.req.live:
+                self.abort(member.rid, source, reason)
 
     def fan_out_abort(
         self, routed: R, source: AbortSource, reason: str, skip: int | None = None

@@ -246,3 +246,53 @@ def test_a_prompt_over_half_a_prefill_pool_is_placed_and_held_once():
     router, routed = asyncio.run(run())
     assert routed.req.live
     assert router.ledger.held[WRITER] == {routed.rid: 33}
+
+
+def _lead_only(self, routed, source, reason) -> None:
+    """BROKEN: the client's request aborted by its lead member's id alone."""
+    self.abort(routed.rid, source, reason)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["whole-group", "broken-lead-only"])
+def test_a_group_keeps_its_deadline_after_its_lead_finished(monkeypatch, broken):
+    """The lead finishes ok, the other member's DONE never comes: the request's deadline
+    still answers the client (and aborts that member). Broken mode: the deadline aborts
+    the lead's id alone, which has ended; the client waits with no deadline."""
+    if broken:
+        monkeypatch.setattr(RouterCore, "abort_request", _lead_only)
+
+    async def run():
+        router, rt = _router()
+        router.request_timeout_s = 0.05
+        routed = await router.submit(TEXT, len(TEXT))
+        _tokens(rt, OWNER_0, routed.rid, TEXT)
+        _tokens(rt, OWNER_1, f"{routed.rid}.1", TEXT[:5])  # member 1 lags
+        _done(rt, OWNER_0, routed.rid, len(TEXT))  # the lead finishes ok
+        await asyncio.sleep(0.3)  # six deadlines
+        return router, rt, routed
+
+    router, rt, routed = asyncio.run(run())
+    member = router.requests[f"{routed.rid}.1"]
+    if broken:
+        assert member.req.live and routed.group.answered is False  # the test catches it
+        return
+    assert routed.group.answered and routed.outcome is not Answer.OK
+    assert "deadline" in routed.error and not member.req.live
+    assert (OWNER_1, member.rid) in _aborts(rt)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["whole-group", "broken-lead-only"])
+def test_a_client_gone_after_the_lead_finished_aborts_the_other_members(monkeypatch, broken):
+    if broken:
+        monkeypatch.setattr(RouterCore, "abort_request", _lead_only)
+
+    def then(router, rt, routed):
+        _tokens(rt, OWNER_0, routed.rid, TEXT)
+        _done(rt, OWNER_0, routed.rid, len(TEXT))
+        rt.sent.clear()
+        router.abort_request(routed, AbortSource.CLIENT, "client disconnected")
+
+    router, rt, routed = _submitted(then)
+    member = router.requests[f"{routed.rid}.1"]
+    assert member.req.live is broken
+    assert ((OWNER_1, member.rid) in _aborts(rt)) is not broken

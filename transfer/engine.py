@@ -148,6 +148,11 @@ log = logging.getLogger("kvferry.transfer")
 # A draining progress stops once no event came for this long: past a busy sender's
 # 5 us nap and its refill of the transport's queue, well under any step's length.
 DRAIN_IDLE_US = 50
+# decoded sender addresses kept (a message's sender is decoded once, not per message):
+# anyone who reaches the worker can send addresses of up to MAX_SENDER bytes, so the cache
+# is bounded in bytes as well as entries, and starts over when full
+SENDER_CACHE_ENTRIES = 4096
+SENDER_CACHE_BYTES = 16 << 20
 
 
 def _check(status: int, what: str, peer: str | None = None) -> None:
@@ -274,6 +279,7 @@ class TransferEngine:
         )
         self._handler: MessageHandler | None = None
         self._senders: dict[bytes, AddressInfo] = {}
+        self._sender_bytes = 0  # what the sender cache holds, about
         self._inbox: deque[IncomingMessage] = deque()
         self._seq = itertools.count(1)
         self._closed = False
@@ -909,9 +915,14 @@ class TransferEngine:
                 except WireError as exc:
                     self._refuse(len(payload), f"sender address: {exc}")
                     continue
-                if len(senders) > 4096:
+                if (
+                    len(senders) >= SENDER_CACHE_ENTRIES
+                    or self._sender_bytes + 2 * len(sender_address) > SENDER_CACHE_BYTES
+                ):  # addresses of up to 64 KiB from anyone who reaches us: bounded in bytes
                     senders.clear()
+                    self._sender_bytes = 0
                 senders[sender_address] = sender
+                self._sender_bytes += 2 * len(sender_address)  # the key and its ucx part
             if sender.incarnation != incarnation:
                 self._refuse(len(payload), "envelope incarnation differs from its sender address")
                 continue

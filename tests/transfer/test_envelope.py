@@ -13,8 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvferry.transfer import TransferConfig, TransferEngine, WireError
+from kvferry.transfer import engine as engine_module
 from kvferry.transfer._native import ENVELOPE_FLAG_FLUSHED, MSG_FLAG_NOTICE, ffi, lib
 from kvferry.transfer.envelope import HEADER_BYTES, Envelope, EnvelopeError, check, decode, encode
+from kvferry.transfer.protocol import ADDRESS, CODEC, MAX_UCX_ADDRESS
 
 MAX_SENDER, MAX_PAYLOAD = 512, 4096
 
@@ -156,3 +158,52 @@ def test_malformed_envelope_never_delivered(corrupt):
         assert b.counters.malformed_messages == 5 - want
         assert all(sender == a.address for sender, _ in got)
         assert sorted(p for _, p in got) == [b"notice %d" % i for i in range(want)]
+
+
+def _claim(engine: TransferEngine, address: bytes) -> None:
+    """``engine``'s next messages name ``address`` as their sender (what a stranger's own
+    build of the envelope can do: nothing in it is authenticated)."""
+    engine._sender = ffi.from_buffer(address)
+    engine._msg_param.sender = engine._sender
+    engine._msg_param.sender_length = len(address)
+
+
+def _made_up_address(i: int, incarnation: int) -> bytes:
+    return CODEC.encode(
+        ADDRESS.make(
+            ucx=i.to_bytes(8, "little") + bytes(MAX_UCX_ADDRESS - 8),
+            incarnation=incarnation,
+            name="stranger",
+            host="h",
+            boot_id="b",
+            pidns=1,
+            pid=1,
+        )
+    )
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["in-bytes", "broken-entries-only"])
+def test_made_up_sender_addresses_pin_a_bounded_amount(monkeypatch, bounded):
+    """A peer sends one tiny message per made-up 64 KiB sender address: what the receiver
+    keeps of them (decoded before any MAC can be checked) stays within
+    SENDER_CACHE_BYTES. Broken mode: bounded by entries alone (4,096 of them would pin
+    half a GiB)."""
+    n, limit = 200, 8 << 20
+    monkeypatch.setattr(engine_module, "SENDER_CACHE_BYTES", limit if bounded else 1 << 40)
+    with (
+        TransferEngine(TransferConfig(transports="shm", name="stranger")) as a,
+        TransferEngine(TransferConfig(transports="shm", name="rank")) as b,
+    ):
+        got: list[int] = []
+        b.set_message_handler(lambda sender, payload: got.append(len(payload)))
+        peer = a.connect(b.address)
+        for i in range(n):
+            _claim(a, _made_up_address(i, a.incarnation))
+            a.send(peer, b"x" * 17)
+            deadline = time.monotonic() + 30
+            while len(got) <= i:
+                assert time.monotonic() < deadline, "not delivered"
+                a.progress(0)
+                b.progress(0)
+        held = sum(len(k) + len(v.ucx) for k, v in b._senders.items())
+        assert (held <= limit) is bounded, held

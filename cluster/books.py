@@ -56,6 +56,24 @@ class RankBooks:
         the proofs it has so far (a decode rank's; /status)."""
         return []
 
+    def router_incarnations(self) -> dict[str, int]:
+        """The router incarnation each live request here came from (0: not known yet)."""
+        return {}
+
+    def pages_of_other_routers(self) -> int:
+        """Pages held here (owned or quarantined) for requests of a router incarnation
+        other than the current one: what a restarted router must count as taken, exactly
+        (its own reservations may not be allocated here yet)."""
+        rt, router = getattr(self, "rt", None), getattr(self, "router", None)
+        card = rt.cards.get(router) if rt is not None and router is not None else None
+        if card is None:
+            return 0
+        return sum(
+            len(self.allocator.pages_of(rid))
+            for rid, inc in self.router_incarnations().items()
+            if inc and inc != card.incarnation
+        )
+
     def stats(self) -> dict:
         """Pool figures for the router's /metrics and /status (I3, I6)."""
         counts = self.allocator.counts()
@@ -63,6 +81,7 @@ class RankBooks:
             free=counts["free"],
             owned=counts["owned"],
             quarantined=counts["quarantined"],
+            other_routers=self.pages_of_other_routers(),
             capacity_tokens=self.pool.capacity_tokens,
             integrity_failures=self.integrity_failures,
             allocations=self.allocations,

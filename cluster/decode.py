@@ -752,6 +752,9 @@ class DecodeRank(RankBooks):
         )
         self.on_stuck(req, waited_s)
 
+    def router_incarnations(self) -> dict[str, int]:
+        return {rid: req.router_inc for rid, req in self.reqs.items()}
+
     def _end_requests_of_router(self, old, new) -> None:
         reason = (
             f"router rank {old.rank} restarted (incarnation {old.incarnation:#x} -> "

@@ -355,6 +355,7 @@ def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int
             cards_epoch=runtime.cards_epoch,
             fenced=worker.fenced_writers(),
             quarantines=worker.quarantines(),
+            other_routers=s.get("other_routers"),
         )
         worker.sweep()
         runtime.call_later(STATS_INTERVAL_S, send)

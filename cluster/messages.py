@@ -175,6 +175,8 @@ STATS = CODEC.kind(
     fenced=Field(FieldType.STR_LIST, max_len=1024, optional=True),
     # a decode rank's quarantined requests: pages, what each waits on, the proofs so far
     quarantines=Field(FieldType.STR_LIST, max_len=64, optional=True),
+    # pages held for requests of another router incarnation (a restarted router's count)
+    other_routers=Field(FieldType.INT, optional=True),
 )
 SEVERED = CODEC.kind(
     Kind.SEVERED,

@@ -279,6 +279,9 @@ class PrefillRank(RankBooks):
         )
         self._feed(job, core.on_abort(job.book))
 
+    def router_incarnations(self) -> dict[str, int]:
+        return {rid: job.router_inc for rid, job in self.jobs.items()}
+
     # -------------------------------------------------------------- failures
     def _on_card_replaced(self, old, new) -> None:
         """An owner came back with a new incarnation: the requests whose pages its old one

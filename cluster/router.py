@@ -567,7 +567,7 @@ class Router:
         self.metrics.set_rank_stats(msg.src, self.cards[msg.src].role, stats)
         if msg.src in self.ledger.totals:
             before = self.ledger.inherited.get(msg.src, 0)
-            self.ledger.inherit(msg.src, msg.owned + msg.quarantined)
+            self.ledger.inherit(msg.src, msg.owned + msg.quarantined, msg.other_routers)
             if self.ledger.inherited.get(msg.src, 0) < before:
                 self._capacity_changed.set()
             if msg.src in self.awaiting_reports:

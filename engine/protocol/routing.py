@@ -59,9 +59,15 @@ class Ledger:
     def free(self, rank: int) -> int:
         return self.totals[rank] - sum(self.held[rank].values()) - self.inherited.get(rank, 0)
 
-    def inherit(self, rank: int, used: int) -> None:
-        """``used``: pages the rank reports owned or quarantined. Whatever of it this
-        router holds no reservation for belongs to requests it never knew."""
+    def inherit(self, rank: int, used: int, other_routers: int | None = None) -> None:
+        """What the rank holds for requests this router never knew. ``other_routers``,
+        when the rank says it: its pages held for requests of other router incarnations,
+        exactly. Else from ``used`` (pages owned or quarantined) less this router's
+        reservations, only ever lowered: an estimate that a reservation not yet
+        allocated there makes too low."""
+        if other_routers is not None:
+            self.inherited[rank] = max(0, other_routers)
+            return
         unknown = max(0, used - sum(self.held[rank].values()))
         self.inherited[rank] = min(self.inherited.get(rank, unknown), unknown)
 

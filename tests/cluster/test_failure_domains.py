@@ -473,7 +473,7 @@ def test_a_restarted_router_counts_the_pages_ranks_hold_for_the_old_one(inherits
     them out again (the rank would then refuse the request, or worse, if its count were
     not its own)."""
     if not inherits:
-        monkeypatch.setattr(Ledger, "inherit", lambda self, rank, used: None)
+        monkeypatch.setattr(Ledger, "inherit", lambda self, rank, used, other=None: None)
 
     async def run():
         router, rt = _router_with_rejoin()
@@ -494,6 +494,36 @@ def test_a_restarted_router_counts_the_pages_ranks_hold_for_the_old_one(inherits
         return
     assert refused is not None and "no pool has room for 8 pages" in refused.reason
     assert later.owner == 3
+
+
+@pytest.mark.parametrize("said", [True, False], ids=["rank-says", "broken-estimated"])
+def test_a_restarted_routers_count_holds_while_its_own_reservations_are_not_allocated(said):
+    """The decode rank holds 40 of its 64 pages for the old router's requests and says so
+    (STATS other_routers). The new router reserves 20 more there; a STATS the rank sends
+    before it allocated them still counts the old 40, so a request of 20 pages more waits
+    (4 are really free). Broken mode: a rank that does not say; the router's estimate
+    (used less its own reservations) drops to 20 for good, and the request is placed on
+    pages the old requests hold (the rank would refuse it)."""
+
+    def stats(**fields):
+        return {**STATS, "owned": 40, "free": 24, **({"other_routers": 40} if said else {})}
+
+    async def run():
+        router, rt = _router(prefill=1)  # router 0, prefill 1, decode 2: 64 pages of 16
+        rt.deliver(m.STATS, src=2, **stats())
+        await router.submit("x" * 100, 60)  # 10 decode pages
+        await router.submit("y" * 100, 60)  # 10 more: 4 left
+        rt.deliver(m.STATS, src=2, **stats())  # sent before it handled either ASSIGN
+        try:
+            return await router.submit("z" * 100, 220), router  # 20 pages
+        except Unavailable:
+            return None, router
+
+    third, router = asyncio.run(run())
+    if not said:
+        assert third is not None  # the test catches the pages handed out twice
+        return
+    assert third is None and router.ledger.inherited[2] == 40
 
 
 class _DeadWriters(TimedRuntime):

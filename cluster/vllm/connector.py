@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
 from kvferry.cluster.clock import MonotonicClock
+from kvferry.cluster.trust import Unauthenticated
 from kvferry.transfer import TransferConfig, TransferEngine, decode_address
 
 from . import wire
@@ -428,7 +429,9 @@ class _WorkerSide:
                 max_message_bytes=wire.MESSAGE_BYTES,
             )
         )
-        self.link = Link(self.engine)
+        self.key = settings.key
+        self.link = Link(self.engine, self.key)
+        self._unauthenticated_from: set[bytes] = set()  # senders logged once (bounded)
         self.clock = MonotonicClock()
         self.stats = KvferryStats()
         self.tombstones = Tombstones(self.clock)
@@ -551,7 +554,24 @@ class _WorkerSide:
         """One message, decoded (MalformedMessage otherwise) and acted on. One that
         decodes but that a host cannot act on (an exception of its own) fails the request
         it names on the host it went to, through the protocol, and the loop goes on."""
-        m = wire.decode(msg.payload)
+        try:
+            payload = self.key.open_message(
+                self.engine.incarnation, msg.sender_address, msg.payload
+            )
+        except Unauthenticated as exc:
+            self.stats.count("unauthenticated_messages")
+            if msg.sender_address not in self._unauthenticated_from:
+                if len(self._unauthenticated_from) >= 1024:
+                    self._unauthenticated_from.clear()
+                self._unauthenticated_from.add(msg.sender_address)
+                log.warning(
+                    "kvferry: dropped a message from %s: %s (further ones from it are "
+                    "counted, not logged)",
+                    msg.sender_name,
+                    exc,
+                )
+            return
+        m = wire.decode(payload)
         side = ""
         try:
             side, found = self._route(msg, m)

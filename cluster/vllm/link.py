@@ -1,6 +1,8 @@
 """A connector worker's transfer engine as its protocol uses it: one endpoint per peer
 address, and control messages that never raise.
 
+Every message carries a tag under the engines' secret, bound to the sender's transfer
+address and the destination's incarnation (:meth:`.sidechannel.HandshakeKey.seal_message`).
 A message that cannot be posted (the peer closed, its process gone, its shared-memory
 segment unlinked while we connected) is logged with its request id and answered None:
 the protocol's row goes on, and what the lost message would have proven is proven
@@ -13,14 +15,17 @@ import logging
 
 from kvferry.transfer import Batch, Peer, PeerFailedError, TransferEngine, TransferError
 
+from .sidechannel import HandshakeKey
+
 log = logging.getLogger("kvferry.vllm")
 
 
 class Link:
     """The worker's endpoints to other engines' workers, by transfer address."""
 
-    def __init__(self, engine: TransferEngine) -> None:
+    def __init__(self, engine: TransferEngine, key: HandshakeKey) -> None:
         self.engine = engine
+        self.key = key  # every message is tagged for its destination (HandshakeKey)
         self.peers: dict[bytes, Peer] = {}
 
     def peer(self, address: bytes) -> Peer:
@@ -63,10 +68,11 @@ class Link:
     def _message(self, peer: Peer | None, payload: bytes, rid: str, flushed: bool) -> Batch | None:
         if peer is None:
             return None
+        sealed = self.key.seal_message(peer.info.incarnation, self.engine.address, payload)
         try:
             if flushed:
-                return self.engine.notify(peer, payload)
-            return self.engine.send(peer, payload)
+                return self.engine.notify(peer, sealed)
+            return self.engine.send(peer, sealed)
         except TransferError as exc:
             what = "notice" if flushed else "message"
             log.warning("request %s: %s to %s not sent: %s", rid, what, peer.name, exc)

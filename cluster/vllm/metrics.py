@@ -20,6 +20,7 @@ COUNTERS = (
     "malformed_messages",
     "internal_errors",
     "stale_messages",
+    "unauthenticated_messages",
 )
 
 

@@ -68,6 +68,8 @@ ACCEPT_BACKOFF_S = 0.1  # after accept() failed (descriptors exhausted, a networ
 _PROOF_LABEL = b"kvferry vllm side channel proof"
 _ANSWER_LABEL = b"kvferry vllm side channel answer"
 _TICKET_LABEL = b"kvferry vllm load ticket"
+_MESSAGE_LABEL = b"kvferry vllm control message"
+MESSAGE_TAG_BYTES = 16
 
 NO_SECRET = (
     "kvferry connector: no handshake secret. Give kv_connector_extra_config's "
@@ -84,15 +86,17 @@ class HandshakeRefused(ConnectionError):
 
 
 class HandshakeKey:
-    """The connector's keys, derived from the engines' secret: the side channel's two, and
-    the one that seals load tickets (:mod:`.params`). ``repr`` shows the cluster
-    fingerprint (whether two engines hold the same secret, nothing more)."""
+    """The connector's keys, derived from the engines' secret: the side channel's two, the
+    one that seals load tickets (:mod:`.params`) and the one that tags control messages.
+    ``repr`` shows the cluster fingerprint (whether two engines hold the same secret,
+    nothing more)."""
 
     def __init__(self, secret: bytes) -> None:
         self.fingerprint = Trust(secret).fingerprint  # and the secret's length checked
         self._proof_key = derive(secret, _PROOF_LABEL)
         self._answer = AESGCM(derive(secret, _ANSWER_LABEL))
         self.ticket_key = derive(secret, _TICKET_LABEL)
+        self._message_key = derive(secret, _MESSAGE_LABEL)
 
     def __repr__(self) -> str:
         return f"HandshakeKey(fingerprint={self.fingerprint})"
@@ -107,6 +111,32 @@ class HandshakeKey:
 
     def proof_ok(self, server_nonce: bytes, client_nonce: bytes, proof: bytes) -> bool:
         return hmac.compare_digest(self.prove(server_nonce, client_nonce), proof)
+
+    def _message_tag(self, to_incarnation: int, sender: bytes, payload: bytes) -> bytes:
+        mac = hmac.new(self._message_key, digestmod="sha256")
+        mac.update(to_incarnation.to_bytes(8, "little"))
+        mac.update(len(sender).to_bytes(4, "little") + sender)
+        mac.update(payload)
+        return mac.digest()[:MESSAGE_TAG_BYTES]
+
+    def seal_message(self, to_incarnation: int, sender: bytes, payload: bytes) -> bytes:
+        """A control message (PLAN, NOTICE, ABORT, ...) from the engine at transfer address
+        ``sender`` to the engine incarnation ``to_incarnation``: the payload and its tag."""
+        return payload + self._message_tag(to_incarnation, sender, payload)
+
+    def open_message(self, my_incarnation: int, sender: bytes, sealed: bytes) -> bytes:
+        """The payload of a message sealed for this engine incarnation by the engine at
+        ``sender`` (the envelope's address, which the tag covers: no one without the
+        secret can speak as another engine, or at all); Unauthenticated otherwise."""
+        if len(sealed) < MESSAGE_TAG_BYTES:
+            raise Unauthenticated(f"a message of {len(sealed)} bytes carries no tag")
+        payload, tag = sealed[:-MESSAGE_TAG_BYTES], sealed[-MESSAGE_TAG_BYTES:]
+        if not hmac.compare_digest(tag, self._message_tag(my_incarnation, sender, payload)):
+            raise Unauthenticated(
+                "its tag does not verify (a sender without this secret, another engine's "
+                "address claimed, or a message sealed for another engine or incarnation)"
+            )
+        return payload
 
     def seal(self, payload: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
         """The answer for one connection: a fresh AES-GCM nonce, then the ciphertext."""

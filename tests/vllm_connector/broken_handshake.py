@@ -1,8 +1,8 @@
 """A deliberately broken connector for the wrong-secret case's broken mode: its side
 channel is what it was before the handshake was authenticated (the blob served to any
-client, in the clear; any answer taken). Loaded by module path in both engines; the key
-of each connector instance is switched, and the decode, a stranger's, checks no ticket
-(stranger.py); nothing else in the process."""
+client, in the clear; any answer taken), and control messages carry no tag. Loaded by
+module path in both engines; the key of each connector instance is switched, and the
+decode, a stranger's, checks no ticket (stranger.py); nothing else in the process."""
 
 from typing import Any
 
@@ -20,6 +20,12 @@ class _OpenKey(HandshakeKey):
         return payload
 
     def open(self, sealed: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+        return sealed
+
+    def seal_message(self, to_incarnation: int, sender: bytes, payload: bytes) -> bytes:
+        return payload
+
+    def open_message(self, my_incarnation: int, sender: bytes, sealed: bytes) -> bytes:
         return sealed
 
 

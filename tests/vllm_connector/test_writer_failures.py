@@ -17,6 +17,7 @@ from kvferry.cluster.vllm import staging as staging_module
 from kvferry.cluster.vllm import wire
 from kvferry.cluster.vllm.connector import _WorkerSide
 from kvferry.cluster.vllm.metrics import KvferryStats
+from kvferry.cluster.vllm.sidechannel import HandshakeKey
 from kvferry.cluster.vllm.staging import Staging
 from kvferry.engine.protocol.writer import WriterState
 
@@ -159,7 +160,7 @@ def test_a_message_a_host_cannot_act_on_fails_its_request_and_the_loop_goes_on(k
             checksums=[7], bytes=4096,
         )  # fmt: skip
         want = [("owner.fail_request", "d-1")]
-    side._on_message(SimpleNamespace(payload=payload, sender_name="peer0"))
+    side._on_message(_sealed(side, payload, "peer0"))
     assert calls == want
     assert side.stats.data["internal_errors"] == 1
 
@@ -203,6 +204,8 @@ def _side(sends: bool, failing: str | None = None):
 
     side = object.__new__(_WorkerSide)
     side.stats = KvferryStats()
+    side.key, side.engine = KEY, SimpleNamespace(incarnation=ENGINE_INC)
+    side._unauthenticated_from = set()
     side.sends = sends
     side.writer = SimpleNamespace(
         on_plan=record("writer.on_plan"),
@@ -217,6 +220,17 @@ def _side(sends: bool, failing: str | None = None):
     return side, calls
 
 
+KEY = HandshakeKey.generate()  # the engines' secret, as both sides of a message hold it
+ENGINE_INC = 0x77  # the receiving engine's incarnation
+
+
+def _sealed(side, payload: bytes, sender: str, key: HandshakeKey = KEY, to: int = ENGINE_INC):
+    """An incoming message from the engine named ``sender``, tagged as its Link tags it."""
+    address = sender.encode()
+    sealed = key.seal_message(to, address, payload)
+    return SimpleNamespace(payload=sealed, sender_address=address, sender_name=sender)
+
+
 def _abort_from(rid: str, orid: str) -> bytes:
     return wire.encode(
         wire.ABORT, rid=rid, orid=orid, source="transfer", reason="late", tp_rank=0,
@@ -229,10 +243,10 @@ def test_a_late_writers_abort_at_a_decode_only_engine_is_stale_not_an_owners():
     another incarnation) is an owner's abort of a send only on an engine that sends; on a
     decode-only engine it is counted stale, and no prompt or ack is made of it."""
     side, calls = _side(sends=False)
-    side._on_message(SimpleNamespace(payload=_abort_from("p-1", "d-1"), sender_name="prefill0"))
+    side._on_message(_sealed(side, _abort_from("p-1", "d-1"), "prefill0"))
     assert calls == [] and side.stats.data["stale_messages"] == 1
     side, calls = _side(sends=True)
-    side._on_message(SimpleNamespace(payload=_abort_from("p-1", "d-1"), sender_name="decode0"))
+    side._on_message(_sealed(side, _abort_from("p-1", "d-1"), "decode0"))
     assert calls == [("writer.on_owner_abort", None)]
 
 
@@ -241,7 +255,7 @@ def test_an_abort_the_writer_cannot_act_on_fails_only_the_writers_request():
     job for it, and no load of ours: the decode request id it names is the remote
     decode's, which a load of this (kv_both) engine may share."""
     side, calls = _side(sends=True, failing="writer.on_owner_abort")
-    side._on_message(SimpleNamespace(payload=_abort_from("p-1", "d-1"), sender_name="decode0"))
+    side._on_message(_sealed(side, _abort_from("p-1", "d-1"), "decode0"))
     assert calls == [("writer.fail_request", "p-1")]
     assert side.stats.data["internal_errors"] == 1
 
@@ -272,3 +286,34 @@ def test_a_second_decode_request_naming_ours_neither_plans_nor_aborts_it(monkeyp
     assert [m["orid"] for m in wr.link.of(wire.ABORT_ACK)] == ["d-r2", "d-r2"]
     assert job.book.state is WriterState.DONE
     assert [m["orid"] for m in wr.link.of(wire.NOTICE)] == ["d-r"]
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["no tag", "another secret", "another incarnation", "another sender", "broken-unchecked"],
+)
+def test_a_message_without_the_secrets_tag_is_dropped_and_counted(monkeypatch, how):
+    """Every control message carries a tag under the engines' secret bound to its sender's
+    address and this engine's incarnation: one without it (a stranger's, one sealed for
+    another incarnation, one claiming another engine's address) is dropped before it is
+    decoded, counted and logged once per sender. Broken mode: messages taken unchecked;
+    a stranger's ABORT reaches the writer."""
+    side, calls = _side(sends=True)
+    payload = _abort_from("p-1", "d-1")
+    if how == "broken-unchecked":
+        monkeypatch.setattr(HandshakeKey, "open_message", lambda self, inc, sender, sealed: sealed)
+        side._on_message(SimpleNamespace(payload=payload, sender_address=b"x", sender_name="x"))
+        assert calls == [("writer.on_owner_abort", None)]  # the test catches it
+        return
+    if how == "no tag":
+        msg = SimpleNamespace(payload=payload, sender_address=b"decode0", sender_name="decode0")
+    elif how == "another secret":
+        msg = _sealed(side, payload, "decode0", key=HandshakeKey.generate())
+    elif how == "another incarnation":
+        msg = _sealed(side, payload, "decode0", to=ENGINE_INC + 1)
+    else:
+        msg = _sealed(side, payload, "decode0")
+        msg.sender_address = b"writer0"  # what the envelope claims, not what was tagged
+    side._on_message(msg)
+    side._on_message(msg)
+    assert calls == [] and side.stats.data["unauthenticated_messages"] == 2

@@ -66,6 +66,7 @@ from .rendezvous import (
     CardRefused,
     RankCard,
     RendezvousError,
+    card_after,
     gather,
     publish,
     publish_failure,
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         host=this_host(),
         pid=os.getpid(),
         transports=transports_in_use(engine.describe()),
+        published_ns=card_after(store, rank, trust),
     )
     if cfg.store is not None:
         store.delete_key(f"{FAIL_PREFIX}{rank}")  # an earlier incarnation's refusal

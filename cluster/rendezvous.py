@@ -29,7 +29,7 @@ from .trust import TAG_BYTES, Trust, Unauthenticated, process_trust
 
 log = logging.getLogger("kvferry.cluster")
 
-CARD_VERSION = 2  # 2: kv_layout
+CARD_VERSION = 3  # 2: kv_layout; 3: published_ns
 SEALED_CARD = "kvf.card/sealed-v1"  # the store's form of a card (see seal_card)
 KEY_PREFIX = "kvferry/card/"
 FAIL_PREFIX = "kvferry/failed/"
@@ -67,6 +67,10 @@ class RankCard:
     pid: int
     transports: str = ""  # the UCX transports it asked for (and RDMA devices), /status
     kv_layout: str = "HND"  # how its pool's pages lie in memory (engine.reshard.Order)
+    # when it was published (wall clock, ns), and later than the card it replaces: a peer
+    # adopts a card only over an older one, so an old card written back into the store
+    # (sealed, but replayed) cannot take a live incarnation's place (card_after)
+    published_ns: int = 0
 
     @property
     def page_format(self) -> tuple[int, Order]:
@@ -140,6 +144,20 @@ def open_card(data: bytes, trust: Trust, rank: int) -> RankCard:
     if card.rank != rank:
         raise RendezvousError(f"card under rank {rank} names rank {card.rank}")
     return card
+
+
+def card_after(store, rank: int, trust: Trust | None = None) -> int:
+    """A ``published_ns`` for ``rank``'s new card: now, and past the card it replaces if
+    that one reads (a host whose clock is behind the last one's); 0-based on a card that
+    does not authenticate (a stranger's bytes say nothing)."""
+    now = time.time_ns()
+    key = card_key(rank)
+    try:
+        if not store.check([key]):
+            return now
+        return max(now, open_card(store.get(key), trust or process_trust(), rank).published_ns + 1)
+    except (RendezvousError, RuntimeError, KeyError, ValueError):  # no card to read: now
+        return now
 
 
 def publish(store, card: RankCard, trust: Trust | None = None) -> None:

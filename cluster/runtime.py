@@ -137,6 +137,12 @@ class _Timer:
         self.cancelled = True
 
 
+def published_after(card: RankCard, old: RankCard) -> bool:
+    """Whether ``card`` may replace ``old``: published no earlier (a sealed card replayed
+    into the store by someone who recorded it is older than the live one)."""
+    return card.published_ns >= old.published_ns
+
+
 class RankRuntime:
     def __init__(
         self,
@@ -425,6 +431,17 @@ class RankRuntime:
         for rank, card in fresh.items():
             old = self.cards[rank]
             if card.incarnation == old.incarnation or (rank, card.incarnation) in self.retired:
+                continue
+            if not published_after(card, old):  # an old card written back
+                self.counters.cards_refused += 1
+                log.warning(
+                    "rank %d refused rank %d's card of incarnation %#x: published before the "
+                    "card in use (incarnation %#x), which is kept",
+                    self.rank,
+                    rank,
+                    card.incarnation,
+                    old.incarnation,
+                )
                 continue
             self.retired[(rank, old.incarnation)] = old
             self.cards[rank] = card

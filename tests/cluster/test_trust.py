@@ -681,3 +681,49 @@ def test_a_message_from_a_rank_without_a_card_is_dropped_as_stale():
     encoded = m.encode(m.ABORT_ACK.make(src=5, inc=7, seq=1, rid="r1"))
     rt._on_payload(b"rank5", rt.seal_to_self(encoded))
     assert rt.counters.dropped_stale == 1
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["by-publish-time", "broken-any-new"])
+def test_an_old_card_written_back_does_not_take_a_live_incarnations_place(
+    store, monkeypatch, ordered
+):
+    """A store client without the secret records rank 1's sealed card (incarnation 7),
+    and once rank 1 has restarted (incarnation 9) writes it back and moves the epoch. A
+    rank that knows incarnation 9 keeps it (the replayed card was published before it)
+    and goes on hearing the live rank 1. Broken mode: any card of another incarnation
+    adopted; 9 is retired, and the live rank's messages are dropped as stale for good."""
+    if not ordered:
+        monkeypatch.setattr(runtime_mod, "published_after", lambda card, old: True)
+    trust = Trust.generate()
+    cards = {r: dataclasses.replace(c, published_ns=1000) for r, c in _cards().items()}
+    for card in cards.values():
+        rendezvous.publish(store, card, trust)
+    stranger = _stranger(store)
+    recorded = stranger.get(rendezvous.card_key(1))  # incarnation 7, as sealed
+    live = dataclasses.replace(cards[1], incarnation=9, address=b"w1-new", published_ns=2000)
+    rendezvous.publish(store, live, trust)
+    rt = RankRuntime(2, _Engine(), {**cards, 1: live}, store=store, trust=trust)
+    handled: list[int] = []
+    rt.set_handlers({k: lambda msg: handled.append(msg.src) for k in Kind}, role="test")
+    stranger.set(rendezvous.card_key(1), recorded)  # the replay
+    stranger.add(rendezvous.EPOCH_KEY, 1)
+    rt.refresh_cards()
+    writer_engine = _Engine()
+    writer_engine.incarnation = 9
+    writer = RankRuntime(1, writer_engine, {**cards, 1: live}, trust=trust)
+    rt._on_payload(b"rank1", writer._fill(2, m.ABORT_ACK, dict(rid="r1")))
+    if not ordered:
+        assert rt.cards[1].incarnation == 7 and handled == []  # the test catches it
+        return
+    assert rt.cards[1].incarnation == 9 and handled == [1]
+    assert rt.counters.cards_refused == 1
+
+
+def test_a_new_card_is_published_after_the_one_it_replaces(store):
+    """A rank restarted on a host whose clock is behind the last one's still publishes
+    a card its peers take as newer."""
+    trust = Trust.generate()
+    ahead = dataclasses.replace(_cards()[1], published_ns=time.time_ns() + 10**12)
+    rendezvous.publish(store, ahead, trust)
+    assert rendezvous.card_after(store, 1, trust) == ahead.published_ns + 1
+    assert rendezvous.card_after(store, 5, trust) <= time.time_ns()  # no card yet: now

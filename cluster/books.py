@@ -23,6 +23,8 @@ class RankBooks:
     pool: KVPool
     clock: Clock  # the time the rank's protocol code reads
     driver: Any  # carries out the rank's protocol table (a Driver, or a WriterDriver)
+    rt: Any  # the rank's runtime (its peers' cards)
+    router: int  # the router's rank
 
     @property
     def table(self) -> dict:
@@ -64,9 +66,8 @@ class RankBooks:
         """Pages held here (owned or quarantined) for requests of a router incarnation
         other than the current one: what a restarted router must count as taken, exactly
         (its own reservations may not be allocated here yet)."""
-        rt, router = getattr(self, "rt", None), getattr(self, "router", None)
-        card = rt.cards.get(router) if rt is not None and router is not None else None
-        if card is None:
+        card = self.rt.cards.get(self.router)
+        if card is None:  # no router known yet: no request here is a router's
             return 0
         return sum(
             len(self.allocator.pages_of(rid))

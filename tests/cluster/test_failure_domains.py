@@ -584,3 +584,15 @@ def test_a_quarantine_whose_silent_writers_are_all_gone_does_not_wait_out_the_de
     released = [f for _, k, f in rt.sent if k == "RELEASED"]
     assert [(f["pages"], f["how"]) for f in released] == [(3, "severed")]
     assert owner.allocator.counts()["quarantined"] == 0
+
+
+def test_a_rank_counts_the_pages_it_holds_for_other_router_incarnations():
+    """What STATS says as other_routers: the pages of requests a router incarnation other
+    than the current one assigned here (none while that router is the current one)."""
+    owner, rt = _owner()
+    rt.cards[0] = dataclasses.replace(_card(0, "router"), incarnation=1)
+    rt.deliver(m.ASSIGN, src=0, rid="r1", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
+    held = len(owner.allocator.pages_of("r1"))
+    assert held > 0 and owner.stats()["other_routers"] == 0  # the current router's own
+    rt.cards[0] = dataclasses.replace(rt.cards[0], incarnation=2)  # the router came back
+    assert owner.stats()["other_routers"] == held

@@ -304,6 +304,23 @@ def test_the_owner_checks_a_part_on_arrival_and_only_the_rest_with_the_notice(mo
     assert owner.reqs["o1"].state is OwnerState.DECODING
 
 
+def _deliver_notice(owner, rt: RecordingRuntime, rid: str, whole: dict) -> None:
+    """Writer 1's NOTICE of ``rid``'s 3 pages (40 tokens) with ``whole``'s pages,
+    generations and checksums (all of them, or its first chunk's), then one pump."""
+    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
+    rt.deliver(m.NOTICE, src=1, rid=rid, tokens=40, total=3, bytes=3 * slice_bytes, **whole)
+    rt.pump()
+
+
+def _corrupt_part_fails(owner, rt: RecordingRuntime, rid: str, pages, gens, lo: int, hi: int):
+    """Writer 1's NOTICE_PART of ``rid``'s pages ``[lo, hi)`` with a checksum off by one
+    bit: the request fails at once with the mismatch."""
+    rt.deliver(m.NOTICE_PART, src=1, rid=rid, **_part(owner, pages, gens, lo, hi, corrupt=True))
+    rt.pump()
+    done = [f for _, k, f in rt.sent if k == "DONE"]
+    assert len(done) == 1 and "checksum mismatch" in done[0]["error"]
+
+
 @pytest.mark.parametrize("quarantines", [True, False], ids=["quarantines", "broken-frees"])
 def test_a_corrupt_part_fails_the_request_but_keeps_its_pages_from_the_writer(
     quarantines, monkeypatch
@@ -323,10 +340,7 @@ def test_a_corrupt_part_fails_the_request_but_keeps_its_pages_from_the_writer(
         owner.driver.table = oc.OWNER_TABLE
     pages, gens = _assign(owner, rt, "o2")
     rt.sent.clear()
-    rt.deliver(m.NOTICE_PART, src=1, rid="o2", **_part(owner, pages, gens, 0, 2, corrupt=True))
-    rt.pump()
-    done = [f for _, k, f in rt.sent if k == "DONE"]
-    assert len(done) == 1 and "checksum mismatch" in done[0]["error"]
+    _corrupt_part_fails(owner, rt, "o2", pages, gens, 0, 2)
     if not quarantines:
         assert owner.allocator.counts()["quarantined"] == 0  # the test catches the free
         return
@@ -347,26 +361,14 @@ def test_a_corrupt_part_after_every_writer_flushed_frees_at_once(frees, monkeypa
     monkeypatch.setattr(decode, "PAGES_PER_CHUNK", 2)
     owner, rt = _owner()
     pages, gens = _assign(owner, rt, "o3")
-    first = _part(owner, pages, gens, 0, 2)
-    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
-    rt.deliver(m.NOTICE, src=1, rid="o3", tokens=40, total=3, bytes=3 * slice_bytes, **first)
-    rt.deliver(m.NOTICE_PART, src=1, rid="o3", **_part(owner, pages, gens, 2, 3, corrupt=True))
-    rt.pump()
-    done = [f for _, k, f in rt.sent if k == "DONE"]
-    assert len(done) == 1 and "checksum mismatch" in done[0]["error"]
+    _deliver_notice(owner, rt, "o3", _part(owner, pages, gens, 0, 2))  # its first chunk
+    assert owner.reqs["o3"].book.writers_done()
+    _corrupt_part_fails(owner, rt, "o3", pages, gens, 2, 3)
     if not frees:
         assert owner.allocator.counts()["quarantined"] == 3  # the test catches the hold
         return
     assert "o3" not in owner.reqs and owner.allocator.counts()["quarantined"] == 0
     assert [f["how"] for _, k, f in rt.sent if k == "RELEASED"] == ["freed"]
-
-
-def _deliver_notice(owner, rt: RecordingRuntime, rid: str, whole: dict) -> None:
-    """Writer 1's whole NOTICE of ``rid``'s 3 pages (40 tokens) with ``whole``'s pages,
-    generations and checksums, then one pump for its checks."""
-    slice_bytes = owner.pool.kv[0].numel() * owner.pool.kv.element_size()
-    rt.deliver(m.NOTICE, src=1, rid=rid, tokens=40, total=3, bytes=3 * slice_bytes, **whole)
-    rt.pump()
 
 
 @pytest.mark.parametrize("compared", [True, False], ids=["compared", "broken-trusted"])

@@ -30,6 +30,7 @@ import time
 import pytest
 from aiohttp import web
 from test_failure_domains import _HorizonEngine
+from test_fencing import DictStore
 from test_protocol_units import _card
 
 from kvferry.cluster import rendezvous
@@ -478,27 +479,6 @@ def test_a_cluster_whose_tcpstore_dies_names_it_and_logs_it_once_per_rank(tmp_pa
         cluster.stop()
 
 
-class _DictStore:
-    """The store's key-value calls over a dict."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: bytes) -> None:
-        self.data[key] = bytes(value)
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
-
-    def add(self, key: str, n: int) -> int:
-        value = int(self.data.get(key, b"0")) + n
-        self.data[key] = str(value).encode()
-        return value
-
-
 def _stuck_at_holes(self, store, trust=None, now=None):
     """BROKEN: the read ends at the first slot counted but not written, for good."""
     trust = trust or process_trust()
@@ -518,7 +498,7 @@ def test_a_slot_its_launcher_never_wrote_hides_no_later_exit(monkeypatch, broken
     given up after its grace. Broken mode: the read stops at the slot for good."""
     if broken:
         monkeypatch.setattr(ExitLog, "read_new", _stuck_at_holes)
-    store, log = _DictStore(), ExitLog()
+    store, log = DictStore(), ExitLog()
     store.add(rendezvous.EXIT_COUNT_KEY, 1)  # rank 4's launcher counted slot 1, then died
     later = ExitRecord(rank=5, incarnation=0x77, pid=9, host="h5", status=-9, at=0.0)
     rendezvous.publish_exit(store, later)

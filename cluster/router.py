@@ -529,13 +529,33 @@ class Router:
             self.abort_from_router_ms.append(ms)
             self.metrics.abort_from_router.observe(ms / 1e3)
 
+    def _owner_speaks(self, msg: Message) -> RoutedRequest | None:
+        """The live request ``msg`` names, when its sender is the request's owner; a
+        TOKENS or DONE from any other rank is dropped, logged with the request id."""
+        routed = self.core.live(msg.rid)
+        if routed is None:
+            return None
+        if msg.src != routed.owner:
+            self.core.answered_by(msg.src, msg.rid)  # counts it
+            log.error(
+                "request %s: %s from rank %d dropped: its owner is rank %d, the one rank "
+                "that speaks for its answer (%d such messages so far)",
+                msg.rid,
+                msg.kind,
+                msg.src,
+                routed.owner,
+                self.core.foreign_answers,
+            )
+            return None
+        return routed
+
     def _on_tokens(self, msg: Message) -> None:
-        if self.core.live(msg.rid) is None:
+        if self._owner_speaks(msg) is None:
             return
-        self.core.on_tokens(msg.rid, msg.offset, list(msg.tokens))
+        self.core.on_tokens(msg.src, msg.rid, msg.offset, list(msg.tokens))
 
     def _on_done(self, msg: Message) -> None:
-        routed = self.core.live(msg.rid)
+        routed = self._owner_speaks(msg)
         if routed is None:
             return
         if msg.transfer_ms is not None:
@@ -549,7 +569,7 @@ class Router:
             and self.cards[routed.owner].host == self.cards[self.rt.rank].host
         ):
             routed.landed_to_first_token_ms = 1e3 * (routed.first_token_at - msg.landed_ns / 1e9)
-        self.core.on_done(msg.rid, msg.outcome, msg.count, msg.error)
+        self.core.on_done(msg.src, msg.rid, msg.outcome, msg.count, msg.error)
 
     def _on_abort(self, msg: Message) -> None:
         self.core.on_abort(msg.src, msg.rid, msg.source, msg.reason)
@@ -803,13 +823,15 @@ class Router:
         }
 
     def own_counts(self) -> dict:
-        """What the router's own runtime refused: messages dropped by reason, and cards
+        """What the router's own runtime refused: messages dropped by reason (with
+        ``foreign_answer``: TOKENS or DONE from a rank not the request's owner), and cards
         and exit records in the store that did not authenticate."""
         c = getattr(self.rt, "counters", None)
         if c is None:  # a stand-in runtime (tests)
             return {}
         return {
-            "dropped": self.rt.dropped(),
+            # + TOKENS or DONE from a rank that is not the request's owner
+            "dropped": {**self.rt.dropped(), "foreign_answer": self.core.foreign_answers},
             "cards_refused": c.cards_refused,
             "exit_records_refused": c.exit_records_refused + self.rt.exit_log.refused,
         }

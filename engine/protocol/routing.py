@@ -18,7 +18,10 @@ Rules kept here:
   owner waits for their acks), except the rank it came from.
 - The answer (I6): ok once DONE(finished) and exactly that many tokens stand in order
   (late chunks get a grace, then the request fails rather than answer short); failed or
-  aborted otherwise; a terminal request never changes its answer (I2).
+  aborted otherwise; a terminal request never changes its answer (I2). Only the
+  request's owner speaks for its answer: TOKENS or DONE naming it from any other rank
+  (a writer, another owner, a rank confused about what it holds) change nothing and are
+  counted (``foreign_answers``), so no rank's tokens reach another request's client.
 - A request is forgotten once it is terminal and no rank holds pages for it.
 - A rank lost (severed, unreachable, exited) aborts the live requests it can still harm:
   those it owns, and those it writes that are not decoding yet.
@@ -191,11 +194,24 @@ class RouterCore(Generic[R]):
         self.ports = ports
         self.ledger = ledger
         self.requests: dict[str, R] = {}
+        self.foreign_answers = 0  # TOKENS or DONE from a rank not the request's owner
 
     def live(self, rid: str) -> R | None:
         """The live request ``rid`` names, or None (I2: none once terminal)."""
         routed = self.requests.get(rid)
         return routed if routed is not None and routed.req.live else None
+
+    def answered_by(self, src: int, rid: str) -> R | None:
+        """The live request ``rid`` names, when ``src`` is its owner, the one rank that
+        speaks for its answer; None otherwise (a rank that is not its owner is counted
+        in ``foreign_answers``)."""
+        routed = self.live(rid)
+        if routed is None:
+            return None
+        if src != routed.owner:
+            self.foreign_answers += 1
+            return None
+        return routed
 
     # ------------------------------------------------------------------ answers
     def finish(self, routed: R, outcome: Answer, error: str | None) -> bool:
@@ -353,10 +369,11 @@ class RouterCore(Generic[R]):
         self.fan_out_abort(routed, source, reason, skip=src)
         return routed
 
-    def on_tokens(self, rid: str, offset: int, tokens: list[int]) -> R | None:
-        """Put a chunk where it belongs: chunks may arrive out of order, and only the
-        contiguous answer so far is given to the client or counted."""
-        routed = self.live(rid)
+    def on_tokens(self, src: int, rid: str, offset: int, tokens: list[int]) -> R | None:
+        """Put a chunk from ``src`` where it belongs: chunks may arrive out of order, and
+        only the contiguous answer so far is given to the client or counted. A chunk from
+        a rank that is not the request's owner is refused (:meth:`answered_by`)."""
+        routed = self.answered_by(src, rid)
         if routed is None:
             return None
         if routed.req.state is S.PREFILLING:
@@ -373,11 +390,14 @@ class RouterCore(Generic[R]):
         self.complete_if_whole(routed)
         return routed
 
-    def on_done(self, rid: str, outcome: Outcome, count: int | None, error: str | None) -> R | None:
+    def on_done(
+        self, src: int, rid: str, outcome: Outcome, count: int | None, error: str | None
+    ) -> R | None:
         """The owner's DONE: finished (answered once every token stands in order, or
         failed after a grace for overtaken chunks), or failed or aborted there (the
-        owner runs the abort protocol with the writers itself)."""
-        routed = self.live(rid)
+        owner runs the abort protocol with the writers itself). A DONE from a rank that
+        is not the request's owner is refused (:meth:`answered_by`)."""
+        routed = self.answered_by(src, rid)
         if routed is None:
             return None
         if outcome is Outcome.FINISHED:

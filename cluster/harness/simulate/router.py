@@ -321,10 +321,10 @@ class SimRouter:
             self.abort_from_router_ms.append(ms)
 
     def _on_tokens(self, msg: Any) -> None:
-        self.core.on_tokens(msg.rid, msg.offset, msg.tokens)
+        self.core.on_tokens(msg.src, msg.rid, msg.offset, msg.tokens)
 
     def _on_done(self, msg: Any) -> None:
-        self.core.on_done(msg.rid, msg.outcome, msg.count, msg.error)
+        self.core.on_done(msg.src, msg.rid, msg.outcome, msg.count, msg.error)
 
     def _on_abort(self, msg: Any) -> None:
         self.core.on_abort(msg.src, msg.rid, msg.source, msg.reason)

@@ -7,7 +7,8 @@ publishes an :class:`~.rendezvous.ExitRecord` for the rank's incarnation in the 
 store, and exits with the rank's status, so torchrun restarts the job as it was told to.
 The exit record is what an owner on another host takes as proof that the writer's process
 is gone (see ``RankRuntime.write_path_closed``). Only a launcher that dies with its rank
-(the host lost) says nothing, and then the pages stay quarantined: safe, never proven.
+(the host lost) says nothing, and then the pages stay quarantined: safe, never proven. A
+launcher killed alone takes its rank with it (:func:`die_with_launcher`).
 
 While the rank runs, the launcher also looks in the store for a fence order naming the
 rank's incarnation (:mod:`.fencing`: the router orders one once an owner severed the
@@ -44,8 +45,10 @@ def fork_rank(rank: int, store_address: str | StoreSpec, trust: Trust | None = N
     (``HOST:PORT``, or a parsed ``--store`` with its TLS and authentication) and leave the
     process with the child's exit code (never returns)."""
     trust = trust or process_trust()
+    launcher = os.getpid()
     child = os.fork()
     if child == 0:
+        die_with_launcher(launcher)
         return
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, functools.partial(_forward, child))
@@ -60,6 +63,33 @@ def fork_rank(rank: int, store_address: str | StoreSpec, trust: Trust | None = N
             file=sys.stderr,
         )
     os._exit(code if code >= 0 else 128 - code)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_launcher(launcher: int) -> None:
+    """In the rank (the launcher's child): be SIGKILLed when the launcher dies. A launcher
+    killed outright (SIGKILL, the OOM killer, torchrun tearing a job down) cannot reap its
+    rank or publish its exit; a rank left running would go on writing and holding pages
+    with nobody to fence it, and a restarted job would run a second process of its rank
+    beside it. Dying with the launcher, it leaves a process that is gone, which an owner
+    on its host proves from the pid; the pages behind it on other hosts stay quarantined
+    (safe, never proven). A launcher that died before this ran is caught by its pid."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        print(
+            f"kvferry launcher: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}; the "
+            "rank would outlive its launcher, so it stops here",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+    if os.getppid() != launcher:  # the launcher died between the fork and the prctl
+        os._exit(1)
 
 
 def _wait_fenced(child: int, watch: FenceWatch) -> int:

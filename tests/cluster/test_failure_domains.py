@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -463,6 +464,56 @@ def test_the_launcher_publishes_a_killed_rank_exit(store, tmp_path):
     record = exit_record(store, 5, 0xABC)
     assert record is not None and record.status == -9 and record.rank == 5
     assert b"exit published" in proc.stderr
+
+
+def _gone(pid: int) -> bool:
+    """``pid`` no longer runs: reaped, or a zombie nobody reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("dies", [True, False], ids=["contract", "broken-outlives"])
+def test_a_rank_dies_with_its_launcher(store, tmp_path, dies):
+    """A launcher SIGKILLed (nobody reaps the rank or publishes its exit) takes its rank
+    with it, so no rank runs on unsupervised, unfenceable, beside the one a restarted job
+    starts. Broken mode: a rank that does not ask to die with its launcher runs on."""
+    pid_file = tmp_path / "rank.pid"
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        sys.path.insert(0, {str(ROOT.parent)!r})
+        from kvferry.cluster import supervise
+        if not {dies!r}:
+            supervise.die_with_launcher = lambda launcher: None
+        supervise.fork_rank(6, "127.0.0.1:{store.port}")
+        with open({str(pid_file)!r} + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename({str(pid_file)!r} + ".tmp", {str(pid_file)!r})
+        time.sleep(120)
+        """
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ))
+    rank = None
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            assert launcher.poll() is None, "the launcher exited before its rank started"
+            assert time.monotonic() < deadline, "the rank never wrote its pid"
+            time.sleep(0.05)
+        rank = int(pid_file.read_text())
+        launcher.kill()
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not _gone(rank) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(rank) is dies
+    finally:
+        launcher.kill()
+        if rank is not None and not _gone(rank):
+            os.kill(rank, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("inherits", [True, False], ids=["contract", "broken-forgets"])

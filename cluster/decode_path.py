@@ -50,7 +50,7 @@ from kvferry.engine.verify import (
 
 from . import messages as m
 from .sliced import run_in_slices
-from .topology import HeadSplit
+from .topology import HeadSplit, head_split
 
 if TYPE_CHECKING:
     from kvferry.engine.protocol.owner_driver import OwnerDriver
@@ -378,8 +378,8 @@ class DecodePath(ReadPath):
         order and numbered in it: the members of a prefill group of ``prefill_tp`` that
         write into this member of its decode group (members sharing a head with an
         earlier one write nothing and are not listed: :class:`.topology.HeadSplit`)."""
-        split = self.split or HeadSplit(self.pool.kv_heads, self.prefill_tp or writers)
-        return [split.local_heads(w, self.position) for w in split.writers_of(self.position)]
+        split = self.split or head_split(self.pool.kv_heads, self.prefill_tp or writers)
+        return list(split.heads_into(self.position))
 
     def writers_mismatch(self, req: OwnedRequest) -> str | None:
         """Why ``req``'s writer list cannot be the writing members of one prefill group

@@ -88,6 +88,23 @@ class HeadSplit:
         base = self.owner_heads(owner)[0]
         return lo - base, hi - base
 
+    def heads_into(self, owner: int) -> tuple[tuple[int, int], ...]:
+        """:meth:`local_heads` of each of :meth:`writers_of` ``owner``, in order: what an
+        owner checks every request's writers against, worked out once per split."""
+        return _heads_into(self, owner)
+
+
+@functools.lru_cache(maxsize=256)
+def _heads_into(split: HeadSplit, owner: int) -> tuple[tuple[int, int], ...]:
+    return tuple(split.local_heads(w, owner) for w in split.writers_of(owner))
+
+
+@functools.lru_cache(maxsize=256)
+def head_split(kv_heads: int, tp: int) -> HeadSplit:
+    """The split of ``kv_heads`` from a prefill group of ``tp`` into one decode rank (one
+    per shape: its pairs are worked out once)."""
+    return HeadSplit(kv_heads, tp)
+
 
 class TopologyError(ValueError):
     """The world size and the role counts do not add up."""

@@ -25,6 +25,7 @@ from .errors import (
     StaleIncarnationError,
     TransferError,
     UcxError,
+    UnflushableError,
     WireError,
     ucx_error,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "TransferEngine",
     "TransferError",
     "UcxError",
+    "UnflushableError",
     "WireError",
     "copy_runs",
     "copy_tensor_runs",

@@ -18,8 +18,11 @@ The methods here are thin accessors over those: ``peek()`` is ``engine.poll(batc
 ``time.monotonic()`` value). Every wait is bounded: it returns, or raises
 :class:`PeerFailedError` naming the peer, :class:`DeadlineExceeded`, or a named
 :class:`UcxError`. A timed-out batch stays TIMED_OUT even if its requests finish later:
-UCX cannot cancel a posted put, so the bytes may still land; a caller that needs proof
-that nothing more lands severs the peer (``engine.close(peer, force=True)``) (I4).
+UCX cannot cancel a posted put, so the bytes may still land. Severing the peer
+(``engine.close(peer, force=True)``) does not stop them either: UCX over tcp delivers what
+it had queued after the close. Proof that nothing more lands is a completed flush, or
+the writer's process gone (I4); a peer closed with writes not flushed is unflushable, and
+the engine refuses any later notice to it (:class:`UnflushableError`).
 """
 
 from __future__ import annotations

@@ -147,6 +147,8 @@ class TransferCounters:
     bounds_refused: int = 0
     stale_refused: int = 0
     stream_syncs: int = 0  # writes from CUDA segments that waited for their producer
+    unflushable_peers: int = 0  # remote engines closed or failed with writes not flushed
+    notices_refused: int = 0  # notices to those engines: no flush can order them
 
 
 def _tl_home(key: str) -> tuple[str, str, str] | None:

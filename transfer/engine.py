@@ -5,7 +5,10 @@ Upholds, for the layers above:
 
 - I4 (no release without proof): a completed ``write`` batch, ``quiesce`` and the data
   before a ``notify`` are *flushed*: every earlier put to that peer is visible at the
-  target. ``close(peer, force=True)`` severs the endpoint. Registered memory is never
+  target. ``close(peer, force=True)`` severs the endpoint, which is no proof that its
+  writes stop landing: an engine closed or failed with writes not flushed is
+  *unflushable*, and every later notice or flush to it raises
+  :class:`UnflushableError` rather than claim to follow them. Registered memory is never
   freed behind a peer's back (``deregister`` is explicit).
 - I5 (decode reads only what was written): page lists are bounds-checked against both
   segments before anything is posted; descriptors of another incarnation are refused.
@@ -83,7 +86,7 @@ from typing import Any
 
 from . import _native as native
 from . import horizon as horizons
-from . import memtypes, ucxinfo
+from . import mappings, memtypes, ucxinfo
 from ._native import ffi, lib
 from .batch import Batch, BatchStatus
 from .config import (
@@ -124,6 +127,7 @@ from .errors import (
     PeerFailedError,
     StaleIncarnationError,
     TransferError,
+    UnflushableError,
     WireError,
     status_name,
     ucx_error,
@@ -463,6 +467,7 @@ class TransferEngine:
             local = ffi.new("void **")
             if lib.kvf_rkey_ptr(rkey[0], desc.base, local) == 0:
                 rseg.direct = int(ffi.cast("uintptr_t", local[0]))
+                self._require_mapped(peer, rseg)
                 if self.config.prefault_direct:
                     self._prefault(peer, rseg)
         if rseg.direct is None:
@@ -470,6 +475,25 @@ class TransferEngine:
         path = rseg.path
         peer.segment_paths[path] = peer.segment_paths.get(path, 0) + 1
         return rseg
+
+    def _require_mapped(self, peer: Peer, rseg: RemoteSegment) -> None:
+        """Refuse a descriptor whose length runs past the mapping UCX made of it here: the
+        direct path's stores at ``direct + offset`` would land in other memory of this
+        process, another peer's pool among it (:mod:`.mappings`)."""
+        assert rseg.direct is not None
+        span = mappings.mapped_span(rseg.direct)
+        end = rseg.direct + rseg.length
+        if span is not None and span[0] <= rseg.direct and end <= span[1]:
+            return
+        mapped = 0 if span is None else span[1] - rseg.direct
+        self.counters.bounds_refused += 1
+        peer.rkeys.remove(rseg.rkey)
+        lib.kvf_rkey_destroy(rseg.rkey)
+        raise TransferError(
+            f"segment of {peer.name}: its descriptor claims {rseg.length} bytes at "
+            f"{rseg.base:#x}, but {mapped} bytes are mapped here from there; refused (a "
+            f"write past them would land in other memory of this process)"
+        )
 
     def _cross_memory_possible(self, peer: Peer, desc: SegmentDescriptor) -> bool:
         """Whether pages into ``desc`` can go by the kernel's cross-memory copy: host
@@ -599,6 +623,7 @@ class TransferEngine:
             param.field_mask = mask
             st = (lib.kvf_put_pages if write else lib.kvf_get_pages)(peer.ep, param, handle)
         else:
+            self._require_flushable(peer)
             notice = self._checked_payload(notice)
             flush = self._needs_flush(peer)
             msg = self._msg_param
@@ -645,6 +670,7 @@ class TransferEngine:
     def quiesce(self, peer: Peer) -> Batch:
         """Completes when every earlier write to ``peer`` is visible at the target."""
         self._require_peer(peer)
+        self._require_flushable(peer)
         handle = ffi.new("kvf_batch_t *")
         lib.kvf_flush(peer.ep, handle)
         return self._track(peer, "quiesce", 0, 0, handle, None)
@@ -660,6 +686,8 @@ class TransferEngine:
 
     def _message(self, peer: Peer, payload: bytes, flushed: bool) -> Batch:
         self._require_peer(peer)
+        if flushed:
+            self._require_flushable(peer)
         payload = self._checked_payload(payload)
         handle = ffi.new("kvf_batch_t *")
         flush = flushed and self._needs_flush(peer)
@@ -690,6 +718,14 @@ class TransferEngine:
             )
         return payload if type(payload) is bytes else bytes(payload)
 
+    def _require_flushable(self, peer: Peer) -> None:
+        """Refuse a notice or flush to an engine with writes no flush can order: an
+        endpoint to it closed or failed before they were flushed (UnflushableError)."""
+        why = self.peers.unflushable.get(peer.address)
+        if why is not None:
+            self.counters.notices_refused += 1
+            raise UnflushableError(peer.name, why)
+
     @staticmethod
     def _needs_flush(peer: Peer) -> bool:
         """True while a put posted through UCX, or an earlier notice's flush, may still be
@@ -709,6 +745,8 @@ class TransferEngine:
 
     def _send_raw(self, peer: Peer, data: bytes, flushed: bool = False) -> Batch:
         """Post already-encoded bytes (the envelope is the caller's business)."""
+        if flushed:
+            self._require_flushable(peer)
         handle = ffi.new("kvf_batch_t *")
         lib.kvf_raw_send(peer.ep, data, len(data), native.MSG_FLAG_FLUSH if flushed else 0, handle)
         if flushed:

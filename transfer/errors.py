@@ -39,6 +39,19 @@ class PeerFailedError(TransferError):
         )
 
 
+class UnflushableError(TransferError):
+    """A notice (or flush) to a remote engine whose writes can no longer be ordered: an
+    endpoint to it was closed or failed while writes posted through it were not flushed.
+    Those writes may still land (UCX over tcp delivers what it had queued after a force
+    close), and a flush on another endpoint does not wait for them, so no notice to that
+    engine can say they are done. ``peer`` names it; ``reason`` says what was pending."""
+
+    def __init__(self, peer: str, reason: str):
+        self.peer = peer
+        self.reason = reason
+        super().__init__(f"no notice to {peer!r} can follow its writes: {reason}")
+
+
 class DeadlineExceeded(TransferError):
     """A bounded wait ran out. The operation may still complete later (UCX cannot
     cancel a posted put): callers that must prove no more writes land sever the peer."""

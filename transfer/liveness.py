@@ -54,6 +54,11 @@ class PeerTable:
         # Peers whose batches failed with a peer-failure status, seen by poll(): marked
         # failed and severed in the progress path (poll itself touches no endpoint).
         self.failed: list[tuple[Peer, str]] = []
+        # Remote engines (by address) to which an endpoint was closed or failed while
+        # writes posted through it were not flushed: they may still land, so no notice
+        # to that engine (on any endpoint) can claim to follow them. Never cleared: a
+        # restarted engine has another address.
+        self.unflushable: dict[bytes, str] = {}
         self._next_liveness_check = 0.0
 
     def connect(self, peer_address: bytes, name: str = "") -> Peer:
@@ -117,6 +122,7 @@ class PeerTable:
         UCS_ERR_CANCELED and nothing more is posted to this peer."""
         if peer.state is not PeerState.CONNECTED:
             return
+        self._note_unflushed(peer, f"failed ({reason})")
         peer.state, peer.failure = PeerState.FAILED, reason
         self.counters.peers_failed += 1
         log.warning("peer %s failed: %s; severing its endpoint", peer.name, reason)
@@ -126,6 +132,31 @@ class PeerTable:
             peer.ep,
             native.EP_CLOSE_FLAG_FORCE,
             int(self.config.close_timeout_s * 1000),
+        )
+        if peer.pidfd is not None:  # a failed peer is replaced at the next connect
+            os.close(peer.pidfd)
+            peer.pidfd = None
+
+    def _note_unflushed(self, peer: Peer, how: str) -> None:
+        """Before ``peer``'s endpoint goes: if writes posted through it are not known
+        flushed (a batch of puts or a notice's flush still outstanding, or ended in an
+        error), the remote engine becomes unflushable (:attr:`unflushable`)."""
+        pending = sum(1 for h in peer.unflushed if h.outstanding != 0 or h.status != 0)
+        if not pending or peer.address in self.unflushable:
+            return
+        self.unflushable[peer.address] = (
+            f"{pending} batch(es) of writes to it were not flushed when its endpoint "
+            f"{how}; they may still land, and a flush on another endpoint does not wait "
+            f"for them"
+        )
+        self.counters.unflushable_peers += 1
+        log.warning(
+            "peer %s (incarnation %#x): its endpoint %s with %d batch(es) of writes not "
+            "flushed; no notice to it is sent from now on (it would not follow them)",
+            peer.name,
+            peer.info.incarnation,
+            how,
+            pending,
         )
 
     @staticmethod
@@ -160,8 +191,10 @@ class PeerTable:
                 self.alive(peer, force=True)
 
     def close(self, peer: Peer, force: bool = False) -> None:
-        """Close the endpoint. ``force=True`` severs it without flushing: requests in
-        flight complete with UCS_ERR_CANCELED (bytes already sent are not recalled)."""
+        """Close the endpoint. ``force=True`` severs it without flushing: this side stops
+        waiting for its requests, but it is no proof that nothing more lands (UCX over tcp
+        delivers what it had queued, after the close), so writes not flushed by then make
+        the remote engine unflushable (:attr:`unflushable`)."""
         if peer.state is PeerState.CLOSED:
             return
         was_connected = peer.state is PeerState.CONNECTED
@@ -182,6 +215,8 @@ class PeerTable:
                     native.EP_CLOSE_FLAG_FORCE,
                     int(self.config.close_timeout_s * 1000),
                 )
+            # after the close: a graceful one that flushed leaves nothing pending
+            self._note_unflushed(peer, "was force-closed" if force or st != 0 else "was closed")
         if peer.pidfd is not None:
             os.close(peer.pidfd)
             peer.pidfd = None

@@ -28,6 +28,11 @@ def copy_runs(dst: Segment, src: Segment, runs: Any) -> int:
     segments only (a CUDA segment is refused: its bytes have no host address)."""
     if dst.is_cuda or src.is_cuda:
         raise TransferError("copy_runs copies between host segments; a CUDA segment was given")
+    if not (dst.registered and src.registered):
+        which = "destination" if not dst.registered else "source"
+        raise TransferError(
+            f"copy_runs: the {which} segment was deregistered; its memory may be gone"
+        )
     arr = as_runs(runs)
     total = check_runs(arr, src.length, dst.length)
     if arr.shape[0]:
@@ -77,6 +82,10 @@ def copy_tensor_runs(dst: torch.Tensor, src: torch.Tensor, runs: Any) -> int:
         raise TypeError(
             f"copy_tensor_runs copies between uint8 tensors of one device: {src.dtype} on "
             f"{src.device} into {dst.dtype} on {dst.device}"
+        )
+    if not dst.is_contiguous():  # reshape would copy it, and the bytes land in the copy
+        raise TypeError(
+            f"copy_tensor_runs writes into a contiguous tensor; got strides {dst.stride()}"
         )
     unit = copy_unit(arr)
     word = copy_word(unit, src, dst)

@@ -33,6 +33,8 @@ def _buffer_pointer(buf: Any) -> tuple[int, int]:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise ValueError("register: numpy array must be C-contiguous")
+        if not buf.flags.writeable:  # peers write it: an immutable object would change
+            raise ValueError("register: numpy array is read-only (peers write registered memory)")
         return buf.ctypes.data, buf.nbytes
     if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # torch.Tensor
         if buf.device.type != "cpu":

@@ -21,6 +21,8 @@ from .protocol import CODEC, SEGMENT
 if TYPE_CHECKING:
     from .peer import Peer
 
+INT64_MAX = (1 << 63) - 1
+
 
 @dataclass(frozen=True)
 class SegmentDescriptor:
@@ -52,6 +54,11 @@ class SegmentDescriptor:
             raise WireError(f"expected a SEGMENT descriptor, got {msg.kind}")
         fields = dict(msg.fields)
         kind = fields.pop("memory_type", None)
+        base, length = int(fields["base"]), int(fields["length"])
+        if base + length > INT64_MAX:  # the native layer's offsets are int64
+            raise WireError(
+                f"SEGMENT descriptor: base {base:#x} + length {length} passes 2**63 - 1"
+            )
         return cls(**fields, memory_type=MemoryType(kind or "host").value)
 
 

@@ -219,7 +219,8 @@ class WriterHost(WorkerHost):
         self.waiting_for_slot: list[Job] = []  # staged jobs whose next batch waits for a slot
         # slots of failed batches whose puts are still in flight (given back once done)
         self.slots_being_read: list[tuple[Staged, Batch]] = []
-        self.remote_segments: dict[int, tuple[KVRegions, list[RemoteSegment]]] = {}
+        # by the decode's incarnation: the endpoint they were opened on, and its segments
+        self.remote_segments: dict[int, tuple[Peer, KVRegions, list[RemoteSegment]]] = {}
         ports = WriterPorts(
             data=self,
             wire=WriterWire(self),
@@ -399,14 +400,17 @@ class WriterHost(WorkerHost):
             return
         try:
             key = msg.sender_incarnation
-            if key not in self.remote_segments:
+            cached = self.remote_segments.get(key)
+            # opened on an endpoint since closed (severed, failed), its rkeys went with
+            # it: the decode's segments are opened again on this one
+            if cached is None or cached[0] is not peer:
                 regions = KVRegions.from_wire(m["regions"])
                 rsegs = [
                     self.link.engine.open_segment(peer, SegmentDescriptor.unpack(bytes(d)))
                     for d in m["descs"]
                 ]
-                self.remote_segments[key] = (regions, rsegs)
-            job.dst, job.rsegs = self.remote_segments[key]
+                cached = self.remote_segments[key] = (peer, regions, rsegs)
+            job.dst, job.rsegs = cached[1], cached[2]
         except (TransferError, LayoutError, ValueError, KeyError) as exc:
             self.fail(job, AbortSource.TRANSFER, f"plan unusable: {exc}")
             return

@@ -1,4 +1,4 @@
-"""The control messages between ranks (codec ``kvf.cluster`` version 2).
+"""The control messages between ranks (codec ``kvf.cluster`` version 3).
 
 Every message carries a header: the sender's rank, its incarnation and a per-sender
 sequence number, so a receiver drops duplicates and messages of a stale incarnation and
@@ -48,7 +48,8 @@ MAX_TOKENS_PER_MESSAGE = 1 << 20  # generated tokens in one TOKENS message
 MAX_ERROR_CHARS = 4096  # DONE.error
 MAX_REASON_CHARS = 1024  # ABORT.reason, SEVERED.reason
 
-CODEC = Codec("kvf.cluster", version=2, max_bytes=16 << 20)
+# version 3: page checksums over 16-bit words (kvferry.engine.integrity)
+CODEC = Codec("kvf.cluster", version=3, max_bytes=16 << 20)
 
 _RID = Field(FieldType.STR, max_len=MAX_REQUEST_ID)
 _HEADER = dict(src=Field(FieldType.INT), inc=Field(FieldType.UINT64), seq=Field(FieldType.UINT64))

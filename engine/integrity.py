@@ -1,14 +1,22 @@
 """Page integrity, the building blocks of I5: checksums, canary tags, length checks.
 
-Checksum. Each page's bytes are read as 32-bit words ``w_i`` (bytes if the page's byte
-count is not a multiple of 4) and reduced modulo the Mersenne prime ``P = 2^31 - 1`` into
-two sums, Fletcher style: ``s1 = sum w_i mod P`` and ``s2 = sum (i+1) * w_i mod P``, packed
-as ``s1 * 2^31 + s2``. Why this function: it is integer arithmetic, so the result does not
-depend on reduction order and is identical on CPU and GPU (float sums are not); it has no
-sequential dependency (as a CRC has), so it vectorises: SIMD lanes on a CPU, a one-pass
-GPU kernel; the position weight in ``s2`` catches swapped or shifted words, and ``s1``
-catches any single changed word. It detects stale or foreign pages and accidental
-corruption, not an adversary.
+Checksum. Each page's bytes are read as unsigned 16-bit words ``w_i`` in the machine's
+byte order (bytes if the page's byte count is odd) and reduced modulo the Mersenne prime
+``P = 2^31 - 1`` into two sums, Fletcher style: ``s1 = sum w_i mod P`` and
+``s2 = sum (i+1) * w_i mod P``, packed as ``s1 * 2^31 + s2``. Why this function: it is
+integer arithmetic, so the result does not depend on reduction order and is identical on
+CPU and GPU (float sums are not); it has no sequential dependency (as a CRC has), so it
+vectorises: SIMD lanes on a CPU, a one-pass GPU kernel. What it catches, for certain:
+
+- any one changed word (``s1`` moves: the change is below ``P`` in size, never a multiple
+  of it), and so any one changed 32-bit value: its two words' changes ``d_lo``, ``d_hi``
+  leave ``s1`` alone only when ``d_lo = -d_hi``, and then ``s2`` moves by ``d_hi``;
+- two words swapped or a run shifted (the position weight of ``s2``: ``P`` is prime, and
+  both the distance and the difference are below it).
+
+Words of 32 bits would not do: ``w`` and ``w + P`` (1.0 and -0.99999994 in fp32) sum
+alike. Random changes (a torn, short or stale write, a page of another request) collide
+with probability about ``2^-62``. It is not a MAC: it detects accidents, not an adversary.
 
 Three implementations, bit-identical (tests/engine/test_checksum_impls.py):
 :func:`page_checksums_reference`, torch on any device and layout, ~100 MB/s on a CPU (it
@@ -50,7 +58,7 @@ from .allocator import PageGrant
 PageList = Sequence[int] | npt.NDArray[np.int64]
 
 MODULUS = (1 << 31) - 1
-_WORD_MASK = (1 << 32) - 1
+_WORD_MASK = (1 << 16) - 1
 _CHUNK_ELEMENTS = 1 << 24  # bound on temporaries while checksumming many pages
 
 
@@ -82,12 +90,12 @@ def check_transferred_length(request_id: str, expected_tokens: int, received_tok
 
 # --- checksums -----------------------------------------------------------------------
 def _page_words(kv: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """``[n, words]`` int64 holding each page's bytes as unsigned 32-bit words (or bytes)."""
+    """``[n, words]`` int64 holding each page's bytes as unsigned 16-bit words (or bytes)."""
     # the gather copies the listed pages only: [n, elements]
     flat = kv[pages].reshape(pages.numel(), kv[0].numel())
     raw = flat.view(torch.uint8)
-    if raw.shape[1] % 4 == 0:
-        return raw.view(torch.int32).to(torch.int64) & _WORD_MASK
+    if raw.shape[1] % 2 == 0:
+        return raw.view(torch.int16).to(torch.int64) & _WORD_MASK
     return raw.to(torch.int64)
 
 

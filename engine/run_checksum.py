@@ -15,11 +15,11 @@ region adds
     s1 += sum_j w_j,        s2 += sum_j (k + j + 1) w_j  =  s2_run + k * s1_run   (mod P).
 
 So the value does not depend on how the region is cut into runs (the writer's plan and the
-owner's may cut it differently) as long as every cut falls on a word: ``unit`` is 4 when
-the shape's head vector (``head_dim x itemsize``, the grain of every run) is a multiple of
-4 bytes, else 1 (:func:`word_unit`). For one writer's heads of a homogeneous HND page the
-region is exactly the slice a prefill writer checksums page by page, and the values agree
-with :func:`.integrity.page_checksums` of that view.
+owner's may cut it differently) as long as every cut falls on a word: ``unit`` is 2 when
+the shape's head vector (``head_dim x itemsize``, the grain of every run) is a whole
+number of 16-bit words, else 1 (:func:`word_unit`). For one writer's heads of a
+homogeneous HND page the region is exactly the slice a prefill writer checksums page by
+page, and the values agree with :func:`.integrity.page_checksums` of that view.
 
 What it catches (I5): a torn or short write leaves old bytes in the region; a write of
 another request's bytes, or into the wrong place, changes the words or their order (the
@@ -39,8 +39,8 @@ Runs = np.ndarray  # int64 [n, 3]: (local offset, remote offset, length) in byte
 
 def word_unit(vector_bytes: int) -> int:
     """The word size of region checksums for runs made of whole vectors of
-    ``vector_bytes`` bytes: 4 when every cut falls on a 4-byte word, else 1."""
-    return 4 if vector_bytes % 4 == 0 else 1
+    ``vector_bytes`` bytes: 2 when every cut falls on a 16-bit word, else 1."""
+    return 2 if vector_bytes % 2 == 0 else 1
 
 
 def split_at_pages(runs: Runs, page_bytes: int, column: int = 1) -> Runs:
@@ -69,8 +69,8 @@ def split_at_pages(runs: Runs, page_bytes: int, column: int = 1) -> Runs:
 
 
 def _check_runs(nbytes: int, offsets: np.ndarray, lengths: np.ndarray, unit: int) -> None:
-    if unit not in (1, 4):
-        raise ValueError(f"word unit {unit}: 1 or 4")
+    if unit not in (1, 2):
+        raise ValueError(f"word unit {unit}: 1 or 2")
     bad = (offsets < 0) | (lengths < 0) | (lengths % unit != 0) | (offsets > nbytes - lengths)
     if bool(bad.any()):
         i = int(np.flatnonzero(bad)[0])
@@ -108,8 +108,8 @@ def run_checksums_reference(
             sel = which[lo : lo + per_chunk]
             index = torch.from_numpy(offsets[sel])[:, None] + steps[None, :]
             data = raw[index.reshape(-1)].reshape(len(sel), int(length))
-            if unit == 4:
-                words = data.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+            if unit == 2:
+                words = data.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
             else:
                 words = data.to(torch.int64)
             words = words % MODULUS

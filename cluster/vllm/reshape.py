@@ -545,7 +545,7 @@ def block_checksums(regions: KVRegions, blocks: Sequence[int]) -> np.ndarray:
     order), read in place: each run's checksum put together by its place in the block
     (:func:`kvferry.engine.run_checksum.combine_keyed`). A gather of the bytes costs a
     byte index as large as the load and runs at a few tens of MB/s; this reads them at
-    memory speed. Where a run's length is not whole 32-bit words but the block's is (no
+    memory speed. Where a run's length is not whole 16-bit words but the block's is (no
     vLLM layout: a K|V row is whole words), the runs cannot be put together and the
     bytes are gathered."""
     n = len(blocks)
@@ -553,7 +553,7 @@ def block_checksums(regions: KVRegions, blocks: Sequence[int]) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     per_buffer = [b.block_runs(blocks).reshape(n, -1, 2) for b in regions.buffers]
     lengths = np.concatenate([r[:, :, 1] for r in per_buffer], axis=1)  # [n, runs]
-    unit = 4 if regions.block_bytes % 4 == 0 else 1
+    unit = 2 if regions.block_bytes % 2 == 0 else 1
     if bool((lengths % unit).any()):
         data = regions.block_bytes_of(blocks)
         return page_checksums(data, list(range(n))).cpu().numpy()

@@ -46,7 +46,8 @@ def clip_reason(reason: str) -> str:
     return reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."
 
 
-CODEC = Codec("kvf.vllm", version=4, max_bytes=64 << 20, max_items=MAX_LIST)
+# version 5: block checksums over 16-bit words (kvferry.engine.integrity)
+CODEC = Codec("kvf.vllm", version=5, max_bytes=64 << 20, max_items=MAX_LIST)
 PLAN, NOTICE, ABORT, ABORT_ACK = Kind.PLAN, Kind.NOTICE, Kind.ABORT, Kind.ABORT_ACK
 NOTICE_PART = Kind.NOTICE_PART
 

@@ -56,12 +56,13 @@ def test_every_kind_round_trips_with_the_cores_words(kind):
         msgpack.packb(["kvf.vllm", 1, "PLAN", {}]),  # the old version
         msgpack.packb(["kvf.vllm", 2, "PLAN", {}]),  # the version before heads
         msgpack.packb(["kvf.vllm", 3, "NOTICE_PART", {}]),  # the version before parts
-        msgpack.packb(["kvf.vllm", 4, "SHUTDOWN", {}]),  # no such kind here
-        msgpack.packb(["kvf.vllm", 4, "ABORT", {"rid": "a", "orid": "b", "reason": "x"}]),
+        msgpack.packb(["kvf.vllm", 4, "NOTICE", {}]),  # the version of 32-bit checksum words
+        msgpack.packb(["kvf.vllm", 5, "SHUTDOWN", {}]),  # no such kind here
+        msgpack.packb(["kvf.vllm", 5, "ABORT", {"rid": "a", "orid": "b", "reason": "x"}]),
         msgpack.packb(
             [
                 "kvf.vllm",
-                4,
+                5,
                 "ABORT",
                 {
                     "rid": "a",
@@ -80,6 +81,7 @@ def test_every_kind_round_trips_with_the_cores_words(kind):
         "old-version",
         "version-2",
         "version-3",
+        "version-4",
         "unknown-kind",
         "missing-field",
         "unknown-source",

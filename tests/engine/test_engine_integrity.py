@@ -14,7 +14,7 @@ from kvferry.engine import (
     request_id_hash,
     verify_pages,
 )
-from kvferry.engine.integrity import MODULUS
+from kvferry.engine.integrity import MODULUS, page_checksums_reference
 
 
 def _pool(dtype=torch.bfloat16, pages=6):
@@ -32,10 +32,54 @@ def test_checksum_is_deterministic_and_per_page():
 
 def test_checksum_matches_a_plain_python_reference():
     kv = _pool(torch.float32, pages=2)
-    words = kv[1].reshape(-1).view(torch.int32).tolist()
-    s1 = sum(w & 0xFFFFFFFF for w in words) % MODULUS
-    s2 = sum((i + 1) * (w & 0xFFFFFFFF) for i, w in enumerate(words)) % MODULUS
+    words = kv[1].reshape(-1).view(torch.int16).tolist()
+    s1 = sum(w & 0xFFFF for w in words) % MODULUS
+    s2 = sum((i + 1) * (w & 0xFFFF) for i, w in enumerate(words)) % MODULUS
     assert page_checksums(kv, [1]).item() == s1 * (1 << 31) + s2
+
+
+def _words32_changed_by(kv: torch.Tensor, page: int, index: int, delta: int) -> torch.Tensor:
+    """``kv`` with 32-bit word ``index`` of ``page`` moved by ``delta`` (mod 2^32)."""
+    out = kv.clone()
+    words = out[page].reshape(-1).view(torch.int32)
+    value = (int(words[index]) & 0xFFFFFFFF) + delta
+    words[index] = ((value & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 2 * 2 * 2 * 4 * 8 - 1),
+    st.one_of(
+        st.sampled_from([MODULUS, -MODULUS, 2 * MODULUS, 1 << 16, -(1 << 16), 0xFFFF]),
+        st.integers(1, (1 << 32) - 1),
+    ),
+)
+def test_any_change_to_one_32_bit_value_is_caught(index, delta):
+    """Any one fp32 value changed, by any amount: among them the changes of a multiple of
+    P = 2^31 - 1 (1.0 into -0.99999994), which a sum of 32-bit words mod P cannot see."""
+    kv = _pool(torch.float32)
+    changed = _words32_changed_by(kv, 3, index, delta)
+    for checksum in (page_checksums, page_checksums_reference):
+        assert checksum(changed, [3]).item() != checksum(kv, [3]).item()
+
+
+def test_broken_32_bit_words_miss_a_change_of_p():
+    """The broken mode: the function over 32-bit words (the earlier one) gives one value
+    for a page and the page with one word moved by P, which the test above would catch."""
+
+    def words32(kv: torch.Tensor, page: int) -> int:
+        words = [w & 0xFFFFFFFF for w in kv[page].reshape(-1).view(torch.int32).tolist()]
+        s1 = sum(words) % MODULUS
+        s2 = sum((i + 1) * w for i, w in enumerate(words)) % MODULUS
+        return s1 * (1 << 31) + s2
+
+    kv = _pool(torch.float32)
+    kv[3].reshape(-1)[5] = 1.0
+    changed = _words32_changed_by(kv, 3, 5, MODULUS)
+    assert float(changed[3].reshape(-1)[5]) == pytest.approx(-0.99999994)
+    assert words32(changed, 3) == words32(kv, 3)
+    assert page_checksums(changed, [3]).item() != page_checksums(kv, [3]).item()
 
 
 @settings(max_examples=50, deadline=None)

@@ -384,10 +384,10 @@ def test_checksum_equals_reference(dtype):
     assert torch.equal(tc.page_checksums(kv, pages), page_checksums(kv, pages))
 
 
-@pytest.mark.parametrize("block, steps", [(512, 32), (2048, 4), (4096, 1)])
+@pytest.mark.parametrize("block, steps", [(512, 32), (2048, 4), (4096, 1), (32, 200)])
 def test_checksum_launch_shape_changes_no_value(block, steps):
     """Words a step and steps a program shape the launch only (the running sums' weights
-    follow them): values equal the reference's."""
+    follow them, and past 128 steps they are kept in int64): values equal the reference's."""
     gen = torch.Generator().manual_seed(5)
     big = torch.randint(-(2**31), 2**31 - 1, (5, 9_000), generator=gen, dtype=torch.int64)
     words = big.to(torch.int32)

@@ -40,7 +40,7 @@ needs_native = pytest.mark.skipif(not NATIVE, reason="the native checksum module
 def transfers(draw):
     """A source and a destination buffer, pages of the destination, and non-overlapping
     runs between them whose cuts fall on words of ``unit`` bytes (some runs cross pages)."""
-    unit = draw(st.sampled_from([1, 4]))
+    unit = draw(st.sampled_from([1, 2]))
     page_bytes = unit * draw(st.integers(1, 24))
     dst_pages = draw(st.integers(1, 6))
     dst_bytes = page_bytes * dst_pages
@@ -86,7 +86,7 @@ def _reference_regions(dst: torch.Tensor, runs: np.ndarray, page_bytes: int, uni
         mine = pieces[pieces[:, 1] // page_bytes == page]
         mine = mine[np.argsort(mine[:, 1])]
         region = torch.cat([dst[d : d + n] for _, d, n in mine.tolist()])
-        words = region.view(torch.int32).to(torch.int64) & 0xFFFFFFFF if unit == 4 else region
+        words = region.view(torch.int16).to(torch.int64) & 0xFFFF if unit == 2 else region
         out[page] = _fletcher(words.tolist())
     return out
 
@@ -188,12 +188,12 @@ def test_broken_combination_is_caught_by_the_definition():
     runs = np.array([[0, 0, 8], [8, 8, 8]], dtype=np.int64)
     landed = _land(src, torch.zeros(16, dtype=torch.uint8), runs)
     with mock.patch.object(run_checksum, "combine", _broken_combine):
-        broken = _as_dict(region_checksums(landed, runs, 16, 4, read=1))
+        broken = _as_dict(region_checksums(landed, runs, 16, 2, read=1))
         swapped = _land(src, landed, np.array([[8, 0, 8], [0, 8, 8]], dtype=np.int64))
-        assert _as_dict(region_checksums(swapped, runs, 16, 4, read=1)) == broken
-    assert broken != _reference_regions(landed, runs, 16, 4)
-    assert _as_dict(region_checksums(landed, runs, 16, 4, read=1)) == _reference_regions(
-        landed, runs, 16, 4
+        assert _as_dict(region_checksums(swapped, runs, 16, 2, read=1)) == broken
+    assert broken != _reference_regions(landed, runs, 16, 2)
+    assert _as_dict(region_checksums(landed, runs, 16, 2, read=1)) == _reference_regions(
+        landed, runs, 16, 2
     )
 
 
@@ -202,9 +202,9 @@ def test_native_changed_by_one_bit_is_caught():
     """One implementation off by one bit in one run's sum: the agreement test sees it."""
     src = torch.randint(0, 256, (4096,), dtype=torch.uint8)
     offsets, lengths = np.array([0, 1024, 2048]), np.array([1024, 1024, 2048])
-    native = run_checksums_native(src, offsets, lengths, 4)
+    native = run_checksums_native(src, offsets, lengths, 2)
     native[1] ^= 1
-    assert native.tolist() != run_checksums_reference(src, offsets, lengths, 4).tolist()
+    assert native.tolist() != run_checksums_reference(src, offsets, lengths, 2).tolist()
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -244,10 +244,12 @@ def test_refusals_name_the_run_and_the_numbers():
     with pytest.raises(
         IndexError, match=r"run 1 \(offset 30, 8 bytes\) is outside the buffer of 32"
     ):
-        run_checksums_reference(buf, np.array([0, 30]), np.array([4, 8]), 4)
-    with pytest.raises(IndexError, match="not whole 4-byte words"):
-        run_checksums_reference(buf, np.array([0]), np.array([6]), 4)
+        run_checksums_reference(buf, np.array([0, 30]), np.array([4, 8]), 2)
+    with pytest.raises(IndexError, match="not whole 2-byte words"):
+        run_checksums_reference(buf, np.array([0]), np.array([5]), 2)
+    with pytest.raises(ValueError, match="word unit 4: 1 or 2"):
+        run_checksums_reference(buf, np.array([0]), np.array([4]), 4)
     with pytest.raises(ValueError, match="crosses a destination page"):
-        combine(np.array([12]), np.array([8]), np.array([0]), 16, 4)
+        combine(np.array([12]), np.array([8]), np.array([0]), 16, 2)
     with pytest.raises(ValueError, match="overlap"):
-        combine(np.array([0, 4]), np.array([8, 4]), np.array([0, 0]), 16, 4)
+        combine(np.array([0, 4]), np.array([8, 4]), np.array([0, 0]), 16, 2)

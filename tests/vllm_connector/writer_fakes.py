@@ -46,6 +46,7 @@ class HostSegment:
     base: int
     length: int
     is_cuda: bool = False
+    registered: bool = True
 
 
 def host_segment(t: torch.Tensor) -> HostSegment:

@@ -3,10 +3,10 @@
  * nothing of requests, transfers or UCX, and links nothing but libc.
  *
  * The function is kvferry.engine.integrity.page_checksums_reference: each page's bytes
- * are unsigned 32-bit words w_i in the machine's byte order (single bytes when the page's
- * byte count is not a multiple of 4), s1 = sum w_i mod P, s2 = sum (i+1) w_i mod P with
- * P = 2^31 - 1, packed s1 * 2^31 + s2. Integer arithmetic, so any summation order gives
- * exactly the reference's value.
+ * are unsigned 16-bit words w_i in the machine's byte order (single bytes when the page's
+ * byte count is odd), s1 = sum w_i mod P, s2 = sum (i+1) w_i mod P with P = 2^31 - 1,
+ * packed s1 * 2^31 + s2. Every word is below P, so no change to one word leaves s1 as it
+ * was. Integer arithmetic, so any summation order gives exactly the reference's value.
  *
  * Between the KVF_CDEF markers: the declarations build_checksum.py hands to cffi's cdef
  * (plain C, no preprocessor lines). */
@@ -27,7 +27,7 @@ int64_t kvf_page_checksums(const void *base, int64_t page_stride, int64_t page_b
                            int64_t *out);
 
 /* The same function over byte runs: out[i] is the checksum of the lengths[i] bytes at
- * base + offsets[i], read as words of `unit` bytes (4 or 1; every length a multiple of
+ * base + offsets[i], read as words of `unit` bytes (2 or 1; every length a multiple of
  * it), the run's own first word at index 0. Every run is checked against [0, base_bytes)
  * before any is read: returns -1 when all are inside, else the index of the first run
  * outside or of a length that is negative or not a multiple of `unit` (out is then left

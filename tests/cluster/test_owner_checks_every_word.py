@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_protocol_units import _owner
+from test_protocol_units import _assign_and_notice_fields, _owner
 
 from kvferry.cluster import decode_path
 from kvferry.cluster import messages as m
@@ -34,33 +34,17 @@ def test_one_value_moved_by_p_fails_the_request(monkeypatch, words):
     else:
         sums_of = decode_path.page_checksums
     owner, rt = _owner(integrity=True)
-    prompt = list(range(3, 43))  # 40 tokens: 3 pages of 16
-    rt.deliver(m.ASSIGN, src=0, rid="r", prompt_len=40, max_tokens=8, writers=[1], last_token=42)
-    plan = next(f for _, k, f in rt.sent if k == "PLAN")
-    pages, gens = list(plan["pages"][:3]), list(plan["generations"][:3])
+    notice = _assign_and_notice_fields(owner, rt, "r", checksums=False)
+    pages = notice["pages"]
     kv = owner.pool.kv
-    first = owner.path.model.prefill(kv, prompt, pages)
-    sums = sums_of(kv, pages).tolist()  # the writer's checksums of what it wrote
+    notice["first_token"] = owner.path.model.prefill(kv, list(range(3, 43)), pages)
     value = kv[pages[2]].reshape(-1)
     value[3] = 1.0
-    sums[2] = int(sums_of(kv, [pages[2]])[0])
+    notice["checksums"] = sums_of(kv, pages).tolist()  # the writer's, of what it wrote
     as_word = value.view(torch.int32)
     as_word[3] = as_word[3] + MODULUS  # 0x3f800000 -> 0xbf7fffff: what landed
     assert value[3].item() == pytest.approx(-0.99999994)
-    slice_bytes = kv[0].numel() * kv.element_size()
-    rt.deliver(
-        m.NOTICE,
-        src=1,
-        rid="r",
-        tokens=40,
-        offset=0,
-        total=3,
-        pages=pages,
-        generations=gens,
-        checksums=sums,
-        bytes=3 * slice_bytes,
-        first_token=first,
-    )
+    rt.deliver(m.NOTICE, src=1, **notice)
     rt.pump()
     done = [f for _, k, f in rt.sent if k == "DONE" and f["rid"] == "r"]
     tokens = [f for _, k, f in rt.sent if k == "TOKENS" and f["rid"] == "r"]

@@ -82,7 +82,9 @@ def variants() -> list[Variant]:
     ]
     out += [Variant("decode", "bf16", 128, 8, check) for check in (False, True)]
     out += [Variant("combine", dt, d) for dt in ("bf16", "fp16") for d in (64, 128)]
-    out += [Variant("checksum", "words")]
+    # pairs: pages of whole aligned 32-bit pairs of words (every pool of the table);
+    # words: 16-bit words one by one (a page of 2 mod 4 bytes)
+    out += [Variant("checksum", mode) for mode in ("pairs", "words")]
     return out
 
 
@@ -127,6 +129,7 @@ class Report:
 def _source(v: Variant, divisibility: bool = True) -> Any:
     """The ASTSource of a variant: kernel, signature with divisibility (unless told not
     to: the check that 16-byte loads are found then fails), constexprs."""
+    import triton.language as tl
     from triton.compiler import ASTSource
 
     from . import triton_checksum, triton_decode
@@ -222,8 +225,9 @@ def _source(v: Variant, divisibility: bool = True) -> Any:
         consts = {"HEAD_DIM": v.head_dim, "SPLITS": triton_decode.COMBINE_BLOCK}
     else:
         fn = triton_checksum._checksum_kernel
+        pairs = v.dtype == "pairs"
         sig = {
-            "words_ptr": "*i32",
+            "words_ptr": "*i32" if pairs else "*i16",
             "stride_page": "i32",
             "pages_ptr": "*i64",
             "part_ptr": "*i64",
@@ -236,6 +240,8 @@ def _source(v: Variant, divisibility: bool = True) -> Any:
             "STEPS": triton_checksum.CHUNK_STEPS,
             "BYTES": False,
             "COMPOSE": False,
+            "PAIRS": pairs,
+            "ACC": tl.int32,  # the default steps (CHUNK_STEPS <= MAX_INT32_STEPS)
         }
     for name in consts:
         sig[name] = "constexpr"

@@ -367,7 +367,7 @@ def registers_against_aot(gen: torch.Generator, tuning: DecodeTuning = DEFAULT_T
         launched.append((variant, triton_decode.LAUNCHED["decode"]))
     launched.append((aot.Variant("combine", "bf16", 128), triton_decode.LAUNCHED["combine"]))
     triton_checksum.page_checksums(kv, torch.arange(kv.shape[0], device=DEV))
-    launched.append((aot.Variant("checksum", "words"), triton_checksum.LAUNCHED["checksum"]))
+    launched.append((aot.Variant("checksum", "pairs"), triton_checksum.LAUNCHED["checksum"]))
     compare_registers(launched, tuning)
 
 

@@ -52,6 +52,9 @@ from .trust import digest_of
 log = logging.getLogger("kvferry.cluster")
 
 MAX_BODY = 16 << 20
+# A stream lasts at most the request's deadline and this: past it only a client that
+# stopped reading holds it
+STREAM_GRACE_S = 5.0
 UTF8_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii"})  # ASCII is UTF-8
 
 
@@ -261,6 +264,54 @@ class FrontDoor:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
+        # The whole answer within the request's deadline and a grace: the router answers
+        # every request by its deadline, so past it only a client that stopped reading
+        # holds the stream (its socket full, each write waiting on it).
+        limit = self.router.request_timeout_s + STREAM_GRACE_S
+        try:
+            async with asyncio.timeout(limit):
+                await self._stream_events(resp, routed, first)
+        except TimeoutError:
+            log.warning(
+                "request %s: the client read nothing of its stream for %.1f s; closing it",
+                routed.rid,
+                limit,
+            )
+            self._drop_stream(request, routed, f"client stopped reading for {limit:.1f} s")
+            if request.transport is not None:  # its writes wait on it: no goodbye fits
+                request.transport.close()
+            return resp
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # after the headers went: an SSE error event, not a 500
+            reason = f"{type(exc).__name__}: {str(exc)[:500]}"
+            log.exception("request %s: its stream failed: %s", routed.rid, reason)
+            self._drop_stream(request, routed, f"the stream failed: {reason}")
+            try:
+                async with asyncio.timeout(STREAM_GRACE_S):
+                    await _sse(
+                        resp,
+                        {
+                            "id": routed.rid,
+                            "error": Answer.FAILED,
+                            "message": f"request {routed.rid}: {reason}",
+                        },
+                    )
+                    await resp.write_eof()
+            except Exception:
+                pass
+            return resp
+        await resp.write_eof()
+        return resp
+
+    def _drop_stream(self, request: web.Request, routed: RoutedRequest, reason: str) -> None:
+        """A stream that cannot go on: its request ends, if it has not."""
+        if routed.req.live:
+            self.router.abort_request(routed, AbortSource.CLIENT, reason)
+
+    async def _stream_events(
+        self, resp: web.StreamResponse, routed: RoutedRequest, first: tuple
+    ) -> None:
         text = StreamDecoder()
         event = first
         while True:
@@ -293,8 +344,6 @@ class FrontDoor:
                     )
                 break
             event = await routed.events.get()
-        await resp.write_eof()
-        return resp
 
     async def health(self, request: web.Request) -> web.Response:
         self.router.check_heartbeats()

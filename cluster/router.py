@@ -37,6 +37,7 @@ from kvferry.engine.protocol.routing import (
     RouterPorts,
 )
 from kvferry.engine.protocol.words import AbortSource, Answer, Kind
+from kvferry.engine.tokenizer import VOCAB_SIZE
 from kvferry.engine.tokenizer import decode as detokenize
 from kvferry.engine.tokenizer import encode_array as tokenize
 from kvferry.transfer.wire import Message
@@ -204,7 +205,11 @@ class Router:
         # still holds for its old incarnation's requests before the rank says so.
         self.awaiting_reports: set[int] = set(self.ledger.totals)
         self._ids = itertools.count(1)
-        self._prefix = secrets.token_hex(3)
+        # 64 random bits an incarnation: a restarted router never reissues an id that its
+        # old incarnation's requests may still hold on a rank (TOKENS and DONE name the
+        # request by id alone)
+        self._prefix = secrets.token_hex(8)
+        self.stopping: str | None = None  # why, once shutdown began: nothing is admitted
         self._rr = itertools.count()
         self.abort_release_ms: deque[tuple[str, float]] = deque(maxlen=ABORT_RELEASE_WINDOW)
         # From this router's ABORT to the owner's release (RouterCore.on_released).
@@ -301,9 +306,16 @@ class Router:
                 f"pool can hold ({prefill_cap} tokens)",
             )
 
+    def _refuse_if_stopping(self, rid: str) -> None:
+        if self.stopping is not None:
+            self.metrics.requests.labels(Answer.UNAVAILABLE).inc()
+            raise Unavailable(rid, f"the cluster is stopping ({self.stopping})")
+
     async def submit(self, prompt: str, max_tokens: int) -> RoutedRequest:
-        """Admit and dispatch; raises AdmissionRejected (400) or Unavailable (503)."""
+        """Admit and dispatch; raises AdmissionRejected (400) or Unavailable (503, also
+        once :meth:`shutdown` began, whether the request arrived before or waits for room)."""
         rid = self.new_request_id()
+        self._refuse_if_stopping(rid)
         arrived = self.clock.now()  # time to first token counts from here
         tokens = tokenize(prompt)
         req = Request(rid, cast(list[int], tokens), max_tokens)  # an array serves as one
@@ -346,6 +358,8 @@ class Router:
                 await asyncio.wait_for(self._capacity_changed.wait(), remaining)
             except TimeoutError:
                 pass
+            self._refuse_if_stopping(rid)
+        self._refuse_if_stopping(rid)
         members = self._place(req, placement, arrived, len(tokens), need)
         routed = members[0]
         routed.deadline = asyncio.get_running_loop().call_later(
@@ -486,6 +500,8 @@ class Router:
     def shutdown(self, reason: str) -> int:
         """Before the router stops: every live request ends now with an error (HTTP 503),
         rather than at its deadline, and its ranks are told. Returns how many ended."""
+        self.stopping = reason
+        self._capacity_changed.set()  # the requests waiting for room are refused now
         live = [r.rid for r in self.requests.values() if r.req.live]
         for rid in live:
             self.abort(rid, AbortSource.SHUTDOWN, reason)
@@ -552,7 +568,18 @@ class Router:
     def _on_tokens(self, msg: Message) -> None:
         if self._owner_speaks(msg) is None:
             return
-        self.core.on_tokens(msg.src, msg.rid, msg.offset, list(msg.tokens))
+        tokens = list(msg.tokens)
+        bad = [t for t in tokens if not 0 <= t < VOCAB_SIZE]
+        if bad:  # no text can be made of it: the request fails, with the numbers
+            at = msg.offset + tokens.index(bad[0])
+            self.abort(
+                msg.rid,
+                AbortSource.INTERNAL,
+                f"rank {msg.src} sent token {bad[0]} at offset {at}, outside the vocabulary "
+                f"of {VOCAB_SIZE}",
+            )
+            return
+        self.core.on_tokens(msg.src, msg.rid, msg.offset, tokens)
 
     def _on_done(self, msg: Message) -> None:
         routed = self._owner_speaks(msg)
@@ -607,6 +634,26 @@ class Router:
         ):
             log.info("rank %d is back (it was %s)", msg.src, why)
             del self.unhealthy[msg.src]
+            self._abort_again_on(msg.src)
+
+    def _abort_again_on(self, rank: int) -> None:
+        """ABORT again, to a rank back from unreachable, every ended request whose pages
+        the ledger still holds on it: what was sent to it meanwhile (the request, its
+        ABORT) may be lost, and a rank that never heard of a request never reports it
+        released. One that did hear of it takes the ABORT as a duplicate."""
+        for rid in list(self.ledger.held.get(rank, {})):
+            routed = self.requests.get(rid)
+            if routed is None or routed.req.live:
+                continue
+            log.info("request %s: ABORT sent again to rank %d, back from unreachable", rid, rank)
+            self.send_abort(
+                rank,
+                rid,
+                routed.owner,
+                routed.writers,
+                routed.abort_source or AbortSource.INTERNAL,
+                f"request {rid} ended while rank {rank} was unreachable",
+            )
 
     def _on_send_failure(self, rank: int, exc: Exception) -> None:
         self._on_rank_lost(rank, f"unreachable: {exc}")

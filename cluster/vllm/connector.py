@@ -249,6 +249,7 @@ class _SchedulerSide:
         self.staged: set[str] = set()  # decode: loads not yet reported by the workers
         self.holding: set[str] = set()  # prefill: blocks held until finished_sending
         self.remotes: dict[str, dict[str, Any]] = {}  # decode: tickets checked, not yet staged
+        self.matched: dict[str, int] = {}  # decode: external tokens matched, not yet staged
         self.side: SideChannel | None = None
 
     def _remote(self, request: Any) -> dict[str, Any]:
@@ -272,6 +273,7 @@ class _SchedulerSide:
                 return 0, False
             count = len(request.prompt_token_ids) - num_computed
             if count > 0:
+                self.matched[request.request_id] = count
                 return count, True
         return 0, False
 
@@ -280,23 +282,30 @@ class _SchedulerSide:
         if not (self.is_consumer and params.get("do_remote_prefill")):
             return
         params["do_remote_prefill"] = False  # staged once, even if vLLM calls twice
+        rid = request.request_id
         remote = self._remote(request)  # checked by get_num_new_matched_tokens
-        self.remotes.pop(request.request_id, None)
+        self.remotes.pop(rid, None)
+        matched = self.matched.pop(rid, None)
         if num_external > 0:
             groups = blocks.get_unhashed_block_ids_all_groups()
+            load = {**remote, "blocks": list(groups[0]), "tokens": len(request.prompt_token_ids)}
+            # kvferry writes the prompt's last blocks with the whole prompt's KV: anything
+            # else would put KV at the wrong positions, so the load fails here (vLLM
+            # computes the prompt) rather than the engine stopping inside its schedule
             if len(groups) != 1:
-                raise LayoutError(
-                    f"request {request.request_id}: {len(groups)} KV cache groups; kvferry "
-                    "moves one full-attention group"
+                load["refused"] = f"{len(groups)} KV cache groups; kvferry moves one"
+            elif num_external != matched:
+                load["refused"] = (
+                    f"vLLM allocated for {num_external} external tokens where {matched} were "
+                    "matched; kvferry loads the whole rest of the prompt"
                 )
-            self.meta.recv[request.request_id] = {
-                **remote,
-                "blocks": list(groups[0]),
-                "tokens": len(request.prompt_token_ids),
-            }
-            self.staged.add(request.request_id)
+            self.meta.recv[rid] = load
+            self.staged.add(rid)
+            if "refused" in load:
+                log.error("request %s: remote prefill refused: %s", rid, load["refused"])
+                self.meta.refuse[rid] = remote  # the prefill frees the prompt's blocks
         else:  # everything hit locally: the prefill's blocks can go at once
-            self.meta.refuse[request.request_id] = remote
+            self.meta.refuse[rid] = remote
 
     def take_meta(self) -> KvferryMetadata:
         meta, self.meta = self.meta, KvferryMetadata()
@@ -314,6 +323,7 @@ class _SchedulerSide:
         rid = request.request_id
         params = request.kv_transfer_params or {}
         remote = self.remotes.pop(rid, None)
+        self.matched.pop(rid, None)
         if rid in self.staged:
             # Aborted while WAITING_FOR_REMOTE_KVS: vLLM keeps the blocks until the
             # workers report the request, which they do only with proof (I4).

@@ -445,6 +445,7 @@ class OwnerHost(WorkerHost):
         self.me = me
         self.loads: dict[str, Load] = {}
         self.handshakes: dict[tuple[str, int], dict[str, Any]] = {}
+        self.handshake_arrived: dict[tuple[str, int], float] = {}  # by this host's clock
         # a failed handshake: why, and when it failed
         self.handshake_errors: dict[tuple[str, int], tuple[str, float]] = {}
         self.fetcher = Fetcher(self.settings.handshake_timeout_s, self.settings.key)
@@ -669,8 +670,28 @@ class OwnerHost(WorkerHost):
 
     # ------------------------------------------------------------ events in
     def on_recv(self, rid: str, spec: dict[str, Any]) -> None:
-        """The scheduler allocated blocks for a remote prefill's KV: a new load."""
-        if rid in self.loads or rid in self.tombstones:
+        """The scheduler allocated blocks for a remote prefill's KV: a new load. One the
+        scheduler refused (``refused``: a shape kvferry cannot load), or a request id this
+        worker loaded already (a client that names its requests, reusing one), gets nothing
+        planned: its load fails at once (its blocks are fresh, nothing can land in them),
+        so vLLM computes the prompt rather than wait for good."""
+        if rid in self.loads:
+            log.error(
+                "request %s: decode worker tp%d: a second load of it ignored", rid, self.tp_rank
+            )
+            return
+        refused = spec.get("refused") or (
+            "this request id was loaded already; request ids must not repeat"
+            if rid in self.tombstones
+            else None
+        )
+        if refused:
+            log.error(
+                "request %s: decode worker tp%d: load refused: %s", rid, self.tp_rank, refused
+            )
+            self.finished_recving.add(rid)
+            self.failed_recving.add(rid)
+            self.load_errors.update(int(b) for b in spec["blocks"])
             return
         remote = {k: spec[k] for k in ("engine", "host", "port", "rid", "tp_size", "src")}
         o = self.loads[rid] = Load(rid, remote, list(spec["blocks"]), int(spec["tokens"]))
@@ -763,6 +784,7 @@ class OwnerHost(WorkerHost):
                 self.handshake_errors[key] = (err, self.clock.now())
             else:
                 self.handshakes[key] = hs
+                self.handshake_arrived[key] = self.clock.now()
         if arrived:
             for o in [o for o in self.loads.values() if o.book.state is OwnerState.NEW]:
                 self._try_assign(o)
@@ -803,7 +825,26 @@ class OwnerHost(WorkerHost):
                 )
             del self.handshake_errors[key]  # asked again; the load waits for the answer
             self.fetcher.ask(key, again=True)
-        return self.handshakes.get(key), ""
+        hs = self.handshakes.get(key)
+        if hs is not None and hs.get("engine_id") != remote.get("engine"):
+            # Another engine answers at that address now (the prefill restarted there): a
+            # handshake just fetched means the prompt's engine is gone; an older one is
+            # asked again, and the load waits for the answer.
+            if self.clock.now() - self.handshake_arrived.get(key, 0.0) < HANDSHAKE_RETRY_S:
+                return None, (
+                    f"prefill engine {remote.get('engine', '?')} is gone: engine "
+                    f"{hs.get('engine_id')} answers at {key[0]}:{key[1]} now"
+                )
+            self.forget_handshake(key)
+            return None, ""
+        return hs, ""
+
+    def forget_handshake(self, key: tuple[str, int]) -> None:
+        """Fetch the handshake of the engine at ``key`` again, for the loads waiting and
+        to come (its workers' addresses may be gone with a restart)."""
+        self.handshakes.pop(key, None)
+        self.handshake_arrived.pop(key, None)
+        self.fetcher.ask(key, again=True)
 
     def _shapes(self, hs: dict[str, Any]) -> tuple[EngineShape, EngineShape]:
         """The prefill's and this decode's (KV heads, TP size)."""
@@ -911,7 +952,8 @@ class OwnerHost(WorkerHost):
             except TransferError as exc:
                 # e.g. the prefill was killed after its handshake: its shared-memory
                 # segment is gone (UcsShmemSegmentError). Nothing was planned, so nothing
-                # can land.
+                # can land; the next load asks for the handshake again.
+                self.forget_handshake(o.key)
                 self.stats.abort(AbortSource.PEER.value)
                 self._refuse(
                     o,
@@ -956,6 +998,8 @@ class OwnerHost(WorkerHost):
                 self.fetcher.ask(o.key)
                 self._pending_aborts.append((o, source, reason))
             return
+        if hs.get("engine_id") != o.remote.get("engine"):
+            return  # the prompt's engine is gone (another answers there): none to tell
         try:
             prefill, decode = self._shapes(hs)
             ranks = writers_of(prefill, decode, self.tp_rank)

@@ -32,6 +32,10 @@ TICKET = "kvferry_ticket"
 _TICKET_VERSION = b"kvferry vllm load ticket v1"
 
 
+INT64_MAX = (1 << 63) - 1
+MAX_TP_SIZE = 1 << 16  # no engine is wider
+
+
 class BadRemoteParams(ValueError):
     """A request's ``kv_transfer_params`` that name no prefill kvferry can load from."""
 
@@ -57,8 +61,11 @@ def parse(params: dict[str, Any], rid: str) -> dict[str, Any]:
         raise BadRemoteParams(f"kv_transfer_params do not parse: {exc}") from None
     check_id("request id", rid)
     check_id("remote_request_id", remote_rid)
-    if not 0 <= port < 1 << 16 or tp_size < 0:
-        raise BadRemoteParams(f"remote_port {port}, tp_size {tp_size}")
+    if not 0 <= port < 1 << 16 or not 0 <= tp_size <= MAX_TP_SIZE:
+        raise BadRemoteParams(f"remote_port {port}, tp_size {tp_size} (at most {MAX_TP_SIZE})")
+    bad = next((b for b in src if not 0 <= b <= INT64_MAX), None)
+    if bad is not None:  # a block id no engine has (and no wire carries)
+        raise BadRemoteParams(f"remote_block_ids holds {bad}, outside [0, 2**63)")
     return {
         "engine": str(params.get("remote_engine_id", "")),
         "host": str(params.get("remote_host", "")),

@@ -81,6 +81,10 @@ def test_issued_params_load_from_the_prefill():
         ({"tp_size": "two"}, "do not parse"),
         ({"remote_port": 70000}, "remote_port 70000"),
         ({"remote_request_id": "r" * 300}, "remote_request_id has 300 characters"),
+        # past what msgpack packs: the engine's schedule stopped on an OverflowError
+        ({"remote_block_ids": [2**64]}, "remote_block_ids holds 18446744073709551616"),
+        ({"remote_block_ids": [-1]}, "remote_block_ids holds -1"),
+        ({"tp_size": 2**64}, "remote_port 5600, tp_size 18446744073709551616"),
     ],
 )
 def test_params_that_name_no_prefill_are_refused_and_computed_here(bad, why, caplog):
@@ -183,3 +187,28 @@ def test_a_prompt_without_token_ids_is_not_sent_to_a_decode(caplog):
     assert prefill.request_finished(request, ([3],)) == (False, None)
     assert "cmpl-e: not sent to a decode: the prompt has no token ids" in caplog.text
     assert not prefill.holding
+
+
+@pytest.mark.parametrize(
+    "groups, num_external, why",
+    [
+        ([[10, 11, 12], [20, 21, 22]], 32, "2 KV cache groups"),
+        ([[11, 12]], 16, "for 16 external tokens where 32 were matched"),
+    ],
+    ids=["two-groups", "fewer-external-tokens"],
+)
+def test_a_load_kvferry_cannot_place_fails_without_stopping_the_engine(
+    groups, num_external, why, caplog
+):
+    """Blocks vLLM allocated that the prompt's KV would not fit at its positions (more
+    than one KV cache group; fewer external tokens than matched): the load is staged as
+    refused, the worker fails it at once and the prefill is told to free, where before an
+    exception stopped the engine inside its schedule."""
+    side = _side("kv_consumer", "decode-0")
+    request = _request("cmpl-9", GOOD)
+    assert side.get_num_new_matched_tokens(request, 8) == (32, True)
+    blocks = SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: groups)
+    side.update_state_after_alloc(request, blocks, num_external)
+    assert why in side.meta.recv["cmpl-9"]["refused"] and "remote prefill refused" in caplog.text
+    assert side.meta.refuse["cmpl-9"]["rid"] == "cmpl-1"
+    assert side.matched == {}

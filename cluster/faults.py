@@ -192,6 +192,9 @@ class HeldWrite:
     def status(self) -> BatchStatus:
         return self.peek()
 
+    def reading(self) -> bool:
+        return self.batch.reading() if self.batch is not None else False
+
     @property
     def error(self) -> Any:
         if self.batch is not None:

@@ -58,6 +58,7 @@ class WriteJob:
     share: str = ""  # the id its source pages are held (and its prefill run) under
     owner_inc: int = 0
     router_inc: int = 0  # the router incarnation that sent its PREFILL (0: not yet)
+    planned_by: tuple[int, int] | None = None  # (rank, incarnation) of a PLAN before PREFILL
     tokens: np.ndarray | None = None  # int32 prompt tokens
     src_pages: list[int] = field(default_factory=list)
     dst_pages: np.ndarray | None = None  # the owner's plan: int64 page ids
@@ -70,6 +71,7 @@ class WriteJob:
     posted_pages: int = 0  # pages posted so far (the pipelined parts, then the rest)
     part: tuple[int, int] | None = None  # pages [lo, hi) of the part in flight
     timer: Any = None  # an injected pause at a protocol point
+    paused_at: str | None = None  # ... and that point
     queue: np.ndarray | None = None  # (local, remote, length) rows not yet posted
     prompt_parts: Reassembly | None = None  # PREFILL chunks so far
     plan_parts: Reassembly | None = None  # PLAN chunks so far
@@ -217,7 +219,11 @@ class PrefillRank(RankBooks):
         if job is None or job.tokens is not None:
             return
         if job.prompt_parts is None:  # the prompt's first chunk
+            mismatch = self._planned_by_another(job, msg)
             job.book.owner, job.owner_inc = msg.owner, msg.owner_inc
+            if mismatch:
+                self._fail(job, AbortSource.PREFILL, mismatch)
+                return
             job.router_inc = msg.inc
             job.share = msg.share or msg.rid
         if not self.path.take_prompt(job, msg):
@@ -237,18 +243,36 @@ class PrefillRank(RankBooks):
         job.src_pages = pages
         self._feed(job, WriterEvent.PROMPT)
 
+    @staticmethod
+    def _planned_by_another(job: WriteJob, prefill: Message) -> str | None:
+        """Why a PLAN that came before the PREFILL is not the owner's the router names
+        (writing that plan's pages into the named owner's pool would land in pages nobody
+        planned for this request there), or None."""
+        if job.planned_by in (None, (prefill.owner, prefill.owner_inc)):
+            return None
+        assert job.planned_by is not None
+        rank, inc = job.planned_by
+        return (
+            f"its PLAN came from rank {rank} (incarnation {inc:#x}), but the router names "
+            f"rank {prefill.owner} (incarnation {prefill.owner_inc:#x}) its owner"
+        )
+
     def _on_plan(self, msg: Message) -> None:
         job = self._job(msg.rid)
         if job is None or job.dst_pages is not None:
             return
         if job.owner < 0:
             job.book.owner = msg.src
-        elif job.owner != msg.src:
+            job.planned_by = (msg.src, msg.inc)
+        elif job.owner != msg.src or (job.owner_inc and msg.inc != job.owner_inc):
             log.warning(
-                "request %s: PLAN from rank %d, but its owner is rank %d; ignored",
+                "request %s: PLAN from rank %d (incarnation %#x), but its owner is rank %d "
+                "(incarnation %#x); ignored",
                 msg.rid,
                 msg.src,
+                msg.inc,
                 job.owner,
+                job.owner_inc,
             )
             return
         if job.plan_parts is None:

@@ -58,6 +58,7 @@ log = logging.getLogger("kvferry.cluster")
 
 PREFILL_SLICE_S = 0.001  # longest a prefill computes before the loop polls again
 CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step
+READING_POLL_S = 0.01  # how often a failed batch with puts outstanding is looked at again
 
 COMPUTING = (WriterState.COMPUTING, WriterState.COMPUTING_PLANNED)
 
@@ -164,9 +165,21 @@ class WritePath:
     def _batch_bytes(self, rows: np.ndarray) -> int:
         return int(rows[:, 2].sum())
 
+    @staticmethod
+    def _writes_waiting(job: WriteJob) -> bool:
+        """Rows queued, or writes paused before they were posted (an injected pause): a
+        batch that lands meanwhile is not the last (a notice then would name pages never
+        written)."""
+        return job.queued() or job.paused_at == "before-write"
+
     def _on_written(self, job: WriteJob, batch: Any) -> None:
         ok = batch.status() is BatchStatus.COMPLETED
-        event = core.on_settled(job.book, ok, job.queued())
+        if not ok and batch.reading():
+            # Failed with puts of it still outstanding: they may read the source pages
+            # yet, so the job (and the pages' release after it) waits for them to end.
+            self.rt.call_later(READING_POLL_S, lambda: self._on_written(job, batch), rid=job.rid)
+            return
+        event = core.on_settled(job.book, ok, self._writes_waiting(job))
         if not ok and job.state in (WriterState.WRITING, WriterState.COMPUTING_PLANNED):
             job.abort_source = AbortSource.TRANSFER
             job.abort_reason = f"write to rank {job.owner} failed: {batch.error}"
@@ -391,11 +404,12 @@ class PrefillPath(WritePath):
         elif decision.decision is Decision.PAUSE:
 
             def resume() -> None:
-                job.timer = None
+                job.timer, job.paused_at = None, None
                 if job.state is state:
                     then(job)
 
             job.timer = self.rt.call_later(decision.seconds, resume, rid=job.rid)
+            job.paused_at = point
         else:
             source = (
                 AbortSource.PREFILL

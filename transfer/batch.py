@@ -84,6 +84,12 @@ class Batch:
             self.engine.progress(0)
         return self.engine.poll(self)
 
+    def reading(self) -> bool:
+        """Whether operations of it may still read or write its local memory: a FAILED
+        batch's can (``engine.reading(self)``); its memory is reused only once this is
+        False."""
+        return self.engine.reading(self)
+
     def peek(self) -> BatchStatus:
         """The batch's status as of the engine's last progress: ``engine.poll(self)``
         (does not drive the engine, never blocks)."""

@@ -137,7 +137,10 @@ WRITER_ROWS: dict[tuple[WriterState, WriterEvent], Move[WriterState, WriterDo]] 
     (S.WRITING, E.ABORT_IDLE): Move(S.ACKING, (*_STOP, D.SEND_ACK)),
     (S.WRITING, E.FAIL): Move(S.DRAINING, (*_STOP, D.TELL_ABORT)),
     (S.WRITING, E.FAIL_IDLE): Move(S.ACKING, (*_STOP, D.TELL_ABORT, D.SEND_ACK)),
-    (S.NOTIFYING, E.NOTICE_FLUSHED): Move(S.DONE, (D.FREE_SOURCE,)),
+    # tombstoned: a late ABORT (a decode group's, a client's during decode) finds the
+    # request ended and is acked, where a fresh book would report nothing held and end the
+    # reservation a group's other members still hold the prompt under
+    (S.NOTIFYING, E.NOTICE_FLUSHED): Move(S.DONE, (D.TOMBSTONE, D.FREE_SOURCE)),
     (S.NOTIFYING, E.ABORT_IDLE): Move(S.ACKING, (*_STOP, D.SEND_ACK)),
     (S.NOTIFYING, E.FAIL_IDLE): Move(S.ACKING, (*_STOP, D.TELL_ABORT, D.SEND_ACK)),
     (S.DONE, E.ABORT_IDLE): Move(S.DONE, (D.ACK_NOW,)),

@@ -258,7 +258,15 @@ def test_a_part_that_fails_to_land_fails_the_request_with_its_reason():
     _plan_then_prompt(rt, "p5")
     rt.pump_once()  # the first step ran: its part is posted
     assert len(rt.in_flight) == 1
-    failed = type("Failed", (), {"status": lambda self: BatchStatus.FAILED, "error": "reset"})
+    failed = type(
+        "Failed",
+        (),
+        {
+            "status": lambda self: BatchStatus.FAILED,
+            "error": "reset",
+            "reading": lambda self: False,
+        },
+    )
     rt.in_flight[0] = (failed(), rt.in_flight[0][1])
     rt.settle_all()
     _pump(rt)

@@ -249,13 +249,15 @@ def test_the_service_model_lengthens_the_abort_from_the_router():
 
 def test_without_the_service_model_a_run_is_what_it_was_before_it():
     """Figures of this run before the service model existed (same seed, same code path),
-    since the first token comes with the prefill's notice (one timer fewer a request)."""
+    since the first token comes with the prefill's notice (one timer fewer a request), and
+    since a writer tombstones a request whose notice went (a late ABORT is acked, with no
+    RELEASED of nothing held: 10 and 76 events fewer)."""
     r = run(small("steady", service=False))
-    assert r["events"] == 5232
-    assert r["abort_from_router"] == {"count": 2, "p50_ms": 0.376, "p99_ms": 0.376, "max_ms": 0.376}
+    assert r["events"] == 5222
+    assert r["abort_from_router"] == {"count": 2, "p50_ms": 0.364, "p99_ms": 0.364, "max_ms": 0.364}
     r = run(small("storm", "unsafe", service=False))
-    assert r["events"] == 5228
-    assert r["abort_from_router"]["p50_ms"] == 0.296 and r["abort_from_router"]["count"] == 38
+    assert r["events"] == 5152
+    assert r["abort_from_router"]["p50_ms"] == 0.258 and r["abort_from_router"]["count"] == 38
 
 
 def test_the_measured_figures_are_in_one_place():

@@ -118,6 +118,9 @@ class SimBatch:
     def peek(self) -> BatchStatus:
         return self._status
 
+    def reading(self) -> bool:  # a simulated write reads nothing once settled
+        return False
+
     @property
     def done(self) -> bool:
         return self._status is not BatchStatus.PENDING

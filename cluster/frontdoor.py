@@ -277,7 +277,9 @@ class FrontDoor:
                 routed.rid,
                 limit,
             )
-            self._drop_stream(request, routed, f"client stopped reading for {limit:.1f} s")
+            self._drop_stream(
+                routed, AbortSource.CLIENT, f"client stopped reading for {limit:.1f} s"
+            )
             if request.transport is not None:  # its writes wait on it: no goodbye fits
                 request.transport.close()
             return resp
@@ -286,7 +288,7 @@ class FrontDoor:
         except Exception as exc:  # after the headers went: an SSE error event, not a 500
             reason = f"{type(exc).__name__}: {str(exc)[:500]}"
             log.exception("request %s: its stream failed: %s", routed.rid, reason)
-            self._drop_stream(request, routed, f"the stream failed: {reason}")
+            self._drop_stream(routed, AbortSource.INTERNAL, f"the stream failed: {reason}")
             try:
                 async with asyncio.timeout(STREAM_GRACE_S):
                     await _sse(
@@ -304,10 +306,10 @@ class FrontDoor:
         await resp.write_eof()
         return resp
 
-    def _drop_stream(self, request: web.Request, routed: RoutedRequest, reason: str) -> None:
+    def _drop_stream(self, routed: RoutedRequest, source: AbortSource, reason: str) -> None:
         """A stream that cannot go on: its request ends, if it has not."""
         if routed.req.live:
-            self.router.abort_request(routed, AbortSource.CLIENT, reason)
+            self.router.abort_request(routed, source, reason)
 
     async def _stream_events(
         self, resp: web.StreamResponse, routed: RoutedRequest, first: tuple

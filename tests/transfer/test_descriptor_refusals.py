@@ -19,6 +19,7 @@ from kvferry.transfer import (
     copy_runs,
     copy_tensor_runs,
 )
+from kvferry.transfer.runs import check_runs
 
 MiB = 1 << 20
 
@@ -36,7 +37,7 @@ def test_a_descriptor_longer_than_its_mapping_is_refused(monkeypatch, checked):
         sx, sy = x.allocate(MiB), y.allocate(MiB)
         sx.as_numpy()[:] = 0xAA  # another request's pages
         px, py = w.connect(x.address, "x"), w.connect(y.address, "y")
-        rx = w.open_segment(px, sx.descriptor())
+        w.open_segment(px, sx.descriptor())
         d = sy.descriptor()
         longer = SegmentDescriptor(d.base, 64 * MiB, d.rkey, d.incarnation, d.allocated)
         if checked:
@@ -46,18 +47,13 @@ def test_a_descriptor_longer_than_its_mapping_is_refused(monkeypatch, checked):
             assert w.open_segment(py, d).length == MiB  # the true one opens
             return
         ry = w.open_segment(py, longer.pack())
-        if ry.direct is None or rx.direct is None:
-            pytest.skip("no direct path here: nothing is stored through a mapping")
-        # BROKEN: the runs are checked against the claimed length only. The write aims
-        # at the writer's own mapping of x, exactly (anywhere else would be memory of
-        # this process that nothing here owns), when x is mapped within the claim
-        offset = rx.direct - ry.direct
-        if not 1 * MiB <= offset <= 64 * MiB - 4096:
-            pytest.skip("x is not mapped within the claimed length after y here")
+        # BROKEN: the claimed length is trusted, so a run past y's real 1 MiB passes every
+        # check a write makes (posted, its stores would land in whatever this process
+        # maps there: x's pool in the review's layout; not posted here, it would be
+        # memory of the test process in another layout)
+        assert ry.length == 64 * MiB
         src = w.allocate(4096)
-        src.as_numpy()[:] = 0x55
-        w.write(py, src, ry, np.array([[0, offset, 4096]], dtype=np.int64)).wait(5)
-        assert (sx.as_numpy()[:4096] == 0x55).all()  # x's pages, written through y
+        assert check_runs(np.array([[0, MiB, 4096]], dtype=np.int64), src.length, ry.length)
 
 
 def test_a_descriptor_past_int64_offsets_is_malformed():

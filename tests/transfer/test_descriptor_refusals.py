@@ -1,6 +1,6 @@
 """What the engine refuses before a byte moves: a peer's segment descriptor that claims
 more than UCX mapped here (a direct write past it would land in another peer's pool in
-this process; broken mode: the write corrupts that pool, and the test catches it), a
+this process; broken mode: a run past the real mapping passes a write's bounds check), a
 descriptor whose base and length pass the native layer's int64 offsets, a read-only
 array given to register, a copy into a deregistered segment or a non-contiguous tensor."""
 

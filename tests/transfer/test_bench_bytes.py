@@ -13,7 +13,14 @@ from kvferry.transfer.tools import bench_transfer as bt
 
 def _args() -> argparse.Namespace:
     return argparse.Namespace(
-        dst_mib=16, src_mib=16, spin_us=0, busy_poll_us=0, warmup=1, batches=2
+        dst_mib=16,
+        src_mib=16,
+        spin_us=0,
+        busy_poll_us=0,
+        warmup=1,
+        batches=2,
+        pinned=None,
+        placement_used="any",
     )
 
 
@@ -42,3 +49,17 @@ def test_cross_memory_flag_takes_on_off_lists_and_refuses_anything_else():
     assert bt._on_off_list("on,off") == ["on", "off"] and bt._on_off_list("off") == ["off"]
     with pytest.raises(argparse.ArgumentTypeError, match="expected on, off"):
         bt._on_off_list("yes")
+
+
+def test_split_placement_gives_each_process_a_cpu_of_its_own():
+    """Two processes on one host model a writer and its owner on hosts of their own only
+    when they do not share a CPU; ``any`` leaves placement to the scheduler."""
+    cpus = sorted(__import__("os").sched_getaffinity(0))
+    split = bt.placement_cpus("split")
+    if len(cpus) >= 2:
+        assert split is not None and split[0].isdisjoint(split[1])
+    else:
+        assert split is None
+    shared = bt.placement_cpus("shared")
+    assert shared is not None and shared[0] == shared[1] and len(shared[0]) == 1
+    assert bt.placement_cpus("any") is None

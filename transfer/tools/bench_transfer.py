@@ -26,6 +26,12 @@ Every throughput row (scattered, kv-burst, bulk) checks its bytes at the target:
 destination is cleared after the warm-up, the timed batches run, then the target compares
 every byte each descriptor wrote with the source pattern (``verified``); a mismatch fails
 the run.
+
+Placement (``--placement``, in every line): ``split`` (the default with two or more CPUs)
+runs the initiator on one CPU and the target on another, as a writer and its owner run on
+hosts of their own; ``any`` leaves them to the scheduler, which over loopback tcp often
+keeps both on one CPU (a sender's wake-up pulls its receiver over), halving that run's
+figures at random; ``shared`` puts both on one CPU on purpose.
 """
 
 from __future__ import annotations
@@ -47,6 +53,17 @@ from kvferry.transfer._native import COPY_FLAG_STREAMING, ffi, lib
 
 MiB = 1 << 20
 VERIFY_RUNS = 8192  # descriptors per verify request (192 KiB, under the message limit)
+
+
+def placement_cpus(placement: str) -> tuple[set[int], set[int]] | None:
+    """(initiator CPUs, target CPUs) for ``placement``, or None to leave both as they are.
+    ``split`` needs two CPUs this process may use; with fewer it runs as ``any``."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if placement == "split" and len(cpus) >= 2:
+        return {cpus[0]}, {cpus[1]}
+    if placement == "shared":
+        return {cpus[0]}, {cpus[0]}
+    return None
 
 
 def emit(**rec) -> None:
@@ -204,7 +221,12 @@ class Bench:
             "--src-size",
             str(args.src_mib * MiB),
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
+        pinned = args.pinned
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            preexec_fn=None if pinned is None else lambda: os.sched_setaffinity(0, pinned[1]),
+        )
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
         if not ready:
@@ -241,6 +263,7 @@ class Bench:
         )
         return {
             "engine": "kvferry",
+            "placement": self.args.placement_used,
             "transport": self.transport,
             "dest": self.dest,
             "path": self.path,
@@ -582,16 +605,28 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-mib", type=int, default=64, help="bytes of each kv-burst and bulk row")
     ap.add_argument("--kv-layers", type=int, default=8, help="layers of the kv-burst rows")
     ap.add_argument("--kv-block-kib", type=int, default=16, help="block bytes of kv-burst rows")
+    ap.add_argument(
+        "--placement",
+        default="split",
+        choices=["split", "any", "shared"],
+        help="initiator: each process on a CPU of its own (split), where the scheduler "
+        "puts them (any), or both on one CPU (shared)",
+    )
     ap.add_argument("--src-size", type=int, default=256 * MiB, help="target role")
     ap.add_argument("--lifetime", type=float, default=900.0)
     args = ap.parse_args(argv)
     if args.role == "target":
         return run_target(args)
+    args.pinned = placement_cpus(args.placement)
+    args.placement_used = "any" if args.pinned is None else args.placement
+    if args.pinned is not None:
+        os.sched_setaffinity(0, args.pinned[0])  # the target gets its own at its start
     workloads = [(256, 256 << 10), (4096, 16 << 10)]
     emit(
         engine="host",
         op="load",
         cpus=os.cpu_count(),
+        placement=args.placement_used,
         loadavg=[round(x, 2) for x in os.getloadavg()],
     )  # context for noisy figures
     for npages, page in workloads:

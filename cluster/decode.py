@@ -243,6 +243,7 @@ class DecodeRank(RankBooks):
         runtime.on_request_error = self.fail_request
         runtime.on_card_replaced = self._on_card_replaced
         self.dropped_other_incarnation = 0
+        self.duplicate_assigns = 0  # a live request assigned again (a router bug)
 
     @classmethod
     def serving(
@@ -367,7 +368,25 @@ class DecodeRank(RankBooks):
     # -------------------------------------------------------------- messages
     def _on_assign(self, msg: Message) -> None:
         rid = msg.rid
-        if rid in self.tombstones or rid in self.reqs:
+        if rid in self.tombstones:  # a late copy of an ended request's ASSIGN (I2)
+            log.debug("request %s: ASSIGN after it ended dropped", rid)
+            return
+        first = self.reqs.get(rid)
+        if first is not None:  # the router assigned a live request twice: its bug
+            self.duplicate_assigns += 1
+            log.error(
+                "request %s: second ASSIGN dropped on decode rank %d, the first stands "
+                "(first: prompt_len %d, max_tokens %d, writers %s; second: prompt_len %d, "
+                "max_tokens %d, writers %s)",
+                rid,
+                self.rt.rank,
+                first.prompt_len,
+                first.max_tokens,
+                first.writers,
+                msg.prompt_len,
+                msg.max_tokens,
+                list(msg.writers),
+            )
             return
         req = OwnedRequest(rid, msg.prompt_len, msg.max_tokens, list(msg.writers), msg.last_token)
         req.writer_incs = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 
 import numpy as np
@@ -422,6 +423,47 @@ def test_the_owner_asks_writers_again_only_after_the_routers_abort_had_time(retr
     assert [(to, k) for to, k, _ in rt.sent] == [(1, "ABORT")]
     rt.deliver(m.ABORT_ACK, src=1, rid="r6")
     assert [f["how"] for _, k, f in rt.sent if k == "RELEASED"] == ["acked"]
+
+
+def test_a_second_assign_of_a_live_request_is_logged_and_the_first_stands(caplog):
+    """ASSIGN goes once per request, so a second one for a live request is the router's
+    bug: the owner logs it as an error with both assignments' numbers and counts it, and
+    the first assignment stands (its pages, its writers, nothing planned again)."""
+    owner, rt = _owner()
+    rt.deliver(m.ASSIGN, src=0, rid="r30", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
+    first = owner.reqs["r30"]
+    grants, sent, counts = list(first.grants), list(rt.sent), owner.allocator.counts()
+    with caplog.at_level(logging.DEBUG, logger="kvferry.cluster"):
+        rt.deliver(
+            m.ASSIGN, src=0, rid="r30", prompt_len=100, max_tokens=4, writers=[1, 3], last_token=7
+        )
+    assert owner.reqs["r30"] is first and first.grants == grants and first.writers == [1]
+    assert rt.sent == sent and owner.allocator.counts() == counts
+    assert owner.duplicate_assigns == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert "request r30" in errors[0]
+    assert "first: prompt_len 40, max_tokens 8, writers [1];" in errors[0]
+    assert "second: prompt_len 100, max_tokens 4, writers [1, 3]" in errors[0]
+
+
+def test_an_assign_after_its_request_ended_is_dropped_quietly(caplog):
+    """A late ASSIGN of a request its owner already released is the ordinary late message
+    (I2): dropped at debug level, not counted as the router's bug, nothing allocated."""
+    owner, rt = _owner()
+    rt.deliver(m.ASSIGN, src=0, rid="r31", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
+    rt.deliver(m.ABORT, src=0, rid="r31", owner=2, writers=[1], source="client", reason="gone")
+    rt.deliver(m.ABORT_ACK, src=1, rid="r31")
+    assert "r31" in owner.tombstones and "r31" not in owner.reqs
+    sent, counts = list(rt.sent), owner.allocator.counts()
+    with caplog.at_level(logging.DEBUG, logger="kvferry.cluster"):
+        rt.deliver(
+            m.ASSIGN, src=0, rid="r31", prompt_len=40, max_tokens=8, writers=[1], last_token=7
+        )
+    assert "r31" not in owner.reqs and rt.sent == sent and owner.allocator.counts() == counts
+    assert owner.duplicate_assigns == 0
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+    assert "r31" in caplog.records[0].getMessage()
 
 
 # ---------------------------------------------------------------- I6 at the router

@@ -37,7 +37,7 @@ from kvferry.engine.protocol.routing import (
     RouterPorts,
 )
 from kvferry.engine.protocol.words import AbortSource, Answer, Kind
-from kvferry.engine.tokenizer import VOCAB_SIZE
+from kvferry.engine.tokenizer import VOCAB_SIZE, token_count
 from kvferry.engine.tokenizer import decode as detokenize
 from kvferry.engine.tokenizer import encode_array as tokenize
 from kvferry.transfer.wire import Message
@@ -317,18 +317,17 @@ class Router:
         rid = self.new_request_id()
         self._refuse_if_stopping(rid)
         arrived = self.clock.now()  # time to first token counts from here
-        tokens = tokenize(prompt)
-        req = Request(rid, cast(list[int], tokens), max_tokens)  # an array serves as one
-        try:
-            self.check_admission(rid, len(tokens), max_tokens)
+        try:  # on the prompt's length, before its tokens are made (four bytes each)
+            self.check_admission(rid, token_count(prompt), max_tokens)
         except AdmissionRejected as exc:
-            req.transition(S.REJECTED, exc.reason)
             self.metrics.requests.labels(Answer.REJECTED).inc()
             log.info("request %s rejected: %s", rid, exc)
             raise
         except Unavailable:
             self.metrics.requests.labels(Answer.UNAVAILABLE).inc()
             raise
+        tokens = tokenize(prompt)
+        req = Request(rid, cast(list[int], tokens), max_tokens)  # an array serves as one
         need = pages_needed(len(tokens), max_tokens, self.page_size)
         deadline = self.clock.now() + self.admission_wait_s
         while (placement := self._pick(len(tokens), need)) is None:

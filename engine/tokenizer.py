@@ -30,6 +30,13 @@ def encode_array(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype("<i4")
 
 
+def token_count(text: str) -> int:
+    """``len(encode_array(text))`` without the array: a byte a token, so the prompt's
+    length is known (and refused) before four bytes a token are spent on it. An ASCII
+    text is its own length; another is encoded once, one byte a token."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
 def decode(tokens: Iterable[int], *, show_specials: bool = True) -> str:
     """Bytes back to text (invalid UTF-8 replaced); specials rendered as ``<name>`` or dropped."""
     whole = StreamDecoder(show_specials=show_specials)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvferry.cluster import messages as m
+from kvferry.cluster import router as router_module
 from kvferry.cluster.decode import DecodeRank, OwnerState
 from kvferry.cluster.decode_path import DecodePath
 from kvferry.cluster.faults import FaultPlan
@@ -21,12 +22,14 @@ from kvferry.cluster.prefill import PrefillRank
 from kvferry.cluster.rendezvous import RankCard
 from kvferry.cluster.router import Router
 from kvferry.cluster.topology import Topology
+from kvferry.engine.admission import AdmissionRejected
 from kvferry.engine.integrity import page_checksums
 from kvferry.engine.models import ReplayConfig, ReplayModel
 from kvferry.engine.pool import KVPool
 from kvferry.engine.protocol.owner import OwnerBook
 from kvferry.engine.protocol.owner_driver import OwnerDriver
 from kvferry.engine.protocol.words import Kind
+from kvferry.engine.tokenizer import encode_array as tokenize
 
 
 class _Done:
@@ -506,6 +509,49 @@ def _routed(reported: bool = True, admission_wait_s: float = 1):
         for r in (1, 2):
             rt.deliver(m.STATS, src=r, **STATS)
     return router, rt
+
+
+class _Tokenized(AssertionError):
+    """The prompt's tokens were made."""
+
+
+@pytest.mark.parametrize("char", ["a", "\u00e9"], ids=["ascii", "two-byte"])
+@pytest.mark.parametrize("early", [True, False], ids=["length-first", "broken-tokens-first"])
+def test_an_over_long_prompt_is_refused_before_its_tokens_are_made(monkeypatch, char, early):
+    """The router refuses a prompt past the context length on its length alone (a byte a
+    token), with the numbers the tokens would give, before it spends four bytes a token
+    on them; a prompt at the limit is admitted. Broken mode: a router that makes the
+    tokens to learn their count calls the tokenizer for a prompt it then refuses."""
+    if not early:
+        monkeypatch.setattr(
+            router_module, "token_count", lambda text: len(router_module.tokenize(text))
+        )
+    width = len(char.encode())
+    long_prompt = char * (1024 // width)  # 1024 tokens: with max_tokens 1, one past 1024
+
+    def refuse(text: str):
+        raise _Tokenized(f"tokenizer called on a {len(text)}-character prompt")
+
+    async def run():
+        router, _ = _routed()
+        monkeypatch.setattr(router_module, "tokenize", refuse)
+        if not early:
+            with pytest.raises(_Tokenized):
+                await router.submit(long_prompt, 1)
+            return  # the test catches the tokens made first
+        with pytest.raises(AdmissionRejected) as refused:
+            await router.submit(long_prompt, 1)
+        assert refused.value.prompt_tokens == len(tokenize(long_prompt)) == 1024
+        assert str(refused.value).endswith(
+            "(prompt 1024 tokens + max_tokens 1 = 1025; context length 1024; "
+            "pool capacity 1024 tokens)"
+        )
+        monkeypatch.setattr(router_module, "tokenize", tokenize)
+        at_limit = long_prompt[:-1] + "a" * (width - 1)  # 1023 tokens + 1 = 1024
+        routed = await router.submit(at_limit, 1)
+        assert routed.req.prompt_len == 1023 and routed.req.live
+
+    asyncio.run(run())
 
 
 def _chunks(text: str, size: int) -> list[tuple[int, list[int]]]:

@@ -16,6 +16,8 @@ from kvferry.engine.tokenizer import (
     StreamDecoder,
     decode,
     encode,
+    encode_array,
+    token_count,
 )
 
 tokens_ = st.one_of(
@@ -57,3 +59,11 @@ def test_multibyte_text_split_on_every_byte_streams_back_whole(text):
     assert _stream(tokens, list(range(len(tokens)))) == text
     # the broken mode, each chunk decoded alone, is what the check catches
     assert "".join(decode([t]) for t in tokens) != text
+
+
+@given(st.text())
+@settings(max_examples=300, deadline=None)
+def test_token_count_is_the_length_of_the_tokens(text):
+    """The router refuses on :func:`token_count` before any token is made: it must equal
+    the count the tokens have, for ASCII and for text of 2-, 3- and 4-byte characters."""
+    assert token_count(text) == len(encode_array(text)) == len(encode(text))

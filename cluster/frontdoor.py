@@ -9,6 +9,7 @@ on the same event loop.
         400  admission rejected, with the numbers (I1); or a malformed request: a body that
              is not UTF-8 JSON (a charset other than UTF-8, invalid bytes, nesting too
              deep), a prompt that is not valid Unicode (a lone surrogate), a wrong field
+        413  a body over the limit (16 MiB), with the limit and the body's declared size
         503  no capacity or no healthy rank right now, or the cluster is stopping
         504  the request's deadline passed (aborted)
         500  the request failed (integrity, transfer, rank failure), with its id
@@ -64,6 +65,20 @@ class BadRequest(ValueError):
 
 def _error(status: int, kind: str, message: str, **extra) -> web.Response:
     return web.json_response({"error": kind, "message": message, **extra}, status=status)
+
+
+def _too_large(request: web.Request) -> web.Response:
+    """413 as JSON like every other error here (aiohttp's own is plain text), with the
+    limit and the size the body declared (none when it came chunked)."""
+    size = request.content_length
+    body = f"a body of {size} bytes" if size is not None else "a chunked body"
+    return _error(
+        413,
+        "too_large",
+        f"{body} is over the front door's limit of {MAX_BODY} bytes",
+        limit_bytes=MAX_BODY,
+        body_bytes=size,
+    )
 
 
 def decode_body(raw: bytes, charset: str | None) -> object:
@@ -192,9 +207,11 @@ class FrontDoor:
         except Exception:  # a Content-Type header aiohttp cannot parse
             return _error(400, "bad_request", "Content-Type header does not parse")
         try:
-            prompt, max_tokens, stream = parse_completion(
-                decode_body(await request.read(), charset)
-            )
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _too_large(request)
+        try:
+            prompt, max_tokens, stream = parse_completion(decode_body(raw, charset))
         except BadRequest as exc:
             return _error(400, "bad_request", str(exc))
         try:

@@ -7,6 +7,8 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -493,21 +495,38 @@ STATS = dict(
 )  # fmt: skip
 
 
-def _routed(reported: bool = True, admission_wait_s: float = 1):
-    cards = {0: _card(0, "router"), 1: _card(1, "prefill"), 2: _card(2, "decode")}
-    rt = RecordingRuntime(rank=0, cards=cards)
+def _routed(
+    reports: Literal["stats", "assumed", "none"] = "stats",
+    admission_wait_s: float = 1,
+    *,
+    decode: int = 1,
+    runtime: Callable[..., Any] = RecordingRuntime,
+    pid: int | None = None,
+) -> tuple[Router, Any]:
+    """The router (rank 0) of prefill rank 1 and ``decode`` decode ranks (2, 3, ...), over
+    ``runtime(rank=0, cards=cards)``; every card's process is ``pid`` (default: its rank,
+    none). ``reports``: "stats": every rank reports its pool (STATS on a recording
+    runtime), "assumed": the router is told each has (a runtime the test delivers nothing
+    on), "none": just started, admitting nothing yet."""
+    roles = ["router", "prefill"] + ["decode"] * decode
+    cards = {r: _card(r, role) for r, role in enumerate(roles)}
+    if pid is not None:
+        cards = {r: dataclasses.replace(card, pid=pid) for r, card in cards.items()}
+    rt = runtime(rank=0, cards=cards)
     router = Router(
         rt,
-        Topology(3, 1, 1),
+        Topology(len(roles), 1, decode),
         cards,
         context_length=1024,
         request_timeout_s=30,
         admission_wait_s=admission_wait_s,
         metrics=ClusterMetrics(),
     )
-    if reported:  # every rank reports: the router admits from now on
-        for r in (1, 2):
+    if reports == "stats":  # every rank reports: the router admits from now on
+        for r in range(1, len(roles)):
             rt.deliver(m.STATS, src=r, **STATS)
+    elif reports == "assumed":
+        router.awaiting_reports.clear()
     return router, rt
 
 
@@ -842,7 +861,7 @@ def test_a_router_admits_nothing_until_every_live_rank_has_reported(gated, monke
         monkeypatch.setattr(Router, "waiting_for_reports", lambda self: [])
 
     async def run():
-        router, rt = _routed(reported=False, admission_wait_s=0.05)
+        router, rt = _routed("none", admission_wait_s=0.05)
         prompt = "x" * (40 * 16 - 8)  # 40 pages of prompt and answer at the decode rank
         if not gated:
             routed = await router.submit(prompt, 8)

@@ -9,37 +9,17 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_protocol_units import STATS, RecordingRuntime, _card
+from test_protocol_units import STATS, RecordingRuntime, _routed
 
 from kvferry.cluster import messages as m
 from kvferry.cluster import router as router_module
-from kvferry.cluster.metrics import ClusterMetrics
 from kvferry.cluster.router import Router
-from kvferry.cluster.topology import Topology
 from kvferry.engine.protocol.routing import RouterCore
 
 WRITER, OWNER, OTHER_OWNER = 1, 2, 3
 TEXT = "the owner's own answer"
 FORGED = "another rank's answer!"
 assert len(FORGED) == len(TEXT)
-
-
-def _router(runtime: type[RecordingRuntime] = RecordingRuntime) -> tuple[Router, RecordingRuntime]:
-    cards = {0: _card(0, "router"), WRITER: _card(WRITER, "prefill")}
-    cards |= {r: _card(r, "decode") for r in (OWNER, OTHER_OWNER)}
-    rt = runtime(rank=0, cards=cards)
-    router = Router(
-        rt,
-        Topology(4, 1, 2),
-        cards,
-        context_length=1024,
-        request_timeout_s=30,
-        admission_wait_s=1,
-        metrics=ClusterMetrics(),
-    )
-    for r in (WRITER, OWNER, OTHER_OWNER):
-        rt.deliver(m.STATS, src=r, **STATS)
-    return router, rt
 
 
 def _answer(rt: RecordingRuntime, src: int, rid: str, text: str) -> None:
@@ -70,7 +50,7 @@ def test_only_the_owner_s_tokens_and_done_reach_the_client(monkeypatch, broken, 
         _break(monkeypatch)
 
     async def run():
-        router, rt = _router()
+        router, rt = _routed(decode=2)
         routed = await router.submit(TEXT, len(TEXT))
         owner = routed.owner
         other = {"writer": routed.writers[0], "other-owner": ({OWNER, OTHER_OWNER} - {owner}).pop()}
@@ -89,7 +69,7 @@ def test_only_the_owner_s_tokens_and_done_reach_the_client(monkeypatch, broken, 
 
 def test_a_failure_reported_by_another_rank_does_not_end_the_request():
     async def run():
-        router, rt = _router()
+        router, rt = _routed(decode=2)
         routed = await router.submit(TEXT, len(TEXT))
         rt.deliver(
             m.DONE,
@@ -111,7 +91,7 @@ def test_a_token_outside_the_vocabulary_fails_the_request():
     told), rather than the front door failing mid-answer."""
 
     async def run():
-        router, rt = _router()
+        router, rt = _routed(decode=2)
         routed = await router.submit(TEXT, len(TEXT))
         rt.deliver(m.TOKENS, src=routed.owner, rid=routed.rid, offset=0, tokens=[104, 300])
         return routed, rt
@@ -132,7 +112,7 @@ def test_nothing_is_admitted_once_shutdown_began(monkeypatch, stops):
         monkeypatch.setattr(Router, "_refuse_if_stopping", lambda self, rid: None)
 
     async def run():
-        router, rt = _router()
+        router, rt = _routed(decode=2)
         router.shutdown("the cluster is being stopped")
         try:
             await router.submit(TEXT, len(TEXT))
@@ -153,8 +133,8 @@ def test_request_ids_carry_64_random_bits_an_incarnation():
     hold on a rank (TOKENS and DONE name a request by id alone)."""
     import re
 
-    a, _ = _router()
-    b, _ = _router()
+    a, _ = _routed(decode=2)
+    b, _ = _routed(decode=2)
     ida, idb = a.new_request_id(), b.new_request_id()
     assert re.fullmatch(r"req-[0-9a-f]{16}-000001", ida), ida
     assert ida != idb
@@ -189,7 +169,7 @@ def test_a_rank_back_from_unreachable_is_told_again_of_ended_requests(monkeypatc
         )
 
     async def run():
-        router, rt = _router(_Partitioned)
+        router, rt = _routed(decode=2, runtime=_Partitioned)
         rt.down = {WRITER}
         routed = await router.submit("x" * 500, 10)
         assert routed.outcome == "failed"  # the writer was unreachable

@@ -31,14 +31,13 @@ import pytest
 from aiohttp import web
 from test_failure_domains import _HorizonEngine
 from test_fencing import DictStore
-from test_protocol_units import _card
+from test_protocol_units import _card, _routed
 
 from kvferry.cluster import rendezvous
 from kvferry.cluster import store as store_mod
 from kvferry.cluster.etcd_store import EtcdError
 from kvferry.cluster.frontdoor import FrontDoor
 from kvferry.cluster.harness import etcdcluster, localcluster
-from kvferry.cluster.metrics import ClusterMetrics
 from kvferry.cluster.rendezvous import ExitLog, ExitRecord
 from kvferry.cluster.router import Router
 from kvferry.cluster.runtime import RankRuntime
@@ -51,7 +50,6 @@ from kvferry.cluster.store import (
     connect,
     parse_store,
 )
-from kvferry.cluster.topology import Topology
 from kvferry.cluster.trust import process_trust
 
 NO_ETCD = etcdcluster.unavailable_reason()
@@ -198,23 +196,15 @@ async def _health(door: FrontDoor) -> tuple[int, dict]:
 
 
 def _router_on(store) -> Router:
-    cards = {
-        r: dataclasses.replace(_card(r, role), pid=os.getpid())
-        for r, role in enumerate(["router", "prefill", "decode"])
-    }
-    for card in cards.values():
-        rendezvous.publish(store, card)
-    rt = RankRuntime(0, _HorizonEngine(), cards, store=store)
-    router = Router(
-        rt,
-        Topology(3, 1, 1),
-        cards,
-        context_length=1024,
-        request_timeout_s=30,
-        admission_wait_s=0.05,
-        metrics=ClusterMetrics(),
-    )
-    router.awaiting_reports.clear()  # every rank has reported (see the test that waits)
+    """A router over a real runtime on ``store``, its ranks' cards published there, every
+    rank taken as reported (see the test that waits)."""
+
+    def runtime(rank: int, cards: dict) -> RankRuntime:
+        for card in cards.values():
+            rendezvous.publish(store, card)
+        return RankRuntime(rank, _HorizonEngine(), cards, store=store)
+
+    router, _ = _routed("assumed", admission_wait_s=0.05, runtime=runtime, pid=os.getpid())
     return router
 
 

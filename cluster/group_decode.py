@@ -463,8 +463,8 @@ class GroupDecode:
             return
         held = self.held[p]
         shape = (len(gs.batch), (held.hi - held.lo) * held.group, self.model.head_dim)
-        failed = set(msg.failed)
         mine = {r.group.rids[p]: i for i, r in enumerate(gs.batch)}
+        failed = self._failures_named(msg.failed, mine)
         for rid in failed:
             i = mine.get(rid)
             if i is not None:
@@ -490,6 +490,14 @@ class GroupDecode:
         gs.waiting.discard(p)
         if not gs.waiting and gs.timer is not None:
             gs.timer.cancel()
+
+    @staticmethod
+    def _failures_named(failed: list[str], mine: dict[str, int]) -> set[str]:
+        """The requests of this step an ATTENDED names as failed. Others named count for
+        nothing: a reply that failed none of the step's requests and carries no attention
+        is refused as malformed, not taken as a share of zeros (every member would then
+        report the same wrong tokens)."""
+        return set(failed) & mine.keys()
 
     def _close(self, gs: GroupStep) -> None:
         """The step ended (tokens, failure or deadline): its requests unpinned."""
@@ -679,9 +687,23 @@ class GroupDecode:
             error=error or None,
         )
 
+    def _out_of_step(self, req: Any, lead: int) -> str | None:
+        """Why a STEPPED of ``lead`` cannot carry ``req``'s token: this rank has not
+        attended every layer of the step (None: it has)."""
+        if req.group.next_layer == self.model.layers:
+            return None
+        return (
+            f"STEPPED of lead rank {lead} at position {req.next_position}, but rank "
+            f"{self.rt.rank} attended {req.group.next_layer} of the step's "
+            f"{self.model.layers} layers"
+        )
+
     def _on_stepped(self, msg: Message) -> None:
         """The lead's tokens of a step: each of this rank's requests in it reports its
-        token as its own (its position moves on)."""
+        token as its own (its position moves on), once it has attended every layer of
+        that step. A STEPPED for a request that has not (a lead out of step with this
+        member) fails the request: its token is of a step this rank never computed, and
+        the router, which compares the members' tokens, would see the lead's echoed."""
         if len(msg.tokens) != len(msg.rids):
             log.error(
                 "requests %s: STEPPED of rank %d has %d tokens for %d requests; ignored (they "
@@ -696,6 +718,14 @@ class GroupDecode:
             req = self.owner.reqs.get(rid)
             if req is None or req.group is None or req.group.lead_rank != msg.src:
                 continue
-            if req.state is OwnerState.DECODING:
-                req.group.next_layer = 0  # the next step starts at the next position
-                self.path.emit(req, int(token))
+            if req.state is not OwnerState.DECODING:
+                continue
+            why = self._out_of_step(req, msg.src)
+            if why is not None:
+                log.error("request %s: %s", rid, why)
+                self.rt.run_for(
+                    rid, "a STEPPED", functools.partial(self.owner.fail_request, rid, why)
+                )
+                continue
+            req.group.next_layer = 0  # the next step starts at the next position
+            self.path.emit(req, int(token))

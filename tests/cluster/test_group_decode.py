@@ -472,3 +472,56 @@ def test_a_members_deadline_grows_with_the_leads_own_share_of_the_layer(monkeypa
     # reply_s + 4 x 30 s from the ask, of which 30 s have passed
     assert deadlines() == [reply_s, reply_s + 4 * 30.0 - 30.0]
     assert gd.own_s_by_layer[0] == 30.0
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["checked", "broken-any-stepped"])
+def test_a_stepped_for_a_step_the_member_never_attended_fails_the_request(monkeypatch, broken):
+    """A member reports a STEPPED token as its own only after it attended every layer of
+    that step. A lead out of step with it (its STEPPED before any ATTEND) fails the
+    request rather than have the member echo a token it never computed, which the
+    router's comparison of the members' tokens cannot see. Broken mode: the member takes
+    any STEPPED of its lead, and the token is reported."""
+    if broken:
+        monkeypatch.setattr(group_decode.GroupDecode, "_out_of_step", lambda self, r, lead: None)
+    g, _ = _ready_pair()
+    lead_rank, member_rank = g.topology.decode_groups[0]
+    member, mrt = g.owners[member_rank]
+    req = member.reqs["r.1"]
+    generated = list(req.generated)
+    assert req.group.next_layer == 0  # no layer of a step attended
+    mrt.deliver(m.STEPPED, src=lead_rank, rids=["r.1"], tokens=[5])
+    if broken:
+        assert req.generated == [*generated, 5]
+        return
+    assert req.generated == generated
+    done = _done(g, member_rank, "r.1")
+    assert done["outcome"] == "failed"
+    assert "attended 0 of the step's" in done["error"]
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["step-only", "broken-any-name"])
+def test_an_answer_failing_only_other_requests_is_no_share_of_zeros(monkeypatch, broken):
+    """An ATTENDED that names as failed only requests outside the step, with no attention
+    in it, is malformed: the step fails. Broken mode: every name counts, the reply is
+    taken as the member's share of the layer, all zeros."""
+    if broken:
+        monkeypatch.setattr(
+            group_decode.GroupDecode, "_failures_named", staticmethod(lambda f, mine: set(f))
+        )
+    g = _group(1, 2, 4, 16, 16, llama=True)
+    rids, seen = _waiting_step(g)
+    lead_rank, member_rank = g.topology.decode_groups[0]
+    lead, lrt = g.owners[lead_rank]
+    gs = lead.group_decode.step
+    asked = [r.group.rids[1] for r in gs.batch]
+    lrt.deliver(
+        m.ATTENDED, src=member_rank, step=gs.number, layer=0, rids=asked,
+        out=b"", failed=["not-in-this-step.1"], error="?",
+    )  # fmt: skip
+    if broken:
+        assert not gs.replies[1].any()  # the member's heads of this layer taken as zeros
+        return
+    assert 1 not in gs.replies
+    _decode(g, seen)
+    assert _done(g, lead_rank, rids[lead_rank])["outcome"] == "failed"
+    assert "member rank" in _done(g, lead_rank, rids[lead_rank])["error"]

@@ -16,6 +16,7 @@ from kvferry.engine.allocator import PageAllocator
 from kvferry.engine.protocol.ports import SourceFreed
 from kvferry.engine.protocol.proof import Proof
 from kvferry.engine.protocol.words import AbortSource, Release
+from kvferry.transfer import BatchStatus
 
 from . import messages as m
 from .chunks import PAGES_PER_CHUNK, spans
@@ -56,14 +57,14 @@ class RankWriterWire:
                 reason=reason,
             )
 
-    def send_ack(self, rid: str, owner: int, flushed: Callable[[], None] | None) -> None:
+    def send_ack(self, rid: str, owner: int, flushed: Callable[[bool], None] | None) -> None:
         ack = self.rt.notify(owner, m.ABORT_ACK, rid=rid) if owner >= 0 else None
         if flushed is None:
             return
         if ack is None:
-            flushed()
-        else:
-            self.rt.watch(ack, lambda _batch: flushed(), rid=rid)
+            flushed(True)
+        else:  # a flush that failed is no proof that the writes ended
+            self.rt.watch(ack, lambda b: flushed(b.status() is BatchStatus.COMPLETED), rid=rid)
 
 
 class SharedSource:

@@ -176,7 +176,7 @@ class WriterWire:
             return
         h.link.send(job.peer, h.abort_payload(job.request, job.orid, source, reason), jid)
 
-    def send_ack(self, jid: str, owner: int, flushed: Callable[[], None] | None) -> None:
+    def send_ack(self, jid: str, owner: int, flushed: Callable[[bool], None] | None) -> None:
         h = self.host
         job = h.jobs.get(jid)
         ack = None
@@ -187,9 +187,9 @@ class WriterWire:
         if flushed is None:
             return
         if ack is None or job is None:
-            flushed()
+            flushed(True)
         else:
-            job.inflight.append((ack, lambda _batch: flushed()))
+            job.inflight.append((ack, lambda _batch: flushed(True)))
 
 
 TERMINAL = (WriterState.DONE, WriterState.ABORTED)

@@ -49,10 +49,11 @@ class WriterWire(Protocol):
         """ABORT to the router and to ``owner`` (-1: none known yet), with the reason."""
         ...
 
-    def send_ack(self, rid: str, owner: int, flushed: Callable[[], None] | None) -> None:
+    def send_ack(self, rid: str, owner: int, flushed: Callable[[bool], None] | None) -> None:
         """ABORT_ACK to ``owner`` with a flush first; ``flushed`` (when given) is called
-        once that flush completed, or at once when there is nothing to flush (no owner
-        known, or the message could not be posted)."""
+        once that flush settled, with whether it completed (False: it failed, which proves
+        nothing), or at once with True when there is nothing to flush (no owner known, or
+        the message could not be posted)."""
         ...
 
 

@@ -21,9 +21,11 @@ Invariants held here: I2 (DONE and ABORTED have no way out; an abort of a forgot
 request finds ABORTED and only acks again; a rank forgets a request once it is DONE or
 ABORTED and keeps its tombstone), I4 writer side (no ack is sent while a batch
 is in flight: ABORT leads to DRAINING, and only DRAINED, the last batch settling, to
-SEND_ACK; source pages are freed only after the ack's or the notice's flush, of every job
-that holds them: a writer into a decode group shares one prompt's pages among the jobs
-of the members it writes into).
+SEND_ACK; source pages are freed only after the ack's or the notice's flush completed, of
+every job that holds them: a writer into a decode group shares one prompt's pages among
+the jobs of the members it writes into; a flush that failed proves nothing: the notice's
+fails the request, the ack's leaves the pages held, UNFLUSHED, until the owner asks
+again and that ack's flush completes).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class WriterState(IdentityEnum):
     DRAINING = "draining"  # aborted: nothing more posted, batches in flight
     ACKING = "acking"  # nothing in flight: ack posted (flush, then send)
     ABORTED = "aborted"  # ack flushed; source pages freed
+    UNFLUSHED = "unflushed"  # the ack's flush failed: source pages held until one completes
 
 
 class WriterEvent(IdentityEnum):
@@ -59,6 +62,7 @@ class WriterEvent(IdentityEnum):
     BATCH_LANDED = "a batch landed; nothing queued, others still in flight"
     ALL_LANDED = "the last batch landed"
     NOTICE_FLUSHED = "the notice's flush completed"
+    NOTICE_FAILED = "the notice's flush failed (no proof that its writes ended)"
     ABORT = "an ABORT while batches are in flight"
     ABORT_IDLE = "an ABORT with nothing in flight"
     FAIL = (
@@ -68,6 +72,7 @@ class WriterEvent(IdentityEnum):
     FAIL_IDLE = "the writer fails with nothing in flight"
     DRAINED = "aborted: the last batch in flight settled"
     ACK_FLUSHED = "the ack's flush completed"
+    ACK_FAILED = "the ack's flush failed (no proof that its writes ended)"
 
 
 class WriterDo(IdentityEnum):
@@ -85,7 +90,7 @@ class WriterDo(IdentityEnum):
     STOP_POSTING = "drop the queue and cancel any pause: nothing more is posted"
     TOMBSTONE = "remember the id as ended: a late PREFILL or PLAN is ignored (I2)"
     TELL_ABORT = "ABORT to the router and the owner, with the writer's reason"
-    SEND_ACK = "ABORT_ACK with notify (flush, then send); then ACK_FLUSHED"
+    SEND_ACK = "ABORT_ACK with notify (flush, then send); then ACK_FLUSHED, or ACK_FAILED"
     ACK_NOW = (
         "ABORT_ACK with notify, nothing kept until its flush (none of our pages hold "
         "this request's KV: never allocated, or freed after an earlier flush)"
@@ -141,12 +146,17 @@ WRITER_ROWS: dict[tuple[WriterState, WriterEvent], Move[WriterState, WriterDo]] 
     # request ended and is acked, where a fresh book would report nothing held and end the
     # reservation a group's other members still hold the prompt under
     (S.NOTIFYING, E.NOTICE_FLUSHED): Move(S.DONE, (D.TOMBSTONE, D.FREE_SOURCE)),
+    # a failed flush proves nothing: the request fails, and the source pages wait for
+    # an ack whose flush completes (another, when the owner asks again)
+    (S.NOTIFYING, E.NOTICE_FAILED): Move(S.ACKING, (*_STOP, D.TELL_ABORT, D.SEND_ACK)),
     (S.NOTIFYING, E.ABORT_IDLE): Move(S.ACKING, (*_STOP, D.SEND_ACK)),
     (S.NOTIFYING, E.FAIL_IDLE): Move(S.ACKING, (*_STOP, D.TELL_ABORT, D.SEND_ACK)),
     (S.DONE, E.ABORT_IDLE): Move(S.DONE, (D.ACK_NOW,)),
     (S.DRAINING, E.BATCH_LANDED): Move(S.DRAINING),
     (S.DRAINING, E.DRAINED): Move(S.ACKING, (D.SEND_ACK,)),
     (S.ACKING, E.ACK_FLUSHED): Move(S.ABORTED, (D.FREE_SOURCE,)),
+    (S.ACKING, E.ACK_FAILED): Move(S.UNFLUSHED),
+    (S.UNFLUSHED, E.ABORT_IDLE): Move(S.ACKING, (D.SEND_ACK,)),
     (S.ABORTED, E.ABORT_IDLE): Move(S.ABORTED, (D.ACK_NOW,)),
 }
 

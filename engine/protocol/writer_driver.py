@@ -83,7 +83,10 @@ class WriterDriver(TableDriver[WriterState, WriterEvent, WriterDo, Subject]):
         elif do is D.TELL_ABORT:
             p.wire.tell_abort(rid, owner, job.abort_source, job.abort_reason)
         elif do is D.SEND_ACK:
-            p.wire.send_ack(rid, owner, lambda: self.feed(job, WriterEvent.ACK_FLUSHED))
+            E = WriterEvent  # a failed flush is no proof: ACK_FAILED
+            p.wire.send_ack(
+                rid, owner, lambda ok: self.feed(job, E.ACK_FLUSHED if ok else E.ACK_FAILED)
+            )
         elif do is D.ACK_NOW:
             if owner >= 0:
                 p.wire.send_ack(rid, owner, None)

@@ -431,7 +431,16 @@ def writer_walk(table):
         def fail(self) -> None:
             self.feed(wc.on_failure(self.book))
 
-        @rule(event=st.sampled_from([WriterEvent.NOTICE_FLUSHED, WriterEvent.ACK_FLUSHED]))
+        @rule(
+            event=st.sampled_from(
+                [
+                    WriterEvent.NOTICE_FLUSHED,
+                    WriterEvent.ACK_FLUSHED,
+                    WriterEvent.NOTICE_FAILED,  # a failed flush: no proof, nothing freed
+                    WriterEvent.ACK_FAILED,
+                ]
+            )
+        )
         def flushed(self, event: WriterEvent) -> None:
             self.feed(event)
 
@@ -551,6 +560,38 @@ def test_the_walk_catches_a_broken_writer_table(broken, path):
             walk.i4_writer_side()  # the real table: nothing to report on the same path
             continue
         with pytest.raises(AssertionError, match=r"in flight|before a flush"):
+            walk.i4_writer_side()
+
+
+@pytest.mark.parametrize("event", [WriterEvent.NOTICE_FAILED, WriterEvent.ACK_FAILED])
+def test_the_walk_catches_a_failed_flush_taken_as_done(event):
+    """A flush that failed frees no source page: on the fixed path to the notice (or, after
+    an abort, to the ack) the real table keeps them; a table that takes the failure as
+    the flush is reported."""
+    S, E, D = WriterState, WriterEvent, WriterDo
+    at = S.NOTIFYING if event is E.NOTICE_FAILED else S.ACKING
+    done = S.DONE if event is E.NOTICE_FAILED else S.ABORTED
+    for table, caught in (
+        (wc.WRITER_TABLE, False),
+        (replace(wc.WRITER_TABLE, {(at, event): Move(done, (D.TOMBSTONE, D.FREE_SOURCE))}), True),
+    ):
+        walk = writer_walk(table)()
+        walk.plan()
+        walk.prompt()
+        walk.kv_ready()
+        if event is E.ACK_FAILED:
+            walk.abort()  # one batch in flight: the ack once it settled
+            walk.settles(True)
+        else:
+            walk.settles(True)  # the first batch, then the queued one
+            walk.settles(True)
+        assert walk.book.state is at and walk.book.in_flight == 0
+        walk.flushed(event)
+        if not caught:
+            walk.i4_writer_side()
+            assert walk.alloc.pages_of("r")  # held: no flush proved anything
+            continue
+        with pytest.raises(AssertionError, match="before a flush"):
             walk.i4_writer_side()
 
 

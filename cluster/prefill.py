@@ -71,7 +71,7 @@ class WriteJob:
     posted_pages: int = 0  # pages posted so far (the pipelined parts, then the rest)
     part: tuple[int, int] | None = None  # pages [lo, hi) of the part in flight
     timer: Any = None  # an injected pause at a protocol point
-    paused_at: str | None = None  # ... and that point
+    writes_due: bool = False  # POST_WRITES asked, its rows not queued yet (a pause held them)
     queue: np.ndarray | None = None  # (local, remote, length) rows not yet posted
     prompt_parts: Reassembly | None = None  # PREFILL chunks so far
     plan_parts: Reassembly | None = None  # PLAN chunks so far
@@ -199,9 +199,12 @@ class PrefillRank(RankBooks):
             )
 
     def _settled(self, job: WriteJob, move) -> None:
-        if not move.ignored and job.state is WriterState.DONE:
-            self.path.finished(job)
-        if not move.ignored and job.state in (WriterState.DONE, WriterState.ABORTED):
+        if move.ignored or job.state not in (WriterState.DONE, WriterState.ABORTED):
+            return
+        try:
+            if job.state is WriterState.DONE:
+                self.path.finished(job)  # a fault hook, which may raise
+        finally:  # the job is forgotten whatever the hook did
             self.jobs.pop(job.rid, None)
             self.rt.faults.forget(job.rid)
 
@@ -360,5 +363,6 @@ class PrefillRank(RankBooks):
 
     # -------------------------------------------------------------- housekeeping
     def in_flight(self) -> bool:
-        """Some request is between its PREFILL/PLAN and its end here."""
-        return bool(self.jobs)
+        """Some request is between its PREFILL/PLAN and its end here (one whose ack
+        failed to flush waits for the owner to ask again: nothing to poll for)."""
+        return any(j.state is not WriterState.UNFLUSHED for j in self.jobs.values())

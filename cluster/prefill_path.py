@@ -58,7 +58,6 @@ log = logging.getLogger("kvferry.cluster")
 
 PREFILL_SLICE_S = 0.001  # longest a prefill computes before the loop polls again
 CHECKSUM_SLICE_BYTES = 32 << 20  # pages checksummed per step
-READING_POLL_S = 0.01  # how often a failed batch with puts outstanding is looked at again
 
 COMPUTING = (WriterState.COMPUTING, WriterState.COMPUTING_PLANNED)
 
@@ -107,7 +106,7 @@ class WritePath:
         if job.timer is not None:
             job.timer.cancel()
             job.timer = None
-        job.queue = None
+        job.queue, job.writes_due = None, False
 
     def finished(self, job: WriteJob) -> None:
         """The job reached DONE (its notice flushed)."""
@@ -167,17 +166,18 @@ class WritePath:
 
     @staticmethod
     def _writes_waiting(job: WriteJob) -> bool:
-        """Rows queued, or writes paused before they were posted (an injected pause): a
-        batch that lands meanwhile is not the last (a notice then would name pages never
-        written)."""
-        return job.queued() or job.paused_at == "before-write"
+        """Rows queued, or writes asked for and not queued yet (held before they are
+        posted, by a pause): a batch that lands meanwhile is not the last (a notice then
+        would name pages never written)."""
+        return job.queued() or job.writes_due
 
     def _on_written(self, job: WriteJob, batch: Any) -> None:
         ok = batch.status() is BatchStatus.COMPLETED
         if not ok and batch.reading():
             # Failed with puts of it still outstanding: they may read the source pages
-            # yet, so the job (and the pages' release after it) waits for them to end.
-            self.rt.call_later(READING_POLL_S, lambda: self._on_written(job, batch), rid=job.rid)
+            # yet, so the job (and the pages' release after it) goes on at the first pump
+            # after they ended.
+            self.rt.watch(_PutsEnded(batch), lambda _: self._on_written(job, batch), rid=job.rid)
             return
         event = core.on_settled(job.book, ok, self._writes_waiting(job))
         if not ok and job.state in (WriterState.WRITING, WriterState.COMPUTING_PLANNED):
@@ -214,9 +214,28 @@ class WritePath:
                 )
                 return
         if notice is not None:
-            self.rt.watch(
-                notice, lambda b: self.driver.feed(job, WriterEvent.NOTICE_FLUSHED), rid=job.rid
-            )
+            self.rt.watch(notice, lambda b: self._notice_settled(job, b), rid=job.rid)
+
+    def _notice_settled(self, job: WriteJob, notice: Any) -> None:
+        """The notice's flush completed (NOTICE_FLUSHED), or failed: no proof that the
+        writes ended, so the request fails (NOTICE_FAILED) rather than freeing its pages."""
+        if notice.status() is BatchStatus.COMPLETED:
+            self.driver.feed(job, WriterEvent.NOTICE_FLUSHED)
+            return
+        job.abort_source = AbortSource.TRANSFER
+        job.abort_reason = f"notice to rank {job.owner} failed to flush: {notice.error}"
+        self.driver.feed(job, WriterEvent.NOTICE_FAILED)
+
+
+@dataclass(frozen=True)
+class _PutsEnded:
+    """What a failed batch whose puts may still read its local pages is watched as
+    (:meth:`RankRuntime.watch` polls it each pump): pending until none is outstanding."""
+
+    batch: Any
+
+    def peek(self) -> BatchStatus:
+        return BatchStatus.PENDING if self.batch.reading() else self.batch.peek()
 
 
 @dataclass(frozen=True)
@@ -404,12 +423,11 @@ class PrefillPath(WritePath):
         elif decision.decision is Decision.PAUSE:
 
             def resume() -> None:
-                job.timer, job.paused_at = None, None
+                job.timer = None
                 if job.state is state:
                     then(job)
 
             job.timer = self.rt.call_later(decision.seconds, resume, rid=job.rid)
-            job.paused_at = point
         else:
             source = (
                 AbortSource.PREFILL
@@ -633,9 +651,11 @@ class PrefillPath(WritePath):
         return np.stack([local, remote, lengths], axis=1)
 
     def post_writes(self, job: WriteJob) -> None:
+        job.writes_due = True  # until _post_writes queued them (after any pause here)
         self.at_point(job, "before-write", self._post_writes)
 
     def _post_writes(self, job: WriteJob) -> None:
+        job.writes_due = False  # queued below, or the job fails
         if not self._plan_covers(job):
             return
         assert job.tokens is not None

@@ -82,16 +82,7 @@ def _plan_then_prompt(rt: RecordingRuntime, rid: str) -> None:
     rt.deliver(
         m.PLAN, src=2, rid=rid, offset=0, total=len(PLANNED), pages=PLANNED, generations=[1] * 7
     )
-    rt.deliver(
-        m.PREFILL,
-        src=0,
-        rid=rid,
-        tokens=np.arange(PROMPT, dtype="<i4").tobytes(),
-        offset=0,
-        total=PROMPT,
-        owner=2,
-        owner_inc=1,
-    )
+    rt.deliver_prompt(rid, PROMPT)
 
 
 def _pump(rt: RecordingRuntime, times: int = 20) -> None:
@@ -129,16 +120,7 @@ def test_a_planned_writer_posts_parts_while_it_computes_and_notices_them():
 def test_a_writer_planned_after_its_prefill_writes_at_once_without_parts():
     rt = RecordingRuntime(rank=1)
     _writer(rt)
-    rt.deliver(
-        m.PREFILL,
-        src=0,
-        rid="p2",
-        tokens=np.arange(PROMPT, dtype="<i4").tobytes(),
-        offset=0,
-        total=PROMPT,
-        owner=2,
-        owner_inc=1,
-    )
+    rt.deliver_prompt("p2", PROMPT)
     _pump(rt)
     rt.deliver(
         m.PLAN, src=2, rid="p2", offset=0, total=len(PLANNED), pages=PLANNED, generations=[1] * 7

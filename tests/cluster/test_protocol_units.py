@@ -65,6 +65,20 @@ class RecordingRuntime:
         msg = kind.make(src=src, inc=1, seq=len(self.sent) + 1000, **fields)
         self.handlers[Kind(msg.kind)](msg)
 
+    def deliver_prompt(self, rid: str, tokens: int, owner: int = 2, **fields) -> None:
+        """The router's PREFILL of ``rid``: the prompt 0, 1, ... ``tokens - 1`` in one
+        chunk, owned by ``owner`` (incarnation 1, unless ``fields`` say; ``share`` too)."""
+        self.deliver(
+            m.PREFILL,
+            src=0,
+            rid=rid,
+            tokens=np.arange(tokens, dtype="<i4").tobytes(),
+            offset=0,
+            total=tokens,
+            owner=owner,
+            **{"owner_inc": 1, **fields},
+        )
+
     def send(self, rank, kind, **fields):
         self.sent.append((rank, kind.name, fields))
         return _Done()

@@ -11,37 +11,26 @@ request's own course.
 - A batch that failed with puts still outstanding holds the source pages until they end.
   Broken mode: the pages go back to the pool at once.
 - A part that lands while the rest of the writes is paused (an injected pause) is not the
-  last write. Broken mode: the notice names the pages the pause kept back."""
+  last write. Broken mode: the notice names the pages the pause kept back.
+- A notice or an ack whose flush failed proves nothing: the source pages stay held until
+  an ack's flush completes. Broken modes: a failed flush taken as done.
+- A raise injected after the notice still forgets the job. Broken mode: the job kept."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from test_pipelined import HoldingRuntime
+from test_pipelined import PLANNED, HoldingRuntime, _plan_then_prompt, _pump
 from test_pipelined import _writer as _pipelined_writer
-from test_protocol_units import _writer
+from test_protocol_units import RecordingRuntime, _writer
 
 from kvferry.cluster import messages as m
 from kvferry.cluster import prefill as prefill_module
 from kvferry.cluster import prefill_path
 from kvferry.engine.protocol import writer as core
 from kvferry.engine.protocol.table import Move
+from kvferry.transfer import BatchStatus
 
 PROMPT = 40  # 3 pages of 16
-
-
-def _prefill(rt, rid: str, owner: int, share: str, owner_inc: int = 1) -> None:
-    rt.deliver(
-        m.PREFILL,
-        src=0,
-        rid=rid,
-        tokens=np.arange(PROMPT, dtype="<i4").tobytes(),
-        offset=0,
-        total=PROMPT,
-        owner=owner,
-        owner_inc=owner_inc,
-        share=share,
-    )
 
 
 @pytest.mark.parametrize("tombstoned", [True, False], ids=["contract", "broken-forgotten"])
@@ -54,8 +43,8 @@ def test_a_late_abort_of_a_finished_member_ends_nothing_the_group_holds(monkeypa
     writer, rt = _writer()
     # member R into owner 2, member R.1 into owner 3, both held under the share R
     rt.deliver(m.PLAN, src=2, rid="R", offset=0, total=3, pages=[5, 6, 7], generations=[1] * 3)
-    _prefill(rt, "R", 2, "R")
-    _prefill(rt, "R.1", 3, "R")
+    rt.deliver_prompt("R", PROMPT, 2, share="R")
+    rt.deliver_prompt("R.1", PROMPT, 3, share="R")
     rt.pump()
     assert "R" not in writer.jobs and writer.jobs["R.1"]  # R is done; R.1 waits for its plan
     before = len(rt.sent)
@@ -80,7 +69,7 @@ def test_a_plan_before_its_prefill_binds_the_owner(monkeypatch, bound, differs):
     _, rt = _writer()
     rt.deliver(m.PLAN, src=2, rid="X", offset=0, total=3, pages=[5, 6, 7], generations=[1] * 3)
     owner, inc = (3, 1) if differs == "rank" else (2, 99)
-    _prefill(rt, "X", owner, "X", owner_inc=inc)
+    rt.deliver_prompt("X", PROMPT, owner, share="X", owner_inc=inc)
     rt.pump()
     written_to = sorted({rank for rank, _ in rt.writes})
     if not bound:
@@ -101,8 +90,6 @@ class _FailedReading:
         self.outstanding = True
 
     def status(self):
-        from kvferry.transfer import BatchStatus
-
         return BatchStatus.FAILED
 
     peek = status
@@ -112,11 +99,13 @@ class _FailedReading:
 
 
 class _TimedHolding(HoldingRuntime):
-    """Write batches held until the test settles them; timers run when the test says."""
+    """Write batches held until the test settles them; timers run when the test says; a
+    watched object that is still pending waits for :meth:`settle_watches`."""
 
     def __init__(self, rank: int) -> None:
         super().__init__(rank)
         self.timers: list = []
+        self.watches: list = []
 
     def call_later(self, delay, fn, rid=None):
         self.timers.append(fn)
@@ -125,6 +114,22 @@ class _TimedHolding(HoldingRuntime):
         timers, self.timers = self.timers, []
         for fn in timers:
             fn()
+
+    def watch(self, batch, callback, rid=None) -> None:
+        peek = getattr(batch, "peek", None)
+        if peek is not None and peek() is BatchStatus.PENDING:
+            self.watches.append((batch, callback))
+        else:
+            super().watch(batch, callback, rid)
+
+    def settle_watches(self) -> None:
+        """What RankRuntime's pump does with its watches: call back the settled ones."""
+        current, self.watches = self.watches, []
+        for batch, callback in current:
+            if batch.peek() is BatchStatus.PENDING:
+                self.watches.append((batch, callback))
+            else:
+                callback(batch)
 
 
 @pytest.mark.parametrize("waits", [True, False], ids=["contract", "broken-frees-at-once"])
@@ -137,8 +142,7 @@ def test_source_pages_wait_for_a_failed_batch_s_puts(monkeypatch, waits):
     rt = _TimedHolding(rank=1)
     writer, _ = _pipelined_writer(rt)
     writer.path.step_ahead = False
-    tokens = np.arange(100, dtype="<i4").tobytes()
-    rt.deliver(m.PREFILL, src=0, rid="A", tokens=tokens, offset=0, total=100, owner=2, owner_inc=1)
+    rt.deliver_prompt("A", 100)
     rt.pump()
     rt.deliver(
         m.PLAN, src=2, rid="A", offset=0, total=7, pages=list(range(20, 27)), generations=[1] * 7
@@ -154,12 +158,13 @@ def test_source_pages_wait_for_a_failed_batch_s_puts(monkeypatch, waits):
         assert not held  # freed while the puts may still read them: caught
         return
     assert held == sources and "A" in writer.jobs
-    rt.fire_timers()  # looked at again: still reading
-    assert set(writer.allocator.pages_of("A")) == sources
+    rt.settle_watches()  # the next pump: still reading
+    assert set(writer.allocator.pages_of("A")) == sources and rt.watches
     failed.outstanding = False
-    rt.fire_timers()
+    rt.settle_watches()  # the first pump after the puts ended goes on
     rt.pump()
     assert not writer.allocator.pages_of("A") and "A" not in writer.jobs
+    assert rt.timers == []  # watched by the runtime, not polled by a timer
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["contract", "broken-part-counts-as-last"])
@@ -168,8 +173,6 @@ def test_a_part_that_lands_while_the_rest_is_paused_is_not_the_last(monkeypatch,
     in flight: the part landing does not end the writes, and the notice, once everything
     is written, names only pages that were. Broken mode: the part counts as the last
     write, and the notice names the pages the pause kept back."""
-    from test_pipelined import PLANNED
-
     from kvferry.cluster.faults import FaultPlan
     from kvferry.engine.tokenizer import encode_array
 
@@ -207,3 +210,136 @@ def test_a_part_that_lands_while_the_rest_is_paused_is_not_the_last(monkeypatch,
         assert named - written  # pages never written, named: caught
         return
     assert named == written == set(PLANNED)
+
+
+class _FailedFlush:
+    """A notify whose flush failed (the owner's endpoint reset under it)."""
+
+    error = "flush failed: UCS_ERR_CONNECTION_RESET"
+
+    def status(self):
+        return BatchStatus.FAILED
+
+    peek = status
+
+
+class _FlushFailing(RecordingRuntime):
+    """Writes land at once; a notify of a kind in ``failing`` has its flush fail."""
+
+    def __init__(self, rank: int, failing: set[str]) -> None:
+        super().__init__(rank)
+        self.failing = failing
+
+    def notify(self, rank, kind, **fields):
+        done = self.send(rank, kind, **fields)
+        return _FailedFlush() if kind.name in self.failing else done
+
+
+def _released(rt, rid: str) -> list[dict]:
+    return [f for _, k, f in rt.sent if k == "RELEASED" and f["rid"] == rid]
+
+
+def _asked_again(writer, rt, rid: str) -> None:
+    """The owner asks for the ack again, and this time its flush completes: the source
+    pages go back to the pool after it, and the request ends here."""
+    rt.failing.clear()
+    rt.deliver(m.ABORT, src=2, rid=rid, owner=2, writers=[1], source="transfer", reason="again")
+    assert not writer.allocator.pages_of(rid) and rid not in writer.jobs
+    assert [(f["how"], f["justification"]) for f in _released(rt, rid)] == [
+        ("aborted", "own-flush")
+    ]
+
+
+@pytest.mark.parametrize("proof", [True, False], ids=["contract", "broken-failed-counts"])
+def test_a_notice_whose_flush_failed_fails_the_request_and_frees_nothing(monkeypatch, proof):
+    """Every write landed, but the notice's flush fails: nothing proves the writes ended,
+    so the request fails (the router and the owner told why) and the source pages stay
+    held; the ack's flush fails too (UNFLUSHED), until the owner asks again and that
+    ack's flush completes. Broken mode: the notice's watch feeds NOTICE_FLUSHED whatever
+    the flush did, and the pages go back to the pool on no proof."""
+    if not proof:
+        monkeypatch.setattr(
+            prefill_path.WritePath,
+            "_notice_settled",
+            lambda self, job, b: self.driver.feed(job, core.WriterEvent.NOTICE_FLUSHED),
+        )
+    rt = _FlushFailing(rank=1, failing={"NOTICE", "ABORT_ACK"})
+    writer, _ = _pipelined_writer(rt)
+    _plan_then_prompt(rt, "N")
+    _pump(rt)
+    assert "NOTICE" in rt.kinds()
+    if not proof:
+        assert not writer.allocator.pages_of("N") and _released(rt, "N")  # caught
+        return
+    job = writer.jobs["N"]
+    assert job.state is core.WriterState.UNFLUSHED and writer.allocator.pages_of("N")
+    assert _released(rt, "N") == [] and not writer.in_flight()
+    told = sorted(to for to, k, f in rt.sent if k == "ABORT")
+    reasons = {f["reason"] for _, k, f in rt.sent if k == "ABORT"}
+    assert told == [0, 2] and reasons == {"notice to rank 2 failed to flush: " + _FailedFlush.error}
+    assert rt.kinds().count("ABORT_ACK") == 1
+    _asked_again(writer, rt, "N")
+
+
+@pytest.mark.parametrize("proof", [True, False], ids=["contract", "broken-failed-counts"])
+def test_an_ack_whose_flush_failed_keeps_the_source_pages(monkeypatch, proof):
+    """An ABORT during the prefill: the ack's flush fails, so the source pages stay held
+    until an ack's flush completes. Broken mode: the table takes a failed ack's flush as
+    done and frees them."""
+    S, E, D = core.WriterState, core.WriterEvent, core.WriterDo
+    if not proof:
+        monkeypatch.setitem(
+            core.WRITER_TABLE, (S.ACKING, E.ACK_FAILED), Move(S.ABORTED, (D.FREE_SOURCE,))
+        )
+    rt = _FlushFailing(rank=1, failing={"ABORT_ACK"})
+    writer, _ = _pipelined_writer(rt)
+    rt.deliver_prompt("K", 100)  # computing: no plan, nothing posted
+    assert writer.allocator.pages_of("K")
+    rt.deliver(m.ABORT, src=2, rid="K", owner=2, writers=[1], source="client", reason="gone")
+    if not proof:
+        assert not writer.allocator.pages_of("K") and _released(rt, "K")  # caught
+        return
+    assert writer.jobs["K"].state is S.UNFLUSHED and writer.allocator.pages_of("K")
+    assert _released(rt, "K") == []
+    _asked_again(writer, rt, "K")
+
+
+@pytest.mark.parametrize("forgets", [True, False], ids=["contract", "broken-kept"])
+def test_a_raise_after_the_notice_still_forgets_the_job(monkeypatch, forgets):
+    """A raise injected at after-notice (the fault hook run once the job is DONE): the
+    exception reaches the runtime, and the job is gone from the writer's books all the
+    same. Broken mode: the removal after the hook, skipped by its raise."""
+    from kvferry.cluster.faults import FaultPlan, InjectedFault
+    from kvferry.engine.tokenizer import encode_array
+
+    if not forgets:
+
+        def settled(self, job, move) -> None:
+            if not move.ignored and job.state is core.WriterState.DONE:
+                self.path.finished(job)
+            if not move.ignored and job.state in (core.WriterState.DONE, core.WriterState.ABORTED):
+                self.jobs.pop(job.rid, None)
+
+        monkeypatch.setattr(prefill_module.PrefillRank, "_settled", settled)
+    rt = RecordingRuntime(rank=1)
+    rt.faults = FaultPlan.parse(["at:after-notice:raise:MARK"])
+    writer, _ = _pipelined_writer(rt)
+    tokens = encode_array(("MARK " * 20)[:100])
+    rt.deliver(m.PLAN, src=2, rid="n", offset=0, total=7, pages=PLANNED, generations=[1] * 7)
+    rt.deliver(
+        m.PREFILL,
+        src=0,
+        rid="n",
+        tokens=tokens.tobytes(),
+        offset=0,
+        total=100,
+        owner=2,
+        owner_inc=1,
+    )
+    with pytest.raises(InjectedFault):
+        _pump(rt)
+    assert "NOTICE" in rt.kinds() and not writer.allocator.pages_of("n")
+    if not forgets:
+        assert "n" in writer.jobs  # the DONE job left behind: caught
+        return
+    assert "n" not in writer.jobs and not writer.in_flight()

@@ -363,6 +363,5 @@ class PrefillRank(RankBooks):
 
     # -------------------------------------------------------------- housekeeping
     def in_flight(self) -> bool:
-        """Some request is between its PREFILL/PLAN and its end here (one whose ack
-        failed to flush waits for the owner to ask again: nothing to poll for)."""
-        return any(j.state is not WriterState.UNFLUSHED for j in self.jobs.values())
+        """Some request is between its PREFILL/PLAN and its end here."""
+        return bool(self.jobs)

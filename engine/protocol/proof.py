@@ -29,6 +29,7 @@ class Proof(enum.StrEnum):
     EXIT_RECORD = "exit-record"  # elsewhere: its launcher's exit record, then the horizon
     NOTHING_POSTED = "nothing-posted"  # no page was allocated or planned for it here
     OWN_FLUSH = "own-flush"  # a writer's own source pages, after its flush completed
+    DRAINED = "drained"  # a writer's own source pages: every batch ended, the ack unflushed
     NONE = "none"  # BROKEN MODE only: released without proof
 
 

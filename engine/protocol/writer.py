@@ -24,8 +24,8 @@ is in flight: ABORT leads to DRAINING, and only DRAINED, the last batch settling
 SEND_ACK; source pages are freed only after the ack's or the notice's flush completed, of
 every job that holds them: a writer into a decode group shares one prompt's pages among
 the jobs of the members it writes into; a flush that failed proves nothing: the notice's
-fails the request, the ack's leaves the pages held, UNFLUSHED, until the owner asks
-again and that ack's flush completes).
+fails the request; the ack's, which follows the drain, frees them as ``drained``, no
+batch of the job left to read them, and the owner waits for this writer's end).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class WriterState(IdentityEnum):
     DRAINING = "draining"  # aborted: nothing more posted, batches in flight
     ACKING = "acking"  # nothing in flight: ack posted (flush, then send)
     ABORTED = "aborted"  # ack flushed; source pages freed
-    UNFLUSHED = "unflushed"  # the ack's flush failed: source pages held until one completes
 
 
 class WriterEvent(IdentityEnum):
@@ -98,6 +97,10 @@ class WriterDo(IdentityEnum):
     FREE_SOURCE = (
         "end this job's hold on the source pages; once no job holds them, free them and "
         "RELEASED(freed after a notice, aborted after an ack)"
+    )
+    FREE_SOURCE_DRAINED = (
+        "FREE_SOURCE after the drain, though the ack's flush failed (RELEASED says "
+        "drained: no batch of the job reads the pages; that proves nothing to the owner)"
     )
     REPORT_NOTHING_HELD = "RELEASED(0 pages) to the router: its reservation here ends"
 
@@ -155,8 +158,9 @@ WRITER_ROWS: dict[tuple[WriterState, WriterEvent], Move[WriterState, WriterDo]] 
     (S.DRAINING, E.BATCH_LANDED): Move(S.DRAINING),
     (S.DRAINING, E.DRAINED): Move(S.ACKING, (D.SEND_ACK,)),
     (S.ACKING, E.ACK_FLUSHED): Move(S.ABORTED, (D.FREE_SOURCE,)),
-    (S.ACKING, E.ACK_FAILED): Move(S.UNFLUSHED),
-    (S.UNFLUSHED, E.ABORT_IDLE): Move(S.ACKING, (D.SEND_ACK,)),
+    # the ack follows the drain: no batch reads the pages, and an owner that asks again
+    # finds ABORTED (ACK_NOW); the owner's own proof is then this writer's end
+    (S.ACKING, E.ACK_FAILED): Move(S.ABORTED, (D.FREE_SOURCE_DRAINED,)),
     (S.ABORTED, E.ABORT_IDLE): Move(S.ABORTED, (D.ACK_NOW,)),
 }
 

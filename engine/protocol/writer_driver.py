@@ -90,7 +90,7 @@ class WriterDriver(TableDriver[WriterState, WriterEvent, WriterDo, Subject]):
         elif do is D.ACK_NOW:
             if owner >= 0:
                 p.wire.send_ack(rid, owner, None)
-        elif do is D.FREE_SOURCE:
+        elif do in (D.FREE_SOURCE, D.FREE_SOURCE_DRAINED):
             freed = p.source.free(rid)
             if freed is None:  # another job still holds the pages: their release is its
                 return
@@ -99,7 +99,9 @@ class WriterDriver(TableDriver[WriterState, WriterEvent, WriterDo, Subject]):
                 freed.held_under,
                 freed.pages,
                 how,
-                Proof.OWN_FLUSH if freed.pages else Proof.NOTHING_POSTED,
+                (Proof.OWN_FLUSH if do is D.FREE_SOURCE else Proof.DRAINED)
+                if freed.pages
+                else Proof.NOTHING_POSTED,
             )
         elif do is D.REPORT_NOTHING_HELD:
             p.report.released(rid, 0, Release.FREED, Proof.NOTHING_POSTED)

@@ -239,53 +239,45 @@ def _released(rt, rid: str) -> list[dict]:
     return [f for _, k, f in rt.sent if k == "RELEASED" and f["rid"] == rid]
 
 
-def _asked_again(writer, rt, rid: str) -> None:
-    """The owner asks for the ack again, and this time its flush completes: the source
-    pages go back to the pool after it, and the request ends here."""
-    rt.failing.clear()
-    rt.deliver(m.ABORT, src=2, rid=rid, owner=2, writers=[1], source="transfer", reason="again")
-    assert not writer.allocator.pages_of(rid) and rid not in writer.jobs
-    assert [(f["how"], f["justification"]) for f in _released(rt, rid)] == [
-        ("aborted", "own-flush")
-    ]
+def _ends(rt, rid: str) -> list[tuple[str, str]]:
+    return [(f["how"], f["justification"]) for f in _released(rt, rid)]
 
 
 @pytest.mark.parametrize("proof", [True, False], ids=["contract", "broken-failed-counts"])
-def test_a_notice_whose_flush_failed_fails_the_request_and_frees_nothing(monkeypatch, proof):
+def test_a_notice_whose_flush_failed_fails_the_request(monkeypatch, proof):
     """Every write landed, but the notice's flush fails: nothing proves the writes ended,
-    so the request fails (the router and the owner told why) and the source pages stay
-    held; the ack's flush fails too (UNFLUSHED), until the owner asks again and that
-    ack's flush completes. Broken mode: the notice's watch feeds NOTICE_FLUSHED whatever
-    the flush did, and the pages go back to the pool on no proof."""
+    so the request fails (the router and the owner told why) and the source pages wait
+    for the ack, freed once its flush completes. Broken mode: the notice's watch feeds
+    NOTICE_FLUSHED whatever the flush did; the request ends as served, its pages freed
+    on a proof that never was."""
     if not proof:
         monkeypatch.setattr(
             prefill_path.WritePath,
             "_notice_settled",
             lambda self, job, b: self.driver.feed(job, core.WriterEvent.NOTICE_FLUSHED),
         )
-    rt = _FlushFailing(rank=1, failing={"NOTICE", "ABORT_ACK"})
+    rt = _FlushFailing(rank=1, failing={"NOTICE"})
     writer, _ = _pipelined_writer(rt)
     _plan_then_prompt(rt, "N")
     _pump(rt)
-    assert "NOTICE" in rt.kinds()
+    assert "NOTICE" in rt.kinds() and "N" not in writer.jobs
+    assert not writer.allocator.pages_of("N")
     if not proof:
-        assert not writer.allocator.pages_of("N") and _released(rt, "N")  # caught
+        assert _ends(rt, "N") == [("freed", "own-flush")] and "ABORT" not in rt.kinds()
         return
-    job = writer.jobs["N"]
-    assert job.state is core.WriterState.UNFLUSHED and writer.allocator.pages_of("N")
-    assert _released(rt, "N") == [] and not writer.in_flight()
     told = sorted(to for to, k, f in rt.sent if k == "ABORT")
     reasons = {f["reason"] for _, k, f in rt.sent if k == "ABORT"}
     assert told == [0, 2] and reasons == {"notice to rank 2 failed to flush: " + _FailedFlush.error}
     assert rt.kinds().count("ABORT_ACK") == 1
-    _asked_again(writer, rt, "N")
+    assert _ends(rt, "N") == [("aborted", "own-flush")]  # after the ack's flush
 
 
 @pytest.mark.parametrize("proof", [True, False], ids=["contract", "broken-failed-counts"])
-def test_an_ack_whose_flush_failed_keeps_the_source_pages(monkeypatch, proof):
-    """An ABORT during the prefill: the ack's flush fails, so the source pages stay held
-    until an ack's flush completes. Broken mode: the table takes a failed ack's flush as
-    done and frees them."""
+def test_an_ack_whose_flush_failed_frees_the_source_pages_as_drained(monkeypatch, proof):
+    """An ABORT during the prefill; the ack's flush fails. The ack followed the drain,
+    so no batch reads the source pages: they are freed, and RELEASED says ``drained``,
+    not ``own-flush`` (the owner got no proof and waits for this writer's end). Broken
+    mode: the table takes a failed ack's flush as done, and RELEASED claims a flush."""
     S, E, D = core.WriterState, core.WriterEvent, core.WriterDo
     if not proof:
         monkeypatch.setitem(
@@ -296,12 +288,11 @@ def test_an_ack_whose_flush_failed_keeps_the_source_pages(monkeypatch, proof):
     rt.deliver_prompt("K", 100)  # computing: no plan, nothing posted
     assert writer.allocator.pages_of("K")
     rt.deliver(m.ABORT, src=2, rid="K", owner=2, writers=[1], source="client", reason="gone")
+    assert not writer.allocator.pages_of("K") and "K" not in writer.jobs
     if not proof:
-        assert not writer.allocator.pages_of("K") and _released(rt, "K")  # caught
+        assert _ends(rt, "K") == [("aborted", "own-flush")]  # caught: a flush claimed
         return
-    assert writer.jobs["K"].state is S.UNFLUSHED and writer.allocator.pages_of("K")
-    assert _released(rt, "K") == []
-    _asked_again(writer, rt, "K")
+    assert _ends(rt, "K") == [("aborted", "drained")]
 
 
 @pytest.mark.parametrize("forgets", [True, False], ids=["contract", "broken-kept"])

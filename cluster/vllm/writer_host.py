@@ -95,7 +95,10 @@ class Prompt:
     owners: frozenset[int] | None = None  # decode ranks that plan here (at the first plan)
     ended: set[int] = field(default_factory=set)  # decode ranks whose job ended
     jobs: dict[int, Job] = field(default_factory=dict)  # by decode rank
-    hold: Timer | None = None  # the hold timeout while its KV waits for plans
+    # before the hand-over: the unclaimed timeout (vLLM may never hand the request over);
+    # after it: the hold timeout while its KV waits for plans
+    hold: Timer | None = None
+    unclaimed: bool = False  # never handed over in time: forgotten once its jobs ended
 
     @property
     def all_ended(self) -> bool:
@@ -250,9 +253,16 @@ class WriterHost(WorkerHost):
 
     # ------------------------------------------------------------ events in
     def _prompt(self, rid: str) -> Prompt:
+        """``rid``'s prompt, made now if there is none. One made by a decode's PLAN or
+        ABORT before vLLM handed the request over is bounded by the transfer timeout: a
+        request id vLLM never hands over (a client named it, or it ended here unseen)
+        would otherwise hold its record, and its jobs, for good."""
         prompt = self.prompts.get(rid)
         if prompt is None:
             prompt = self.prompts[rid] = Prompt(rid)
+            prompt.hold = self.timers.call_later(
+                self.settings.transfer_timeout_s, lambda: self._unclaimed(prompt), rid=rid
+            )
         return prompt
 
     def _new_job(self, prompt: Prompt, decode_rank: int) -> Job:
@@ -295,6 +305,9 @@ class WriterHost(WorkerHost):
             self.finished_sending.add(rid)
             return
         prompt = self._prompt(rid)
+        if prompt.hold is not None:  # the unclaimed timeout: the request is handed over
+            prompt.hold.cancel()
+            prompt.hold = None
         prompt.src, prompt.tokens = list(spec["blocks"]), int(spec["tokens"])
         if prompt.all_ended:  # every job ended before the hand-over: nothing was posted
             self._hand_back(prompt)
@@ -319,6 +332,28 @@ class WriterHost(WorkerHost):
             log.warning("request %s: prefill worker tp%d: %s", prompt.rid, self.tp_rank, why)
         for r in prompt.owners - set(prompt.jobs):
             prompt.ended.add(r)
+        self._maybe_hand_back(prompt)
+
+    def _unclaimed(self, prompt: Prompt) -> None:
+        """The unclaimed timeout: vLLM did not hand the request over within the transfer
+        timeout of its first plan or abort here (by then its decode gave up on the load).
+        Its jobs fail (each owner is told and acked; nothing was posted without the KV),
+        and once they ended the prompt is forgotten and its ids tombstoned: a late
+        hand-over gets its blocks back at once, a late plan is refused."""
+        if self.prompts.get(prompt.rid) is not prompt or prompt.src is not None:
+            return
+        prompt.hold, prompt.unclaimed = None, True
+        why = (
+            f"vLLM did not hand request {prompt.rid} over within the transfer timeout "
+            f"({self.settings.transfer_timeout_s} s) of its first plan or abort here"
+        )
+        log.warning(
+            "request %s: prefill worker tp%d: %s; its %d job(s) end",
+            prompt.rid, self.tp_rank, why, len(prompt.jobs),
+        )  # fmt: skip
+        for job in list(prompt.jobs.values()):
+            if job.book.state not in TERMINAL:
+                self.fail(job, AbortSource.TRANSFER, why)
         self._maybe_hand_back(prompt)
 
     def _expect(self, prompt: Prompt, decode: EngineShape) -> str:
@@ -859,17 +894,22 @@ class WriterHost(WorkerHost):
         return SourceFreed(jid, len(job.prompt.src))
 
     def _maybe_hand_back(self, prompt: Prompt) -> None:
-        if prompt.all_ended and prompt.src is not None:
-            self._hand_back(prompt)
+        if prompt.src is not None:
+            if prompt.all_ended:
+                self._hand_back(prompt)
+        elif prompt.unclaimed and set(prompt.jobs) <= prompt.ended:
+            self._hand_back(prompt, handed_over=False)
 
-    def _hand_back(self, prompt: Prompt) -> None:
-        """``finished_sending`` for the prompt, once: it leaves :attr:`prompts` and its
-        request and job ids are tombstoned (a late plan or abort finds them)."""
+    def _hand_back(self, prompt: Prompt, handed_over: bool = True) -> None:
+        """``finished_sending`` for the prompt, once (none for one vLLM never handed
+        over): it leaves :attr:`prompts` and its request and job ids are tombstoned (a
+        late plan or abort finds them)."""
         if self.prompts.get(prompt.rid) is not prompt:
             return
         if prompt.hold is not None:
             prompt.hold.cancel()
-        self.finished_sending.add(prompt.rid)
+        if handed_over:
+            self.finished_sending.add(prompt.rid)
         del self.prompts[prompt.rid]
         now = self.clock.now()
         self.tombstones.tombstone(prompt.rid, now)

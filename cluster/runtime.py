@@ -40,7 +40,6 @@ import heapq
 import itertools
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -88,7 +87,6 @@ class Settles(Protocol):
 
 log = logging.getLogger("kvferry.cluster")
 
-DEDUP_WINDOW = 4096
 UNAUTHENTICATED_LOGGED = 256  # sender addresses whose unauthenticated messages were logged
 WATCH_POLL_S = 0.0005  # the longest sleep while a watched batch is pending
 BUSY_DRAIN_US = 2000  # the longest a busy rank's pump takes what keeps arriving
@@ -173,11 +171,7 @@ class RankRuntime:
         self._seq = itertools.count(1)
         self._peers: dict[int, Peer] = {}
         self._segments: dict[int, RemoteSegment] = {}
-        self._seen: dict[int, OrderedDict[tuple[int, int], None]] = {}
-        # (rank, incarnation) -> the highest sequence number evicted from the dedup window:
-        # any number at or below it counts as seen, so a replay older than the window is
-        # refused too
-        self._seq_floor: dict[tuple[int, int], int] = {}
+        self._seen: dict[int, receive.SeqWindow] = {}  # by sender rank, every incarnation
         self._severed: dict[int, int] = {}  # rank -> incarnation severed
         self._severed_peers: dict[int, Peer] = {}  # control-only endpoints to severed ranks
         self._gone_since: dict[tuple[int, int], float] = {}  # (rank, inc) -> seen gone
@@ -653,16 +647,12 @@ class RankRuntime:
         if why is receive.Refusal.SEVERED:
             self.counters.dropped_severed += 1
             return
-        seen = self._seen.setdefault(src, OrderedDict())
-        key = (msg.inc, msg.seq)
-        if key in seen or msg.seq <= self._seq_floor.get((src, msg.inc), 0):
+        seen = self._seen.get(src)
+        if seen is None:
+            seen = self._seen[src] = receive.SeqWindow()
+        if not seen.take(msg.inc, msg.seq):
             self.counters.dropped_duplicate += 1
             return
-        seen[key] = None
-        if len(seen) > DEDUP_WINDOW:
-            (inc, seq), _ = seen.popitem(last=False)
-            if seq > self._seq_floor.get((src, inc), 0):
-                self._seq_floor[(src, inc)] = seq
         self.counters.received += 1
         handler = self._handlers.get(Kind(msg.kind))
         if handler is None:

@@ -42,6 +42,7 @@ from kvferry.cluster.decode import DecodeRank
 from kvferry.cluster.frontdoor import FrontDoor
 from kvferry.cluster.harness import localcluster
 from kvferry.cluster.launch import use_cluster_interface
+from kvferry.cluster.receive import DEDUP_WINDOW, SeqWindow
 from kvferry.cluster.rendezvous import (
     CardRefused,
     ExitRecord,
@@ -54,7 +55,7 @@ from kvferry.cluster.rendezvous import (
     publish_exit,
     publish_failure,
 )
-from kvferry.cluster.runtime import DEDUP_WINDOW, RankRuntime
+from kvferry.cluster.runtime import RankRuntime
 from kvferry.cluster.trust import MESSAGE_TAG_BYTES, TAG_BYTES, Trust
 from kvferry.engine.models import ReplayConfig, ReplayModel
 from kvferry.engine.pool import KVPool
@@ -407,11 +408,6 @@ def test_a_forged_abort_ack_leaves_the_quarantine_held(checked, monkeypatch):
     assert "RELEASED" in _sent_kinds(trust, engine, rt)
 
 
-class _Forgets(dict):
-    def __setitem__(self, key, value) -> None:
-        pass
-
-
 @pytest.mark.parametrize("remembered", [True, False], ids=["remembered", "broken-forgets"])
 def test_a_replayed_message_is_refused(remembered, monkeypatch):
     """A message sent by a rank with the secret, recorded and delivered again, is refused
@@ -419,11 +415,9 @@ def test_a_replayed_message_is_refused(remembered, monkeypatch):
     window holds (the floor under it). Broken mode: a runtime that remembers no sequence
     number takes the replay again."""
     if not remembered:
-        monkeypatch.setattr(runtime_mod, "DEDUP_WINDOW", 0)
+        monkeypatch.setattr(SeqWindow, "take", lambda self, inc, seq: True)
     trust = Trust.generate()
     rt = RankRuntime(2, _Engine(), _cards(), trust=trust)
-    if not remembered:
-        rt._seq_floor = _Forgets()
     handled: list[int] = []
     rt.set_handlers({k: lambda msg: handled.append(msg.seq) for k in Kind}, role="test")
     writer = RankRuntime(1, _Engine(), _cards(), trust=trust)

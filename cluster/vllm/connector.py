@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
 from kvferry.cluster.clock import MonotonicClock
+from kvferry.cluster.receive import SeqWindow
 from kvferry.cluster.trust import Unauthenticated
 from kvferry.transfer import TransferConfig, TransferEngine, decode_address
 
@@ -74,6 +75,8 @@ from .staging import Staging
 from .writer_host import WriterHost
 
 log = logging.getLogger("kvferry.vllm")
+
+MAX_SENDERS = 4096  # sender engine incarnations whose sequence numbers are remembered
 
 
 class HandshakeError(RuntimeError):
@@ -442,6 +445,7 @@ class _WorkerSide:
         self.key = settings.key
         self.link = Link(self.engine, self.key)
         self._unauthenticated_from: set[bytes] = set()  # senders logged once (bounded)
+        self._windows: dict[bytes, SeqWindow] = {}  # by sender address (_fresh)
         self.clock = MonotonicClock()
         self.stats = KvferryStats()
         self.tombstones = Tombstones(self.clock)
@@ -565,7 +569,7 @@ class _WorkerSide:
         decodes but that a host cannot act on (an exception of its own) fails the request
         it names on the host it went to, through the protocol, and the loop goes on."""
         try:
-            payload = self.key.open_message(
+            seq, payload = self.key.open_message(
                 self.engine.incarnation, msg.sender_address, msg.payload
             )
         except Unauthenticated as exc:
@@ -580,6 +584,8 @@ class _WorkerSide:
                     msg.sender_name,
                     exc,
                 )
+            return
+        if not self._fresh(msg, seq):
             return
         m = wire.decode(payload)
         side = ""
@@ -599,6 +605,29 @@ class _WorkerSide:
                 self.writer.fail_request(m.get("rid"), exc)
             elif side == "owner":
                 self.owner.fail_request(m.get("orid"), exc)
+
+    def _fresh(self, msg: Any, seq: int) -> bool:
+        """Whether the authenticated message numbered ``seq`` by its sender is new: the
+        sender's address names one engine incarnation (and the tag covers it), so each
+        address has one window of numbers (:class:`SeqWindow`; out of order within it is
+        taken). A replay is refused, counted and logged with the sender and the numbers.
+        The windows of the senders heard from least lately are dropped past
+        :data:`MAX_SENDERS` (engines restarted long ago)."""
+        window = self._windows.pop(msg.sender_address, None)
+        if window is None:
+            window = SeqWindow()
+            if len(self._windows) >= MAX_SENDERS:
+                del self._windows[next(iter(self._windows))]
+        self._windows[msg.sender_address] = window  # the most lately heard from, last
+        if window.take(0, seq):
+            return True
+        self.stats.count("replayed_messages")
+        log.warning(
+            "kvferry: refused a replayed message from %s: sequence number %d seen already "
+            "(every number at or below %d counts as seen, and the last %d above it)",
+            msg.sender_name, seq, window.floor(0), window.size,
+        )  # fmt: skip
+        return False
 
     def _route(self, msg: Any, m: dict[str, Any]) -> tuple[str, tuple[Load, int] | None]:
         """The host a message goes to ("writer", "owner", or "" when none claims it) and,

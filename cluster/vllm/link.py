@@ -2,7 +2,9 @@
 address, and control messages that never raise.
 
 Every message carries a tag under the engines' secret, bound to the sender's transfer
-address and the destination's incarnation (:meth:`.sidechannel.HandshakeKey.seal_message`).
+address and the destination's incarnation, over the message and this engine's next
+sequence number (:meth:`.sidechannel.HandshakeKey.seal_message`): the address names one
+engine incarnation, so the receiver refuses a number of it seen before (a replay).
 A message that cannot be posted (the peer closed, its process gone, its shared-memory
 segment unlinked while we connected) is logged with its request id and answered None:
 the protocol's row goes on, and what the lost message would have proven is proven
@@ -11,6 +13,7 @@ otherwise (a retry, the writer's exit) or never; it is never assumed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 from kvferry.transfer import Batch, Peer, PeerFailedError, TransferEngine, TransferError
@@ -27,6 +30,7 @@ class Link:
         self.engine = engine
         self.key = key  # every message is tagged for its destination (HandshakeKey)
         self.peers: dict[bytes, Peer] = {}
+        self._seq = itertools.count(1)  # every message this engine sends, from 1
 
     def peer(self, address: bytes) -> Peer:
         """The live endpoint to ``address``, connected now if there is none. Raises
@@ -68,7 +72,9 @@ class Link:
     def _message(self, peer: Peer | None, payload: bytes, rid: str, flushed: bool) -> Batch | None:
         if peer is None:
             return None
-        sealed = self.key.seal_message(peer.info.incarnation, self.engine.address, payload)
+        sealed = self.key.seal_message(
+            peer.info.incarnation, self.engine.address, next(self._seq), payload
+        )
         try:
             if flushed:
                 return self.engine.notify(peer, sealed)

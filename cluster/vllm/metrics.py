@@ -21,6 +21,7 @@ COUNTERS = (
     "internal_errors",
     "stale_messages",
     "unauthenticated_messages",
+    "replayed_messages",
 )
 
 

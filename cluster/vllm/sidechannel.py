@@ -52,6 +52,7 @@ from kvferry.cluster.trust import (
 
 log = logging.getLogger("kvferry.vllm")
 _LEN = struct.Struct("!I")
+_SEQ = struct.Struct("<Q")  # a control message's sequence number, before its payload
 
 HELLO = b"kvferry-hs1"  # the protocol and its version: an older server sends no such frame
 CHALLENGE_BYTES = 16  # Ns and Nc
@@ -112,31 +113,36 @@ class HandshakeKey:
     def proof_ok(self, server_nonce: bytes, client_nonce: bytes, proof: bytes) -> bool:
         return hmac.compare_digest(self.prove(server_nonce, client_nonce), proof)
 
-    def _message_tag(self, to_incarnation: int, sender: bytes, payload: bytes) -> bytes:
+    def _message_tag(self, to_incarnation: int, sender: bytes, body: bytes) -> bytes:
         mac = hmac.new(self._message_key, digestmod="sha256")
         mac.update(to_incarnation.to_bytes(8, "little"))
         mac.update(len(sender).to_bytes(4, "little") + sender)
-        mac.update(payload)
+        mac.update(body)
         return mac.digest()[:MESSAGE_TAG_BYTES]
 
-    def seal_message(self, to_incarnation: int, sender: bytes, payload: bytes) -> bytes:
+    def seal_message(self, to_incarnation: int, sender: bytes, seq: int, payload: bytes) -> bytes:
         """A control message (PLAN, NOTICE, ABORT, ...) from the engine at transfer address
-        ``sender`` to the engine incarnation ``to_incarnation``: the payload and its tag."""
-        return payload + self._message_tag(to_incarnation, sender, payload)
+        ``sender`` to the engine incarnation ``to_incarnation``: the sender's sequence
+        number ``seq`` (u64), the payload, and a tag over both (so a recorded message
+        delivered again is seen as such: :class:`kvferry.cluster.receive.SeqWindow`)."""
+        body = _SEQ.pack(seq) + payload
+        return body + self._message_tag(to_incarnation, sender, body)
 
-    def open_message(self, my_incarnation: int, sender: bytes, sealed: bytes) -> bytes:
-        """The payload of a message sealed for this engine incarnation by the engine at
-        ``sender`` (the envelope's address, which the tag covers: no one without the
-        secret can speak as another engine, or at all); Unauthenticated otherwise."""
-        if len(sealed) < MESSAGE_TAG_BYTES:
+    def open_message(self, my_incarnation: int, sender: bytes, sealed: bytes) -> tuple[int, bytes]:
+        """The sequence number and payload of a message sealed for this engine incarnation
+        by the engine at ``sender`` (the envelope's address, which the tag covers: no one
+        without the secret can speak as another engine, or at all); Unauthenticated
+        otherwise."""
+        if len(sealed) < _SEQ.size + MESSAGE_TAG_BYTES:
             raise Unauthenticated(f"a message of {len(sealed)} bytes carries no tag")
-        payload, tag = sealed[:-MESSAGE_TAG_BYTES], sealed[-MESSAGE_TAG_BYTES:]
-        if not hmac.compare_digest(tag, self._message_tag(my_incarnation, sender, payload)):
+        body, tag = sealed[:-MESSAGE_TAG_BYTES], sealed[-MESSAGE_TAG_BYTES:]
+        if not hmac.compare_digest(tag, self._message_tag(my_incarnation, sender, body)):
             raise Unauthenticated(
                 "its tag does not verify (a sender without this secret, another engine's "
                 "address claimed, or a message sealed for another engine or incarnation)"
             )
-        return payload
+        (seq,) = _SEQ.unpack_from(body)
+        return seq, body[_SEQ.size :]
 
     def seal(self, payload: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
         """The answer for one connection: a fresh AES-GCM nonce, then the ciphertext."""

@@ -47,7 +47,9 @@ def clip_reason(reason: str) -> str:
 
 
 # version 5: block checksums over 16-bit words (kvferry.engine.integrity)
-CODEC = Codec("kvf.vllm", version=5, max_bytes=64 << 20, max_items=MAX_LIST)
+# version 6: each message sealed after its sender's sequence number, replays refused
+# (sidechannel.HandshakeKey.seal_message)
+CODEC = Codec("kvf.vllm", version=6, max_bytes=64 << 20, max_items=MAX_LIST)
 PLAN, NOTICE, ABORT, ABORT_ACK = Kind.PLAN, Kind.NOTICE, Kind.ABORT, Kind.ABORT_ACK
 NOTICE_PART = Kind.NOTICE_PART
 

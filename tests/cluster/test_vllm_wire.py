@@ -57,12 +57,15 @@ def test_every_kind_round_trips_with_the_cores_words(kind):
         msgpack.packb(["kvf.vllm", 2, "PLAN", {}]),  # the version before heads
         msgpack.packb(["kvf.vllm", 3, "NOTICE_PART", {}]),  # the version before parts
         msgpack.packb(["kvf.vllm", 4, "NOTICE", {}]),  # the version of 32-bit checksum words
-        msgpack.packb(["kvf.vllm", 5, "SHUTDOWN", {}]),  # no such kind here
-        msgpack.packb(["kvf.vllm", 5, "ABORT", {"rid": "a", "orid": "b", "reason": "x"}]),
+        msgpack.packb(
+            ["kvf.vllm", 5, "ABORT_ACK", {"rid": "a", "orid": "b"}]
+        ),  # before seq numbers
+        msgpack.packb(["kvf.vllm", 6, "SHUTDOWN", {}]),  # no such kind here
+        msgpack.packb(["kvf.vllm", 6, "ABORT", {"rid": "a", "orid": "b", "reason": "x"}]),
         msgpack.packb(
             [
                 "kvf.vllm",
-                5,
+                6,
                 "ABORT",
                 {
                     "rid": "a",
@@ -82,6 +85,7 @@ def test_every_kind_round_trips_with_the_cores_words(kind):
         "version-2",
         "version-3",
         "version-4",
+        "version-5",
         "unknown-kind",
         "missing-field",
         "unknown-source",

@@ -22,11 +22,11 @@ class _OpenKey(HandshakeKey):
     def open(self, sealed: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
         return sealed
 
-    def seal_message(self, to_incarnation: int, sender: bytes, payload: bytes) -> bytes:
-        return payload
+    def seal_message(self, to_incarnation: int, sender: bytes, seq: int, payload: bytes) -> bytes:
+        return seq.to_bytes(8, "little") + payload
 
-    def open_message(self, my_incarnation: int, sender: bytes, sealed: bytes) -> bytes:
-        return sealed
+    def open_message(self, my_incarnation: int, sender: bytes, sealed: bytes) -> tuple[int, bytes]:
+        return int.from_bytes(sealed[:8], "little"), sealed[8:]
 
 
 class KvferryConnector(_Base):

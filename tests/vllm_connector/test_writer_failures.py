@@ -13,13 +13,16 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (.ci/vllm.sh buil
 
 from writer_fakes import TOKENS, abort, make_writer, plan, sender
 
+from kvferry.cluster.receive import SeqWindow
 from kvferry.cluster.vllm import staging as staging_module
 from kvferry.cluster.vllm import wire
 from kvferry.cluster.vllm.connector import _WorkerSide
+from kvferry.cluster.vllm.link import Link
 from kvferry.cluster.vllm.metrics import KvferryStats
 from kvferry.cluster.vllm.sidechannel import HandshakeKey
 from kvferry.cluster.vllm.staging import Staging
 from kvferry.engine.protocol.writer import WriterState
+from kvferry.transfer import protocol as transfer_protocol
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["cut", "broken-whole"])
@@ -206,6 +209,7 @@ def _side(sends: bool, failing: str | None = None):
     side.stats = KvferryStats()
     side.key, side.engine = KEY, SimpleNamespace(incarnation=ENGINE_INC)
     side._unauthenticated_from = set()
+    side._windows = {}
     side.sends = sends
     side.writer = SimpleNamespace(
         on_plan=record("writer.on_plan"),
@@ -224,10 +228,13 @@ KEY = HandshakeKey.generate()  # the engines' secret, as both sides of a message
 ENGINE_INC = 0x77  # the receiving engine's incarnation
 
 
-def _sealed(side, payload: bytes, sender: str, key: HandshakeKey = KEY, to: int = ENGINE_INC):
-    """An incoming message from the engine named ``sender``, tagged as its Link tags it."""
+def _sealed(
+    side, payload: bytes, sender: str, key: HandshakeKey = KEY, to: int = ENGINE_INC, seq: int = 1
+):
+    """An incoming message from the engine named ``sender``, tagged as its Link tags it
+    (``seq``: its number among that engine's messages)."""
     address = sender.encode()
-    sealed = key.seal_message(to, address, payload)
+    sealed = key.seal_message(to, address, seq, payload)
     return SimpleNamespace(payload=sealed, sender_address=address, sender_name=sender)
 
 
@@ -301,7 +308,9 @@ def test_a_message_without_the_secrets_tag_is_dropped_and_counted(monkeypatch, h
     side, calls = _side(sends=True)
     payload = _abort_from("p-1", "d-1")
     if how == "broken-unchecked":
-        monkeypatch.setattr(HandshakeKey, "open_message", lambda self, inc, sender, sealed: sealed)
+        monkeypatch.setattr(
+            HandshakeKey, "open_message", lambda self, inc, sender, sealed: (1, sealed)
+        )
         side._on_message(SimpleNamespace(payload=payload, sender_address=b"x", sender_name="x"))
         assert calls == [("writer.on_owner_abort", None)]  # the test catches it
         return
@@ -317,3 +326,85 @@ def test_a_message_without_the_secrets_tag_is_dropped_and_counted(monkeypatch, h
     side._on_message(msg)
     side._on_message(msg)
     assert calls == [] and side.stats.data["unauthenticated_messages"] == 2
+
+
+class _SendingEngine:
+    """A sending engine as the Link sees it: its address (which names its incarnation)
+    and what it sent."""
+
+    def __init__(self, incarnation: int) -> None:
+        self.address = transfer_protocol.CODEC.encode(
+            transfer_protocol.ADDRESS.make(
+                ucx=b"ucx", incarnation=incarnation, name="decode0", host="h", boot_id="b",
+                pidns=1, pid=7,
+            )
+        )  # fmt: skip
+        self.sent: list[bytes] = []
+
+    def send(self, peer, sealed: bytes) -> object:
+        self.sent.append(sealed)
+        return object()
+
+
+def _sent_by(engine: _SendingEngine, link: Link, payload: bytes) -> SimpleNamespace:
+    """``payload`` sealed and numbered by ``link`` as it goes on the wire, then received."""
+    peer = SimpleNamespace(info=SimpleNamespace(incarnation=ENGINE_INC), name="prefill0")
+    assert link.send(peer, payload, "p-1") is not None  # type: ignore[arg-type]
+    return SimpleNamespace(
+        payload=engine.sent[-1], sender_address=engine.address, sender_name="decode0"
+    )
+
+
+@pytest.mark.parametrize("window", [True, False], ids=["window", "broken-no-window"])
+def test_a_replayed_message_is_refused_and_logged(monkeypatch, caplog, window):
+    """A message sealed with the secret, recorded on the network and delivered again to
+    the engine it was sealed for, is refused by its sender's window of sequence numbers,
+    counted and logged with the sender and the numbers; so is one older than the window.
+    Broken mode: the window takes every number, and the replayed ABORT reaches the
+    writer a second time, which the same check sees."""
+    if not window:
+        monkeypatch.setattr(SeqWindow, "take", lambda self, inc, seq: True)
+    side, calls = _side(sends=True)
+    engine = _SendingEngine(incarnation=0x11)
+    link = Link(engine, KEY)  # type: ignore[arg-type]
+    recorded = _sent_by(engine, link, _abort_from("p-1", "d-1"))
+    side._on_message(recorded)
+    side._on_message(recorded)  # the replay
+    replays = side.stats.data.get("replayed_messages", 0)
+    taken = len(calls)
+    assert (taken, replays) == ((1, 1) if window else (2, 0))  # the test catches it
+    if not window:
+        return
+    assert "refused a replayed message from decode0: sequence number 1" in caplog.text
+    for _ in range(SeqWindow().size + 2):  # more than the window holds
+        side._on_message(_sent_by(engine, link, _abort_from("p-1", "d-1")))
+    assert len(calls) == SeqWindow().size + 3
+    side._on_message(recorded)  # below the window now
+    assert len(calls) == SeqWindow().size + 3 and side.stats.data["replayed_messages"] == 2
+
+
+def test_messages_out_of_order_within_the_window_are_taken():
+    """The transport may deliver one engine's messages out of order (over two endpoints,
+    one closed and one new): each number is taken once, in any order within the window."""
+    side, calls = _side(sends=True)
+    payload = _abort_from("p-1", "d-1")
+    for seq in (3, 1, 2, 2):
+        side._on_message(_sealed(side, payload, "decode0", seq=seq))
+    assert len(calls) == 3 and side.stats.data["replayed_messages"] == 1
+
+
+def test_a_restarted_senders_first_message_is_taken():
+    """A restarted engine numbers its messages from 1 again, under a new address (its new
+    incarnation's): its first message is taken, and the old incarnation's recorded one is
+    still refused."""
+    side, calls = _side(sends=True)
+    old = _SendingEngine(incarnation=0x11)
+    old_link = Link(old, KEY)  # type: ignore[arg-type]
+    recorded = _sent_by(old, old_link, _abort_from("p-1", "d-1"))
+    side._on_message(recorded)
+    new = _SendingEngine(incarnation=0x13)
+    fresh = _sent_by(new, Link(new, KEY), _abort_from("p-2", "d-2"))  # type: ignore[arg-type]
+    assert KEY.open_message(ENGINE_INC, new.address, fresh.payload)[0] == 1  # from 1 again
+    side._on_message(fresh)
+    side._on_message(recorded)
+    assert len(calls) == 2 and side.stats.data["replayed_messages"] == 1

@@ -192,7 +192,8 @@ class WriterWire:
         if ack is None or job is None:
             flushed(True)
         else:
-            job.inflight.append((ack, lambda _batch: flushed(True)))
+            # a flush that failed is no proof: ACK_FAILED, the source freed as drained
+            job.inflight.append((ack, lambda b: flushed(b.peek() is BatchStatus.COMPLETED)))
 
 
 TERMINAL = (WriterState.DONE, WriterState.ABORTED)
@@ -504,12 +505,18 @@ class WriterHost(WorkerHost):
         self.driver.feed(job, wc.on_abort(job.book))
 
     def settle(self) -> None:
-        """Run the continuation of every batch that settled (the poll)."""
+        """Run the continuation of every batch that settled (the poll). A batch that
+        failed with puts of it still outstanding settles once they end: they may read
+        vLLM's blocks (or a staging slot) yet, which the job's end gives back."""
+        engine = self.link.engine
         for job in list(self.jobs.values()):
             current, job.inflight = job.inflight, []
             kept = []
             for batch, then in current:
-                if self.link.engine.poll(batch) is BatchStatus.PENDING:
+                status = engine.poll(batch)
+                if status is BatchStatus.PENDING or (
+                    status is not BatchStatus.COMPLETED and engine.reading(batch)
+                ):
                     kept.append((batch, then))
                 else:
                     then(batch)
@@ -871,7 +878,17 @@ class WriterHost(WorkerHost):
             self.fail(job, AbortSource.TRANSFER, "the notice could not be sent")
             return
         self.stats.add(pages=len(job.plan["blocks"]))
-        job.inflight.append((notice, lambda b: self.driver.feed(job, WriterEvent.NOTICE_FLUSHED)))
+        job.inflight.append((notice, lambda b: self._notice_settled(job, b)))
+
+    def _notice_settled(self, job: Job, notice: Batch) -> None:
+        """NOTICE_FLUSHED once the notice's flush completed; one that failed proves
+        nothing, and the request fails (NOTICE_FAILED): its blocks wait for the ack."""
+        if notice.peek() is BatchStatus.COMPLETED:
+            self.driver.feed(job, WriterEvent.NOTICE_FLUSHED)
+            return
+        job.abort_source = AbortSource.TRANSFER
+        job.abort_reason = f"the notice's flush failed: {notice.error}"
+        self.driver.feed(job, WriterEvent.NOTICE_FAILED)
 
     def stop_posting(self, job: Job) -> None:
         """Nothing more is posted; what is in flight settles through :meth:`settle`. A

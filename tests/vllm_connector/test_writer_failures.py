@@ -15,13 +15,13 @@ from writer_fakes import TOKENS, abort, make_writer, plan, sender
 
 from kvferry.cluster.receive import SeqWindow
 from kvferry.cluster.vllm import staging as staging_module
-from kvferry.cluster.vllm import wire
+from kvferry.cluster.vllm import wire, writer_host
 from kvferry.cluster.vllm.connector import _WorkerSide
 from kvferry.cluster.vllm.link import Link
 from kvferry.cluster.vllm.metrics import KvferryStats
 from kvferry.cluster.vllm.sidechannel import HandshakeKey
 from kvferry.cluster.vllm.staging import Staging
-from kvferry.engine.protocol.writer import WriterState
+from kvferry.engine.protocol.writer import WriterEvent, WriterState
 from kvferry.transfer import protocol as transfer_protocol
 
 
@@ -169,11 +169,12 @@ def test_a_message_a_host_cannot_act_on_fails_its_request_and_the_loop_goes_on(k
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["after-its-puts", "broken-at-failure"])
-def test_a_failed_batchs_slot_goes_back_only_once_its_puts_are_done(monkeypatch, broken):
+def test_a_failed_batch_settles_only_once_its_puts_are_done(monkeypatch, broken):
     """A staged batch fails part way (its post failed after some puts went out, which
-    complete later): the job fails at once, but its staging slot goes back only once the
-    transport reads it no more, so no other batch is gathered under those puts. Broken
-    mode: the slot back as the batch fails."""
+    complete later): it settles, and the job fails, once the transport reads its slot no
+    more, so no other batch is gathered under those puts and the job's end (which gives
+    vLLM its blocks back) waits for them too. Broken mode: settled as it fails, the slot
+    back under the puts in flight."""
     wr = make_writer(monkeypatch, staging_slots=2)
     assert wr.staging is not None
     if broken:
@@ -182,14 +183,14 @@ def test_a_failed_batchs_slot_goes_back_only_once_its_puts_are_done(monkeypatch,
     wr.host.on_plan(sender(0), plan(0, wr.dsts[0], TOKENS))
     failed = wr.engine.finish(0, fail=True, still_reading=2)
     wr.host.settle()
-    wr.settle_all()
-    assert wr.link.of(wire.ABORT)  # the job failed at once
     if broken:
-        assert len(wr.staging.free) == 2  # given back under the puts in flight
+        assert wr.link.of(wire.ABORT) and len(wr.staging.free) == 2  # under the puts
         return
-    assert len(wr.staging.free) == 1  # the failed batch's slot still read
+    assert not wr.link.of(wire.ABORT) and not wr.staging.free  # still read, job on hold
     failed.outstanding = 0
     wr.host.settle()
+    wr.settle_all()
+    assert wr.link.of(wire.ABORT)  # the job failed once its puts ended
     assert len(wr.staging.free) == 2
 
 
@@ -408,3 +409,72 @@ def test_a_restarted_senders_first_message_is_taken():
     side._on_message(fresh)
     side._on_message(recorded)
     assert len(calls) == 2 and side.stats.data["replayed_messages"] == 1
+
+
+def _flush_failing(wr, kind: wire.Kind) -> list[tuple[str, str]]:
+    """Make every notify of ``kind`` a batch whose flush failed; returns the releases the
+    writer reports, as (how, justification)."""
+    real = wr.link.notify
+
+    def notify(peer, payload, rid):
+        batch = real(peer, payload, rid)
+        if batch is not None and wr.link.sent[-1]["k"] is kind:
+            batch.done, batch.failed, batch.error = False, True, "UCS_ERR_CONNECTION_RESET"
+        return batch
+
+    wr.link.notify = notify
+    releases: list[tuple[str, str]] = []
+    real_released = wr.host.released
+    wr.host.released = lambda jid, pages, how, proof: (  # type: ignore[method-assign]
+        releases.append((str(how.value), str(proof.value))),
+        real_released(jid, pages, how, proof),
+    )
+    return releases
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["fails", "broken-taken-as-flushed"])
+def test_a_notice_whose_flush_failed_fails_the_request(monkeypatch, broken):
+    """Every write landed, but the NOTICE's flush fails: nothing proves the writes
+    ended, so the request fails (the decode told) and the blocks wait for the ack.
+    Broken mode: the notice taken as flushed, the request ends as served."""
+    wr = make_writer(monkeypatch)
+    if broken:
+        monkeypatch.setattr(
+            writer_host.WriterHost,
+            "_notice_settled",
+            lambda self, job, b: self.driver.feed(job, WriterEvent.NOTICE_FLUSHED),
+        )
+    releases = _flush_failing(wr, wire.NOTICE)
+    wr.hand_over()
+    wr.host.on_plan(sender(0), plan(0, wr.dsts[0], TOKENS))
+    wr.settle_all()
+    assert wr.link.of(wire.NOTICE)
+    if broken:
+        assert not wr.link.of(wire.ABORT) and ("freed", "own-flush") in releases
+        return
+    (abort,) = wr.link.of(wire.ABORT)
+    assert "the notice's flush failed" in abort["reason"]
+    assert ("freed", "own-flush") not in releases
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["drained", "broken-claims-a-flush"])
+def test_an_ack_whose_flush_failed_says_drained(monkeypatch, broken):
+    """The decode aborts; the ack's flush fails. The ack followed the drain, so the
+    blocks go back, and the release says ``drained``, not ``own-flush``. Broken mode:
+    the failure taken as the flush."""
+    wr = make_writer(monkeypatch)
+    if broken:
+        real = writer_host.WriterWire.send_ack
+
+        def send_ack(self, jid, owner, flushed):
+            real(self, jid, owner, None if flushed is None else lambda ok: flushed(True))
+
+        monkeypatch.setattr(writer_host.WriterWire, "send_ack", send_ack)
+    releases = _flush_failing(wr, wire.ABORT_ACK)
+    wr.hand_over()
+    wr.host.on_plan(sender(0), plan(0, wr.dsts[0], TOKENS))
+    wr.host.on_owner_abort(sender(0), abort(0))
+    wr.settle_all()
+    assert wr.link.of(wire.ABORT_ACK)
+    want = ("aborted", "own-flush" if broken else "drained")
+    assert want in releases

@@ -61,8 +61,8 @@ class RankWriterWire:
         ack = self.rt.notify(owner, m.ABORT_ACK, rid=rid) if owner >= 0 else None
         if flushed is None:
             return
-        if ack is None:
-            flushed(True)
+        if ack is None:  # no flush made: the source pages go as drained
+            flushed(False)
         else:  # a flush that failed is no proof that the writes ended
             self.rt.watch(ack, lambda b: flushed(b.status() is BatchStatus.COMPLETED), rid=rid)
 

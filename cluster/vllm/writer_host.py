@@ -189,8 +189,8 @@ class WriterWire:
             )
         if flushed is None:
             return
-        if ack is None or job is None:
-            flushed(True)
+        if ack is None or job is None:  # no flush made: the blocks go as drained
+            flushed(False)
         else:
             # a flush that failed is no proof: ACK_FAILED, the source freed as drained
             job.inflight.append((ack, lambda b: flushed(b.peek() is BatchStatus.COMPLETED)))

@@ -51,9 +51,9 @@ class WriterWire(Protocol):
 
     def send_ack(self, rid: str, owner: int, flushed: Callable[[bool], None] | None) -> None:
         """ABORT_ACK to ``owner`` with a flush first; ``flushed`` (when given) is called
-        once that flush settled, with whether it completed (False: it failed, which proves
-        nothing), or at once with True when there is nothing to flush (no owner known, or
-        the message could not be posted)."""
+        once that flush settled, with whether it completed, or at once with False when
+        none was made (no owner known, or the message could not be posted): only a
+        completed flush lets RELEASED say ``own-flush``, the others say ``drained``."""
         ...
 
 

@@ -24,8 +24,8 @@ from test_pipelined import _writer as _pipelined_writer
 from test_protocol_units import RecordingRuntime, _writer
 
 from kvferry.cluster import messages as m
+from kvferry.cluster import ports, prefill_path
 from kvferry.cluster import prefill as prefill_module
-from kvferry.cluster import prefill_path
 from kvferry.engine.protocol import writer as core
 from kvferry.engine.protocol.table import Move
 from kvferry.transfer import BatchStatus
@@ -334,3 +334,30 @@ def test_a_raise_after_the_notice_still_forgets_the_job(monkeypatch, forgets):
         assert "n" in writer.jobs  # the DONE job left behind: caught
         return
     assert "n" not in writer.jobs and not writer.in_flight()
+
+
+class _AckUnposted(RecordingRuntime):
+    """The owner cannot be sent an ack (unflushable, or severed): ``notify`` gives None."""
+
+    def notify(self, rank, kind, **fields):
+        return None if kind.name == "ABORT_ACK" else super().notify(rank, kind, **fields)
+
+
+@pytest.mark.parametrize("honest", [True, False], ids=["contract", "broken-claims-a-flush"])
+def test_an_ack_never_posted_frees_the_source_pages_as_drained(monkeypatch, honest):
+    """An ABORT during the prefill, and the ack cannot be posted: no flush was made, so
+    the source pages go as ``drained`` (nothing of the request reads them), never as
+    ``own-flush``. Broken mode: the port reports a flush that was never made."""
+    if not honest:
+        real = ports.RankWriterWire.send_ack
+
+        def send_ack(self, rid, owner, flushed):
+            real(self, rid, owner, None if flushed is None else lambda ok: flushed(True))
+
+        monkeypatch.setattr(ports.RankWriterWire, "send_ack", send_ack)
+    rt = _AckUnposted(rank=1)
+    writer, _ = _pipelined_writer(rt)
+    rt.deliver_prompt("U", 100)  # computing: no plan, nothing posted
+    rt.deliver(m.ABORT, src=2, rid="U", owner=2, writers=[1], source="client", reason="gone")
+    assert not writer.allocator.pages_of("U") and "U" not in writer.jobs
+    assert _ends(rt, "U") == [("aborted", "drained" if honest else "own-flush")]

@@ -10,6 +10,7 @@ on the same event loop.
              is not UTF-8 JSON (a charset other than UTF-8, invalid bytes, nesting too
              deep), a prompt that is not valid Unicode (a lone surrogate), a wrong field
         413  a body over the limit (16 MiB), with the limit and the body's declared size
+        404  an unknown path; 405 a wrong method (with ``allowed`` and the Allow header)
         503  no capacity or no healthy rank right now, or the cluster is stopping
         504  the request's deadline passed (aborted)
         500  the request failed (integrity, transfer, rank failure), with its id
@@ -123,14 +124,37 @@ def parse_completion(body: object) -> tuple[str, int, bool]:
     return prompt, max_tokens, stream
 
 
+HTTP_ERROR_KINDS = {404: "not_found", 405: "method_not_allowed"}
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own errors (an unknown path, a wrong method) as JSON like every other
+    error here, their headers (``Allow``) kept."""
+    extra = {}
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        extra["allowed"] = sorted(exc.allowed_methods)
+    response = _error(
+        exc.status,
+        HTTP_ERROR_KINDS.get(exc.status, "http_error"),
+        f"{request.method} {request.path}: {exc.reason}",
+        **extra,
+    )
+    for name in ("Allow", "WWW-Authenticate"):
+        if name in exc.headers:
+            response.headers[name] = exc.headers[name]
+    return response
+
+
 @web.middleware
 async def _no_unexpected_errors(request: web.Request, handler) -> web.StreamResponse:
     """Whatever goes wrong inside a handler, the client gets JSON and a status that says
     so (never the server's bare 500 page), and the log gets the traceback."""
     try:
         return await handler(request)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _http_error(request, exc)
     except asyncio.CancelledError:
         raise
     except Exception as exc:

@@ -49,11 +49,16 @@ def _aiohttp_413(request: web.Request) -> web.Response:
     raise web.HTTPRequestEntityTooLarge(frontdoor.MAX_BODY)
 
 
+def _reraise(request: web.Request, exc: web.HTTPException) -> web.Response:
+    raise exc
+
+
 @pytest.mark.parametrize("json_413", [True, False], ids=["contract", "broken-plain-text"])
 def test_a_body_over_the_limit_is_answered_413_in_json(monkeypatch, json_413):
     monkeypatch.setattr(frontdoor, "MAX_BODY", LIMIT)
     if not json_413:
         monkeypatch.setattr(frontdoor, "_too_large", _aiohttp_413)
+        monkeypatch.setattr(frontdoor, "_http_error", _reraise)
     router = _Router()
 
     async def run() -> list[tuple[int, str, str]]:

@@ -398,6 +398,7 @@ class _SchedulerSide:
         heads = {int(getattr(m, "kv_heads", 0)) for m in metadata.values()}
         blob = {
             "engine_id": self.engine_id,
+            "wire": wire.CODEC.version,  # a decode of another version refuses at once
             "tp_size": self.tp_size,
             "kv_heads": max(heads, default=0),
             "workers": workers,

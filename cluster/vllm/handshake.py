@@ -22,6 +22,7 @@ from typing import Any
 from kvferry.transfer import decode_address
 
 from .layout import KVRegions
+from .wire import CODEC as WIRE
 
 
 def _count(value: Any, least: int) -> bool:
@@ -34,6 +35,13 @@ def handshake_problem(hs: Any) -> str:
         return f"the handshake is a {type(hs).__name__}, not a map"
     if not isinstance(hs.get("engine_id"), str):
         return f"engine_id {hs.get('engine_id')!r} is not a string"
+    version = hs.get("wire")
+    if version != WIRE.version:  # its messages would be dropped one by one as malformed
+        spoken = f"{WIRE.protocol} {version!r}" if version is not None else "an older codec"
+        return (
+            f"its control messages are {spoken}, this engine's {WIRE.protocol} "
+            f"{WIRE.version}: run one kvferry version on both sides"
+        )
     tp, heads = hs.get("tp_size"), hs.get("kv_heads")
     if not isinstance(tp, int) or not _count(tp, 1):
         return f"tp_size {tp!r} is not a positive integer"

@@ -107,7 +107,13 @@ def make_owner(**settings: Any) -> SimpleNamespace:
             tp_rank=0, tp_size=1, address=W_ADDR, pid=W_PID, layout="NHD",
             signature=src.signature(), regions=src.to_wire(),
         )  # fmt: skip
-        return {"engine_id": "prefill-0", "tp_size": 1, "kv_heads": HEADS, "workers": {0: card}}
+        return {
+            "engine_id": "prefill-0",
+            "wire": wire.CODEC.version,
+            "tp_size": 1,
+            "kv_heads": HEADS,
+            "workers": {0: card},
+        }
 
     return SimpleNamespace(host=host, link=link, clock=clock, handshake=handshake)
 

@@ -37,6 +37,8 @@ UNFIT = {
     "not a map": (lambda hs: [hs], "not a map"),
     "no workers": (lambda hs: hs.pop("workers"), "workers is a NoneType"),
     "workers a list": (lambda hs: hs.update(workers=[_card(hs)]), "workers is a list"),
+    "from an older kvferry": (lambda hs: hs.pop("wire"), "its control messages are an older"),
+    "another codec version": (lambda hs: hs.update(wire=5), "are kvf.vllm 5, this engine's"),
     "tp_size None": (lambda hs: hs.update(tp_size=None), "tp_size None"),
     "tp_size 0": (lambda hs: hs.update(tp_size=0), "tp_size 0"),
     "kv_heads a string": (lambda hs: hs.update(kv_heads="4 heads"), "kv_heads '4 heads'"),

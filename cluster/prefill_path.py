@@ -13,6 +13,7 @@ The fault layer's protocol points (``before-write``, ``mid-transfer``, ``after-w
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -519,9 +520,16 @@ class PrefillPath(WritePath):
         return self._ahead
 
     def _kv_ready(self, run: _Prefill) -> None:
+        """KV_READY to each job of the run still computing, each under its own id: an
+        exception in one job's effects (its writes, say) fails that job, not the share
+        the run is named by (which may be another job's id, or none's)."""
         for job in run.checksummed:
             if job.state in COMPUTING:
-                self.driver.feed(job, WriterEvent.KV_READY)
+                self.rt.run_for(
+                    job.rid,
+                    "KV ready",
+                    functools.partial(self.driver.feed, job, WriterEvent.KV_READY),
+                )
 
     def _prefill_steps(self, run: _Prefill) -> Iterator[None]:
         """The prefill, one model step at a time (the model yields a layer's index once

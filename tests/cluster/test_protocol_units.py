@@ -130,10 +130,12 @@ class RecordingRuntime:
 
 
 # ---------------------------------------------------------------- I2 at a writer
-def _writer(tombstones_kept: bool = True) -> tuple[PrefillRank, RecordingRuntime]:
+def _writer(
+    tombstones_kept: bool = True, runtime: type[RecordingRuntime] = RecordingRuntime
+) -> tuple[PrefillRank, RecordingRuntime]:
     model = ReplayModel(ReplayConfig(layers=1, kv_heads=2, head_dim=32, max_positions=4096))
     pool = KVPool(model.pool_config(16, 64))
-    rt = RecordingRuntime(rank=1)
+    rt = runtime(rank=1)
     writer = PrefillRank.serving(rt, model, pool, segment=None, head_range=(0, 2), router=0)
     if not tombstones_kept:  # the broken mode: a writer that forgets aborted requests
         writer.tombstones = _Forgetful()

@@ -361,3 +361,57 @@ def test_an_ack_never_posted_frees_the_source_pages_as_drained(monkeypatch, hone
     rt.deliver(m.ABORT, src=2, rid="U", owner=2, writers=[1], source="client", reason="gone")
     assert not writer.allocator.pages_of("U") and "U" not in writer.jobs
     assert _ends(rt, "U") == [("aborted", "drained" if honest else "own-flush")]
+
+
+class _Guarding(RecordingRuntime):
+    """Runs deferred work and ``run_for`` as RankRuntime does: an exception ends the
+    request it runs for (``on_request_error``), and the rank goes on."""
+
+    def run_for(self, rid, what, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            self.on_request_error(rid, f"internal error in {what}: {exc}")
+
+    def defer(self, fn, rid=None) -> None:
+        super().defer(lambda: self.run_for(rid, "a deferred step", fn), rid)
+
+
+@pytest.mark.parametrize("own_id", [True, False], ids=["contract", "broken-share-blamed"])
+def test_an_exception_in_one_members_writes_fails_that_member(monkeypatch, own_id):
+    """Two members' jobs share one prefill (named by the first's id). When the prefill
+    ends, the second job's writes raise: that job fails, under its own id, and the first,
+    whose writes went out, goes on. Broken mode: the exception ends the share's id, the
+    first job's, done already, and the second is left waiting for an abort from
+    elsewhere."""
+    if not own_id:
+
+        def kv_ready(self, run) -> None:
+            for job in run.checksummed:
+                if job.state in prefill_path.COMPUTING:
+                    self.driver.feed(job, core.WriterEvent.KV_READY)
+
+        monkeypatch.setattr(prefill_path.PrefillPath, "_kv_ready", kv_ready)
+    real = prefill_path.PrefillPath.post_writes
+
+    def post_writes(self, job) -> None:
+        if job.rid == "R.1":
+            raise RuntimeError("writes of R.1 refused")
+        real(self, job)
+
+    monkeypatch.setattr(prefill_path.PrefillPath, "post_writes", post_writes)
+    writer, rt = _writer(runtime=_Guarding)
+    rt.deliver(m.PLAN, src=2, rid="R", offset=0, total=3, pages=[5, 6, 7], generations=[1] * 3)
+    rt.deliver(m.PLAN, src=3, rid="R.1", offset=0, total=3, pages=[1, 2, 3], generations=[1] * 3)
+    rt.deliver_prompt("R", PROMPT, 2, share="R")
+    rt.deliver_prompt("R.1", PROMPT, 3, share="R")
+    rt.pump()
+    aborted = sorted({f["rid"] for _, k, f in rt.sent if k == "ABORT"})
+    if not own_id:
+        assert aborted == []  # caught: the share's id (R, done) blamed, R.1 left as it was
+        assert "R.1" in writer.jobs
+        return
+    assert aborted == ["R.1"] and "R.1" not in writer.jobs  # failed, acked, forgotten
+    assert "writes of R.1 refused" in next(
+        f["reason"] for _, k, f in rt.sent if k == "ABORT" and f["rid"] == "R.1"
+    )

@@ -19,8 +19,6 @@ def _args() -> argparse.Namespace:
         busy_poll_us=0,
         warmup=1,
         batches=2,
-        pinned=None,
-        placement_used="any",
     )
 
 

@@ -200,8 +200,19 @@ def cpu_seconds(pid: int) -> float:
 
 # ------------------------------------------------------------------------ initiator
 class Bench:
-    def __init__(self, args, transport: str, dest: str, cross_memory: bool = True):
+    def __init__(
+        self,
+        args,
+        transport: str,
+        dest: str,
+        cross_memory: bool = True,
+        pinned: tuple[set[int], set[int]] | None = None,
+        placement: str = "any",
+    ):
+        """``pinned``: (this process's CPUs, the target's), from :func:`placement_cpus`
+        (None: both left as they are); ``placement`` names it in every line."""
         self.args, self.transport, self.dest = args, transport, dest
+        self.placement = placement
         cmd = [
             sys.executable,
             "-m",
@@ -221,7 +232,6 @@ class Bench:
             "--src-size",
             str(args.src_mib * MiB),
         ]
-        pinned = args.pinned
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -263,7 +273,7 @@ class Bench:
         )
         return {
             "engine": "kvferry",
-            "placement": self.args.placement_used,
+            "placement": self.placement,
             "transport": self.transport,
             "dest": self.dest,
             "path": self.path,
@@ -642,7 +652,14 @@ def main(argv=None) -> int:
             for cross in (args.cross_memory if dest == "register" else ["on"])
         ]
         for dest, cross_memory in kinds:
-            b = Bench(args, transport, dest, cross_memory)
+            b = Bench(
+                args,
+                transport,
+                dest,
+                cross_memory,
+                pinned=args.pinned,
+                placement=args.placement_used,
+            )
             try:
                 for npages, page in workloads:
                     b.throughput(npages, page)

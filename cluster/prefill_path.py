@@ -218,14 +218,11 @@ class WritePath:
             self.rt.watch(notice, lambda b: self._notice_settled(job, b), rid=job.rid)
 
     def _notice_settled(self, job: WriteJob, notice: Any) -> None:
-        """The notice's flush completed (NOTICE_FLUSHED), or failed: no proof that the
-        writes ended, so the request fails (NOTICE_FAILED) rather than freeing its pages."""
-        if notice.status() is BatchStatus.COMPLETED:
-            self.driver.feed(job, WriterEvent.NOTICE_FLUSHED)
-            return
-        job.abort_source = AbortSource.TRANSFER
-        job.abort_reason = f"notice to rank {job.owner} failed to flush: {notice.error}"
-        self.driver.feed(job, WriterEvent.NOTICE_FAILED)
+        self.driver.notice_settled(
+            job,
+            notice.status() is BatchStatus.COMPLETED,
+            f"notice to rank {job.owner} failed to flush: {notice.error}",
+        )
 
 
 @dataclass(frozen=True)

@@ -881,14 +881,11 @@ class WriterHost(WorkerHost):
         job.inflight.append((notice, lambda b: self._notice_settled(job, b)))
 
     def _notice_settled(self, job: Job, notice: Batch) -> None:
-        """NOTICE_FLUSHED once the notice's flush completed; one that failed proves
-        nothing, and the request fails (NOTICE_FAILED): its blocks wait for the ack."""
-        if notice.peek() is BatchStatus.COMPLETED:
-            self.driver.feed(job, WriterEvent.NOTICE_FLUSHED)
-            return
-        job.abort_source = AbortSource.TRANSFER
-        job.abort_reason = f"the notice's flush failed: {notice.error}"
-        self.driver.feed(job, WriterEvent.NOTICE_FAILED)
+        self.driver.notice_settled(
+            job,
+            notice.peek() is BatchStatus.COMPLETED,
+            f"the notice's flush failed: {notice.error}",
+        )
 
     def stop_posting(self, job: Job) -> None:
         """Nothing more is posted; what is in flight settles through :meth:`settle`. A

@@ -150,7 +150,7 @@ WRITER_ROWS: dict[tuple[WriterState, WriterEvent], Move[WriterState, WriterDo]] 
     # reservation a group's other members still hold the prompt under
     (S.NOTIFYING, E.NOTICE_FLUSHED): Move(S.DONE, (D.TOMBSTONE, D.FREE_SOURCE)),
     # a failed flush proves nothing: the request fails, and the source pages wait for
-    # an ack whose flush completes (another, when the owner asks again)
+    # the ack (freed after its flush, or as drained should that fail too)
     (S.NOTIFYING, E.NOTICE_FAILED): Move(S.ACKING, (*_STOP, D.TELL_ABORT, D.SEND_ACK)),
     (S.NOTIFYING, E.ABORT_IDLE): Move(S.ACKING, (*_STOP, D.SEND_ACK)),
     (S.NOTIFYING, E.FAIL_IDLE): Move(S.ACKING, (*_STOP, D.TELL_ABORT, D.SEND_ACK)),

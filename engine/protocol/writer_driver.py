@@ -19,7 +19,7 @@ from .driver import TableDriver
 from .ports import Clock, Report, SourcePages, Subject, Tombstones, WriterDataPath, WriterWire
 from .proof import Proof
 from .table import Move
-from .words import Release
+from .words import AbortSource, Release
 from .writer import WRITER_TABLE, WriterDo, WriterEvent, WriterState
 
 
@@ -60,6 +60,15 @@ class WriterDriver(TableDriver[WriterState, WriterEvent, WriterDo, Subject]):
         job.abort_source, job.abort_reason = source, reason
         self.feed(job, core.on_failure(job.book))
 
+    def notice_settled(self, job: Subject, flushed: bool, why: str) -> None:
+        """The notice's flush settled: NOTICE_FLUSHED if it completed; else no proof that
+        the writes ended, and the request fails (``why``, TRANSFER) by NOTICE_FAILED."""
+        if flushed:
+            self.feed(job, WriterEvent.NOTICE_FLUSHED)
+            return
+        job.abort_source, job.abort_reason = AbortSource.TRANSFER, why
+        self.feed(job, WriterEvent.NOTICE_FAILED)
+
     def perform(self, do: WriterDo, job: Subject) -> None:
         """One effect of a row, through the ports."""
         p, D = self.ports, WriterDo
@@ -82,7 +91,7 @@ class WriterDriver(TableDriver[WriterState, WriterEvent, WriterDo, Subject]):
             p.tombstones.tombstone(rid, p.clock.now())
         elif do is D.TELL_ABORT:
             p.wire.tell_abort(rid, owner, job.abort_source, job.abort_reason)
-        elif do is D.SEND_ACK:
+        elif do is D.SEND_ACK:  # the ack's flush settles as notice_settled's does
             E = WriterEvent  # a failed flush is no proof: ACK_FAILED
             p.wire.send_ack(
                 rid, owner, lambda ok: self.feed(job, E.ACK_FLUSHED if ok else E.ACK_FAILED)

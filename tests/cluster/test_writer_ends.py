@@ -33,6 +33,25 @@ from kvferry.transfer import BatchStatus
 PROMPT = 40  # 3 pages of 16
 
 
+def _plan_then_marked_prompt(rt, rid: str) -> None:
+    """Owner 2's PLAN of ``rid`` (7 pages), then its PREFILL: 100 tokens of "MARK ...",
+    the text a fault plan's ``MARK`` matches."""
+    from kvferry.engine.tokenizer import encode_array
+
+    tokens = encode_array(("MARK " * 20)[:100])
+    rt.deliver(m.PLAN, src=2, rid=rid, offset=0, total=7, pages=PLANNED, generations=[1] * 7)
+    rt.deliver(
+        m.PREFILL,
+        src=0,
+        rid=rid,
+        tokens=tokens.tobytes(),
+        offset=0,
+        total=100,
+        owner=2,
+        owner_inc=1,
+    )
+
+
 @pytest.mark.parametrize("tombstoned", [True, False], ids=["contract", "broken-forgotten"])
 def test_a_late_abort_of_a_finished_member_ends_nothing_the_group_holds(monkeypatch, tombstoned):
     if not tombstoned:
@@ -174,7 +193,6 @@ def test_a_part_that_lands_while_the_rest_is_paused_is_not_the_last(monkeypatch,
     is written, names only pages that were. Broken mode: the part counts as the last
     write, and the notice names the pages the pause kept back."""
     from kvferry.cluster.faults import FaultPlan
-    from kvferry.engine.tokenizer import encode_array
 
     if not held:
         monkeypatch.setattr(
@@ -183,18 +201,7 @@ def test_a_part_that_lands_while_the_rest_is_paused_is_not_the_last(monkeypatch,
     rt = _TimedHolding(rank=1)
     rt.faults = FaultPlan.parse(["at:before-write:pause:MARK:0.5"])
     writer, _ = _pipelined_writer(rt)
-    tokens = encode_array(("MARK " * 20)[:100])
-    rt.deliver(m.PLAN, src=2, rid="r", offset=0, total=7, pages=PLANNED, generations=[1] * 7)
-    rt.deliver(
-        m.PREFILL,
-        src=0,
-        rid="r",
-        tokens=tokens.tobytes(),
-        offset=0,
-        total=100,
-        owner=2,
-        owner_inc=1,
-    )
+    _plan_then_marked_prompt(rt, "r")
     rt.pump_once()  # the first step: part [0, 2) posted, in flight
     for _ in range(50):  # the rest of the prefill: its writes paused before they go
         rt.pump()
@@ -301,7 +308,6 @@ def test_a_raise_after_the_notice_still_forgets_the_job(monkeypatch, forgets):
     exception reaches the runtime, and the job is gone from the writer's books all the
     same. Broken mode: the removal after the hook, skipped by its raise."""
     from kvferry.cluster.faults import FaultPlan, InjectedFault
-    from kvferry.engine.tokenizer import encode_array
 
     if not forgets:
 
@@ -315,18 +321,7 @@ def test_a_raise_after_the_notice_still_forgets_the_job(monkeypatch, forgets):
     rt = RecordingRuntime(rank=1)
     rt.faults = FaultPlan.parse(["at:after-notice:raise:MARK"])
     writer, _ = _pipelined_writer(rt)
-    tokens = encode_array(("MARK " * 20)[:100])
-    rt.deliver(m.PLAN, src=2, rid="n", offset=0, total=7, pages=PLANNED, generations=[1] * 7)
-    rt.deliver(
-        m.PREFILL,
-        src=0,
-        rid="n",
-        tokens=tokens.tobytes(),
-        offset=0,
-        total=100,
-        owner=2,
-        owner_inc=1,
-    )
+    _plan_then_marked_prompt(rt, "n")
     with pytest.raises(InjectedFault):
         _pump(rt)
     assert "NOTICE" in rt.kinds() and not writer.allocator.pages_of("n")

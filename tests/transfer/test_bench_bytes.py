@@ -61,3 +61,5 @@ def test_split_placement_gives_each_process_a_cpu_of_its_own():
     shared = bt.placement_cpus("shared")
     assert shared is not None and shared[0] == shared[1] and len(shared[0]) == 1
     assert bt.placement_cpus("any") is None
+    assert [bt.placement_name(bt.placement_cpus(p)) for p in ("shared", "any")] == ["shared", "any"]
+    assert bt.placement_name(split) == ("split" if split is not None else "any")

@@ -30,8 +30,8 @@ the run.
 Placement (``--placement``, in every line): ``split`` (the default with two or more CPUs)
 runs the initiator on one CPU and the target on another, as a writer and its owner run on
 hosts of their own; ``any`` leaves them to the scheduler, which over loopback tcp often
-keeps both on one CPU (a sender's wake-up pulls its receiver over), halving that run's
-figures at random; ``shared`` puts both on one CPU on purpose.
+keeps both on one CPU (a sender's wake-up pulls its receiver over), cutting that run's
+tcp figures to a third at random; ``shared`` puts both on one CPU on purpose.
 """
 
 from __future__ import annotations
@@ -64,6 +64,13 @@ def placement_cpus(placement: str) -> tuple[set[int], set[int]] | None:
     if placement == "shared":
         return {cpus[0]}, {cpus[0]}
     return None
+
+
+def placement_name(pinned: tuple[set[int], set[int]] | None) -> str:
+    """What :func:`placement_cpus` gave, named as ``--placement`` names it."""
+    if pinned is None:
+        return "any"
+    return "shared" if pinned[0] == pinned[1] else "split"
 
 
 def emit(**rec) -> None:
@@ -207,12 +214,11 @@ class Bench:
         dest: str,
         cross_memory: bool = True,
         pinned: tuple[set[int], set[int]] | None = None,
-        placement: str = "any",
     ):
         """``pinned``: (this process's CPUs, the target's), from :func:`placement_cpus`
-        (None: both left as they are); ``placement`` names it in every line."""
+        (None: both left as they are), named in every line."""
         self.args, self.transport, self.dest = args, transport, dest
-        self.placement = placement
+        self.placement = placement_name(pinned)
         cmd = [
             sys.executable,
             "-m",
@@ -627,16 +633,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.role == "target":
         return run_target(args)
-    args.pinned = placement_cpus(args.placement)
-    args.placement_used = "any" if args.pinned is None else args.placement
-    if args.pinned is not None:
-        os.sched_setaffinity(0, args.pinned[0])  # the target gets its own at its start
+    pinned = placement_cpus(args.placement)
+    if pinned is not None:
+        os.sched_setaffinity(0, pinned[0])  # the target gets its own at its start
     workloads = [(256, 256 << 10), (4096, 16 << 10)]
     emit(
         engine="host",
         op="load",
         cpus=os.cpu_count(),
-        placement=args.placement_used,
+        placement=placement_name(pinned),
         loadavg=[round(x, 2) for x in os.getloadavg()],
     )  # context for noisy figures
     for npages, page in workloads:
@@ -652,14 +657,7 @@ def main(argv=None) -> int:
             for cross in (args.cross_memory if dest == "register" else ["on"])
         ]
         for dest, cross_memory in kinds:
-            b = Bench(
-                args,
-                transport,
-                dest,
-                cross_memory,
-                pinned=args.pinned,
-                placement=args.placement_used,
-            )
+            b = Bench(args, transport, dest, cross_memory, pinned=pinned)
             try:
                 for npages, page in workloads:
                     b.throughput(npages, page)

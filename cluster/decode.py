@@ -652,6 +652,10 @@ class DecodeRank(RankBooks):
             req.error = req.error or f"peer: {reason}"
             self._abort(req, core.on_failure(req.book), AbortSource.PEER, reason)
 
+    def stats(self) -> dict:
+        """The books' pool figures, and the second ASSIGNs this rank dropped (STATS)."""
+        return {**super().stats(), "duplicate_assigns": self.duplicate_assigns}
+
     def fenced_writers(self) -> list[str]:
         """``rank:incarnation`` (hex) of every writer incarnation whose ack or proof a
         quarantined request here still waits for: the router admits a restarted rank

@@ -354,6 +354,7 @@ def _stats_sender(runtime: RankRuntime, worker, router: int, context_length: int
             dropped_stale=d["stale"] + getattr(worker, "dropped_other_incarnation", 0),
             dropped_malformed=d["malformed"],
             dropped_unauthenticated=d["unauthenticated"],
+            dropped_duplicate_assign=s.get("duplicate_assigns"),
             cards_epoch=runtime.cards_epoch,
             fenced=worker.fenced_writers(),
             quarantines=worker.quarantines(),

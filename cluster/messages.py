@@ -170,6 +170,8 @@ STATS = CODEC.kind(
     dropped_malformed=Field(FieldType.INT),
     # messages without a valid MAC of the cluster's secret (never decoded, never acted on)
     dropped_unauthenticated=Field(FieldType.INT, optional=True),
+    # a decode rank's second ASSIGNs of a live request (the router's bug; the first stands)
+    dropped_duplicate_assign=Field(FieldType.INT, optional=True),
     # failure domains: the card epoch this rank has adopted, and the writer incarnations
     # ("rank:inc" in hex) whose ack or proof its quarantined pages still wait on
     cards_epoch=Field(FieldType.INT, optional=True),

@@ -62,7 +62,8 @@ class ClusterMetrics:
         self.dropped_messages = Gauge(
             "kvferry_dropped_messages",
             "Control messages dropped (duplicate, stale, malformed, unauthenticated: no "
-            "valid MAC of the cluster's secret)",
+            "valid MAC of the cluster's secret; duplicate_assign: a decode rank's second "
+            "ASSIGN of a live request, the router's bug)",
             ["rank", "reason"],
             registry=r,
         )

@@ -608,6 +608,8 @@ class Router:
             "malformed": msg.dropped_malformed,
             "unauthenticated": msg.dropped_unauthenticated or 0,
         }
+        if msg.dropped_duplicate_assign is not None:  # a decode rank's count
+            stats["dropped"]["duplicate_assign"] = msg.dropped_duplicate_assign
         self.rank_stats[msg.src] = stats
         self.reports[msg.src] = self.reports.get(msg.src, 0) + 1
         self.metrics.set_rank_stats(msg.src, self.cards[msg.src].role, stats)

@@ -460,12 +460,31 @@ def test_a_second_assign_of_a_live_request_is_logged_and_the_first_stands(caplog
         )
     assert owner.reqs["r30"] is first and first.grants == grants and first.writers == [1]
     assert rt.sent == sent and owner.allocator.counts() == counts
-    assert owner.duplicate_assigns == 1
+    assert owner.duplicate_assigns == 1 and owner.stats()["duplicate_assigns"] == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1, errors
     assert "request r30" in errors[0]
     assert "first: prompt_len 40, max_tokens 8, writers [1];" in errors[0]
     assert "second: prompt_len 100, max_tokens 4, writers [1, 3]" in errors[0]
+
+
+def test_a_decode_ranks_second_assigns_reach_metrics():
+    """The decode rank's count of second ASSIGNs goes out in its STATS and reaches the
+    router's /metrics as dropped messages of reason ``duplicate_assign``; a rank that
+    sends no such count (a prefill rank) gets no such series."""
+    owner, rt = _owner()
+    for _ in range(2):
+        rt.deliver(
+            m.ASSIGN, src=0, rid="r32", prompt_len=40, max_tokens=8, writers=[1], last_token=7
+        )
+    count = owner.stats()["duplicate_assigns"]
+    assert count == 1
+    router, router_rt = _routed(decode=1)
+    router_rt.deliver(m.STATS, src=2, **STATS, dropped_duplicate_assign=count)
+    text = router.metrics.render()[0].decode()
+    assert 'kvferry_dropped_messages{rank="2",reason="duplicate_assign"} 1.0' in text
+    assert 'rank="1",reason="duplicate_assign"' not in text
+    assert router.rank_stats[2]["dropped"]["duplicate_assign"] == 1
 
 
 def test_an_assign_after_its_request_ended_is_dropped_quietly(caplog):

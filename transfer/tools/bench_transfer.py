@@ -73,6 +73,17 @@ def placement_name(pinned: tuple[set[int], set[int]] | None) -> str:
     return "shared" if pinned[0] == pinned[1] else "split"
 
 
+def tcp_congestion_control() -> str | None:
+    """The congestion control this network namespace gives new tcp connections (None where
+    unreadable): over loopback, ``bbr`` paces a connection's segments and they arrive out
+    of order, and the tcp rows swing with it (transfer/README.md, "Benchmark")."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def emit(**rec) -> None:
     print(json.dumps(rec), flush=True)
 
@@ -642,6 +653,7 @@ def main(argv=None) -> int:
         op="load",
         cpus=os.cpu_count(),
         placement=placement_name(pinned),
+        tcp_congestion_control=tcp_congestion_control(),
         loadavg=[round(x, 2) for x in os.getloadavg()],
     )  # context for noisy figures
     for npages, page in workloads:

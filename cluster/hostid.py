@@ -3,6 +3,14 @@ namespace. Two ranks with the same identity see the same processes in /proc, so 
 may take a writer's absence there as proof it is gone (``RankRuntime.write_path_closed``);
 any other writer needs its launcher's exit record. The hostname alone is not enough: two
 containers (or two hosts) can share a hostname and still not share their processes.
+
+Each part must be read, never guessed: the boot id (all 128 bits of it) tells apart hosts
+that share a hostname, and the namespace tells apart containers that share a kernel. The
+initial PID namespace's inode is the same number on every host, so the namespace alone
+names no host. A process that cannot read one of them refuses to name its host
+(:class:`HostIdentityError`) rather than share a placeholder with every other such
+process, which would let an owner take a writer on another host for one of its own and
+its absence from /proc for proof that it is gone.
 """
 
 from __future__ import annotations
@@ -10,18 +18,51 @@ from __future__ import annotations
 import functools
 import os
 import socket
+from collections.abc import Callable
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+PID_NAMESPACE_PATH = "/proc/self/ns/pid"
+
+
+class HostIdentityError(RuntimeError):
+    """This process cannot say which kernel and PID namespace it runs in."""
+
+
+def _boot_id() -> str:
+    with open(BOOT_ID_PATH) as f:
+        return f.read().strip().replace("-", "")
+
+
+def _pid_namespace() -> str:
+    return os.readlink(PID_NAMESPACE_PATH).removeprefix("pid:[").removesuffix("]")
+
+
+def host_identity(
+    hostname: str,
+    boot_id: Callable[[], str] = _boot_id,
+    pid_namespace: Callable[[], str] = _pid_namespace,
+) -> str:
+    """``hostname:bootid:pidns`` from the two readers; :class:`HostIdentityError` naming
+    the path when either fails or reads nothing."""
+    parts = []
+    for what, path, read in (
+        ("the kernel's boot id", BOOT_ID_PATH, boot_id),
+        ("the PID namespace", PID_NAMESPACE_PATH, pid_namespace),
+    ):
+        try:
+            value = read()
+        except OSError as exc:
+            raise HostIdentityError(
+                f"cannot read {what} ({path}: {exc}): without it this rank cannot tell "
+                "its host's processes from another host's, and it does not start"
+            ) from exc
+        if not value:
+            raise HostIdentityError(f"{path} is empty: this rank cannot name its host")
+        parts.append(value)
+    return ":".join([hostname, *parts])
 
 
 @functools.cache
 def this_host() -> str:
-    """``hostname:bootid:pidns``, e.g. ``gpu17:3f2a1b9c:4026531836``."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip().replace("-", "")[:8]
-    except OSError:
-        boot = "noboot"
-    try:
-        pidns = os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
-    except OSError:
-        pidns = "nopidns"
-    return f"{socket.gethostname()}:{boot}:{pidns}"
+    """This process's identity, e.g. ``gpu17:27c70c9a01a74cb7bd829c435799eef6:4026531836``."""
+    return host_identity(socket.gethostname())

@@ -165,6 +165,9 @@ def _check(status: int, what: str, peer: str | None = None) -> None:
 
 
 def _host_identity() -> tuple[str, str, int]:
+    """(hostname, boot id, PID namespace inode) for this engine's address; an empty boot
+    id or namespace 0 where unreadable, which no engine takes for its own host
+    (:meth:`AddressInfo.same_host`)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot_id = f.read().strip()
@@ -250,7 +253,6 @@ class TransferEngine:
         self._rma_param: Any = ffi.new("kvf_rma_param_t *")
         self._msg_param: Any = ffi.new("kvf_msg_param_t *")
         host, boot_id, pidns = _host_identity()
-        self._identity = (host, boot_id, pidns)
         self.name = self.config.name or f"{host}:{os.getpid()}"
         self.address: bytes = CODEC.encode(
             ADDRESS.make(
@@ -277,7 +279,7 @@ class TransferEngine:
             self._worker,
             self.config,
             self.counters,
-            self._identity,
+            decode_address(self.address),
             self._require_open,
             self.progress,
         )

@@ -20,7 +20,7 @@ from . import ucxinfo
 from ._native import ffi, lib
 from .errors import ucx_error
 from .peer import Peer, PeerState
-from .protocol import decode_address
+from .protocol import AddressInfo, decode_address
 
 log = logging.getLogger("kvferry.transfer")
 
@@ -40,14 +40,14 @@ class PeerTable:
         worker: Any,
         config: Any,
         counters: Any,
-        identity: tuple[str, str, int],
+        me: AddressInfo,
         require_open: Callable[[], None],
         progress: Callable[[float], int],
     ) -> None:
         self._worker = worker
         self.config = config
         self.counters = counters
-        self._identity = identity
+        self._me = me  # this engine's own address, for which peers share its host
         self._require_open = require_open
         self._progress = progress
         self.by_address: dict[bytes, Peer] = {}
@@ -75,7 +75,7 @@ class PeerTable:
         peer = Peer(name=name, address=peer_address, info=info, ep=ep[0])
         # A peer on this host, this process included (engines side by side in one
         # process): its pidfd watches it and guards the cross-memory copy.
-        if (info.host, info.boot_id, info.pidns) == self._identity:
+        if info.same_host(self._me):
             try:
                 peer.pidfd = os.pidfd_open(info.pid)
             except (OSError, AttributeError):

@@ -59,6 +59,19 @@ class AddressInfo:
     pidns: int
     pid: int
 
+    def same_host(self, other: AddressInfo) -> bool:
+        """Whether both engines run in one kernel boot and one PID namespace, so that
+        each one's pid names the other's process in /proc. An engine that could not read
+        its boot id or its namespace (an empty boot id, namespace 0) is on no one's host:
+        taken for local, a writer on another host of the same name would be looked up
+        here, and its absence read as its end."""
+        known = bool(self.boot_id) and self.pidns != 0
+        return known and (self.host, self.boot_id, self.pidns) == (
+            other.host,
+            other.boot_id,
+            other.pidns,
+        )
+
 
 def decode_address(address: bytes) -> AddressInfo:
     """Decode :attr:`TransferEngine.address` bytes (raises WireError if malformed)."""

@@ -963,11 +963,7 @@ class OwnerHost(WorkerHost):
                 return
             info = decode_address(address)
             link.pid = info.pid  # the process behind the address (the handshake checked the card's)
-            link.local = (info.host, info.boot_id, info.pidns) == (
-                self.me.host,
-                self.me.boot_id,
-                self.me.pidns,
-            )
+            link.local = info.same_host(self.me)
         o.links = links
         self.driver.feed(o, oc.on_assign(o.book, tuple(range(len(links))), granted=True))
 

@@ -446,20 +446,41 @@ def test_the_owner_asks_writers_again_only_after_the_routers_abort_had_time(retr
     assert [f["how"] for _, k, f in rt.sent if k == "RELEASED"] == ["acked"]
 
 
-def test_a_second_assign_of_a_live_request_is_logged_and_the_first_stands(caplog):
+class _ForgetsLiveRequests(dict):
+    """BROKEN MODE: an owner's request table whose lookups never find a live request, as
+    an owner that took every ASSIGN for a new request would."""
+
+    def get(self, key, default=None):
+        return default
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["first-stands", "broken-reassigned"])
+def test_a_second_assign_of_a_live_request_is_logged_and_the_first_stands(caplog, broken):
     """ASSIGN goes once per request, so a second one for a live request is the router's
     bug: the owner logs it as an error with both assignments' numbers and counts it, and
-    the first assignment stands (its pages, its writers, nothing planned again)."""
+    the first assignment stands (its pages, its writers, nothing planned again). Broken
+    mode: an owner that takes the second for a new request is caught."""
     owner, rt = _owner()
     rt.deliver(m.ASSIGN, src=0, rid="r30", prompt_len=40, max_tokens=8, writers=[1], last_token=7)
     first = owner.reqs["r30"]
     grants, sent, counts = list(first.grants), list(rt.sent), owner.allocator.counts()
+    if broken:
+        owner.reqs = _ForgetsLiveRequests(owner.reqs)
     with caplog.at_level(logging.DEBUG, logger="kvferry.cluster"):
         rt.deliver(
             m.ASSIGN, src=0, rid="r30", prompt_len=100, max_tokens=4, writers=[1, 3], last_token=7
         )
-    assert owner.reqs["r30"] is first and first.grants == grants and first.writers == [1]
-    assert rt.sent == sent and owner.allocator.counts() == counts
+    stands = (
+        owner.reqs["r30"] is first
+        and first.grants == grants
+        and first.writers == [1]
+        and rt.sent == sent
+        and owner.allocator.counts() == counts
+    )
+    if broken:
+        assert not stands, "an owner that reassigns a live request was not caught"
+        return
+    assert stands
     assert owner.duplicate_assigns == 1 and owner.stats()["duplicate_assigns"] == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1, errors

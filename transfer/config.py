@@ -30,8 +30,8 @@ TCP_FAILURE_OPTIONS = {
 # tcp: how many times UCX reads a ready socket in one progress call (UCX's default: 16).
 # With 16, loopback tcp here fell into rows at half speed (about 2 GB/s at 256 KiB pages
 # against 3.6-5.0, and 0.95 against 1.8 at 16 KiB) in 6 of 16 process pairs; with 256, in
-# none of 11 (transfer/README.md, "Benchmark"). A call then reads at most 256 segments of
-# a socket before it returns.
+# none of 11 (transfer/README.md, "Benchmark"). A call then reads a socket at most 256
+# times before it returns.
 TCP_THROUGHPUT_OPTIONS = {"TCP_MAX_POLL": "256"}
 # RC: the NIC runs a 0.5 s timeout as 4.096 us x 2^17 = 0.54 s per try; 8 tries (7 retries)
 # take 4.3 s, inside the 5 s default abort deadline as tcp's 4 s are. UCX's defaults
@@ -123,8 +123,8 @@ class TransferConfig:
             opts["TLS"] = tls
         if self.uses_tcp():
             opts.update(TCP_THROUGHPUT_OPTIONS)
-        if self.tcp_failure_detection and self.uses_tcp():
-            opts.update(TCP_FAILURE_OPTIONS)
+            if self.tcp_failure_detection:
+                opts.update(TCP_FAILURE_OPTIONS)
         if self.rc_failure_detection and self.uses_rc() and self.transports is not None:
             opts.update(RC_FAILURE_OPTIONS)
         return opts

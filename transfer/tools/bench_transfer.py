@@ -75,8 +75,8 @@ def placement_name(pinned: tuple[set[int], set[int]] | None) -> str:
 
 def tcp_congestion_control() -> str | None:
     """The congestion control this network namespace gives new tcp connections (None where
-    unreadable): over loopback, ``bbr`` paces a connection's segments and they arrive out
-    of order, and the tcp rows swing with it (transfer/README.md, "Benchmark")."""
+    unreadable): over loopback under ``bbr`` a connection's segments arrive out of order
+    and are sent again, and the tcp rows swing with it (transfer/README.md, "Benchmark")."""
     try:
         with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
             return f.read().strip()

@@ -16,12 +16,17 @@ its absence from /proc for proof that it is gone.
 from __future__ import annotations
 
 import functools
-import os
 import socket
 from collections.abc import Callable
 
-BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-PID_NAMESPACE_PATH = "/proc/self/ns/pid"
+from kvferry.transfer.protocol import (
+    BOOT_ID_PATH,
+    PID_NAMESPACE_PATH,
+    read_boot_id,
+    read_pid_namespace,
+)
+
+__all__ = ["BOOT_ID_PATH", "PID_NAMESPACE_PATH", "HostIdentityError", "host_identity", "this_host"]
 
 
 class HostIdentityError(RuntimeError):
@@ -29,12 +34,11 @@ class HostIdentityError(RuntimeError):
 
 
 def _boot_id() -> str:
-    with open(BOOT_ID_PATH) as f:
-        return f.read().strip().replace("-", "")
+    return read_boot_id().replace("-", "")
 
 
 def _pid_namespace() -> str:
-    return os.readlink(PID_NAMESPACE_PATH).removeprefix("pid:[").removesuffix("]")
+    return str(read_pid_namespace())
 
 
 def host_identity(

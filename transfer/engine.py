@@ -144,6 +144,8 @@ from .protocol import (
     AddressInfo,
     IncomingMessage,
     decode_address,
+    read_boot_id,
+    read_pid_namespace,
 )
 from .runs import as_runs, check_runs
 from .segment import RemoteSegment, Segment, SegmentDescriptor
@@ -169,12 +171,11 @@ def _host_identity() -> tuple[str, str, int]:
     id or namespace 0 where unreadable, which no engine takes for its own host
     (:meth:`AddressInfo.same_host`)."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot_id = f.read().strip()
+        boot_id = read_boot_id()
     except OSError:
         boot_id = ""
     try:
-        pidns = os.stat("/proc/self/ns/pid").st_ino
+        pidns = read_pid_namespace()
     except OSError:
         pidns = 0
     return socket.gethostname(), boot_id, pidns

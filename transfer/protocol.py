@@ -13,6 +13,7 @@ sequence number, the flushed flag, the payload), built and parsed natively: see
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .memtypes import MemoryType
@@ -71,6 +72,21 @@ class AddressInfo:
             other.boot_id,
             other.pidns,
         )
+
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+PID_NAMESPACE_PATH = "/proc/self/ns/pid"
+
+
+def read_boot_id() -> str:
+    """This kernel boot's id as the kernel writes it (OSError where unreadable)."""
+    with open(BOOT_ID_PATH) as f:
+        return f.read().strip()
+
+
+def read_pid_namespace() -> int:
+    """The inode of this process's PID namespace (OSError where unreadable)."""
+    return os.stat(PID_NAMESPACE_PATH).st_ino
 
 
 def decode_address(address: bytes) -> AddressInfo:
